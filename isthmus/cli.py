@@ -1,0 +1,174 @@
+"""The `isthmus` command: up, run, status.
+
+Environment variables are read here and nowhere deeper; components get typed configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
+
+logger = logging.getLogger("isthmus.cli")
+
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="port to listen on; 0 picks a free one (default: 0)")
+    parser.add_argument("--devices", type=int, default=8,
+                        help="CPU devices of the embedded backend (default: 8)")
+    parser.add_argument("--host-buffer-timeout", type=float, default=10.0,
+                        help="seconds a request waits for its host data to start arriving "
+                             "(default: 10)")
+    parser.add_argument("--max-array-bytes", type=int, default=1 << 40,
+                        help="largest array the server accepts, in bytes")
+    parser.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"),
+                        help="logging level of the server (default: WARNING)")
+
+
+def _head_config(args: argparse.Namespace) -> object:
+    from isthmus.controller.controller import ControllerConfig
+    from isthmus.head import HeadConfig
+
+    return HeadConfig(
+        host=args.host, port=args.port, devices=args.devices,
+        controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
+                                    max_array_bytes=args.max_array_bytes),
+        max_host_buffer_bytes=args.max_array_bytes)
+
+
+def _prepare_server_process(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The server's own jax must never try to reach a proxy (itself).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.pop("JAX_BACKEND_TARGET", None)
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from isthmus.head import Head
+
+    head = Head(_head_config(args))  # type: ignore[arg-type]
+    stop = _stop_event()
+    address = await head.start()
+    print(f"{READY_PREFIX}{address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await head.stop()
+    return 0
+
+
+def child_environment(address: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that points a child's stock jax at the server at `address`."""
+    import isthmus._bootstrap as bootstrap
+
+    env = dict(os.environ if base is None else base)
+    env["JAX_PLATFORMS"] = "proxy"
+    env["JAX_BACKEND_TARGET"] = address
+    env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
+    folder = os.path.dirname(bootstrap.__file__)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (folder, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from isthmus.head import Head
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("isthmus run: give a command after --, e.g. isthmus run -- python train.py",
+              file=sys.stderr)
+        return 2
+    head = Head(_head_config(args))  # type: ignore[arg-type]
+    address = await head.start()
+    try:
+        child = await asyncio.create_subprocess_exec(
+            *command, env=child_environment(address), stdin=None)
+    except OSError as e:
+        await head.stop()
+        print(f"isthmus run: cannot start {command[0]!r}: {e}", file=sys.stderr)
+        return 127
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda s=sig: child.send_signal(s))
+    try:
+        code = await child.wait()
+    finally:
+        await head.stop()
+    return code if code >= 0 else 128 - code
+
+
+def _status(args: argparse.Namespace) -> int:
+    from isthmus.wire.servicer import fetch_status
+
+    try:
+        status = fetch_status(args.controller, timeout=args.timeout)
+    except Exception as e:  # noqa: BLE001 - report any connection failure plainly
+        print(f"isthmus status: cannot reach {args.controller}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    from isthmus.status import render
+
+    print(render(status))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="isthmus", description="An open single-controller runtime for JAX.")
+    commands = parser.add_subparsers(dest="subcommand", required=True)
+    up = commands.add_parser("up", help="run a server in the foreground")
+    _server_arguments(up)
+    run = commands.add_parser(
+        "run", help="start a server, run a command against it, stop the server",
+        usage="isthmus run [server options] -- CMD [ARGS...]")
+    _server_arguments(run)
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
+    status = commands.add_parser("status", help="print a running server's fleet and arrays")
+    status.add_argument("--controller", required=True, help="HOST:PORT of the server")
+    status.add_argument("--json", action="store_true", help="print raw JSON")
+    status.add_argument("--timeout", type=float, default=10.0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.subcommand == "status":
+        return _status(args)
+    _prepare_server_process(args)
+    try:
+        if args.subcommand == "up":
+            return asyncio.run(_up(args))
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0
+    except OSError as e:
+        print(f"isthmus {args.subcommand}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The user-side helper: point this process's jax at an isthmus server."""
+
+from __future__ import annotations
+
+import os
+
+
+def connect(address: str, *, timeout: float | None = None) -> None:
+    """Makes jax in this process use the isthmus server at `address`.
+
+    Call it before the first jax computation. Afterwards ``jax.devices()`` lists the server's
+    devices and every jitted function runs there.
+
+    Args:
+      address: ``grpc://HOST:PORT`` (or ``HOST:PORT``), as ``isthmus up`` prints it.
+      timeout: seconds to wait for the server when jax first connects.
+
+    Raises:
+      RuntimeError: jax has already created its backends in this process.
+    """
+    import jax
+    from jax._src import xla_bridge
+
+    from isthmus._bootstrap.jax_plugins import isthmus_proxy
+
+    if "://" not in address:
+        address = f"grpc://{address}"
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "jax already initialized its backends in this process; call isthmus.connect() "
+            "before the first jax computation (or set JAX_PLATFORMS=proxy and "
+            "JAX_BACKEND_TARGET before starting Python).")
+    # The server speaks plain gRPC; the client reads this when it creates the channel.
+    os.environ["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
+    if timeout is not None:
+        os.environ["ISTHMUS_CONNECT_TIMEOUT"] = str(timeout)
+    jax.config.update("jax_platforms", "proxy")
+    jax.config.update("jax_backend_target", address)
+    isthmus_proxy.register()

@@ -1,0 +1,155 @@
+"""The controller: one per head process, shared by every session.
+
+It owns the fleet, hands out buffer and executable ids, keeps the account of live buffers per
+worker, and caches compiled programs by (program, options, devices) so that two sessions
+compiling the same step share one executable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import itertools
+import logging
+from collections.abc import Sequence
+
+from isthmus import errors
+from isthmus.controller.arrays import Buffer
+from isthmus.controller.fleet import Device, Fleet
+from isthmus.ids import BufferId, ExecutableId, WorkerId
+from isthmus.worker.programs import CompiledInfo, CompileRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """Limits and timeouts of the controller."""
+
+    host_buffer_timeout: float = 30.0  # seconds a request waits for host data to start arriving
+    max_array_bytes: int = 1 << 40  # larger arrays are refused with RESOURCE_EXHAUSTED
+    compile_cache_size: int = 256  # executables kept after every session released them
+
+
+class Executable:
+    """A program compiled for a list of devices, loaded on the workers that own them."""
+
+    __slots__ = ("id", "key", "devices", "parts", "compiled", "info", "refs", "error")
+
+    def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...]
+                 ) -> None:
+        self.id = executable_id
+        self.key = key
+        self.devices = devices
+        # worker -> positions (in `devices`) of that worker's devices
+        parts: dict[WorkerId, list[int]] = {}
+        for position, device in enumerate(devices):
+            parts.setdefault(device.worker, []).append(position)
+        self.parts = {w: tuple(p) for w, p in parts.items()}
+        self.compiled: asyncio.Future[CompiledInfo] | None = None
+        self.info: CompiledInfo | None = None
+        self.error: errors.IsthmusError | None = None
+        self.refs = 0
+
+
+class Controller:
+    """Fleet, ids, accounting and the compilation cache."""
+
+    def __init__(self, fleet: Fleet, config: ControllerConfig | None = None) -> None:
+        self.fleet = fleet
+        self.config = config or ControllerConfig()
+        self._buffer_ids = itertools.count(1)
+        self._executable_ids = itertools.count(1)
+        self._live: dict[BufferId, Buffer] = {}
+        self._executables: dict[bytes, Executable] = {}
+        self._idle: dict[bytes, Executable] = {}  # released executables, oldest first
+        self.sessions: set[object] = set()
+
+    # ---- buffers -------------------------------------------------------------------------
+
+    def new_buffer(self, device: Device, nbytes: int, memory_kind: str | None = None) -> Buffer:
+        buffer = Buffer(BufferId(next(self._buffer_ids)), device, nbytes, memory_kind)
+        self._live[buffer.id] = buffer
+        return buffer
+
+    def free_buffers(self, buffers: Sequence[Buffer]) -> None:
+        """Tells the owning workers to drop the buffers (in dispatch order)."""
+        by_worker: dict[WorkerId, list[BufferId]] = {}
+        for buffer in buffers:
+            if buffer.freed:
+                continue
+            buffer.freed = True
+            self._live.pop(buffer.id, None)
+            by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
+        for worker, ids in by_worker.items():
+            self.fleet.channel(worker).free(ids)
+
+    def accounting(self) -> dict[WorkerId, dict[str, int]]:
+        """Live buffers and bytes per worker, as the controller counts them."""
+        result: dict[WorkerId, dict[str, int]] = {
+            w: {"buffers": 0, "bytes": 0} for w in self.fleet.workers}
+        for buffer in self._live.values():
+            entry = result.setdefault(buffer.device.worker, {"buffers": 0, "bytes": 0})
+            entry["buffers"] += 1
+            entry["bytes"] += buffer.nbytes
+        return result
+
+    # ---- programs ------------------------------------------------------------------------
+
+    def executable(self, request: CompileRequest, devices: tuple[Device, ...]) -> Executable:
+        """The executable for a program on devices: cached, or compiling from now on."""
+        key = hashlib.sha256(request.module).digest() + hashlib.sha256(
+            request.compile_options).digest() + repr([d.id for d in devices]).encode()
+        executable = self._executables.get(key)
+        if executable is not None and executable.error is None:
+            self._idle.pop(key, None)
+            executable.refs += 1
+            return executable
+        executable = Executable(ExecutableId(next(self._executable_ids)), key, devices)
+        executable.refs = 1
+        self._executables[key] = executable
+        executable.compiled = asyncio.get_running_loop().create_task(
+            self._compile(executable, request))
+        return executable
+
+    async def _compile(self, executable: Executable, request: CompileRequest) -> CompiledInfo:
+        waits = []
+        for worker, positions in executable.parts.items():
+            local = CompileRequest(
+                request.module, request.compile_options,
+                tuple(executable.devices[p].local_id for p in positions))
+            waits.append(self.fleet.channel(worker).compile(executable.id, local))
+        try:
+            infos = await asyncio.gather(*waits)
+        except errors.IsthmusError as e:
+            executable.error = e
+            self._executables.pop(executable.key, None)
+            raise
+        except Exception as e:  # noqa: BLE001
+            error = errors.from_runtime_error(e, errors.CompileError, "compilation failed")
+            executable.error = error
+            self._executables.pop(executable.key, None)
+            raise error from None
+        executable.info = infos[0]
+        return infos[0]
+
+    def release_executable(self, executable: Executable) -> None:
+        executable.refs -= 1
+        if executable.refs > 0 or executable.error is not None:
+            return
+        self._idle[executable.key] = executable
+        while len(self._idle) > self.config.compile_cache_size:
+            key = next(iter(self._idle))
+            old = self._idle.pop(key)
+            self._executables.pop(key, None)
+            for worker in old.parts:
+                self.fleet.channel(worker).drop_executable(old.id)
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "workers": {str(w): {**self.fleet.channel(w).stats(), **acct}
+                        for w, acct in self.accounting().items()},
+            "executables": len(self._executables),
+            "sessions": len(self.sessions),
+        }

@@ -1,0 +1,76 @@
+"""Ordered dispatch of device operations.
+
+Every operation that touches workers goes through a session's `OrderedDispatcher`, so that
+workers see a session's operations in the order the client issued them (a delete never
+overtakes the computation that reads the array; every host of a slice sees the same order).
+
+An operation may depend on buffers that are not yet *defined*: their bytes are still on the
+way from the client (a host buffer races the request that uses it). Such an operation waits,
+and every operation after it waits behind it. When nothing is waiting, an operation runs at
+once, inside the call that submits it: the common case costs no task and no hand-off.
+
+Invariant: a waiting buffer always resolves, with data or with an error (host buffers have a
+deadline), so the queue never stalls forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Iterable
+
+from isthmus.controller.arrays import Buffer
+
+logger = logging.getLogger(__name__)
+
+Operation = Callable[[], None]
+
+
+class OrderedDispatcher:
+    """Runs operations in submission order, each once its input buffers are defined."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[tuple[tuple[Buffer, ...], Operation]] = (
+            collections.deque())
+        self._drainer: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def submit(self, inputs: Iterable[Buffer], operation: Operation) -> None:
+        inputs = tuple(inputs)
+        if not self._queue and all(b.defined is None for b in inputs):
+            _run(operation)
+            return
+        self._queue.append((inputs, operation))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+
+    @property
+    def backlog(self) -> int:
+        return len(self._queue)
+
+    async def _drain(self) -> None:
+        while self._queue:
+            inputs, operation = self._queue[0]
+            for buffer in inputs:
+                if buffer.defined is not None:
+                    # The buffer's owner records any failure in buffer.error; waiting is all.
+                    await asyncio.wait([buffer.defined])
+            self._queue.popleft()
+            _run(operation)
+
+    async def flush(self) -> None:
+        """Waits until every submitted operation has run."""
+        while self._drainer is not None and not self._drainer.done():
+            await asyncio.shield(self._drainer)
+
+    def close(self) -> None:
+        """Runs what is queued without waiting any longer (used when a session ends)."""
+        self._closed = True
+
+
+def _run(operation: Operation) -> None:
+    try:
+        operation()
+    except Exception:  # noqa: BLE001 - an operation reports its errors through its outputs
+        logger.exception("a dispatched operation raised; this is a bug in isthmus")

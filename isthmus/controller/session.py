@@ -1,0 +1,558 @@
+"""One client session's view of the controller: array operations, compilation, execution.
+
+Every method returns at once. Operations that touch workers are queued on the session's
+`OrderedDispatcher`; their outcome is either an array (whose errors surface when it is used)
+or an awaitable the caller may wait on. Nothing here waits for device work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+
+import numpy as np
+
+from isthmus import dtypes, errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array, Buffer, first_error
+from isthmus.controller.controller import Controller, Executable
+from isthmus.controller.dispatch import OrderedDispatcher
+from isthmus.controller.fleet import Device
+from isthmus.ids import BufferId, WorkerId
+from isthmus.worker.programs import CompileRequest
+
+logger = logging.getLogger(__name__)
+
+
+class Session:
+    """Arrays and executables of one client session."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.fleet = controller.fleet
+        self.dispatcher = OrderedDispatcher()
+        self._arrays: set[Array] = set()
+        self._executables: list[Executable] = []
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.closed = False
+        controller.sessions.add(self)
+
+    # ---- creating arrays -----------------------------------------------------------------
+
+    def validate_shape(self, dtype: dtypes.DType, shape: Sequence[int]) -> tuple[int, ...]:
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise errors.InvalidRequest(
+                f"shape {shape} has a negative dimension; every dimension must be >= 0.")
+        nbytes = math.prod(shape) * max(dtype.itemsize, 1)
+        if nbytes > self.controller.config.max_array_bytes:
+            raise errors.TooLarge(
+                f"an array of shape {shape} and dtype {dtype.kind} needs {nbytes} bytes, over "
+                f"the server's limit of {self.controller.config.max_array_bytes} bytes; split "
+                "it, or start the server with a larger --max-array-bytes.")
+        return shape
+
+    def _new_array(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+                   *, define: bool = True) -> Array:
+        devices = self.fleet.devices_of(sharding.devices)
+        self._check_memory_kind(devices, sharding.memory_kind)
+        boxes = sh.shard_boxes(sharding, shape)
+        buffers = []
+        for device, box in zip(devices, boxes):
+            nbytes = math.prod(sh.shard_shape(box)) * dtype.itemsize
+            buffer = self.controller.new_buffer(device, nbytes, sharding.memory_kind)
+            if define:
+                buffer.defined = asyncio.get_running_loop().create_future()
+            buffer.refs = 1
+            buffers.append(buffer)
+        array = Array(dtype, shape, sharding, tuple(buffers))
+        self._arrays.add(array)
+        return array
+
+    def _check_memory_kind(self, devices: Sequence[Device], kind: str | None) -> None:
+        if kind is None:
+            return
+        for device in devices:
+            if kind not in device.memory_kinds:
+                raise errors.InvalidRequest(
+                    f"memory kind {kind!r} does not exist on device {device.id} (it has "
+                    f"{', '.join(device.memory_kinds)}); pick one of those.")
+
+    def make_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
+                   host: Awaitable[np.ndarray]) -> Array:
+        """An array whose full contents arrive later as a host array (C order or strided)."""
+        shape = self.validate_shape(dtype, shape)
+        array = self._new_array(dtype, shape, sharding)
+        self._spawn(self._fill(array, host))
+        return array
+
+    def make_array_from_shards(self, dtype: dtypes.DType, shape: Sequence[int],
+                               sharding: sh.Sharding,
+                               pieces: Sequence[tuple[Sequence[int], Awaitable[np.ndarray]]]
+                               ) -> Array:
+        """An array whose shards arrive as host arrays; `pieces` pairs device positions
+        (indices into the sharding's device list) with the data all of them hold."""
+        shape = self.validate_shape(dtype, shape)
+        array = self._new_array(dtype, shape, sharding)
+        covered: set[int] = set()
+        boxes = sh.shard_boxes(sharding, shape)
+        for positions, data in pieces:
+            for p in positions:
+                if not 0 <= p < len(array.shards) or p in covered:
+                    self._fail(array, errors.InvalidRequest(
+                        f"shard index {p} is out of range or given twice for an array with "
+                        f"{len(array.shards)} shards; send each shard index once."))
+                    return array
+                covered.add(p)
+            self._spawn(self._fill_shards(array, [array.shards[p] for p in positions],
+                                          [boxes[p] for p in positions], data))
+        missing = [p for p in range(len(array.shards)) if p not in covered]
+        if missing:
+            error = errors.InvalidRequest(
+                f"no host data was given for shard(s) {missing[:8]} of the array; every "
+                "addressable shard needs data.")
+            for p in missing:
+                self._define([array.shards[p]], error)
+        return array
+
+    def make_error_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
+                         error: errors.IsthmusError) -> Array:
+        array = self._new_array(dtype, self.validate_shape(dtype, shape), sharding, define=False)
+        array.error = error
+        for buffer in array.shards:
+            buffer.error = error
+        return array
+
+    async def _fill(self, array: Array, host: Awaitable[np.ndarray]) -> None:
+        try:
+            value = await host
+            if tuple(value.shape) != array.shape:
+                raise errors.InvalidRequest(
+                    f"host data has shape {tuple(value.shape)} but the array has shape "
+                    f"{array.shape}; send data matching the declared shape.")
+            boxes = sh.shard_boxes(array.sharding, array.shape)
+            await self._put(array.shards, [value[sh.box_slices(b)] for b in boxes])
+        except Exception as e:  # noqa: BLE001 - the array carries the failure
+            self._define(array.shards, _as_error(e, "receiving the array's host data"))
+
+    async def _fill_shards(self, array: Array, buffers: list[Buffer], boxes: list[sh.Box],
+                           host: Awaitable[np.ndarray]) -> None:
+        try:
+            value = await host
+            for box in boxes:
+                if tuple(value.shape) != sh.shard_shape(box):
+                    raise errors.InvalidRequest(
+                        f"a host shard has shape {tuple(value.shape)} but the sharding puts "
+                        f"shape {sh.shard_shape(box)} there; send shards of the shapes the "
+                        "sharding implies.")
+            await self._put(buffers, [value] * len(buffers))
+        except Exception as e:  # noqa: BLE001
+            self._define(buffers, _as_error(e, "receiving the array's host data"))
+
+    async def _put(self, buffers: Sequence[Buffer], values: Sequence[np.ndarray]) -> None:
+        waits = []
+        for buffer, value in zip(buffers, values):
+            if buffer.freed:  # released before its data arrived: nothing to store
+                continue
+            waits.append(self.fleet.channel(buffer.device.worker).put(
+                buffer.id, buffer.device.local_id, value, buffer.memory_kind))
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        error = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        self._define(buffers, None if error is None else _as_error(error, "storing host data"))
+
+    def _define(self, buffers: Sequence[Buffer], error: errors.IsthmusError | None) -> None:
+        for buffer in buffers:
+            if error is not None and buffer.error is None:
+                buffer.error = error
+            if buffer.defined is not None:
+                if not buffer.defined.done():
+                    buffer.defined.set_result(None)
+                buffer.defined = None
+
+    def _fail(self, array: Array, error: errors.IsthmusError) -> None:
+        array.error = error
+        self._define(array.shards, error)
+
+    # ---- arrays over existing buffers ----------------------------------------------------
+
+    def _share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+               buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array:
+        for buffer in buffers:
+            buffer.refs += 1
+        array = Array(dtype, shape, sharding, tuple(buffers), error=error)
+        self._arrays.add(array)
+        return array
+
+    def disassemble(self, array: Array, donate: bool = False) -> list[Array]:
+        """One single-device array per shard, in the order of the sharding's devices."""
+        boxes = sh.shard_boxes(array.sharding, array.shape)
+        result = [
+            self._share(array.dtype, sh.shard_shape(box),
+                        sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
+                        [buffer], array.error)
+            for buffer, box in zip(array.shards, boxes)]
+        if donate:
+            self._donate(array)
+        return result
+
+    def assemble(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
+                 parts: Sequence[Array], donate: bool = False) -> Array:
+        """An array made of single-device arrays (one per device of `sharding`)."""
+        shape = self.validate_shape(dtype, shape)
+        boxes = sh.shard_boxes(sharding, shape)
+        by_device: dict[int, Array] = {}
+        for part in parts:
+            if len(part.shards) != 1:
+                raise errors.InvalidRequest(
+                    "assembling takes single-device arrays, but one of them has "
+                    f"{len(part.shards)} shards; disassemble it first.")
+            by_device[part.shards[0].device.id] = part
+        buffers = []
+        for device_id, box in zip(sharding.devices, boxes):
+            part = by_device.get(device_id)
+            if part is None:
+                raise errors.InvalidRequest(
+                    f"no single-device array was given for device {device_id} of the "
+                    "sharding; pass one array per device of the sharding.")
+            if part.shape != sh.shard_shape(box) or part.dtype != dtype:
+                raise errors.InvalidRequest(
+                    f"the array for device {device_id} has shape {part.shape} and dtype "
+                    f"{part.dtype.kind}, but the sharding needs {sh.shard_shape(box)} and "
+                    f"{dtype.kind} there.")
+            buffers.append(part.shards[0])
+        error = first_error(a for a in parts if a.error is not None)
+        result = self._share(dtype, shape, sharding, buffers, error)
+        if donate:
+            for part in parts:
+                self._donate(part)
+        return result
+
+    def fully_replicated_shard(self, array: Array, donate: bool = False) -> Array:
+        if not sh.is_fully_replicated(array.sharding, array.shape):
+            raise errors.InvalidRequest(
+                "the array is not fully replicated, so no single shard holds all of it; "
+                "reshard it to a replicated sharding first.")
+        buffer = array.shards[0]
+        result = self._share(array.dtype, array.shape,
+                             sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
+                             [buffer], array.error)
+        if donate:
+            self._donate(array)
+        return result
+
+    def remap(self, inputs: Sequence[Array],
+              outputs: Sequence[tuple[dtypes.DType, tuple[int, ...], sh.Sharding]],
+              mappings: Sequence[tuple[int, int, range, range]], donate: bool = False
+              ) -> list[Array]:
+        """New arrays whose shards are shards of the inputs, as a remap plan says.
+
+        Each mapping is (input index, output index, input shard range, output shard range).
+        """
+        slots: list[list[Buffer | None]] = [[None] * len(spec[2].devices) for spec in outputs]
+        for in_index, out_index, src, dst in mappings:
+            if not (0 <= in_index < len(inputs) and 0 <= out_index < len(outputs)):
+                raise errors.InvalidRequest(
+                    f"the remap plan maps array {in_index} to array {out_index}, outside the "
+                    f"{len(inputs)} inputs and {len(outputs)} outputs.")
+            if len(src) != len(dst):
+                raise errors.InvalidRequest(
+                    "a remap plan interval maps a different number of shards than it "
+                    "receives; make both intervals the same length.")
+            shards = inputs[in_index].shards
+            for s, d in zip(src, dst):
+                if not (0 <= s < len(shards) and 0 <= d < len(slots[out_index])):
+                    raise errors.InvalidRequest(
+                        f"the remap plan names shard {s} -> {d}, outside the arrays' shards.")
+                slots[out_index][d] = shards[s]
+        result = []
+        for (dtype, shape, sharding), buffers in zip(outputs, slots):
+            if any(b is None for b in buffers):
+                raise errors.InvalidRequest(
+                    "the remap plan leaves some output shards unmapped; map every shard.")
+            for device_id, buffer in zip(sharding.devices, buffers):
+                if buffer is not None and buffer.device.id != device_id:
+                    raise errors.InvalidRequest(
+                        f"the remap plan puts a shard held on device {buffer.device.id} at "
+                        f"the place of device {device_id}; remapping cannot move data.")
+            error = first_error(a for a in inputs if a.error is not None)
+            result.append(self._share(dtype, shape, sharding, buffers, error))  # type: ignore[arg-type]
+        if donate:
+            for array in inputs:
+                self._donate(array)
+        return result
+
+    def _donate(self, array: Array) -> None:
+        """The input of a DONATE_INPUT operation: unusable afterwards, its buffers live on."""
+        array.deleted = True
+
+    # ---- moving data ---------------------------------------------------------------------
+
+    def copy_arrays(self, arrays: Sequence[Array], device_ids: Sequence[int],
+                    memory_kind: str | None, donate: bool = False) -> list[Array]:
+        """Copies of `arrays` on other devices (same layout, position by position)."""
+        targets = self.fleet.devices_of(device_ids)
+        results = []
+        for array in arrays:
+            if len(targets) != len(array.sharding.devices):
+                raise errors.InvalidRequest(
+                    f"copying an array on {len(array.sharding.devices)} devices to "
+                    f"{len(targets)} devices; give as many target devices as the array has.")
+            sharding = array.sharding.with_devices(tuple(d.id for d in targets), memory_kind)
+            out = self._new_array(array.dtype, array.shape, sharding, define=False)
+            out.error = array.error
+            results.append(out)
+        inputs = [b for a in arrays for b in a.shards]
+
+        def run() -> None:
+            for array, out in zip(arrays, results):
+                error = first_error([array])
+                for src, dst in zip(array.shards, out.shards):
+                    if error is not None:
+                        dst.error = error
+                        continue
+                    if src.device.worker != dst.device.worker:
+                        dst.error = errors.Unimplemented(
+                            "copying between workers is not available in this server; "
+                            "keep the arrays on one host.")
+                        continue
+                    self.fleet.channel(src.device.worker).copy(
+                        src.id, dst.id, dst.device.local_id, memory_kind)
+                if donate:
+                    self._donate(array)
+
+        self.dispatcher.submit(inputs, run)
+        return results
+
+    def fetch(self, array: Array) -> Awaitable[np.ndarray]:
+        """Resolves to the whole array on the host (C order; strings as an object array)."""
+        result: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            error = first_error([array])
+            if error is not None:
+                result.set_exception(error)
+                return
+            boxes = sh.shard_boxes(array.sharding, array.shape)
+            wanted: dict[sh.Box, Buffer] = {}
+            for buffer, box in zip(array.shards, boxes):
+                wanted.setdefault(box, buffer)
+            pieces = [(box, self.fleet.channel(b.device.worker).fetch(b.id))
+                      for box, b in wanted.items()]
+            self._spawn(_assemble_host(array, pieces, result))
+
+        self.dispatcher.submit(array.shards, run)
+        return result
+
+    def ready(self, arrays: Sequence[Array]) -> Awaitable[None]:
+        """Resolves when every array is computed; fails with the first error."""
+        result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            error = first_error(arrays)
+            if error is not None:
+                result.set_exception(error)
+                return
+            by_worker: dict[WorkerId, list[BufferId]] = {}
+            for array in arrays:
+                for buffer in array.shards:
+                    by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
+            waits = [self.fleet.channel(w).ready(ids) for w, ids in by_worker.items()]
+            self._spawn(_settle(asyncio.gather(*waits), result))
+
+        self.dispatcher.submit([b for a in arrays for b in a.shards], run)
+        return result
+
+    # ---- freeing -------------------------------------------------------------------------
+
+    def delete(self, arrays: Sequence[Array]) -> Awaitable[None]:
+        """Deletes arrays now: their buffers are freed even where other arrays share them."""
+        result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for array in arrays:
+            array.deleted = True
+
+        def run() -> None:
+            buffers = [b for a in arrays for b in a.shards]
+            for buffer in buffers:
+                buffer.deleted = True
+            self.controller.free_buffers(buffers)
+            result.set_result(None)
+
+        self.dispatcher.submit([], run)
+        return result
+
+    def release(self, arrays: Sequence[Array]) -> None:
+        """The client dropped these arrays; buffers no other array holds are freed."""
+        dead: list[Buffer] = []
+        for array in arrays:
+            if array.released:
+                continue
+            array.released = True
+            self._arrays.discard(array)
+            for buffer in array.shards:
+                buffer.refs -= 1
+                if buffer.refs <= 0:
+                    dead.append(buffer)
+        if dead:
+            self.dispatcher.submit([], lambda: self.controller.free_buffers(dead))
+
+    # ---- programs ------------------------------------------------------------------------
+
+    def compile(self, request: CompileRequest) -> Executable:
+        devices = self.fleet.devices_of(request.device_ids)
+        if len(set(d.id for d in devices)) != len(devices):
+            raise errors.InvalidRequest(
+                "the program's device assignment names a device twice; give each device once.")
+        executable = self.controller.executable(request, devices)
+        self._executables.append(executable)
+        return executable
+
+    def release_executable(self, executable: Executable) -> None:
+        if executable in self._executables:
+            self._executables.remove(executable)
+            self.controller.release_executable(executable)
+
+    def execute(self, executable: Executable, args: Sequence[Array],
+                non_donatable: frozenset[int] = frozenset()) -> tuple[list[Array], Callable[
+                    [], Awaitable[None]]]:
+        """Runs a compiled program; returns its outputs and a way to wait for completion."""
+        info = executable.info
+        if info is None:
+            raise errors.InvalidRequest(
+                "the executable has not finished compiling; wait for its ready future first.")
+        if len(args) != len(info.params):
+            raise errors.InvalidRequest(
+                f"the program takes {len(info.params)} arguments but {len(args)} were given.")
+        positions = {d.id: p for p, d in enumerate(executable.devices)}
+        ordered: list[list[Buffer]] = []
+        for index, (array, aval) in enumerate(zip(args, info.params)):
+            if array.dtype != aval.dtype or array.shape != aval.shape:
+                raise errors.InvalidRequest(
+                    f"argument {index} is {array.dtype.kind}{list(array.shape)} but the program "
+                    f"expects {aval.dtype.kind}{list(aval.shape)}.")
+            slots: list[Buffer | None] = [None] * len(executable.devices)
+            for buffer in array.shards:
+                p = positions.get(buffer.device.id)
+                if p is not None and slots[p] is None:
+                    slots[p] = buffer
+            if any(s is None for s in slots):
+                raise errors.InvalidRequest(
+                    f"argument {index} lives on devices {list(array.sharding.devices)} but the "
+                    f"program runs on {[d.id for d in executable.devices]}; put the argument "
+                    "on the program's devices first.")
+            ordered.append(slots)  # type: ignore[arg-type]
+        outputs = self._outputs(executable)
+        donated = frozenset(info.donated_inputs) - non_donatable
+        copy_first = frozenset(info.donated_inputs) & non_donatable
+        inputs = [b for a in args for b in a.shards]
+
+        def run() -> None:
+            error = first_error(args)
+            if error is not None:
+                for out in outputs:
+                    for buffer in out.shards:
+                        buffer.error = error
+                return
+            for worker, part in executable.parts.items():
+                channel = self.fleet.channel(worker)
+                channel.execute(
+                    executable.id,
+                    [[slots[p].id for p in part] for slots in ordered],
+                    [[out.shards[p].id for p in part] for out in outputs],
+                    copy_first)
+            for index in donated:
+                args[index].deleted = True
+                for buffer in args[index].shards:
+                    buffer.deleted = True
+
+        self.dispatcher.submit(inputs, run)
+
+        async def status() -> None:
+            await self.dispatcher.flush()
+            by_worker: dict[WorkerId, list[BufferId]] = {}
+            for out in outputs:
+                for buffer in out.shards:
+                    if buffer.error is not None:
+                        raise buffer.error
+                    if not (buffer.freed or buffer.deleted):
+                        by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
+            await asyncio.gather(*(self.fleet.channel(w).ready(ids)
+                                   for w, ids in by_worker.items()))
+
+        return outputs, status
+
+    def _outputs(self, executable: Executable) -> list[Array]:
+        info = executable.info
+        assert info is not None
+        device_ids = tuple(d.id for d in executable.devices)
+        outputs = []
+        for index, aval in enumerate(info.outputs):
+            memory_kind = (info.output_memory_kinds[index]
+                           if index < len(info.output_memory_kinds) else None)
+            if info.output_shardings is None or len(device_ids) == 1:
+                sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind)
+            else:
+                sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind,
+                                       info.output_shardings[index])
+            outputs.append(self._new_array(aval.dtype, aval.shape, sharding, define=False))
+        return outputs
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def _spawn(self, coroutine: Awaitable[object]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Frees everything the session still holds."""
+        if self.closed:
+            return
+        self.closed = True
+        self.release(list(self._arrays))
+        for executable in list(self._executables):
+            self.release_executable(executable)
+        try:
+            await asyncio.wait_for(self.dispatcher.flush(), 60)
+        except asyncio.TimeoutError:
+            logger.warning("a closing session's queue did not drain within 60 s")
+        for task in list(self._tasks):
+            task.cancel()
+        self.controller.sessions.discard(self)
+
+
+async def _assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.ndarray]]],
+                         result: asyncio.Future[np.ndarray]) -> None:
+    try:
+        values = await asyncio.gather(*(p for _, p in pieces))
+        if len(values) == 1 and pieces[0][0] == tuple((0, d) for d in array.shape):
+            host = values[0]
+        else:
+            dtype = object if array.dtype.is_string else array.dtype.numpy
+            host = np.empty(array.shape, dtype=dtype)
+            for (box, _), value in zip(pieces, values):
+                host[sh.box_slices(box)] = value
+        if not result.done():
+            result.set_result(host)
+    except Exception as e:  # noqa: BLE001
+        if not result.done():
+            result.set_exception(_as_error(e, "fetching the array"))
+
+
+async def _settle(work: Awaitable[object], result: asyncio.Future[None]) -> None:
+    try:
+        await work
+        if not result.done():
+            result.set_result(None)
+    except Exception as e:  # noqa: BLE001
+        if not result.done():
+            result.set_exception(_as_error(e, "waiting for the array"))
+
+
+def _as_error(e: BaseException, doing: str) -> errors.IsthmusError:
+    if isinstance(e, errors.IsthmusError):
+        return e
+    return errors.InternalError(
+        f"{doing} failed unexpectedly ({type(e).__name__}: {e}); this is a bug in isthmus: "
+        "please report it.")

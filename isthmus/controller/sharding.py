@@ -1,0 +1,152 @@
+"""How an array's shape is laid out over a list of devices.
+
+A `Sharding` names its devices (global ids, in the order of the IFRT device list) and, for
+HLO shardings, carries the `xla.OpSharding` bytes. `shard_boxes` turns a sharding and a global
+shape into the index box each device holds; the result is cached, since the same few
+shardings recur on every step of a training loop.
+
+Tile assignments in an OpSharding number devices by their position in the device list, not by
+global id (the IFRT convention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+
+from isthmus import errors
+from isthmus.ids import DeviceId
+
+# (start, stop) per dimension.
+Box = tuple[tuple[int, int], ...]
+
+
+class ShardingKind(enum.Enum):
+    SINGLE_DEVICE = "single_device"  # one device holds the whole array
+    HLO = "hlo"  # an xla.OpSharding over the device list
+    REPLICATED = "replicated"  # every device holds the whole array (ConcreteEven, replicated)
+    CONCRETE_EVEN = "concrete_even"  # devices hold shard_shape pieces; order as listed
+    OPAQUE = "opaque"  # devices known, layout unknown: only whole-array operations
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sharding:
+    """Placement of an array over devices."""
+
+    kind: ShardingKind
+    devices: tuple[DeviceId, ...]  # the IFRT device list, in order
+    memory_kind: str | None = None  # None: the device's default memory
+    op_sharding: bytes = b""  # serialized xla.OpSharding, for kind HLO
+    shard_shape: tuple[int, ...] | None = None  # for CONCRETE_EVEN
+
+    @staticmethod
+    def single(device: DeviceId, memory_kind: str | None = None) -> Sharding:
+        return Sharding(ShardingKind.SINGLE_DEVICE, (device,), memory_kind)
+
+    def with_devices(self, devices: tuple[DeviceId, ...], memory_kind: str | None) -> Sharding:
+        """The same layout over another device list of the same length (CopyArrays)."""
+        return dataclasses.replace(self, devices=devices, memory_kind=memory_kind)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Tiling:
+    tiles: tuple[int, ...]  # number of tiles along each array dimension
+    coords: tuple[tuple[int, ...], ...]  # tile coordinate of each device position
+
+
+def _replicated_tiling(rank: int, count: int) -> _Tiling:
+    return _Tiling((1,) * rank, ((0,) * rank,) * count)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hlo_tiling(op_sharding: bytes, rank: int, count: int) -> _Tiling:
+    from jax._src.lib import xla_client as xc  # jaxlib parses iota tile assignments for us
+
+    proto = xc.OpSharding()
+    try:
+        proto.ParseFromString(op_sharding)
+        hlo = xc.HloSharding.from_proto(proto)
+    except Exception as e:  # noqa: BLE001 - jaxlib raises several types here
+        raise errors.InvalidRequest(
+            f"the sharding's xla.OpSharding does not parse ({e}); send a sharding made by jax."
+        ) from None
+    if hlo.is_replicated() or hlo.is_manual() or hlo.is_maximal() or hlo.is_unknown():
+        return _replicated_tiling(rank, count)
+    dims = list(hlo.tile_assignment_dimensions())
+    devices = list(hlo.tile_assignment_devices())
+    if len(dims) < rank:
+        raise errors.InvalidRequest(
+            f"the sharding tiles {len(dims)} dimensions but the array has rank {rank}; "
+            "the sharding does not fit the array's shape."
+        )
+    if math.prod(dims) != len(devices) or sorted(devices) != list(range(count)):
+        raise errors.InvalidRequest(
+            f"the sharding's tile assignment covers devices {sorted(devices)[:8]}... but the "
+            f"device list has {count} devices; the sharding does not fit its device list."
+        )
+    coords: list[tuple[int, ...] | None] = [None] * count
+    for flat, position in enumerate(devices):
+        full = _unravel(flat, dims)
+        coords[position] = tuple(full[:rank])
+    return _Tiling(tuple(dims[:rank]), tuple(c for c in coords if c is not None))
+
+
+def _unravel(flat: int, dims: list[int]) -> list[int]:
+    out = [0] * len(dims)
+    for i in range(len(dims) - 1, -1, -1):
+        flat, out[i] = divmod(flat, dims[i])
+    return out
+
+
+def _tiling(sharding: Sharding, shape: tuple[int, ...]) -> _Tiling:
+    rank, count = len(shape), len(sharding.devices)
+    if sharding.kind is ShardingKind.HLO:
+        return _hlo_tiling(sharding.op_sharding, rank, count)
+    if sharding.kind is ShardingKind.CONCRETE_EVEN and sharding.shard_shape is not None:
+        if tuple(sharding.shard_shape) != tuple(shape):
+            raise errors.Unimplemented(
+                "a ConcreteEvenSharding that splits the array has no defined index mapping; "
+                "use an HloSharding (jax's NamedSharding) instead."
+            )
+    if sharding.kind is ShardingKind.OPAQUE:
+        raise errors.Unimplemented(
+            "an OpaqueSharding has no index mapping, so its shards cannot be computed; "
+            "use an HloSharding (jax's NamedSharding) instead."
+        )
+    return _replicated_tiling(rank, count)
+
+
+@functools.lru_cache(maxsize=8192)
+def shard_boxes(sharding: Sharding, shape: tuple[int, ...]) -> tuple[Box, ...]:
+    """The index box each device position holds, in device-list order.
+
+    Uneven dimensions follow XLA: tiles of ceil(n / tiles), the last ones shorter or empty.
+    """
+    tiling = _tiling(sharding, shape)
+    boxes = []
+    for coord in tiling.coords:
+        box = []
+        for dim, tiles, index in zip(shape, tiling.tiles, coord):
+            size = -(-dim // tiles) if tiles else dim
+            start = min(index * size, dim)
+            box.append((start, min(start + size, dim)))
+        boxes.append(tuple(box))
+    return tuple(boxes)
+
+
+def shard_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def is_fully_replicated(sharding: Sharding, shape: tuple[int, ...]) -> bool:
+    """Every device holds the whole array."""
+    if len(sharding.devices) == 1:
+        return True
+    whole = tuple((0, d) for d in shape)
+    return all(box == whole for box in shard_boxes(sharding, shape))
+
+
+def box_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)

@@ -1,0 +1,145 @@
+"""Array requests that make arrays from arrays, move them, or end them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from isthmus import errors
+from isthmus.frontend.registry import handles
+
+DONATE_INPUT = 3  # xla.ifrt.proto.ArrayCopySemantics.ARRAY_COPY_SEMANTICS_DONATE_INPUT
+
+
+def _donate(body: Any) -> bool:
+    return body.copy_semantics == DONATE_INPUT
+
+
+def _bind_all(session: Any, handles_in: Any, arrays: list[Any], out: Any) -> None:
+    handles_in = list(handles_in)
+    if handles_in and len(handles_in) != len(arrays):
+        session.ctl.release(arrays)
+        raise errors.InvalidRequest(
+            f"the request gives {len(handles_in)} result handles for {len(arrays)} results.")
+    for index, array in enumerate(arrays):
+        out.append(session.bind_array(handles_in[index] if handles_in else None, array))
+
+
+@handles("assemble_array_from_single_device_arrays_request", arrays=("result_handle",))
+def assemble(session: Any, request: Any, response: Any) -> None:
+    body = request.assemble_array_from_single_device_arrays_request
+    parts = [session.array(h) for h in body.single_device_array_handles]
+    if not parts:
+        raise errors.InvalidRequest("assembling an array needs at least one single-device array.")
+    dtype = session.serdes.dtype(body.dtype) if body.HasField("dtype") else parts[0].dtype
+    array = session.ctl.assemble(dtype, session.serdes.shape(body.shape),
+                                 session.serdes.sharding(body.sharding), parts, _donate(body))
+    handle = body.result_handle or None
+    response.assemble_array_from_single_device_arrays_response.array_handle = (
+        session.bind_array(handle, array))
+
+
+@handles("disassemble_into_single_device_arrays_request", arrays=("result_handles",))
+def disassemble(session: Any, request: Any, response: Any) -> None:
+    body = request.disassemble_into_single_device_arrays_request
+    array = session.array(body.array_handle)
+    parts = session.ctl.disassemble(array, _donate(body))
+    _bind_all(session, body.result_handles, parts,
+              response.disassemble_into_single_device_arrays_response.array_handles)
+
+
+@handles("fully_replicated_shard_request", arrays=("result_handle",))
+def fully_replicated_shard(session: Any, request: Any, response: Any) -> None:
+    body = request.fully_replicated_shard_request
+    array = session.ctl.fully_replicated_shard(session.array(body.array_handle), _donate(body))
+    response.fully_replicated_shard_response.array_handle = session.bind_array(
+        body.result_handle or None, array)
+
+
+@handles("copy_arrays_request", arrays=("result_handles",))
+def copy_arrays(session: Any, request: Any, response: Any) -> None:
+    body = request.copy_arrays_request
+    arrays = [session.array(h) for h in body.array_handles]
+    memory_kind = body.memory_kind if body.HasField("memory_kind") and body.memory_kind else None
+    results = session.ctl.copy_arrays(arrays, list(body.device_ids), memory_kind, _donate(body))
+    _bind_all(session, body.result_handles, results,
+              response.copy_arrays_response.array_handles)
+
+
+@handles("remap_arrays_request", arrays=("result_handles",))
+def remap_arrays(session: Any, request: Any, response: Any) -> None:
+    body = request.remap_arrays_request
+    plan = body.plan
+    serdes = session.serdes
+    inputs = [session.array(h) for h in body.array_handles]
+    if len(inputs) != len(plan.input_specs):
+        raise errors.InvalidRequest(
+            f"the remap plan describes {len(plan.input_specs)} inputs but {len(inputs)} arrays "
+            "were given.")
+    for index, (array, spec_proto) in enumerate(zip(inputs, plan.input_specs)):
+        spec = serdes.array_spec(spec_proto)
+        if spec.dtype != array.dtype or spec.shape != array.shape:
+            raise errors.InvalidRequest(
+                f"remap input {index} is {array.dtype.kind}{list(array.shape)} but the plan "
+                f"expects {spec.dtype.kind}{list(spec.shape)}.")
+    outputs = []
+    for spec_proto in plan.output_specs:
+        spec = serdes.array_spec(spec_proto)
+        outputs.append((spec.dtype, spec.shape, spec.sharding))
+    mappings = []
+    for m in plan.mappings:
+        if not (len(m.from_start) == len(m.from_end) == len(m.from_step) == len(m.to_start)
+                == len(m.to_end) == len(m.to_step)):
+            raise errors.InvalidRequest("a remap plan mapping has intervals of unequal count.")
+        for fs, fe, fp, ts, te, tp in zip(m.from_start, m.from_end, m.from_step,
+                                          m.to_start, m.to_end, m.to_step):
+            if fp <= 0 or tp <= 0:
+                raise errors.InvalidRequest("remap plan intervals need a positive step.")
+            mappings.append((m.in_array, m.out_array, range(fs, fe, fp), range(ts, te, tp)))
+    results = session.ctl.remap(inputs, outputs, mappings, _donate(body))
+    _bind_all(session, body.result_handles, results,
+              response.remap_arrays_response.array_handles)
+
+
+@handles("make_error_arrays_request", arrays=("array_handles",))
+def make_error_arrays(session: Any, request: Any, response: Any) -> None:
+    body = request.make_error_arrays_request
+    code = body.error.code or errors.Code.UNKNOWN
+    error = errors.IsthmusError(body.error.message or "error array made by the client",
+                                code=errors.Code(code) if code in errors.Code._value2member_map_
+                                else errors.Code.UNKNOWN)
+    results = []
+    for spec_proto in body.array_specs:
+        spec = session.serdes.array_spec(spec_proto)
+        results.append(session.ctl.make_error_array(spec.dtype, spec.shape, spec.sharding, error))
+    _bind_all(session, body.array_handles, results,
+              response.make_error_arrays_response.array_handles)
+
+
+@handles("delete_array_request")
+def delete_array(session: Any, request: Any, response: Any) -> None:
+    body = request.delete_array_request
+    arrays = [session.array(h) for h in body.array_handle]
+    done = session.ctl.delete(arrays)
+
+    async def wait() -> None:
+        await done
+
+    response.delete_array_response.deletion_future_handle = session.add_future(None, wait)
+
+
+@handles("is_array_deleted_request")
+def is_array_deleted(session: Any, request: Any, response: Any) -> None:
+    array = session.array(request.is_array_deleted_request.array_handle)
+    deleted = array.deleted or any(b.deleted for b in array.shards)
+    response.is_array_deleted_response.deleted = deleted
+
+
+@handles("destruct_array_request")
+def destruct_array(session: Any, request: Any, response: Any) -> None:
+    released = []
+    for handle in request.destruct_array_request.array_handle:
+        value = session.arrays.pop(handle, None)
+        if value is not None and not isinstance(value, errors.IsthmusError):
+            released.append(value)
+    session.ctl.release(released)
+    response.destruct_array_response.SetInParent()

@@ -1,0 +1,91 @@
+"""Init, default device assignment and default layout requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from isthmus import errors
+from isthmus.controller.fleet import Device
+from isthmus.frontend.registry import handles
+
+# Attributes every device carries (read by users and by pathwaysutils).
+SLICE_INDEX = "slice_index"
+HOST_INDEX = "host_index"
+
+
+def memory_id(device_position: int, kind_position: int, kinds_per_device: int) -> int:
+    return device_position * kinds_per_device + kind_position
+
+
+def device_strings(device: Device) -> tuple[str, str]:
+    """(debug_string, to_string) in jaxlib's style for the platform."""
+    if device.platform == "cpu":
+        return f"cpu:{device.id}", f"CpuDevice(id={device.id})"
+    return f"{device.platform}:{device.id}", f"{device.kind}(id={device.id})"
+
+
+@handles("init_request")
+def init(session: Any, request: Any, response: Any) -> None:
+    out = response.init_response
+    platform = session.platform
+    out.session_id = session.id
+    out.platform_name = platform["name"]
+    out.platform_version = platform["version"]
+    out.platform_id = platform["id"]
+    out.process_index = 0
+    out.runtime_type = platform["runtime_type"]
+    devices = session.fleet.devices
+    for position, device in enumerate(devices):
+        kinds = device.memory_kinds
+        ids = [memory_id(position, k, len(kinds)) for k in range(len(kinds))]
+        debug, text = device_strings(device)
+        d = out.all_devices.add(
+            id=device.id, local_device_id=device.id, local_hardware_id=device.local_id,
+            platform_name=device.platform, device_kind=device.kind, debug_string=debug,
+            to_string=text, default_memory_id=ids[0])
+        d.memory_ids.extend(ids)
+        _attribute(d.attributes, SLICE_INDEX, device.slice_index)
+        _attribute(d.attributes, HOST_INDEX, device.host_index)
+        for k, (kind, mid) in enumerate(zip(kinds, ids)):
+            label = f"{kind.upper()}_{mid}" if device.platform != "cpu" else (
+                f"{'CPU_DEVICE' if k == 0 else kind.upper()}_{mid}")
+            out.memories.add(id=mid, memory_space_kind=kind, kind_id=k, device_ids=[device.id],
+                             debug_string=label, to_string=label)
+    out.primary_device_ids.extend(d.id for d in devices)
+    out.addressable_device_ids.extend(d.id for d in devices)
+    _attribute(out.client_attributes, "isthmus", 1)
+
+
+def _attribute(attribute_map: Any, key: str, value: int) -> None:
+    attribute_map.attributes[key].int64_value = int(value)
+
+
+@handles("get_default_device_assignment_request")
+def default_device_assignment(session: Any, request: Any, response: Any) -> None:
+    body = request.get_default_device_assignment_request
+    replicas, partitions = int(body.num_replicas), int(body.num_partitions)
+    devices = session.fleet.devices
+    if replicas < 1 or partitions < 1 or replicas * partitions > len(devices):
+        raise errors.InvalidRequest(
+            f"a device assignment of {replicas} replicas x {partitions} partitions needs "
+            f"{replicas * partitions} devices; this fleet has {len(devices)}.")
+    out = response.get_default_device_assignment_response.device_assignment
+    out.replica_count = replicas
+    out.computation_count = partitions
+    for c in range(partitions):
+        computation = out.computation_devices.add()
+        computation.replica_device_ids.extend(
+            devices[c * replicas + r].id for r in range(replicas))
+
+
+@handles("get_default_layout_request")
+def default_layout(session: Any, request: Any, response: Any) -> None:
+    body = request.get_default_layout_request
+    session.serdes.dtype(body.dtype)  # validates
+    rank = len(body.dims)
+    if rank > 64 or any(d < 0 for d in body.dims):
+        raise errors.InvalidRequest(f"dims {list(body.dims)[:8]} are not a valid shape.")
+    session.fleet.device(body.device_id)
+    # Dense row-major: what XLA's CPU and GPU clients choose by default.
+    text = "{" + ",".join(str(i) for i in range(rank - 1, -1, -1)) + "}"
+    response.get_default_layout_response.serialized_pjrt_layout = text.encode()

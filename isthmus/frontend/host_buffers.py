@@ -1,0 +1,134 @@
+"""Host buffers: bytes the client uploads for a request, or downloads after one.
+
+The client streams a buffer (`HostBufferStore`) under a handle it picked, possibly *after*
+sending the request that uses it; requests therefore wait for the handle, with a deadline on
+the upload *starting* (a buffer that never comes must fail within seconds, not hang) but
+none on a started upload that is still flowing. Results of `CopyToHostBuffer` are put here
+for the client's `HostBufferLookup`, and dropped by its `HostBufferDelete`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from isthmus import errors
+from isthmus.ids import HostBufferHandle
+
+logger = logging.getLogger(__name__)
+
+
+class _Entry:
+    __slots__ = ("future", "started", "size")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.future: asyncio.Future[memoryview] = loop.create_future()
+        self.started = False
+        self.size = 0
+
+
+class HostBufferStore:
+    """The host buffers of one session."""
+
+    def __init__(self, start_timeout: float) -> None:
+        self._start_timeout = start_timeout
+        self._entries: dict[int, _Entry] = {}
+        self._closed: errors.IsthmusError | None = None
+        self.bytes_held = 0
+
+    def _entry(self, handle: int) -> _Entry:
+        entry = self._entries.get(handle)
+        if entry is None:
+            entry = _Entry(asyncio.get_running_loop())
+            self._entries[handle] = entry
+        return entry
+
+    # ---- uploads (client -> server) ------------------------------------------------------
+
+    def begin(self, handle: HostBufferHandle, size: int) -> None:
+        """An upload started: requests waiting on it no longer time out."""
+        if self._closed is not None:
+            raise self._closed
+        entry = self._entry(handle)
+        if entry.started or entry.future.done():
+            raise errors.InvalidRequest(
+                f"host buffer {handle} was uploaded twice in this session; use a new handle "
+                "for each buffer.")
+        entry.started = True
+        entry.size = size
+
+    def complete(self, handle: HostBufferHandle, data: memoryview) -> None:
+        entry = self._entry(handle)
+        if not entry.future.done():
+            entry.future.set_result(data)
+            self.bytes_held += len(data)
+
+    def abort(self, handle: HostBufferHandle, error: errors.IsthmusError) -> None:
+        entry = self._entry(handle)
+        if not entry.future.done():
+            entry.future.set_exception(error)
+            entry.future.exception()  # retrieved: no "never retrieved" warning
+
+    async def take(self, handle: HostBufferHandle) -> memoryview:
+        """Waits for an uploaded buffer and removes it from the store."""
+        entry = self._entry(handle)
+        try:
+            if not entry.future.done() and not entry.started:
+                try:
+                    await asyncio.wait_for(asyncio.shield(entry.future), self._start_timeout)
+                except asyncio.TimeoutError:
+                    if not entry.started:
+                        raise errors.HostBufferMissing(
+                            f"host buffer {handle} did not start arriving within "
+                            f"{self._start_timeout:g} s of the request that uses it; the "
+                            "client's upload failed or was never sent. Retry the transfer; if "
+                            "uploads are slow to start, raise --host-buffer-timeout.") from None
+            data = await entry.future
+        finally:
+            self._drop(handle)
+        return data
+
+    # ---- downloads (server -> client) ----------------------------------------------------
+
+    def publish(self, handle: HostBufferHandle, data: memoryview) -> None:
+        """Makes a result available to `HostBufferLookup`."""
+        if self._closed is not None:
+            return
+        self.complete(handle, data)
+
+    def fail_download(self, handle: HostBufferHandle, error: errors.IsthmusError) -> None:
+        self.abort(handle, error)
+
+    async def lookup(self, handle: HostBufferHandle) -> memoryview:
+        """Waits for a published result (it stays until `delete`)."""
+        entry = self._entry(handle)
+        if not entry.future.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(entry.future), self._start_timeout * 4)
+            except asyncio.TimeoutError:
+                raise errors.HostBufferMissing(
+                    f"host buffer {handle} was never filled; look up only handles named in a "
+                    "CopyToHostBuffer request of this session.") from None
+        return entry.future.result()
+
+    def delete(self, handle: HostBufferHandle) -> None:
+        self._drop(handle)
+
+    def _drop(self, handle: int) -> None:
+        entry = self._entries.pop(handle, None)
+        if entry is not None and entry.future.done() and not entry.future.cancelled() \
+                and entry.future.exception() is None:
+            self.bytes_held -= len(entry.future.result())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self, error: errors.IsthmusError) -> None:
+        """Ends the store: waiters fail with `error`, held bytes are released."""
+        self._closed = error
+        for entry in self._entries.values():
+            if not entry.future.done():
+                entry.future.set_exception(error)
+                entry.future.exception()
+        self._entries.clear()
+        self.bytes_held = 0

@@ -1,0 +1,257 @@
+"""Compile requests and questions about loaded executables.
+
+Compile options come from the client and are not trusted: the server keeps its own XLA debug
+options and takes only an allowlist of the client's (optimization choices jax sets on
+purpose); paths, dump directories, GPU library locations, fake device counts and flag
+overrides stay the server's business.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from isthmus import errors
+from isthmus.frontend.registry import handles
+from isthmus.worker.programs import CompileRequest
+
+logger = logging.getLogger(__name__)
+
+XLA_PROGRAM = "xla::ifrt::XlaProgram"
+XLA_COMPILE_OPTIONS = "xla::ifrt::XlaCompileOptions"
+CUSTOM_CALL_PROGRAM = "xla::ifrt::CustomCallProgram"
+PLUGIN_PROGRAM = "xla::ifrt::PluginProgram"
+
+# DebugOptions fields a client may choose; all others keep the server's values.
+ALLOWED_DEBUG_OPTIONS = frozenset({
+    "xla_backend_optimization_level",
+    "xla_llvm_disable_expensive_passes",
+    "xla_test_all_input_layouts",
+    "xla_disable_hlo_passes",
+    "xla_enable_hlo_passes_only",
+    "xla_detailed_logging",
+    "xla_enable_dumping",
+    "xla_cpu_enable_fast_math",
+    "xla_cpu_enable_fast_min_max",
+    "xla_cpu_fast_math_honor_nans",
+    "xla_cpu_fast_math_honor_infs",
+    "xla_cpu_fast_math_honor_division",
+    "xla_cpu_fast_math_honor_functions",
+    "xla_gpu_enable_fast_min_max",
+    "xla_allow_excess_precision",
+    "xla_step_marker_location",
+})
+
+
+class CompileOptionsVetter:
+    """Turns a client's XlaCompileOptions into options the server is willing to use."""
+
+    def __init__(self, schema: Any) -> None:
+        from jax._src.lib import xla_client as xc  # the server's own defaults
+
+        self._xla_options = schema["xla.ifrt.XlaCompileOptionsProto"]
+        self._options = schema["xla.CompileOptionsProto"]
+        defaults = self._options.FromString(xc.CompileOptions().SerializeAsString())
+        self._default_debug = defaults.executable_build_options.debug_options
+
+    def vet(self, serialized: Any) -> tuple[bytes, tuple[int, ...]]:
+        """(vetted CompileOptionsProto bytes, device ids of the device assignment)."""
+        if serialized.type_name != XLA_COMPILE_OPTIONS:
+            raise errors.Unimplemented(
+                f"compile options of type {serialized.type_name!r} are not supported; "
+                "isthmus compiles XLA programs with XlaCompileOptions.")
+        try:
+            options = self._xla_options.FromString(serialized.data).compile_options
+        except Exception:  # noqa: BLE001
+            raise errors.InvalidRequest("the compile options do not parse.") from None
+        build = options.executable_build_options
+        assignment = build.device_assignment
+        if not assignment.computation_devices:
+            raise errors.InvalidRequest(
+                "the compile options carry no device assignment; compile for explicit devices "
+                "(jax always does).")
+        replicas = assignment.replica_count
+        device_ids: list[int] = []
+        for replica in range(replicas):
+            for computation in assignment.computation_devices:
+                if replica >= len(computation.replica_device_ids):
+                    raise errors.InvalidRequest("the device assignment is ragged.")
+                device_ids.append(int(computation.replica_device_ids[replica]))
+        client_debug = build.debug_options
+        debug = type(self._default_debug)()
+        debug.CopyFrom(self._default_debug)
+        for field, value in client_debug.ListFields():
+            if field.name in ALLOWED_DEBUG_OPTIONS:
+                getattr(debug, field.name)  # exists in the server's schema
+                if hasattr(value, "extend"):  # a repeated field
+                    getattr(debug, field.name)[:] = value
+                else:
+                    setattr(debug, field.name, value)
+        build.debug_options.CopyFrom(debug)
+        if options.env_option_overrides:
+            logger.debug("ignoring client XLA flag overrides: %s",
+                         [o.key if hasattr(o, "key") else o for o in options.env_option_overrides])
+            del options.env_option_overrides[:]
+        build.ClearField("fdo_profile")
+        return options.SerializeToString(), tuple(device_ids)
+
+
+@handles("compile_request")
+def compile_program(session: Any, request: Any, response: Any) -> Any:
+    body = request.compile_request
+    program = body.program
+    if program.type_name in (CUSTOM_CALL_PROGRAM, PLUGIN_PROGRAM):
+        raise errors.Unimplemented(
+            f"{program.type_name} programs (colocated Python, pathwaysutils plugins) are not "
+            "supported by this isthmus server yet; run that code in your own process.")
+    if program.type_name != XLA_PROGRAM:
+        raise errors.Unimplemented(
+            f"program type {program.type_name!r} is not supported; isthmus compiles "
+            f"{XLA_PROGRAM} (StableHLO from jax).")
+    if body.host_callbacks:
+        raise errors.Unimplemented(
+            "programs with host callbacks (jax.debug.print, pure_callback, io_callback) are not "
+            "supported by isthmus; remove the callback or run it outside jit.")
+    options, device_ids = session.vetter.vet(body.compile_options)
+    executable = session.ctl.compile(CompileRequest(bytes(program.data), options, device_ids))
+    out = response.compile_response
+
+    async def finish() -> None:
+        try:
+            info = await executable.compiled
+        except errors.IsthmusError:
+            session.ctl.release_executable(executable)
+            raise
+        handle = session.new_handle()
+        session.executables[handle] = executable
+        out.loaded_executable_handle = handle
+        out.name = info.name
+        out.num_devices = len(executable.devices)
+        out.device_ids.extend(d.id for d in executable.devices)
+        out.addressable_device_ids.extend(d.id for d in executable.devices)
+        if info.fingerprint is not None:
+            out.fingerprint_value = info.fingerprint
+        else:
+            out.fingerprint_error.code = int(errors.Code.UNIMPLEMENTED)
+            out.fingerprint_error.message = "no fingerprint for this executable"
+
+        async def ready() -> None:
+            return None
+
+        out.ready_future_handle = session.add_future(None, ready)
+
+    return finish()
+
+
+def _layouts(text_layouts: tuple[str, ...], out: Any) -> None:
+    for text in text_layouts:
+        layout = out.layouts.add()
+        inner = text.strip().removeprefix("{").removesuffix("}").split(":")[0]
+        if inner:
+            layout.minor_to_major.extend(int(x) for x in inner.split(","))
+
+
+@handles("loaded_executable_metadata_request")
+def metadata(session: Any, request: Any, response: Any) -> None:
+    executable = session.executable(request.loaded_executable_metadata_request
+                                    .loaded_executable_handle)
+    info = executable.info
+    out = response.loaded_executable_metadata_response
+    if info.param_shardings is not None:
+        out.parameter_shardings.SetInParent()
+        for op in info.param_shardings:
+            out.parameter_shardings.shardings.add().ParseFromString(op)
+    if info.output_shardings is not None:
+        out.output_shardings.SetInParent()
+        for op in info.output_shardings:
+            out.output_shardings.shardings.add().ParseFromString(op)
+    out.parameter_layouts_list.SetInParent()
+    _layouts(info.param_layouts, out.parameter_layouts_list)
+    out.output_layouts_list.SetInParent()
+    _layouts(info.output_layouts, out.output_layouts_list)
+    kinds = out.output_memory_kinds.memory_kind_lists.add()
+    kinds.memory_kinds.extend(info.output_memory_kinds)
+    out.donated_input_indices.SetInParent()
+    out.donated_input_indices.donated_input_indices.extend(info.donated_inputs)
+    if info.memory_stats:
+        stats = out.compiled_memory_stats
+        for field, value in info.memory_stats.items():
+            if field in stats.DESCRIPTOR.fields_by_name:
+                setattr(stats, field, value)
+    else:
+        out.compiled_memory_stats_error.code = int(errors.Code.UNIMPLEMENTED)
+        out.compiled_memory_stats_error.message = "no memory statistics"
+    out.size_of_generated_code_in_bytes = info.generated_code_bytes
+
+
+@handles("loaded_executable_cost_analysis_request")
+def cost_analysis(session: Any, request: Any, response: Any) -> None:
+    # Errors go inside the response: the client cannot survive a top-level error here.
+    result = response.loaded_executable_cost_analysis_response
+    try:
+        executable = session.executable(
+            request.loaded_executable_cost_analysis_request.loaded_executable_handle)
+    except errors.IsthmusError as e:
+        result.status.code = int(e.code)
+        result.status.message = e.message
+        return
+    out = result.attributes
+    out.SetInParent()
+    for key, value in sorted(executable.info.cost_analysis.items()):
+        entry = out.attributes[key]
+        if isinstance(value, bool):
+            entry.bool_value = value
+        elif isinstance(value, int):
+            entry.int64_value = value
+        elif isinstance(value, float):
+            entry.float_value = value
+        elif isinstance(value, (list, tuple)):
+            entry.int64_list_value.elements.extend(int(v) for v in value)
+        else:
+            entry.string_value = str(value).encode()
+
+
+@handles("loaded_executable_human_readable_program_text_request")
+def program_text(session: Any, request: Any, response: Any) -> None:
+    out = response.loaded_executable_human_readable_program_text_response
+    try:
+        executable = session.executable(
+            request.loaded_executable_human_readable_program_text_request
+            .loaded_executable_handle)
+    except errors.IsthmusError as e:
+        out.status.code = int(e.code)
+        out.status.message = e.message
+        return
+    out.human_readable_program_text = executable.info.hlo_text
+
+
+@handles("loaded_executable_delete_request")
+def delete_executable(session: Any, request: Any, response: Any) -> None:
+    handle = request.loaded_executable_delete_request.loaded_executable_handle
+    executable = session.executable(handle)
+    session.deleted_executables.add(handle)
+    session.ctl.release_executable(executable)
+
+    async def done() -> None:
+        return None
+
+    response.loaded_executable_delete_response.future_handle = session.add_future(None, done)
+
+
+@handles("loaded_executable_is_deleted_request")
+def executable_is_deleted(session: Any, request: Any, response: Any) -> None:
+    handle = request.loaded_executable_is_deleted_request.loaded_executable_handle
+    session.executable(handle)
+    response.loaded_executable_is_deleted_response.is_deleted = (
+        handle in session.deleted_executables)
+
+
+@handles("loaded_executable_destruct_request")
+def destruct_executable(session: Any, request: Any, response: Any) -> None:
+    handle = request.loaded_executable_destruct_request.loaded_executable_handle
+    value = session.executables.pop(handle, None)
+    if value is not None and not isinstance(value, errors.IsthmusError) \
+            and handle not in session.deleted_executables:
+        session.ctl.release_executable(value)
+    session.deleted_executables.discard(handle)
+    response.loaded_executable_destruct_response.SetInParent()

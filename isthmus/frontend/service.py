@@ -1,0 +1,161 @@
+"""The front end: version negotiation, sessions, and routing of host-buffer RPCs.
+
+It sits between the gRPC servicer (which only moves messages) and the controller (which knows
+nothing of the protocol). Importing this module registers every request handler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from isthmus import errors
+from isthmus.controller.controller import Controller
+from isthmus.controller.session import Session as ControllerSession
+from isthmus.frontend import arrays, devices, execute, futures, programs, transfers  # noqa: F401
+from isthmus.frontend.host_buffers import HostBufferStore
+from isthmus.frontend.programs import CompileOptionsVetter
+from isthmus.frontend.registry import HANDLERS
+from isthmus.frontend.serdes import Serdes
+from isthmus.frontend.session import FrontendSession
+from isthmus.ids import HostBufferHandle, SessionId
+from isthmus.protocol import versions
+from isthmus.protocol.schema import Schema
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """Protocol-facing limits."""
+
+    max_host_buffer_bytes: int = 1 << 40  # larger uploads are refused
+    platform_version: str = "isthmus"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreHeader:
+    session_id: int
+    handle: HostBufferHandle
+    buffer_size: int
+
+
+class Frontend:
+    """Sessions of the IFRT proxy protocol over one controller."""
+
+    def __init__(self, controller: Controller, schema: Schema,
+                 config: FrontendConfig | None = None) -> None:
+        self.controller = controller
+        self.schema = schema
+        self.config = config or FrontendConfig()
+        self.serdes = Serdes(schema)
+        self.vetter = CompileOptionsVetter(schema)
+        self.sessions: dict[SessionId, FrontendSession] = {}
+        self._session_ids = itertools.count(1)
+        self._version_response = schema["xla.ifrt.proxy.GrpcGetVersionResponse"]
+        self._session_metadata = schema["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]
+        self._store_metadata = schema["xla.ifrt.proxy.GrpcHostBufferStoreMetadata"]
+        fleet = controller.fleet
+        self.platform = {
+            "name": fleet.platform,
+            "version": self.config.platform_version,
+            "id": _platform_id(fleet.platform),
+            "runtime_type": "proxy/isthmus",
+        }
+
+    @staticmethod
+    def implemented_requests() -> list[str]:
+        return sorted(HANDLERS)
+
+    def get_version(self, request: Any) -> Any:
+        version = versions.negotiate(
+            request.min_version.protocol_version, request.max_version.protocol_version,
+            request.max_version.ifrt_serdes_version_number,
+            request.min_version.ifrt_serdes_version_number)
+        response = self._version_response()
+        response.version.protocol_version = version.protocol
+        response.version.ifrt_serdes_version_number = version.serdes
+        return response
+
+    def open_session(self, metadata: bytes | None, send: Callable[[Any], None],
+                     peer: str = "") -> FrontendSession:
+        if metadata is None:
+            raise errors.InvalidRequest(
+                "the session carries no ifrt-proxy-grpc-ifrt-session-metadata-bin header; "
+                "connect with jax's IFRT proxy client.")
+        try:
+            parsed = self._session_metadata.FromString(metadata)
+        except Exception:  # noqa: BLE001
+            raise errors.InvalidRequest("the session metadata does not parse.") from None
+        version = versions.negotiate(
+            parsed.version.protocol_version, parsed.version.protocol_version,
+            parsed.version.ifrt_serdes_version_number)
+        session_id = SessionId(next(self._session_ids))
+        session = FrontendSession(
+            session_id, version, self.schema, self.serdes, ControllerSession(self.controller),
+            HostBufferStore(self.controller.config.host_buffer_timeout), send,
+            self.platform, self.vetter, peer, on_close=self._closed)
+        self.sessions[session_id] = session
+        logger.info("session %s opened from %s (protocol %s)", session_id, peer,
+                    version.protocol)
+        return session
+
+    def _closed(self, session: FrontendSession) -> None:
+        self.sessions.pop(session.id, None)
+        logger.info("session %s closed after %s requests", session.id, session.requests)
+
+    def parse_store_metadata(self, metadata: bytes | None) -> StoreHeader:
+        if metadata is None:
+            raise errors.InvalidRequest(
+                "HostBufferStore needs the ifrt-proxy-grpc-host-buffer-store-metadata-bin "
+                "header.")
+        try:
+            parsed = self._store_metadata.FromString(metadata)
+        except Exception:  # noqa: BLE001
+            raise errors.InvalidRequest("the host buffer metadata does not parse.") from None
+        return StoreHeader(parsed.session_id, HostBufferHandle(parsed.handle),
+                           parsed.buffer_size)
+
+    def check_host_buffer_size(self, size: int) -> int:
+        if size < 0:
+            raise errors.InvalidRequest(f"a host buffer cannot have {size} bytes.")
+        if size > self.config.max_host_buffer_bytes:
+            raise errors.TooLarge(
+                f"a host buffer of {size} bytes is over the server's limit of "
+                f"{self.config.max_host_buffer_bytes}; split the transfer.")
+        return size
+
+    def host_buffers(self, session_id: int) -> HostBufferStore:
+        session = self.sessions.get(SessionId(session_id))
+        if session is None:
+            raise errors.UnknownHandle(
+                f"session {session_id} is not open on this server; host buffers belong to a "
+                "live session.")
+        return session.host_buffers
+
+    def status(self) -> dict[str, Any]:
+        fleet = self.controller.fleet
+        return {
+            "platform": self.platform,
+            "devices": [{"id": d.id, "worker": d.worker, "slice": d.slice_index,
+                         "host": d.host_index, "kind": d.kind} for d in fleet.devices],
+            "sessions": {str(s.id): {"peer": s.peer, "requests": s.requests,
+                                     "arrays": len(s.arrays),
+                                     "host_buffer_bytes": s.host_buffers.bytes_held}
+                         for s in self.sessions.values()},
+            **self.controller.stats(),
+        }
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.close()
+
+
+def _platform_id(name: str) -> int:
+    # jaxlib's platform ids are fingerprints of the name; only equality matters to clients.
+    import zlib
+
+    return zlib.crc32(name.encode())

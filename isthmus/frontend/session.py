@@ -1,0 +1,213 @@
+"""One IFRT proxy session: its handle tables and the loop from requests to responses.
+
+Requests are handled in arrival order, each inside `handle`, which never waits: a handler
+either answers at once or hands back an awaitable, and the response goes out when that
+completes. Responses carry the request's op_id, so they may overtake each other.
+
+Handles belong to the session (a session sees only its own). A handle bound to an error
+(its creating request failed) reports that error on every use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from isthmus import errors
+from isthmus.controller.arrays import Array
+from isthmus.controller.controller import Executable
+from isthmus.controller.session import Session as ControllerSession
+from isthmus.frontend.host_buffers import HostBufferStore
+from isthmus.frontend.registry import HANDLERS
+from isthmus.frontend.serdes import Serdes
+from isthmus.ids import SessionId
+from isthmus.protocol.schema import Schema
+from isthmus.protocol.versions import Version
+
+logger = logging.getLogger(__name__)
+
+# Handles the server mints start here, far above the small numbers the client mints.
+SERVER_HANDLE_BASE = 1 << 62
+
+
+class FrontendSession:
+    """Handle tables and request dispatch of one client session."""
+
+    def __init__(self, session_id: SessionId, version: Version, schema: Schema,
+                 serdes: Serdes, controller_session: ControllerSession,
+                 host_buffers: HostBufferStore, send: Callable[[Any], None],
+                 platform: dict[str, Any], vetter: Any, peer: str = "",
+                 on_close: Callable[[FrontendSession], None] | None = None) -> None:
+        self.id = session_id
+        self.version = version
+        self.schema = schema
+        self.serdes = serdes
+        self.ctl = controller_session
+        self.fleet = controller_session.fleet
+        self.host_buffers = host_buffers
+        self.platform = platform
+        self.vetter = vetter
+        self.peer = peer
+        self._on_close = on_close
+        self._send = send
+        self._response = schema["xla.ifrt.proxy.IfrtResponse"]
+        self.arrays: dict[int, Array | errors.IsthmusError] = {}
+        self.executables: dict[int, Executable | errors.IsthmusError] = {}
+        self.futures: dict[int, Callable[[], Awaitable[None]] | errors.IsthmusError] = {}
+        self.deleted_executables: set[int] = set()
+        self._handles = itertools.count(SERVER_HANDLE_BASE)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
+        self.requests = 0
+        self._seq = itertools.count()  # numbers OK responses, as the client expects
+
+    # ---- the request loop ----------------------------------------------------------------
+
+    def handle(self, request: Any) -> None:
+        """Handles one request; its response is sent now or when its work completes."""
+        self.requests += 1
+        op_id = request.request_metadata.op_id
+        response = self._response()
+        response.response_metadata.op_id = op_id
+        kind = request.WhichOneof("request")
+        entry = HANDLERS.get(kind) if kind else None
+        try:
+            if entry is None:
+                raise errors.Unimplemented(
+                    f"IFRT request {kind or '(empty)'} is not implemented by isthmus; see "
+                    "docs/protocol.md for the requests it serves.")
+            pending = entry.handler(self, request, response)
+        except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
+            self._fail(request, kind, response, e)
+            return
+        if pending is None:
+            response.response_metadata.seq_num = next(self._seq)
+            self._send(response)
+        else:
+            task = asyncio.ensure_future(self._finish(request, kind, response, pending))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _finish(self, request: Any, kind: str, response: Any,
+                      pending: Awaitable[None]) -> None:
+        try:
+            await pending
+        except Exception as e:  # noqa: BLE001
+            self._fail(request, kind, response, e)
+            return
+        if not self.closed:
+            response.response_metadata.seq_num = next(self._seq)
+            self._send(response)
+
+    def _fail(self, request: Any, kind: str | None, response: Any, e: BaseException) -> None:
+        error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
+            f"handling {kind} failed unexpectedly ({type(e).__name__}: {e}); this is a bug in "
+            "isthmus: please report it with the server log.")
+        if not isinstance(e, errors.IsthmusError):
+            logger.exception("session %s: %s failed", self.id, kind)
+        entry = HANDLERS.get(kind) if kind else None
+        if entry is not None:
+            body = getattr(request, kind)
+            for field in entry.array_results:
+                for handle in _handles_in(body, field):
+                    self.arrays.setdefault(handle, error)
+            for field in entry.future_results:
+                for handle in _handles_in(body, field):
+                    self.futures.setdefault(handle, error)
+        failed = self._response()
+        failed.response_metadata.op_id = response.response_metadata.op_id
+        failed.response_metadata.status.code = int(error.code)
+        failed.response_metadata.status.message = error.message
+        if not self.closed:
+            self._send(failed)
+
+    # ---- handle tables -------------------------------------------------------------------
+
+    def new_handle(self) -> int:
+        return next(self._handles)
+
+    def array(self, handle: int) -> Array:
+        value = self.arrays.get(handle)
+        if value is None:
+            raise errors.UnknownHandle(
+                f"array handle {handle} is unknown in this session: it was never created, or "
+                "was already destroyed. Arrays of other sessions are not visible.")
+        if isinstance(value, errors.IsthmusError):
+            raise value
+        return value
+
+    def bind_array(self, handle: int | None, array: Array) -> int:
+        """Binds `array` to the client's handle (or a new server handle when None)."""
+        if handle is None:
+            handle = self.new_handle()
+        elif handle in self.arrays:
+            self.ctl.release([array])
+            raise errors.InvalidRequest(
+                f"array handle {handle} is already in use in this session; mint a new "
+                "handle for each array.")
+        self.arrays[handle] = array
+        return handle
+
+    def executable(self, handle: int) -> Executable:
+        value = self.executables.get(handle)
+        if value is None:
+            raise errors.UnknownHandle(
+                f"executable handle {handle} is unknown in this session: it was never "
+                "compiled here, or was already destroyed.")
+        if isinstance(value, errors.IsthmusError):
+            raise value
+        return value
+
+    def add_future(self, handle: int | None, wait: Callable[[], Awaitable[None]]) -> int:
+        if handle is None:
+            handle = self.new_handle()
+        self.futures[handle] = wait
+        return handle
+
+    def take_future(self, handle: int) -> Callable[[], Awaitable[None]]:
+        """The wait of a future, which leaves the table (the client checks a future once)."""
+        wait = self.peek_future(handle)
+        del self.futures[handle]
+        return wait
+
+    def peek_future(self, handle: int) -> Callable[[], Awaitable[None]]:
+        value = self.futures.get(handle)
+        if value is None:
+            raise errors.UnknownHandle(
+                f"future handle {handle} is unknown in this session (or was already checked).")
+        if isinstance(value, errors.IsthmusError):
+            error = value
+
+            async def failed() -> None:
+                raise error
+
+            return failed
+        return value
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Frees everything the session holds; pending responses are dropped."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        self.host_buffers.close(errors.SessionClosed(
+            "the session ended before this host buffer was used; reconnect and retry."))
+        self.arrays.clear()
+        self.executables.clear()
+        self.futures.clear()
+        await self.ctl.close()
+        if self._on_close is not None:
+            self._on_close(self)
+
+
+def _handles_in(body: Any, field: str) -> list[int]:
+    value = getattr(body, field)
+    if isinstance(value, int):
+        return [value] if value else []
+    return list(value)

@@ -1,0 +1,179 @@
+"""Host data in and out: MakeArrayFromHostBuffer, MakeArraysFromHostBufferShards,
+CopyToHostBuffer.
+
+Host buffers hold the minimal memory region of a possibly strided array (`byte_strides`),
+or for string arrays a serialized `StringArrayContents`. Every shape and stride is checked
+against the buffer's actual size before any byte is read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from isthmus import dtypes, errors
+from isthmus.frontend.registry import handles
+
+
+def decode_host_array(session: Any, data: memoryview, dtype: dtypes.DType,
+                      shape: tuple[int, ...], byte_strides: tuple[int, ...] | None
+                      ) -> np.ndarray:
+    """A numpy view of host buffer bytes (no copy for numeric data)."""
+    count = math.prod(shape)
+    if dtype.is_string:
+        contents = session.schema["xla.ifrt.proto.StringArrayContents"]()
+        try:
+            contents.ParseFromString(data)
+        except Exception:  # noqa: BLE001
+            raise errors.InvalidRequest(
+                "a string array's host buffer is not a StringArrayContents message.") from None
+        if len(contents.strings) != count:
+            raise errors.InvalidRequest(
+                f"a string array of shape {shape} needs {count} strings, the host buffer has "
+                f"{len(contents.strings)}.")
+        value = np.empty(count, dtype=object)
+        value[:] = list(contents.strings)
+        return value.reshape(shape)
+    itemsize = dtype.itemsize
+    if byte_strides is not None:
+        if len(byte_strides) != len(shape):
+            raise errors.InvalidRequest(
+                f"byte_strides {list(byte_strides)} do not match the rank of shape {shape}.")
+        if any(s < 0 for s in byte_strides):
+            raise errors.InvalidRequest(
+                f"byte_strides {list(byte_strides)} contain a negative stride; isthmus needs "
+                "non-negative strides.")
+        extent = 0 if count == 0 else itemsize + sum(
+            (d - 1) * s for d, s in zip(shape, byte_strides))
+    else:
+        extent = count * itemsize
+    if len(data) < extent or (byte_strides is None and len(data) != extent):
+        raise errors.InvalidRequest(
+            f"the host buffer has {len(data)} bytes but an array of shape {shape} and dtype "
+            f"{dtype.kind}{' with strides ' + str(list(byte_strides)) if byte_strides else ''} "
+            f"needs {extent}; send the whole array.")
+    if count == 0:
+        return np.zeros(shape, dtype=dtype.numpy)
+    return np.ndarray(shape, dtype=dtype.numpy, buffer=data, strides=byte_strides)
+
+
+def encode_host_array(session: Any, value: np.ndarray, dtype: dtypes.DType,
+                      byte_strides: tuple[int, ...] | None) -> memoryview:
+    """The bytes of `value` laid out as the client asked (C order when no strides)."""
+    if dtype.is_string:
+        contents = session.schema["xla.ifrt.proto.StringArrayContents"]()
+        contents.strings.extend(bytes(x) if not isinstance(x, str) else x.encode()
+                                for x in np.asarray(value, dtype=object).reshape(-1))
+        return memoryview(contents.SerializeToString())
+    value = np.asarray(value)
+    if value.dtype != dtype.numpy:
+        value = value.astype(dtype.numpy)
+    if byte_strides is None or tuple(byte_strides) == _c_strides(value.shape, dtype.itemsize):
+        return memoryview(np.ascontiguousarray(value)).cast("B")
+    if len(byte_strides) != value.ndim or any(s < 0 for s in byte_strides):
+        raise errors.InvalidRequest(
+            f"byte_strides {list(byte_strides)} do not fit an array of shape {value.shape}.")
+    extent = 0 if value.size == 0 else dtype.itemsize + sum(
+        (d - 1) * s for d, s in zip(value.shape, byte_strides))
+    out = bytearray(extent)
+    if value.size:
+        np.ndarray(value.shape, dtype=value.dtype, buffer=out, strides=byte_strides)[...] = value
+    return memoryview(out)
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides = []
+    step = itemsize
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _strides(body: Any) -> tuple[int, ...] | None:
+    return tuple(body.byte_strides.strides) if body.HasField("byte_strides") else None
+
+
+async def _host_array(session: Any, handle: int, dtype: dtypes.DType, shape: tuple[int, ...],
+                      byte_strides: tuple[int, ...] | None) -> np.ndarray:
+    data = await session.host_buffers.take(handle)
+    return decode_host_array(session, data, dtype, shape, byte_strides)
+
+
+@handles("make_array_from_host_buffer_request", arrays=("array_handle",))
+def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> None:
+    body = request.make_array_from_host_buffer_request
+    serdes = session.serdes
+    dtype, shape = serdes.dtype(body.dtype), serdes.shape(body.shape)
+    sharding = serdes.sharding(body.sharding)
+    strides = _strides(body)
+    if strides is not None and len(strides) != len(shape):
+        raise errors.InvalidRequest(
+            f"byte_strides {list(strides)} do not match the rank of shape {list(shape)}.")
+    host = _host_array(session, body.host_buffer_handle, dtype, shape, strides)
+    try:
+        array = session.ctl.make_array(dtype, shape, sharding, host)
+    except BaseException:
+        host.close()
+        session.host_buffers.delete(body.host_buffer_handle)
+        raise
+    handle = body.array_handle if body.HasField("array_handle") else None
+    response.make_array_from_host_buffer_response.array_handle = session.bind_array(
+        handle, array)
+
+
+@handles("make_arrays_from_host_buffer_shards_request", arrays=("array_handles",))
+def make_arrays_from_host_buffer_shards(session: Any, request: Any, response: Any) -> None:
+    body = request.make_arrays_from_host_buffer_shards_request
+    serdes = session.serdes
+    if body.array_handles and len(body.array_handles) != len(body.specs):
+        raise errors.InvalidRequest(
+            f"{len(body.specs)} array specs but {len(body.array_handles)} array handles; send "
+            "one handle per spec.")
+    out = response.make_arrays_from_host_buffer_shards_response
+    for index, spec in enumerate(body.specs):
+        array_spec = serdes.array_spec(spec.array_spec)
+        if len(spec.addressable_shard_indices) != len(spec.host_buffers):
+            raise errors.InvalidRequest(
+                "each group of shard indices needs exactly one host buffer; got "
+                f"{len(spec.addressable_shard_indices)} groups and {len(spec.host_buffers)} "
+                "buffers.")
+        pieces = []
+        for indices, buffer in zip(spec.addressable_shard_indices, spec.host_buffers):
+            dtype, shape = serdes.dtype(buffer.dtype), serdes.shape(buffer.shape)
+            if dtype != array_spec.dtype:
+                raise errors.InvalidRequest(
+                    f"a host shard has dtype {dtype.kind} but the array is "
+                    f"{array_spec.dtype.kind}.")
+            pieces.append((tuple(indices.indices), _host_array(
+                session, buffer.host_buffer_handle, dtype, shape, _strides(buffer))))
+        array = session.ctl.make_array_from_shards(
+            array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
+        handle = body.array_handles[index] if body.array_handles else None
+        out.array_handles.append(session.bind_array(handle, array))
+
+
+@handles("copy_to_host_buffer_request")
+def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
+    body = request.copy_to_host_buffer_request
+    array = session.array(body.array_handle)
+    strides = _strides(body)
+    if strides is not None and len(strides) != len(array.shape):
+        raise errors.InvalidRequest(
+            f"byte_strides {list(strides)} do not match the rank of the array's shape "
+            f"{list(array.shape)}.")
+    fetched = session.ctl.fetch(array)
+    response.copy_to_host_buffer_response.SetInParent()
+
+    async def finish() -> None:
+        try:
+            value = await fetched
+            data = encode_host_array(session, value, array.dtype, strides)
+        except errors.IsthmusError as e:
+            session.host_buffers.fail_download(body.host_buffer_handle, e)
+            raise
+        session.host_buffers.publish(body.host_buffer_handle, data)
+
+    return finish()

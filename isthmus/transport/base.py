@@ -1,0 +1,58 @@
+"""What the controller asks of a worker, whatever carries the messages.
+
+Commands are issued in order and take effect in that order on the worker. Methods that return
+None are fire-and-forget: their failures land in the buffers they were to produce. Methods
+that return an awaitable issue the command at once (so it is ordered with the others) and let
+the caller wait for its outcome later.
+
+`isthmus.worker.host.DeviceHost` implements this in-process (the embedded backend); a remote
+worker's channel implements it over the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.ids import BufferId, ExecutableId
+
+
+class WorkerChannel(Protocol):
+    def put(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
+            memory_kind: str | None = None) -> Awaitable[None]:
+        """Stores host data as a buffer on a device; resolves once it is stored.
+
+        The caller must not modify `value` afterwards."""
+
+    def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
+        """Defines a buffer as an error: every use of it reports `error`."""
+
+    def copy(self, src: BufferId, dst: BufferId, device_id: int,
+             memory_kind: str | None = None) -> None:
+        """Copies a buffer to another device (or memory) of the same worker."""
+
+    def free(self, buffer_ids: Sequence[BufferId]) -> None:
+        """Drops buffers."""
+
+    def compile(self, executable_id: ExecutableId, request: Any) -> Awaitable[Any]:
+        """Compiles and loads a program; resolves to its `CompiledInfo`."""
+
+    def drop_executable(self, executable_id: ExecutableId) -> None:
+        """Unloads a program."""
+
+    def execute(self, executable_id: ExecutableId, args: Sequence[Sequence[BufferId]],
+                results: Sequence[Sequence[BufferId]],
+                copy_first: frozenset[int] = frozenset()) -> None:
+        """Runs a loaded program on the worker's shards of its arguments."""
+
+    def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
+        """Resolves when the buffers are computed; fails with the first one's error."""
+
+    def fetch(self, buffer_id: BufferId) -> Awaitable[np.ndarray]:
+        """Resolves to the host copy of one computed buffer."""
+
+    def stats(self) -> dict[str, int]:
+        """Live buffers and bytes on the worker."""

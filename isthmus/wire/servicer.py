@@ -1,0 +1,216 @@
+"""The gRPC face of the server: `xla.ifrt.proxy.GrpcIfrtService` and our admin service.
+
+This is the only module that imports grpc. It moves messages between sockets and the front
+end and maps `IsthmusError`s to gRPC statuses for the RPCs that fail as a whole (the session
+stream reports per-request errors inside its responses instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from isthmus import errors
+from isthmus.frontend.service import Frontend
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "xla.ifrt.proxy.GrpcIfrtService"
+ADMIN_SERVICE = "isthmus.Admin"
+SESSION_METADATA_KEY = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
+STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
+LOOKUP_CHUNK_BYTES = 1 << 20
+
+SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.so_reuseport", 0),
+    # Keep idle sessions alive across NATs and notice dead clients.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+_END = object()
+
+
+def _status(code: errors.Code) -> grpc.StatusCode:
+    return grpc.StatusCode[code.name]
+
+
+class IfrtProxyServicer:
+    """Implements the IFRT proxy gRPC service on top of a `Frontend`."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.schema = frontend.schema
+
+    async def get_version(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return self.frontend.get_version(request)
+        except errors.IsthmusError as e:
+            await context.abort(_status(e.code), e.message)
+
+    async def ifrt_session(self, requests: AsyncIterator[Any],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        metadata = dict(context.invocation_metadata() or ())
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        try:
+            session = self.frontend.open_session(
+                metadata.get(SESSION_METADATA_KEY), queue.put_nowait, peer=context.peer())
+        except errors.IsthmusError as e:
+            await context.abort(_status(e.code), e.message)
+            return
+        reader = asyncio.get_running_loop().create_task(self._read(requests, session, queue))
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    break
+                yield item
+        finally:
+            reader.cancel()
+            await session.close()
+
+    async def _read(self, requests: AsyncIterator[Any], session: Any,
+                    queue: asyncio.Queue[Any]) -> None:
+        try:
+            async for request in requests:
+                session.handle(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken stream ends the session
+            logger.info("session %s: request stream ended: %s", session.id, e)
+        queue.put_nowait(_END)
+
+    async def host_buffer_store(self, chunks: AsyncIterator[Any],
+                                context: grpc.aio.ServicerContext) -> Any:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            header = self.frontend.parse_store_metadata(metadata.get(STORE_METADATA_KEY))
+            store = self.frontend.host_buffers(header.session_id)
+            size = self.frontend.check_host_buffer_size(header.buffer_size)
+            store.begin(header.handle, size)
+        except errors.IsthmusError as e:
+            await context.abort(_status(e.code), e.message)
+            return
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        filled = 0
+        try:
+            async for chunk in chunks:
+                data = chunk.data
+                end = filled + len(data)
+                if end > size:
+                    raise errors.InvalidRequest(
+                        f"host buffer {header.handle} sent more than the {size} bytes its "
+                        "metadata announced; send exactly buffer_size bytes.")
+                view[filled:end] = data
+                filled = end
+            if filled != size:
+                raise errors.InvalidRequest(
+                    f"host buffer {header.handle} ended after {filled} of {size} announced "
+                    "bytes; the upload was cut short.")
+        except errors.IsthmusError as e:
+            store.abort(header.handle, e)
+            await context.abort(_status(e.code), e.message)
+            return
+        except BaseException as e:
+            store.abort(header.handle, errors.HostBufferMissing(
+                f"the upload of host buffer {header.handle} broke off ({type(e).__name__}); "
+                "retry the transfer."))
+            raise
+        store.complete(header.handle, view)
+        return self.schema["xla.ifrt.proxy.GrpcHostBufferStoreResponse"]()
+
+    async def host_buffer_lookup(self, request: Any, context: grpc.aio.ServicerContext
+                                 ) -> AsyncIterator[Any]:
+        response = self.schema["xla.ifrt.proxy.GrpcHostBufferLookupResponse"]
+        try:
+            store = self.frontend.host_buffers(request.session_id)
+            data = await store.lookup(request.handle)
+        except errors.IsthmusError as e:
+            await context.abort(_status(e.code), e.message)
+            return
+        if len(data) == 0:
+            yield response()
+            return
+        for start in range(0, len(data), LOOKUP_CHUNK_BYTES):
+            yield response(data=bytes(data[start:start + LOOKUP_CHUNK_BYTES]))
+
+    async def host_buffer_delete(self, request: Any, context: grpc.aio.ServicerContext
+                                 ) -> Any:
+        try:
+            self.frontend.host_buffers(request.session_id).delete(request.handle)
+        except errors.IsthmusError as e:
+            await context.abort(_status(e.code), e.message)
+        return self.schema["xla.ifrt.proxy.GrpcHostBufferDeleteResponse"]()
+
+    async def host_buffer_read_from_disk(self, request: Any,
+                                         context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "HostBufferReadFromDisk is not implemented by isthmus; the client falls back to "
+            "streaming the buffer.")
+
+    # ---- admin ---------------------------------------------------------------------------
+
+    async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return json.dumps(self.frontend.status(), sort_keys=True).encode()
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        s = self.schema
+        p = "xla.ifrt.proxy."
+
+        def rpc(kind: Callable[..., Any], fn: Callable[..., Any], req: str, resp: str) -> Any:
+            return kind(fn, request_deserializer=s[p + req].FromString,
+                        response_serializer=s[p + resp].SerializeToString)
+
+        ifrt = grpc.method_handlers_generic_handler(SERVICE, {
+            "GetVersion": rpc(grpc.unary_unary_rpc_method_handler, self.get_version,
+                              "GrpcGetVersionRequest", "GrpcGetVersionResponse"),
+            "IfrtSession": rpc(grpc.stream_stream_rpc_method_handler, self.ifrt_session,
+                               "IfrtRequest", "IfrtResponse"),
+            "HostBufferStore": rpc(grpc.stream_unary_rpc_method_handler,
+                                   self.host_buffer_store, "GrpcHostBufferStoreRequest",
+                                   "GrpcHostBufferStoreResponse"),
+            "HostBufferLookup": rpc(grpc.unary_stream_rpc_method_handler,
+                                    self.host_buffer_lookup, "GrpcHostBufferLookupRequest",
+                                    "GrpcHostBufferLookupResponse"),
+            "HostBufferDelete": rpc(grpc.unary_unary_rpc_method_handler,
+                                    self.host_buffer_delete, "GrpcHostBufferDeleteRequest",
+                                    "GrpcHostBufferDeleteResponse"),
+            "HostBufferReadFromDisk": rpc(
+                grpc.unary_unary_rpc_method_handler, self.host_buffer_read_from_disk,
+                "GrpcHostBufferReadFromDiskRequest", "GrpcHostBufferReadFromDiskResponse"),
+        })
+        admin = grpc.method_handlers_generic_handler(ADMIN_SERVICE, {
+            "Status": grpc.unary_unary_rpc_method_handler(self.status),
+        })
+        return [ifrt, admin]
+
+
+async def start_server(frontend: Frontend, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Starts serving; returns the server and the port it bound (for port 0, a free one)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server.add_generic_rpc_handlers(IfrtProxyServicer(frontend).handlers())
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not listen on {host}:{port}; is the port in use?")
+    await server.start()
+    return server, bound
+
+
+def fetch_status(address: str, timeout: float = 10.0) -> dict[str, Any]:
+    """Asks a running server for its status (used by `isthmus status`)."""
+    target = address.removeprefix("grpc://")
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(f"/{ADMIN_SERVICE}/Status")
+        return json.loads(call(b"", timeout=timeout))

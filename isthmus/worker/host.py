@@ -1,0 +1,297 @@
+"""The device side of one host: buffers and executables on a jaxlib client.
+
+`DeviceHost` is what a worker process runs and what the embedded backend runs in-process. It
+knows nothing of sessions or handles: it stores shard buffers under controller-chosen
+`BufferId`s, compiles programs under `ExecutableId`s, and executes them. Dispatch calls
+return at once (jaxlib runs the work asynchronously); waiting is done by `ready` and `fetch`,
+which move the blocking wait to a thread so the caller's event loop keeps going.
+
+Errors belong to buffers: a buffer that could not be produced keeps its exception, and every
+later operation on it reports that exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.ids import BufferId, ExecutableId
+from isthmus.worker import programs
+
+logger = logging.getLogger(__name__)
+
+
+class _Failed:
+    """A buffer slot that holds the error which prevented its creation."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: errors.IsthmusError) -> None:
+        self.error = error
+
+
+class _HostArray:
+    """A string array: IFRT keeps these as host objects; no program can take them."""
+
+    __slots__ = ("value", "_deleted")
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+        self._deleted = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(x) for x in self.value.flat)
+
+    def is_ready(self) -> bool:
+        return True
+
+    def block_until_ready(self) -> _HostArray:
+        return self
+
+    def is_deleted(self) -> bool:
+        return self._deleted
+
+    def delete(self) -> None:
+        self._deleted = True
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.value
+
+
+@dataclasses.dataclass(slots=True)
+class _Loaded:
+    executable: Any  # jaxlib LoadedExecutable
+    info: programs.CompiledInfo
+    devices: tuple[Any, ...]  # jaxlib devices, in the executable's order
+    arg_shardings: tuple[Any, ...]  # per parameter: a jax sharding to wrap shards with
+
+
+class DeviceHost:
+    """Buffers and executables of the local devices of one jaxlib client."""
+
+    def __init__(self, client: Any, *, pool: concurrent.futures.Executor | None = None) -> None:
+        self.client = client
+        self.devices = {d.id: d for d in client.devices()}
+        self._buffers: dict[BufferId, Any] = {}
+        self._executables: dict[ExecutableId, _Loaded] = {}
+        self._pool = pool or concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="isthmus-host"
+        )
+
+    # ---- buffers -------------------------------------------------------------------------
+
+    # Host data larger than this is placed from a thread, so the event loop keeps going.
+    INLINE_PUT_BYTES = 1 << 20
+
+    def put(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
+            memory_kind: str | None = None) -> Awaitable[None]:
+        """Stores `value` on a device; resolves once stored. `value` must not change."""
+        if value.dtype == object:  # IFRT string arrays stay host objects
+            self._buffers[buffer_id] = _HostArray(value)
+            return _done()
+        if value.nbytes <= self.INLINE_PUT_BYTES:
+            self._put_blocking(buffer_id, device_id, value, memory_kind)
+            return _done()
+        return asyncio.get_running_loop().run_in_executor(
+            self._pool, self._put_blocking, buffer_id, device_id, value, memory_kind)
+
+    def _put_blocking(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
+                      memory_kind: str | None) -> None:
+        import jax
+        from jax.sharding import SingleDeviceSharding
+
+        try:
+            device = self.devices[device_id]
+            target = device if memory_kind is None else SingleDeviceSharding(
+                device, memory_kind=memory_kind)
+            self._buffers[buffer_id] = jax.device_put(value, target)
+        except Exception as e:  # noqa: BLE001 - jaxlib raises ValueError, RuntimeError, ...
+            self.fail(buffer_id, errors.from_runtime_error(
+                e, errors.InvalidRequest, "could not place the host data on the device"))
+
+    def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
+        """Makes `buffer_id` an error buffer: every use of it reports `error`."""
+        self._buffers[buffer_id] = _Failed(error)
+
+    def copy(self, src: BufferId, dst: BufferId, device_id: int,
+             memory_kind: str | None = None) -> None:
+        """Copies a buffer to another local device (or memory kind)."""
+        import jax
+        from jax.sharding import SingleDeviceSharding
+
+        value = self._buffers.get(src)
+        if value is None or isinstance(value, _Failed):
+            self._buffers[dst] = value if value is not None else _Failed(self._missing(src))
+            return
+        try:
+            device = self.devices[device_id]
+            target = device if memory_kind is None else SingleDeviceSharding(
+                device, memory_kind=memory_kind)
+            if isinstance(value, _HostArray):
+                self._buffers[dst] = _HostArray(value.value)
+                return
+            self._buffers[dst] = jax.device_put(value, target, may_alias=False)
+        except Exception as e:  # noqa: BLE001
+            self.fail(dst, errors.from_runtime_error(
+                e, errors.ExecutionError, "copying an array between devices failed"))
+
+    def free(self, buffer_ids: Sequence[BufferId]) -> None:
+        for buffer_id in buffer_ids:
+            value = self._buffers.pop(buffer_id, None)
+            if value is not None and not isinstance(value, _Failed):
+                try:
+                    value.delete()
+                except Exception:  # noqa: BLE001 - already deleted (donated) is fine
+                    pass
+
+    def has(self, buffer_id: BufferId) -> bool:
+        return buffer_id in self._buffers
+
+    def stats(self) -> dict[str, int]:
+        live = [v for v in self._buffers.values()
+                if not isinstance(v, _Failed) and not v.is_deleted()]
+        return {"buffers": len(live), "bytes": sum(v.nbytes for v in live),
+                "executables": len(self._executables)}
+
+    def _missing(self, buffer_id: BufferId) -> errors.IsthmusError:
+        return errors.InternalError(
+            f"buffer {buffer_id} is not on this host; the controller and worker disagree, "
+            "which is a bug in isthmus: please report it.")
+
+    def _get(self, buffer_id: BufferId) -> Any:
+        value = self._buffers.get(buffer_id)
+        if value is None:
+            raise self._missing(buffer_id)
+        if isinstance(value, _Failed):
+            raise value.error
+        if value.is_deleted():
+            raise errors.ArrayDeleted(
+                "the array's data was deleted or donated to an earlier computation; "
+                "keep a copy (or don't donate it) if you need it again.")
+        return value
+
+    def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
+        """Resolves when every buffer is computed; fails with the first buffer's error."""
+        try:
+            values = [self._get(b) for b in buffer_ids]
+        except errors.IsthmusError as e:
+            return _failed(e)
+        return self._wait_ready(values)
+
+    async def _wait_ready(self, values: list[Any]) -> None:
+        pending = [v for v in values if not v.is_ready()]
+        try:
+            if pending:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._pool, _block_all, pending)
+            for value in values:
+                value.block_until_ready()  # ready now: raises the stored error, if any
+        except Exception as e:  # noqa: BLE001
+            raise errors.from_runtime_error(
+                e, errors.ExecutionError, "the computation producing this array failed") from None
+
+    def fetch(self, buffer_id: BufferId) -> Awaitable[np.ndarray]:
+        """Resolves to the host copy of one buffer, once it is computed."""
+        try:
+            value = self._get(buffer_id)
+        except errors.IsthmusError as e:
+            return _failed(e)
+        return self._wait_value(value)
+
+    async def _wait_value(self, value: Any) -> np.ndarray:
+        try:
+            if value.is_ready():
+                return np.asarray(value)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, np.asarray, value)
+        except Exception as e:  # noqa: BLE001
+            raise errors.from_runtime_error(
+                e, errors.ExecutionError, "the computation producing this array failed") from None
+
+    # ---- programs ------------------------------------------------------------------------
+
+    def compile(self, executable_id: ExecutableId, request: programs.CompileRequest
+                ) -> Awaitable[programs.CompiledInfo]:
+        """Starts compiling a StableHLO program for local devices, in a thread."""
+        work = asyncio.get_running_loop().run_in_executor(
+            self._pool, self._compile_blocking, request)
+        return self._finish_compile(executable_id, work)
+
+    async def _finish_compile(self, executable_id: ExecutableId,
+                              work: Awaitable[_Loaded]) -> programs.CompiledInfo:
+        loaded = await work
+        self._executables[executable_id] = loaded
+        return loaded.info
+
+    def _compile_blocking(self, request: programs.CompileRequest) -> _Loaded:
+        devices = tuple(self.devices[d] for d in request.device_ids)
+        executable, info = programs.compile_program(self.client, devices, request)
+        return _Loaded(executable, info, devices, programs.arg_shardings(info, devices))
+
+    def drop_executable(self, executable_id: ExecutableId) -> None:
+        self._executables.pop(executable_id, None)
+
+    def execute(self, executable_id: ExecutableId, args: Sequence[Sequence[BufferId]],
+                results: Sequence[Sequence[BufferId]], copy_first: frozenset[int] = frozenset()
+                ) -> None:
+        """Runs an executable; `args[i][k]` is argument i's shard on the k-th device.
+
+        `results[j][k]` names output j's shard on the k-th device. Arguments listed in
+        `copy_first` are copied before the call so that donation cannot consume them.
+        """
+        import jax
+        from jax._src.lib import _jax
+
+        try:
+            loaded = self._executables.get(executable_id)
+            if loaded is None:
+                raise errors.InternalError(
+                    f"executable {executable_id} is not loaded on this host; this is a bug in "
+                    "isthmus: please report it.")
+            arrays = []
+            for index, shard_ids in enumerate(args):
+                shards = [self._get(b) for b in shard_ids]
+                if index in copy_first:
+                    shards = [jax.device_put(s, s.sharding, may_alias=False) for s in shards]
+                aval = loaded.info.param_avals[index]
+                arrays.append(_jax.ArrayImpl(aval, loaded.arg_shardings[index], shards,
+                                             True, True))
+            outputs = loaded.executable.execute_sharded(arrays)
+            per_output = outputs.disassemble_into_single_device_arrays()
+        except Exception as e:  # noqa: BLE001
+            error = errors.from_runtime_error(e, errors.ExecutionError, "execution failed")
+            for shard_ids in results:
+                for b in shard_ids:
+                    self.fail(b, error)
+            return
+        for shard_ids, shards in zip(results, per_output):
+            for b, shard in zip(shard_ids, shards):
+                self._buffers[b] = shard
+
+    async def close(self) -> None:
+        self.free(list(self._buffers))
+        self._executables.clear()
+
+
+async def _failed(error: errors.IsthmusError) -> Any:
+    raise error
+
+
+async def _done() -> None:
+    return None
+
+
+def _block_all(values: list[Any]) -> None:
+    for value in values:
+        try:
+            value.block_until_ready()
+        except Exception:  # noqa: BLE001 - reported by the caller's second pass
+            return

@@ -1,0 +1,200 @@
+"""Compiling StableHLO programs with jaxlib and describing the result.
+
+The client sends a StableHLO portable artifact (VHLO bytecode) with its global signature:
+shapes in `main` are global, shardings are attributes. We read the signature (output types,
+donated arguments) from the module itself and everything else (shardings, layouts, cost) from
+the compiled executable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from isthmus import dtypes, errors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompileRequest:
+    """What a host needs to compile one program."""
+
+    module: bytes  # StableHLO portable artifact or MLIR text
+    compile_options: bytes  # serialized xla.CompileOptionsProto, already vetted
+    device_ids: tuple[int, ...]  # the host's device ids, in the program's device order
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Aval:
+    """Global type of one program input or output."""
+
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompiledInfo:
+    """Everything the controller and the client may ask about an executable."""
+
+    name: str
+    params: tuple[Aval, ...]
+    outputs: tuple[Aval, ...]
+    param_shardings: tuple[bytes, ...] | None  # xla.OpSharding per parameter; None: 1 device
+    output_shardings: tuple[bytes, ...] | None  # xla.OpSharding per output; None: 1 device
+    param_layouts: tuple[str, ...]  # e.g. "{1,0}"
+    output_layouts: tuple[str, ...]
+    output_memory_kinds: tuple[str, ...]
+    donated_inputs: tuple[int, ...]  # parameters the program may consume
+    fingerprint: bytes | None
+    cost_analysis: dict[str, Any]
+    hlo_text: str
+    memory_stats: dict[str, int]
+    generated_code_bytes: int
+    param_avals: tuple[Any, ...] = ()  # jax ShapedArrays, for wrapping arguments
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.outputs)
+
+
+def _parse_signature(module: bytes) -> tuple[str, tuple[Aval, ...], tuple[Aval, ...],
+                                               tuple[int, ...]]:
+    from jax._src.interpreters import mlir as jax_mlir
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import stablehlo
+
+    context = jax_mlir.make_ir_context()
+    with context:
+        try:
+            parsed = stablehlo.deserialize_portable_artifact(context, module)
+        except Exception:  # noqa: BLE001 - not an artifact; maybe MLIR text or bytecode
+            try:
+                parsed = ir.Module.parse(module)
+            except Exception as e:  # noqa: BLE001
+                raise errors.CompileError(
+                    f"the program does not parse as StableHLO ({_first_line(e)}); send a "
+                    "program lowered by jax.") from None
+        name = "main"
+        if "sym_name" in parsed.operation.attributes:
+            name = ir.StringAttr(parsed.operation.attributes["sym_name"]).value
+        main = None
+        for op in parsed.body.operations:
+            attrs = op.attributes
+            if "sym_name" in attrs and ir.StringAttr(attrs["sym_name"]).value == "main":
+                main = op
+        if main is None:
+            raise errors.CompileError(
+                "the program has no `main` function; send a program lowered by jax.")
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        params = tuple(_aval(t) for t in ftype.inputs)
+        outputs = tuple(_aval(t) for t in ftype.results)
+        donated: list[int] = []
+        if "arg_attrs" in main.attributes:
+            for index, attr in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
+                d = ir.DictAttr(attr)
+                if "tf.aliasing_output" in d or "jax.buffer_donor" in d:
+                    donated.append(index)
+    return name, params, outputs, tuple(donated)
+
+
+def _aval(t: Any) -> Aval:
+    from jaxlib.mlir import ir
+
+    if isinstance(t, ir.RankedTensorType):
+        tensor = t
+        element = str(tensor.element_type)
+        shape = tuple(int(d) for d in tensor.shape)
+    else:
+        element, shape = str(t), ()
+    dtype = dtypes.BY_MLIR.get(element)
+    if dtype is None:
+        raise errors.CompileError(
+            f"the program uses element type {element}, which isthmus cannot carry; use a "
+            "dtype jax supports on CPU and GPU.")
+    if any(d < 0 for d in shape):
+        raise errors.CompileError(
+            "the program has dynamically shaped inputs or outputs, which isthmus does not "
+            "support; give every dimension a static size.")
+    return Aval(dtype, shape)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
+                    ) -> tuple[Any, CompiledInfo]:
+    """Compiles and loads `request` on `devices` (blocking)."""
+    from jax._src import core
+    from jax._src.lib import _jax
+    from jax._src.lib import xla_client as xc
+
+    name, params, outputs, donated = _parse_signature(request.module)
+    try:
+        options = xc.CompileOptions.ParseFromString(request.compile_options)
+    except Exception as e:  # noqa: BLE001
+        raise errors.InvalidRequest(f"the compile options do not parse: {_first_line(e)}") from None
+    try:
+        executable = client.compile_and_load(
+            request.module, _jax.DeviceList(tuple(devices)), options)
+    except Exception as e:  # noqa: BLE001
+        raise errors.from_runtime_error(e, errors.CompileError, "compilation failed") from None
+
+    def shardings(values: Any) -> tuple[bytes, ...] | None:
+        return None if values is None else tuple(s.SerializeToString() for s in values)
+
+    def optional(call: Any, default: Any) -> Any:
+        try:
+            return call()
+        except Exception:  # noqa: BLE001 - a backend may not implement every query
+            return default
+
+    stats = optional(executable.get_compiled_memory_stats, None)
+    memory_stats = {} if stats is None else {
+        field: int(getattr(stats, field)) for field in (
+            "generated_code_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+            "alias_size_in_bytes", "temp_size_in_bytes", "host_generated_code_size_in_bytes",
+            "host_argument_size_in_bytes", "host_output_size_in_bytes",
+            "host_alias_size_in_bytes", "host_temp_size_in_bytes")
+        if hasattr(stats, field)}
+    memory_kinds = optional(executable.get_output_memory_kinds, [[]])
+    fingerprint = optional(lambda: executable.fingerprint, None)
+    info = CompiledInfo(
+        name=name,
+        params=params,
+        outputs=outputs,
+        param_shardings=shardings(optional(executable.get_parameter_shardings, None)),
+        output_shardings=shardings(optional(executable.get_output_shardings, None)),
+        param_layouts=tuple(str(x) for x in optional(executable.get_parameter_layouts, [])),
+        output_layouts=tuple(str(x) for x in optional(executable.get_output_layouts, [])),
+        output_memory_kinds=tuple(memory_kinds[0]) if memory_kinds else (),
+        donated_inputs=donated,
+        fingerprint=fingerprint if isinstance(fingerprint, bytes) else None,
+        cost_analysis=dict(optional(executable.cost_analysis, {}) or {}),
+        hlo_text=optional(executable.get_hlo_text, ""),
+        memory_stats=memory_stats,
+        generated_code_bytes=int(optional(executable.size_of_generated_code_in_bytes, 0)),
+        param_avals=tuple(core.ShapedArray(p.shape, p.dtype.numpy) if p.dtype.numpy is not None
+                          else None for p in params),
+    )
+    return executable, info
+
+
+def arg_shardings(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...]:
+    """A jax sharding per parameter, to wrap shards into the arrays jaxlib executes on."""
+    from jax._src.lib import _jax
+    from jax._src.lib import xla_client as xc
+
+    if info.param_shardings is None or len(devices) == 1:
+        single = _jax.SingleDeviceSharding(devices[0])
+        return tuple(single for _ in info.params)
+    result = []
+    for op in info.param_shardings:
+        proto = xc.OpSharding()
+        proto.ParseFromString(op)
+        result.append(_jax.GSPMDSharding(tuple(devices), xc.HloSharding.from_proto(proto)))
+    return tuple(result)
