@@ -78,6 +78,11 @@ class DeviceHost:
     """Buffers and executables of the local devices of one jaxlib client."""
 
     def __init__(self, client: Any, *, pool: concurrent.futures.Executor | None = None) -> None:
+        import jax
+
+        # Buffers must keep the client's dtypes: without x64, jax.device_put would turn
+        # int64/float64 host data into 32-bit buffers.
+        jax.config.update("jax_enable_x64", True)
         self.client = client
         self.devices = {d.id: d for d in client.devices()}
         self._buffers: dict[BufferId, Any] = {}

@@ -1,0 +1,117 @@
+"""Helpers to test code against a real isthmus server in other processes.
+
+    with LocalServer(devices=8) as server:
+        result = run_python("import jax; print(jax.device_count())", server.address)
+
+`LocalServer` starts `isthmus up` as a subprocess on a free port and waits (with a timeout)
+for its ready line; `run_python` runs a script with the stock jax client pointed at it.
+Every wait has a timeout, so a hang fails with a message instead of stalling a test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from isthmus.cli import READY_PREFIX, child_environment
+
+
+class ServerError(RuntimeError):
+    """The server did not start, or did not stop, as expected."""
+
+
+class LocalServer:
+    """An `isthmus up` process on 127.0.0.1 with a free port."""
+
+    def __init__(self, *, devices: int = 8, args: Sequence[str] = (),
+                 start_timeout: float = 60.0, env: dict[str, str] | None = None) -> None:
+        self.devices = devices
+        self.args = list(args)
+        self.start_timeout = start_timeout
+        self.env = env
+        self.process: subprocess.Popen[str] | None = None
+        self.address = ""
+        self._log = tempfile.NamedTemporaryFile(prefix="isthmus-server-", suffix=".log",
+                                                delete=False, mode="w+")
+
+    def start(self) -> str:
+        command = [sys.executable, "-m", "isthmus.cli", "up", "--port", "0",
+                   "--devices", str(self.devices), *self.args]
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+            start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        selector = selectors.DefaultSelector()
+        assert self.process.stdout is not None
+        selector.register(self.process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"isthmus up exited with {self.process.returncode}:\n"
+                                  f"{self.log()}")
+            if selector.select(timeout=0.2):
+                line = self.process.stdout.readline()
+                if line.startswith(READY_PREFIX):
+                    self.address = line[len(READY_PREFIX):].strip()
+                    return self.address
+        self.stop()
+        raise ServerError(f"isthmus up printed no ready line within {self.start_timeout} s:\n"
+                          f"{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self._log.name) as f:
+            return f.read()[-20000:]
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """Stops the server with SIGTERM (SIGKILL after `timeout`); returns its exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout)
+                raise ServerError(f"isthmus up ignored SIGTERM for {timeout} s:\n{self.log()}")
+        return self.process.returncode
+
+    def status(self) -> dict[str, Any]:
+        from isthmus.wire.servicer import fetch_status
+
+        return fetch_status(self.address)
+
+    def __enter__(self) -> LocalServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_python(code: str, address: str | None, *, timeout: float = 120.0,
+               env: dict[str, str] | None = None, args: Sequence[str] = ()
+               ) -> subprocess.CompletedProcess[str]:
+    """Runs `code` in a new Python; with an address, its jax uses that isthmus server."""
+    base = dict(os.environ if env is None else env)
+    full_env = child_environment(address, base) if address else base
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+        path = f.name
+    try:
+        return subprocess.run([sys.executable, path, *args], env=full_env, text=True,
+                              capture_output=True, timeout=timeout)
+    finally:
+        os.unlink(path)
