@@ -147,9 +147,13 @@ class Controller:
                 self.fleet.channel(worker).drop_executable(old.id)
 
     def stats(self) -> dict[str, object]:
-        return {
-            "workers": {str(w): {**self.fleet.channel(w).stats(), **acct}
-                        for w, acct in self.accounting().items()},
-            "executables": len(self._executables),
-            "sessions": len(self.sessions),
-        }
+        """Per worker: what the controller accounts ("buffers", "bytes") beside what the
+        worker itself reports ("worker_buffers", "worker_bytes")."""
+        workers: dict[str, dict[str, int]] = {}
+        for worker, account in self.accounting().items():
+            reported = self.fleet.channel(worker).stats()
+            workers[str(worker)] = {
+                **account, "worker_buffers": reported.get("buffers", 0),
+                "worker_bytes": reported.get("bytes", 0),
+                "worker_executables": reported.get("executables", 0)}
+        return {"workers": workers, "executables": len(self._executables)}

@@ -289,12 +289,15 @@ class Session:
 
     # ---- moving data ---------------------------------------------------------------------
 
-    def copy_arrays(self, arrays: Sequence[Array], device_ids: Sequence[int],
+    def copy_arrays(self, arrays: Sequence[Array], device_ids: Sequence[int] | None,
                     memory_kind: str | None, donate: bool = False) -> list[Array]:
-        """Copies of `arrays` on other devices (same layout, position by position)."""
-        targets = self.fleet.devices_of(device_ids)
+        """Copies of `arrays` on other devices (same layout, position by position).
+
+        With `device_ids` None each array keeps its devices (a memory-kind change)."""
         results = []
         for array in arrays:
+            targets = self.fleet.devices_of(
+                array.sharding.devices if device_ids is None else device_ids)
             if len(targets) != len(array.sharding.devices):
                 raise errors.InvalidRequest(
                     f"copying an array on {len(array.sharding.devices)} devices to "
@@ -323,6 +326,114 @@ class Session:
                     self._donate(array)
 
         self.dispatcher.submit(inputs, run)
+        return results
+
+    def reshard(self, arrays: Sequence[Array], shardings: Sequence[sh.Sharding],
+                donate: bool = False) -> list[Array]:
+        """Copies of `arrays` laid out by new shardings (any devices of one worker)."""
+        results = []
+        for array, sharding in zip(arrays, shardings):
+            out = self._new_array(array.dtype, array.shape, sharding, define=False)
+            out.error = array.error
+            results.append(out)
+        inputs = [b for a in arrays for b in a.shards]
+
+        def run() -> None:
+            for array, out in zip(arrays, results):
+                error = first_error([array])
+                src_boxes = sh.shard_boxes(array.sharding, array.shape)
+                dst_boxes = sh.shard_boxes(out.sharding, out.shape)
+                for dst, dst_box in zip(out.shards, dst_boxes):
+                    if error is None:
+                        try:
+                            self._reshard_one(array, src_boxes, dst, dst_box)
+                            continue
+                        except errors.IsthmusError as e:
+                            dst.error = e
+                    else:
+                        dst.error = error
+                if donate:
+                    self._donate(array)
+
+        self.dispatcher.submit(inputs, run)
+        return results
+
+    def _reshard_one(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
+                     dst_box: sh.Box) -> None:
+        channel = self.fleet.channel(dst.device.worker)
+        candidates = [(b, box) for b, box in zip(array.shards, src_boxes)
+                      if b.device.worker == dst.device.worker]
+        # Prefer the shard already on the target device, then any holding the whole box.
+        candidates.sort(key=lambda c: c[0].device.id != dst.device.id)
+        for buffer, box in candidates:
+            if all(s0 <= d0 and d1 <= s1 for (s0, s1), (d0, d1) in zip(box, dst_box)):
+                if box == dst_box:
+                    channel.copy(buffer.id, dst.id, dst.device.local_id, dst.memory_kind)
+                else:
+                    rel = tuple(slice(d0 - s0, d1 - s0) for (s0, _), (d0, d1) in zip(box, dst_box))
+                    whole = tuple(slice(0, d1 - d0) for d0, d1 in dst_box)
+                    channel.assemble(dst.id, dst.device.local_id, dst.memory_kind,
+                                     array.dtype.numpy, sh.shard_shape(dst_box),
+                                     [(buffer.id, rel, whole)])
+                return
+        parts = []
+        covered: set[sh.Box] = set()
+        for buffer, box in candidates:
+            lo = tuple(max(s0, d0) for (s0, _), (d0, _) in zip(box, dst_box))
+            hi = tuple(min(s1, d1) for (_, s1), (_, d1) in zip(box, dst_box))
+            if any(a >= b for a, b in zip(lo, hi)) and dst_box:
+                continue
+            key = tuple(zip(lo, hi))
+            if key in covered:
+                continue
+            covered.add(key)
+            parts.append((buffer.id,
+                          tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, box)),
+                          tuple(slice(a - d0, b - d0) for a, b, (d0, _) in zip(lo, hi, dst_box))))
+        needed = math.prod(sh.shard_shape(dst_box))
+        got = sum(math.prod(b - a for a, b in k) for k in covered)
+        if got < needed:
+            raise errors.Unimplemented(
+                "resharding needs data from another worker, which this server cannot move yet; "
+                "reshard within one host.")
+        channel.assemble(dst.id, dst.device.local_id, dst.memory_kind, array.dtype.numpy,
+                         sh.shard_shape(dst_box), parts)
+
+    def bitcast(self, arrays: Sequence[Array],
+                specs: Sequence[tuple[dtypes.DType, tuple[int, ...], sh.Sharding]],
+                donate: bool = False) -> list[Array]:
+        """The same bytes read as other dtypes and shapes (shard by shard)."""
+        results = []
+        for array, (dtype, shape, sharding) in zip(arrays, specs):
+            if tuple(sharding.devices) != tuple(array.sharding.devices):
+                raise errors.InvalidRequest(
+                    "a bitcast keeps every shard where it is; give the same devices.")
+            if dtype.is_string or array.dtype.is_string:
+                raise errors.InvalidRequest("string arrays cannot be bitcast.")
+            out = self._new_array(dtype, self.validate_shape(dtype, shape), sharding,
+                                  define=False)
+            if any(a.nbytes != b.nbytes for a, b in zip(array.shards, out.shards)):
+                self.release([out])
+                raise errors.InvalidRequest(
+                    f"bitcasting {array.dtype.kind}{list(array.shape)} to "
+                    f"{dtype.kind}{list(shape)} changes the size of the shards.")
+            out.error = array.error
+            results.append(out)
+
+        def run() -> None:
+            for array, out in zip(arrays, results):
+                error = first_error([array])
+                boxes = sh.shard_boxes(out.sharding, out.shape)
+                for src, dst, box in zip(array.shards, out.shards, boxes):
+                    if error is not None:
+                        dst.error = error
+                    else:
+                        self.fleet.channel(src.device.worker).bitcast(
+                            src.id, dst.id, out.dtype.numpy, sh.shard_shape(box))
+                if donate:
+                    self._donate(array)
+
+        self.dispatcher.submit([b for a in arrays for b in a.shards], run)
         return results
 
     def fetch(self, array: Array) -> Awaitable[np.ndarray]:

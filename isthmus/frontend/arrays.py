@@ -60,7 +60,8 @@ def copy_arrays(session: Any, request: Any, response: Any) -> None:
     body = request.copy_arrays_request
     arrays = [session.array(h) for h in body.array_handles]
     memory_kind = body.memory_kind if body.HasField("memory_kind") and body.memory_kind else None
-    results = session.ctl.copy_arrays(arrays, list(body.device_ids), memory_kind, _donate(body))
+    device_ids = list(body.device_ids) or None  # none given: keep each array's devices
+    results = session.ctl.copy_arrays(arrays, device_ids, memory_kind, _donate(body))
     _bind_all(session, body.result_handles, results,
               response.copy_arrays_response.array_handles)
 
@@ -100,6 +101,40 @@ def remap_arrays(session: Any, request: Any, response: Any) -> None:
               response.remap_arrays_response.array_handles)
 
 
+def _specs(session: Any, body: Any, arrays: list[Any]) -> list[Any]:
+    if len(body.array_specs) != len(arrays):
+        raise errors.InvalidRequest(
+            f"{len(arrays)} arrays but {len(body.array_specs)} array specs; send one spec per "
+            "array.")
+    return [session.serdes.array_spec(p) for p in body.array_specs]
+
+
+@handles("reshard_arrays_request", arrays=("result_handles",))
+def reshard_arrays(session: Any, request: Any, response: Any) -> None:
+    body = request.reshard_arrays_request
+    arrays = [session.array(h) for h in body.array_handles]
+    specs = _specs(session, body, arrays)
+    for array, spec in zip(arrays, specs):
+        if spec.dtype != array.dtype or spec.shape != array.shape:
+            raise errors.InvalidRequest(
+                f"resharding keeps dtype and shape, but {array.dtype.kind}{list(array.shape)} "
+                f"was asked to become {spec.dtype.kind}{list(spec.shape)}.")
+    results = session.ctl.reshard(arrays, [s.sharding for s in specs], _donate(body))
+    _bind_all(session, body.result_handles, results,
+              response.reshard_arrays_response.array_handles)
+
+
+@handles("bitcast_arrays_request", arrays=("result_handles",))
+def bitcast_arrays(session: Any, request: Any, response: Any) -> None:
+    body = request.bitcast_arrays_request
+    arrays = [session.array(h) for h in body.array_handles]
+    specs = _specs(session, body, arrays)
+    results = session.ctl.bitcast(arrays, [(s.dtype, s.shape, s.sharding) for s in specs],
+                                  _donate(body))
+    _bind_all(session, body.result_handles, results,
+              response.bitcast_arrays_response.array_handles)
+
+
 @handles("make_error_arrays_request", arrays=("array_handles",))
 def make_error_arrays(session: Any, request: Any, response: Any) -> None:
     body = request.make_error_arrays_request
@@ -117,12 +152,19 @@ def make_error_arrays(session: Any, request: Any, response: Any) -> None:
 
 @handles("delete_array_request")
 def delete_array(session: Any, request: Any, response: Any) -> None:
-    body = request.delete_array_request
-    arrays = [session.array(h) for h in body.array_handle]
+    # Bad handles do not fail the request; they fail its deletion future (as XLA's server).
+    arrays, problems = [], []
+    for handle in request.delete_array_request.array_handle:
+        try:
+            arrays.append(session.array(handle))
+        except errors.IsthmusError as e:
+            problems.append(e)
     done = session.ctl.delete(arrays)
 
     async def wait() -> None:
         await done
+        if problems:
+            raise problems[0]
 
     response.delete_array_response.deletion_future_handle = session.add_future(None, wait)
 

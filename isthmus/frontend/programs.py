@@ -9,6 +9,7 @@ overrides stay the server's business.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from isthmus import errors
@@ -54,8 +55,11 @@ class CompileOptionsVetter:
         defaults = self._options.FromString(xc.CompileOptions().SerializeAsString())
         self._default_debug = defaults.executable_build_options.debug_options
 
-    def vet(self, serialized: Any) -> tuple[bytes, tuple[int, ...]]:
-        """(vetted CompileOptionsProto bytes, device ids of the device assignment)."""
+    def vet(self, serialized: Any, fleet_devices: Sequence[int]) -> tuple[bytes, tuple[int, ...]]:
+        """(vetted CompileOptionsProto bytes, device ids of the device assignment).
+
+        Options without a device assignment get one, as XLA's server derives it: the first
+        device for portable executables, `device_ordinal`, or the default assignment."""
         if serialized.type_name != XLA_COMPILE_OPTIONS:
             raise errors.Unimplemented(
                 f"compile options of type {serialized.type_name!r} are not supported; "
@@ -67,9 +71,7 @@ class CompileOptionsVetter:
         build = options.executable_build_options
         assignment = build.device_assignment
         if not assignment.computation_devices:
-            raise errors.InvalidRequest(
-                "the compile options carry no device assignment; compile for explicit devices "
-                "(jax always does).")
+            _default_assignment(options, fleet_devices)
         replicas = assignment.replica_count
         device_ids: list[int] = []
         for replica in range(replicas):
@@ -96,6 +98,28 @@ class CompileOptionsVetter:
         return options.SerializeToString(), tuple(device_ids)
 
 
+def _default_assignment(options: Any, fleet_devices: Sequence[int]) -> None:
+    build = options.executable_build_options
+    if options.compile_portable_executable:
+        devices = [[fleet_devices[0]]]
+    elif build.device_ordinal >= 0 and build.HasField("device_ordinal") and (
+            build.device_ordinal < len(fleet_devices)):
+        devices = [[fleet_devices[build.device_ordinal]]]
+    else:
+        replicas, partitions = max(build.num_replicas, 1), max(build.num_partitions, 1)
+        if replicas * partitions > len(fleet_devices):
+            raise errors.InvalidRequest(
+                f"the program asks for {replicas} replicas x {partitions} partitions, more "
+                f"than the {len(fleet_devices)} devices of this server.")
+        devices = [[fleet_devices[c * replicas + r] for r in range(replicas)]
+                   for c in range(partitions)]
+    assignment = build.device_assignment
+    assignment.replica_count = len(devices[0])
+    assignment.computation_count = len(devices)
+    for replica_ids in devices:
+        assignment.computation_devices.add().replica_device_ids.extend(replica_ids)
+
+
 @handles("compile_request")
 def compile_program(session: Any, request: Any, response: Any) -> Any:
     body = request.compile_request
@@ -112,7 +136,8 @@ def compile_program(session: Any, request: Any, response: Any) -> Any:
         raise errors.Unimplemented(
             "programs with host callbacks (jax.debug.print, pure_callback, io_callback) are not "
             "supported by isthmus; remove the callback or run it outside jit.")
-    options, device_ids = session.vetter.vet(body.compile_options)
+    options, device_ids = session.vetter.vet(body.compile_options,
+                                             [d.id for d in session.fleet.devices])
     executable = session.ctl.compile(CompileRequest(bytes(program.data), options, device_ids))
     out = response.compile_response
 

@@ -15,7 +15,8 @@ from typing import Any
 from isthmus import errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.session import Session as ControllerSession
-from isthmus.frontend import arrays, devices, execute, futures, programs, transfers  # noqa: F401
+from isthmus.frontend import (  # noqa: F401 - importing registers the handlers
+    arrays, devices, execute, futures, programs, transfers, unsupported)
 from isthmus.frontend.host_buffers import HostBufferStore
 from isthmus.frontend.programs import CompileOptionsVetter
 from isthmus.frontend.registry import HANDLERS

@@ -92,6 +92,29 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _check_default_layout(session: Any, layout: Any, rank: int) -> None:
+    """Accepts only the default (row-major, untiled) layout, in either IFRT form."""
+    serialized = layout.serialized_layout
+    row_major = list(range(rank))
+    try:
+        if serialized.type_name == "xla::ifrt::CompactLayout":
+            proto = session.schema["xla.ifrt.CompactLayoutProto"].FromString(serialized.data)
+            if list(proto.major_to_minor) in ([], row_major):
+                return
+        elif serialized.type_name == "xla::ifrt::PjRtLayout":
+            proto = session.schema["xla.ifrt.PjRtLayoutProto"].FromString(serialized.data)
+            minor_to_major = list(proto.xla_layout.minor_to_major)
+            if minor_to_major in ([], row_major[::-1]) and not proto.xla_layout.tiles:
+                return
+        elif not serialized.type_name:
+            return
+    except Exception:  # noqa: BLE001
+        raise errors.InvalidRequest("the array's layout does not parse.") from None
+    raise errors.Unimplemented(
+        f"custom array layouts ({serialized.type_name}) are not supported by isthmus; use the "
+        "default row-major layout.")
+
+
 def _strides(body: Any) -> tuple[int, ...] | None:
     return tuple(body.byte_strides.strides) if body.HasField("byte_strides") else None
 
@@ -112,6 +135,8 @@ def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> No
     if strides is not None and len(strides) != len(shape):
         raise errors.InvalidRequest(
             f"byte_strides {list(strides)} do not match the rank of shape {list(shape)}.")
+    if body.HasField("layout"):
+        _check_default_layout(session, body.layout, len(shape))
     host = _host_array(session, body.host_buffer_handle, dtype, shape, strides)
     try:
         array = session.ctl.make_array(dtype, shape, sharding, host)

@@ -34,6 +34,15 @@ class WorkerChannel(Protocol):
              memory_kind: str | None = None) -> None:
         """Copies a buffer to another device (or memory) of the same worker."""
 
+    def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
+                 dtype: np.dtype, shape: tuple[int, ...],
+                 parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
+        """Builds a buffer from boxes of the worker's buffers (`src[src_box]` -> `dst_box`)."""
+
+    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype,
+                shape: tuple[int, ...]) -> None:
+        """Makes `dst` the bytes of `src` read as another dtype and shape."""
+
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
         """Drops buffers."""
 

@@ -148,6 +148,54 @@ class DeviceHost:
             self.fail(dst, errors.from_runtime_error(
                 e, errors.ExecutionError, "copying an array between devices failed"))
 
+    def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
+                 dtype: np.dtype, shape: tuple[int, ...],
+                 parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
+        """Builds `dst` on a device from boxes of local buffers (a reshard step).
+
+        Each part copies `src[src_box]` into `dst[dst_box]`. The work is dispatched as jax
+        operations, so it runs after the sources are computed without blocking here.
+        """
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import SingleDeviceSharding
+
+        try:
+            device = self.devices[device_id]
+            target = SingleDeviceSharding(device, memory_kind=memory_kind)
+            sources = [(self._get(src), src_box, dst_box) for src, src_box, dst_box in parts]
+            whole = tuple(slice(0, d) for d in shape)
+            if len(sources) == 1 and sources[0][2] == whole:
+                value, src_box, _ = sources[0]
+                result = jax.device_put(value[src_box], target, may_alias=False)
+            else:
+                result = jnp.zeros(shape, dtype, device=device)
+                for value, src_box, dst_box in sources:
+                    result = result.at[dst_box].set(jax.device_put(value[src_box], device))
+                if memory_kind is not None:
+                    result = jax.device_put(result, target)
+            self._buffers[dst] = result
+        except Exception as e:  # noqa: BLE001
+            self.fail(dst, errors.from_runtime_error(
+                e, errors.ExecutionError, "resharding the array failed"))
+
+    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype,
+                shape: tuple[int, ...]) -> None:
+        """`dst` holds the bytes of `src` read as another dtype and shape."""
+        import jax
+
+        try:
+            value = self._get(src)
+            if np.dtype(dtype).itemsize != value.dtype.itemsize:
+                raise errors.Unimplemented(
+                    f"bitcasting {value.dtype} to {np.dtype(dtype)} changes the element size, "
+                    "which isthmus does not support; bitcast between same-size dtypes.")
+            converted = jax.lax.bitcast_convert_type(value, dtype)
+            self._buffers[dst] = converted.reshape(shape)
+        except Exception as e:  # noqa: BLE001
+            self.fail(dst, errors.from_runtime_error(
+                e, errors.InvalidRequest, "bitcasting the array failed"))
+
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
         for buffer_id in buffer_ids:
             value = self._buffers.pop(buffer_id, None)

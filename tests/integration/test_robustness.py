@@ -1,0 +1,188 @@
+"""Bad input gets a clear error, quickly, and nothing else is disturbed.
+
+Protocol-level cases use `RawSession`; after each group the same server must still run a
+stock jax client correctly.
+"""
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from isthmus.testing import LocalServer
+from tests.integration.harness import compare, run_snippet
+from tests.integration.rawclient import RawSession, hlo_sharding, status_of
+
+NOT_FOUND, INVALID, DEADLINE, FAILED_PRECONDITION, UNIMPLEMENTED, EXHAUSTED = 5, 3, 4, 9, 12, 8
+
+
+@pytest.fixture(scope="module")
+def fast_server():
+    """A server whose host-buffer deadline is 2 s, so missing data fails fast."""
+    with LocalServer(devices=4, args=["--host-buffer-timeout", "2"]) as s:
+        yield s
+
+
+def _f32(raw):
+    return raw.msg("xla.ifrt.DTypeProto", kind=raw.s["xla.ifrt.DTypeProto"].KIND_F32)
+
+
+def _make_array(raw, handle, shape, host_handle=None, strides=None):
+    body = raw.msg("MakeArrayFromHostBufferRequest", host_buffer_handle=host_handle or handle,
+                   array_handle=handle)
+    body.dtype.CopyFrom(_f32(raw))
+    body.shape.dims.extend(shape)
+    body.sharding.CopyFrom(hlo_sharding(raw.s, [raw.devices[0]]))
+    if strides is not None:
+        body.byte_strides.strides.extend(strides)
+    return raw.send("make_array_from_host_buffer_request", body)
+
+
+def _ready(raw, *handles, timeout=None):
+    return raw.call("check_value_ready_request",
+                    raw.msg("CheckValueReadyRequest", value_handles=list(handles)), timeout)
+
+
+def test_unknown_handles_and_request_kinds(fast_server):
+    with RawSession(fast_server.address) as raw:
+        code, message = status_of(_ready(raw, 12345))
+        assert code == NOT_FOUND and "12345" in message and "unknown" in message
+        code, message = status_of(raw.call(
+            "loaded_executable_metadata_request",
+            raw.msg("LoadedExecutableMetadataRequest", loaded_executable_handle=77)))
+        assert code == NOT_FOUND and "executable handle 77" in message
+        code, message = status_of(raw.call(
+            "check_future_request", raw.msg("CheckFutureRequest", future_handle=5)))
+        assert code == NOT_FOUND
+        code, message = status_of(raw.call(None))  # a request with no kind at all
+        assert code == UNIMPLEMENTED and "not implemented" in message
+        # Destructing unknown handles is harmless (the client does it for failed arrays).
+        response = raw.call("destruct_array_request",
+                            raw.msg("DestructArrayRequest", array_handle=[1, 2, 3]))
+        assert response.HasField("destruct_array_response")
+
+
+def test_hostile_shapes_fail_before_waiting_for_data(fast_server):
+    with RawSession(fast_server.address) as raw:
+        start = time.monotonic()
+        code, message = status_of(raw.wait(_make_array(raw, 10, [-3, 2])))
+        assert code == INVALID and "negative" in message
+        code, message = status_of(raw.wait(_make_array(raw, 11, [1 << 40, 1 << 30])))
+        assert code == EXHAUSTED and "bytes" in message
+        code, message = status_of(raw.wait(_make_array(raw, 12, [4, 4], strides=[4])))
+        assert code == INVALID and "rank" in message
+        assert time.monotonic() - start < 1.5, "validation waited for data"
+        # The failed requests' handles now report the real cause, not "unknown handle".
+        code, message = status_of(_ready(raw, 10))
+        assert code == INVALID and "negative" in message
+
+
+def test_wrong_size_host_buffer(fast_server):
+    with RawSession(fast_server.address) as raw:
+        raw.store(20, b"\0" * 12)  # 3 floats for a 2x2 array
+        op = _make_array(raw, 20, [2, 2])
+        assert not status_of(raw.wait(op))[0]
+        code, message = status_of(_ready(raw, 20))
+        assert code == INVALID and "12 bytes" in message and "16" in message
+
+
+def test_host_buffer_that_never_arrives(fast_server):
+    with RawSession(fast_server.address) as raw:
+        _make_array(raw, 30, [2, 2])  # its host buffer is never sent
+        start = time.monotonic()
+        # Requests that need no device work are answered while the array waits.
+        layout = raw.msg("GetDefaultLayoutRequest", dims=[2, 2], device_id=raw.devices[0])
+        layout.dtype.CopyFrom(_f32(raw))
+        response = raw.call("get_default_layout_request", layout, timeout=1.0)
+        assert response.get_default_layout_response.serialized_pjrt_layout == b"{1,0}"
+        code, message = status_of(_ready(raw, 30, timeout=10))
+        elapsed = time.monotonic() - start
+        assert code == DEADLINE and "did not start arriving" in message
+        assert elapsed < 6, elapsed
+        # Device work behind it was delayed, not lost.
+        data = np.arange(4, dtype=np.float32)
+        raw.store(31, data.tobytes())
+        _make_array(raw, 31, [4])
+        copy = raw.msg("CopyToHostBufferRequest", array_handle=31, host_buffer_handle=32)
+        assert not status_of(raw.call("copy_to_host_buffer_request", copy, timeout=10))[0]
+        assert raw.lookup(32) == data.tobytes()
+
+
+def test_bad_programs(fast_server):
+    with RawSession(fast_server.address) as raw:
+        def compile_with(type_name, data):
+            body = raw.msg("CompileRequest")
+            body.program.type_name = type_name
+            body.program.data = data
+            options = raw.s["xla.ifrt.XlaCompileOptionsProto"]()
+            build = options.compile_options.executable_build_options
+            build.device_assignment.replica_count = 1
+            build.device_assignment.computation_count = 1
+            build.device_assignment.computation_devices.add(replica_device_ids=[0])
+            body.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
+            body.compile_options.data = options.SerializeToString()
+            return status_of(raw.call("compile_request", body))
+
+        code, message = compile_with("xla::ifrt::XlaProgram", b"not a program \x00\xff")
+        assert code == INVALID and "does not parse" in message
+        code, message = compile_with("xla::ifrt::MysteryProgram", b"")
+        assert code == UNIMPLEMENTED and "MysteryProgram" in message
+        code, message = compile_with("xla::ifrt::CustomCallProgram", b"")
+        assert code == UNIMPLEMENTED and "PjRtCompiler requires an HloProgram" not in message
+
+
+def test_garbage_bytes_and_bad_versions(fast_server):
+    target = fast_server.address.removeprefix("grpc://")
+    with grpc.insecure_channel(target) as channel:
+        stream = channel.stream_stream("/xla.ifrt.proxy.GrpcIfrtService/IfrtSession")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(iter([b"\xff\xfe garbage \x00" * 10]), timeout=10))
+        assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT,
+                                     grpc.StatusCode.UNKNOWN)
+        version = channel.unary_unary("/xla.ifrt.proxy.GrpcIfrtService/GetVersion")
+        with pytest.raises(grpc.RpcError) as info:
+            version(b"\x0a\x02\x08\x01\x12\x02\x08\x05", timeout=10)  # client speaks 1..5
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no common version" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        RawSession(fast_server.address, version=99)
+    assert "no common version" in info.value.details()
+
+
+def test_sessions_are_isolated(fast_server):
+    with RawSession(fast_server.address) as a, RawSession(fast_server.address) as b:
+        a.store(40, np.ones(4, np.float32).tobytes())
+        assert not status_of(a.wait(_make_array(a, 40, [4])))[0]
+        assert not status_of(_ready(a, 40))[0]
+        code, message = status_of(_ready(b, 40))
+        assert code == NOT_FOUND and "other sessions" in message
+        with pytest.raises(grpc.RpcError) as info:  # B cannot read A's host buffers
+            b.lookup(40)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED or \
+            info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_server_still_serves_stock_client_after_abuse(fast_server):
+    compare("""
+        import jax
+        emit("x", jax.jit(lambda a: a * 3)(np.arange(5.0, dtype=np.float32)))
+    """, fast_server.address)
+    assert fast_server.alive()
+
+
+def test_compile_error_reaches_user(server):
+    out = run_snippet("""
+        import jax, jax.numpy as jnp
+        def f(x):
+            return jax.ffi.ffi_call("isthmus_no_such_target",
+                                    jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+        try:
+            jax.jit(f)(jnp.ones(3))
+            emit("error", "")
+        except Exception as e:
+            emit("error", str(e))
+        emit("after", jax.jit(lambda a: a + 1)(np.float32(1)))
+    """, server.address)
+    assert "isthmus_no_such_target" in str(out["error"]), out["error"]
+    assert float(out["after"]) == 2.0
