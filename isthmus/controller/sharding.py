@@ -72,7 +72,9 @@ def _hlo_tiling(op_sharding: bytes, rank: int, count: int) -> _Tiling:
         raise errors.InvalidRequest(
             f"the sharding's xla.OpSharding does not parse ({e}); send a sharding made by jax."
         ) from None
-    if hlo.is_replicated() or hlo.is_manual() or hlo.is_maximal() or hlo.is_unknown():
+    # Unreduced (partial sums) and manual shardings keep a full-shape value per device.
+    if (hlo.is_replicated() or hlo.is_manual() or hlo.is_maximal() or hlo.is_unknown()
+            or hlo.is_unreduced()):
         return _replicated_tiling(rank, count)
     dims = list(hlo.tile_assignment_dimensions())
     devices = list(hlo.tile_assignment_devices())

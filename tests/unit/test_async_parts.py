@@ -1,0 +1,75 @@
+"""The host-buffer store and the ordered dispatcher, driven without sockets."""
+
+import asyncio
+
+import pytest
+
+from isthmus import errors
+from isthmus.controller.arrays import Buffer
+from isthmus.controller.dispatch import OrderedDispatcher
+from isthmus.controller.fleet import Device
+from isthmus.frontend.host_buffers import HostBufferStore
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 10))
+
+
+def test_take_waits_for_an_upload_that_comes_later():
+    async def main():
+        store = HostBufferStore(start_timeout=5)
+        waiter = asyncio.ensure_future(store.take(7))
+        await asyncio.sleep(0.01)
+        store.begin(7, 3)
+        store.complete(7, memoryview(b"abc"))
+        assert bytes(await waiter) == b"abc"
+        assert len(store) == 0 and store.bytes_held == 0
+    run(main())
+
+
+def test_missing_upload_times_out_but_a_started_one_does_not():
+    async def main():
+        store = HostBufferStore(start_timeout=0.1)
+        with pytest.raises(errors.HostBufferMissing, match="did not start arriving"):
+            await store.take(1)
+        slow = asyncio.ensure_future(store.take(2))
+        store.begin(2, 1)
+        await asyncio.sleep(0.3)  # longer than the start deadline
+        store.complete(2, memoryview(b"x"))
+        assert bytes(await slow) == b"x"
+    run(main())
+
+
+def test_close_fails_waiters():
+    async def main():
+        store = HostBufferStore(start_timeout=5)
+        waiter = asyncio.ensure_future(store.take(3))
+        await asyncio.sleep(0)
+        store.close(errors.SessionClosed("gone"))
+        with pytest.raises(errors.SessionClosed):
+            await waiter
+    run(main())
+
+
+def _buffer(i):
+    return Buffer(i, Device(0, 0, 0, "cpu", "cpu", 0, 0), 4)
+
+
+def test_dispatcher_runs_in_order_and_waits_for_inputs():
+    async def main():
+        dispatcher = OrderedDispatcher()
+        order = []
+        ready = _buffer(1)
+        pending = _buffer(2)
+        pending.defined = asyncio.get_running_loop().create_future()
+        dispatcher.submit([ready], lambda: order.append("a"))
+        assert order == ["a"]  # nothing pending: runs inside submit
+        dispatcher.submit([pending], lambda: order.append("b"))
+        dispatcher.submit([ready], lambda: order.append("c"))  # waits behind b
+        await asyncio.sleep(0.01)
+        assert order == ["a"]
+        pending.defined.set_result(None)
+        pending.defined = None
+        await dispatcher.flush()
+        assert order == ["a", "b", "c"]
+    run(main())

@@ -1,0 +1,79 @@
+"""The front end and controller driven in-process: no sockets, one embedded worker."""
+
+import asyncio
+
+import numpy as np
+
+from isthmus.controller.controller import Controller, ControllerConfig
+from isthmus.frontend.service import Frontend
+from isthmus.head import embedded_fleet
+from isthmus.protocol.schema import schema
+
+
+def _session():
+    fleet, _ = embedded_fleet(2)
+    frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1)), schema())
+    metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
+    metadata.version.protocol_version = 25
+    metadata.version.ifrt_serdes_version_number = 3
+    sent = []
+    session = frontend.open_session(metadata.SerializeToString(), sent.append)
+    return frontend, session, sent
+
+
+def _request(op_id, kind, **fields):
+    request = schema()["xla.ifrt.proxy.IfrtRequest"]()
+    request.request_metadata.op_id = op_id
+    body = getattr(request, kind)
+    body.SetInParent()
+    for name, value in fields.items():
+        target = getattr(body, name)
+        if hasattr(target, "CopyFrom"):
+            target.CopyFrom(value)
+        elif hasattr(target, "extend"):
+            target.extend(value)
+        else:
+            setattr(body, name, value)
+    return request
+
+
+def test_upload_and_download_through_the_front_end():
+    async def main():
+        frontend, session, sent = _session()
+        session.handle(_request(1, "init_request"))
+        init = sent[-1].init_response
+        assert [d.id for d in init.all_devices] == [0, 1]
+        assert init.all_devices[1].attributes.attributes["slice_index"].int64_value == 0
+        s = schema()
+        sharding = s["xla.ifrt.ShardingProto"]()
+        hlo = s["xla.ifrt.HloShardingProto"]()
+        hlo.devices.device_ids.append(1)
+        hlo.xla_op_sharding.SetInParent()
+        sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+        sharding.serialized_sharding.data = hlo.SerializeToString()
+        data = np.arange(6, dtype=np.int32)
+        session.handle(_request(
+            2, "make_array_from_host_buffer_request",
+            dtype=s["xla.ifrt.DTypeProto"](kind=s["xla.ifrt.DTypeProto"].KIND_S32),
+            shape=s["xla.ifrt.ShapeProto"](dims=[2, 3]), sharding=sharding,
+            host_buffer_handle=9, array_handle=9))
+        session.host_buffers.begin(9, data.nbytes)
+        session.host_buffers.complete(9, memoryview(bytearray(data.tobytes())))
+        session.handle(_request(3, "copy_to_host_buffer_request", array_handle=9,
+                                host_buffer_handle=10))
+        for _ in range(100):
+            if any(r.response_metadata.op_id == 3 for r in sent):
+                break
+            await asyncio.sleep(0.01)
+        reply = [r for r in sent if r.response_metadata.op_id == 3][0]
+        assert reply.response_metadata.status.code == 0, reply
+        assert bytes(await session.host_buffers.lookup(10)) == data.tobytes()
+        # A failed request binds its client handle to the error.
+        session.handle(_request(4, "fully_replicated_shard_request", array_handle=77,
+                                result_handle=78))
+        assert sent[-1].response_metadata.status.code == 5
+        session.handle(_request(5, "check_value_ready_request", value_handles=[78]))
+        assert "77" in sent[-1].response_metadata.status.message
+        await session.close()
+        assert frontend.controller.accounting()[0] == {"buffers": 0, "bytes": 0}
+    asyncio.run(main())

@@ -1,0 +1,48 @@
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from isthmus import dtypes, errors
+from isthmus.frontend.transfers import decode_host_array, encode_host_array
+from isthmus.protocol.schema import schema
+
+SESSION = types.SimpleNamespace(schema=schema())
+
+
+def test_strided_view_decodes_without_copy():
+    full = np.arange(16, dtype=np.float32).reshape(4, 4)
+    region = full.tobytes()[: 24]  # 2x2 view at strides (16, 4): 24 bytes
+    view = decode_host_array(SESSION, memoryview(bytearray(region)), dtypes.BY_KIND["KIND_F32"],
+                             (2, 2), (16, 4))
+    np.testing.assert_array_equal(view, full[:2, :2])
+
+
+def test_size_mismatch_is_refused():
+    with pytest.raises(errors.InvalidRequest, match="needs 16"):
+        decode_host_array(SESSION, memoryview(b"\0" * 12), dtypes.BY_KIND["KIND_F32"], (2, 2),
+                          None)
+    with pytest.raises(errors.InvalidRequest, match="negative"):
+        decode_host_array(SESSION, memoryview(b"\0" * 64), dtypes.BY_KIND["KIND_F32"], (2, 2),
+                          (-8, 4))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.bool_, ml_dtypes.bfloat16, np.complex128])
+def test_encode_round_trips_with_strides(dtype):
+    x = (np.arange(12).reshape(3, 4) % 5).astype(dtype)
+    kind = dtypes.from_numpy(np.dtype(dtype))
+    dense = encode_host_array(SESSION, x, kind, None)
+    assert bytes(dense) == x.tobytes()
+    fortran = encode_host_array(SESSION, x, kind, (x.itemsize, 3 * x.itemsize))
+    back = decode_host_array(SESSION, fortran, kind, (3, 4), (x.itemsize, 3 * x.itemsize))
+    np.testing.assert_array_equal(back, x)
+
+
+def test_strings():
+    x = np.array([[b"a", b"bc"], [b"", b"\xff"]], dtype=object)
+    data = encode_host_array(SESSION, x, dtypes.STRING, None)
+    back = decode_host_array(SESSION, data, dtypes.STRING, (2, 2), None)
+    assert back.tolist() == x.tolist()
+    with pytest.raises(errors.InvalidRequest, match="needs 3 strings"):
+        decode_host_array(SESSION, data, dtypes.STRING, (3,), None)
