@@ -17,6 +17,13 @@ def initialize() -> None:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if "proxy" not in [p.strip() for p in platforms.split(",")]:
         return
+    try:  # someone (pathwaysutils.initialize) registered it already: leave theirs
+        from jax._src import xla_bridge
+
+        if "proxy" in getattr(xla_bridge, "_backend_factories", {}):
+            return
+    except ImportError:
+        pass
     register()
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: isthmus beside local jax, in the same run (python -m bench)."""

@@ -1,0 +1,73 @@
+"""Measured inside a client process (through isthmus, or on local jax).
+
+Prints one JSON object. Medians and percentiles over many repetitions; the machine is shared.
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main(quick: bool) -> None:
+    reps = 200 if quick else 1000
+    f = jax.jit(lambda a: a + 1)
+    x = jax.device_put(np.float32(1))
+    f(x).block_until_ready()
+    sync = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        sync.append(time.perf_counter() - t)
+    small = jax.device_put(np.ones(64, np.float32))
+    g = jax.jit(lambda a: a * 2)
+    np.asarray(g(small))
+    fetch = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.asarray(g(small))
+        fetch.append(time.perf_counter() - t)
+    n = 500 if quick else 3000
+    y = x
+    for _ in range(20):
+        y = f(y)
+    y.block_until_ready()
+    t = time.perf_counter()
+    for _ in range(n):
+        y = f(y)
+    y.block_until_ready()
+    rate = n / (time.perf_counter() - t)
+    size = 256 << 20
+    data = np.ones(size // 4, np.float32)
+    puts, gets = [], []
+    for _ in range(2 if quick else 4):
+        t = time.perf_counter()
+        arr = jax.device_put(data)
+        arr.block_until_ready()
+        puts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        np.asarray(arr)
+        gets.append(time.perf_counter() - t)
+        arr.delete()
+    print(json.dumps({
+        "jit_block_p50_ms": statistics.median(sync) * 1e3,
+        "jit_block_p90_ms": percentile(sync, 0.9) * 1e3,
+        "jit_fetch_p50_ms": statistics.median(fetch) * 1e3,
+        "jit_fetch_p90_ms": percentile(fetch, 0.9) * 1e3,
+        "pipelined_calls_per_s": rate,
+        "put_256MiB_GBps": size / statistics.median(puts) / 1e9,
+        "fetch_256MiB_GBps": size / statistics.median(gets) / 1e9,
+    }))
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)

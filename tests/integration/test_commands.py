@@ -1,0 +1,91 @@
+"""The commands and entry points a user starts with: isthmus up/run/status, connect(),
+pathwaysutils."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from isthmus.testing import LocalServer
+from tests.integration.harness import compare, run_snippet
+
+
+def _isthmus(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "isthmus.cli", *args], capture_output=True,
+                          text=True, **kwargs)
+
+
+def test_up_prints_ready_line_and_stops_cleanly_on_sigterm_and_sigint():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        server = LocalServer(devices=2)
+        address = server.start()
+        assert address.startswith("grpc://127.0.0.1:")
+        server.process.send_signal(sig)
+        assert server.process.wait(20) == 0
+        log = server.log()
+        assert "Traceback" not in log, log
+
+
+def test_run_needs_no_code_change_and_returns_the_exit_code(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import jax, sys\n"
+        "import jax.numpy as jnp\n"
+        "print('platform', jax.devices()[0].client.platform_version, jax.device_count())\n"
+        "print('value', float(jax.jit(lambda x: (x * x).sum())(jnp.arange(4.0))))\n"
+        "sys.exit(3)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    result = _isthmus("run", "--devices", "3", "--", sys.executable, str(script), env=env,
+                      timeout=180)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "platform isthmus 3" in result.stdout
+    assert "value 14.0" in result.stdout
+    missing = _isthmus("run", "--", "/no/such/program", env=env, timeout=60)
+    assert missing.returncode == 127 and "cannot start" in missing.stderr
+
+
+def test_status_command(server):
+    result = _isthmus("status", "--controller", server.address, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "slice 0:" in result.stdout and "devices 0..7" in result.stdout
+    bad = _isthmus("status", "--controller", "127.0.0.1:1", "--timeout", "2", timeout=60)
+    assert bad.returncode == 1 and "cannot reach" in bad.stderr
+
+
+def test_connect_in_the_script(server):
+    out = run_snippet(f"""
+        import os
+        for k in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"):
+            os.environ.pop(k, None)
+        import isthmus
+        isthmus.connect("{server.address}")
+        import jax
+        emit("version", jax.devices()[0].client.platform_version)
+        emit("y", jax.jit(lambda a: a + 1)(np.arange(3)))
+        try:
+            isthmus.connect("{server.address}")
+            emit("second", "no error")
+        except RuntimeError as e:
+            emit("second", str(e))
+    """, None)
+    assert str(out["version"]) == "isthmus"
+    assert out["y"].tolist() == [1, 2, 3]
+    assert "before the first jax computation" in str(out["second"])
+
+
+def test_pathwaysutils_initialize_with_environment_variables(server):
+    pytest.importorskip("pathwaysutils")
+    compare("""
+        import pathwaysutils
+        pathwaysutils.initialize()
+        import jax, jax.numpy as jnp
+        if jax.config.jax_platforms == "proxy":
+            from jax._src import xla_bridge
+            factory = xla_bridge._backend_factories["proxy"].factory
+            assert factory.__module__.startswith("pathwaysutils"), factory.__module__
+            assert pathwaysutils.is_pathways_backend_used()
+        emit("x", jax.jit(lambda a: jnp.cumsum(a) * 2)(np.arange(10.0, dtype=np.float32)))
+    """, server.address)
