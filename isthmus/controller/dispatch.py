@@ -34,7 +34,6 @@ class OrderedDispatcher:
         self._queue: collections.deque[tuple[tuple[Buffer, ...], Operation]] = (
             collections.deque())
         self._drainer: asyncio.Task[None] | None = None
-        self._closed = False
 
     def submit(self, inputs: Iterable[Buffer], operation: Operation) -> None:
         inputs = tuple(inputs)
@@ -63,10 +62,6 @@ class OrderedDispatcher:
         """Waits until every submitted operation has run."""
         while self._drainer is not None and not self._drainer.done():
             await asyncio.shield(self._drainer)
-
-    def close(self) -> None:
-        """Runs what is queued without waiting any longer (used when a session ends)."""
-        self._closed = True
 
 
 def _run(operation: Operation) -> None:

@@ -92,8 +92,8 @@ class CompileOptionsVetter:
         build.debug_options.CopyFrom(debug)
         if options.env_option_overrides:
             logger.debug("ignoring client XLA flag overrides: %s",
-                         [o.key if hasattr(o, "key") else o for o in options.env_option_overrides])
-            del options.env_option_overrides[:]
+                         sorted(options.env_option_overrides))
+            options.ClearField("env_option_overrides")
         build.ClearField("fdo_profile")
         return options.SerializeToString(), tuple(device_ids)
 
@@ -102,8 +102,7 @@ def _default_assignment(options: Any, fleet_devices: Sequence[int]) -> None:
     build = options.executable_build_options
     if options.compile_portable_executable:
         devices = [[fleet_devices[0]]]
-    elif build.device_ordinal >= 0 and build.HasField("device_ordinal") and (
-            build.device_ordinal < len(fleet_devices)):
+    elif 0 <= build.device_ordinal < len(fleet_devices):  # XLA writes -1 when unset
         devices = [[fleet_devices[build.device_ordinal]]]
     else:
         replicas, partitions = max(build.num_replicas, 1), max(build.num_partitions, 1)

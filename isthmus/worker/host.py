@@ -241,6 +241,11 @@ class DeviceHost:
 
     async def _wait_ready(self, values: list[Any]) -> None:
         pending = [v for v in values if not v.is_ready()]
+        if pending:
+            # Small computations finish within a turn of the event loop; a thread hand-off
+            # costs more than that, so look once more before handing the wait to a thread.
+            await asyncio.sleep(0)
+            pending = [v for v in pending if not v.is_ready()]
         try:
             if pending:
                 await asyncio.get_running_loop().run_in_executor(
@@ -261,6 +266,8 @@ class DeviceHost:
 
     async def _wait_value(self, value: Any) -> np.ndarray:
         try:
+            if not value.is_ready():
+                await asyncio.sleep(0)
             if value.is_ready():
                 return np.asarray(value)
             return await asyncio.get_running_loop().run_in_executor(
