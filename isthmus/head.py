@@ -31,13 +31,11 @@ class HeadConfig:
 
 def embedded_fleet(num_devices: int) -> tuple[Fleet, Any]:
     """One in-process worker with `num_devices` jaxlib CPU devices."""
-    from jax._src.lib import _jax
-
-    from isthmus.worker.host import DeviceHost
+    from isthmus.worker.host import DeviceHost, make_cpu_client
 
     if num_devices < 1:
         raise ValueError(f"--devices must be at least 1, not {num_devices}")
-    client = _jax.get_tfrt_cpu_client(asynchronous=True, num_devices=num_devices)
+    client = make_cpu_client(num_devices)
     host = DeviceHost(client)
     worker = WorkerId(0)
     devices = [Device(DeviceId(d.id), worker, d.id, "cpu", d.device_kind, SliceId(0), 0)

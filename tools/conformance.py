@@ -7,7 +7,8 @@ The tests come from the jax-ml/jax repository at the tag of the installed jax ve
 without one, from a shallow clone of GitHub. They are extracted under `.conformance/` (git
 ignores it; never commit them). Each file runs twice with pytest, in fresh processes:
 locally (JAX_PLATFORMS=cpu, 8 CPU devices) and through an embedded isthmus server with 8
-devices. The report counts, per file, how many tests that pass locally also pass through
+devices (JAX_PLATFORMS=proxy,cpu: the proxy is the default backend, and tests that ask for
+the host's own CPU by name find it). The report counts, per file, how many tests that pass locally also pass through
 isthmus, and lists the ones that do not (also written to .conformance/report.json).
 """
 
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with LocalServer(devices=8) as server:
         remote_env = child_environment(server.address, base)
+        # The proxy is the default backend; a local "cpu" backend is there too, for the tests
+        # that move data to the host's own CPU on purpose (jax.devices("cpu")).
+        remote_env["JAX_PLATFORMS"] = "proxy,cpu"
         for test_file in args.files:
             start = time.monotonic()
             local = run_pytest(source, test_file, local_env, out / f"{test_file}.local.xml",

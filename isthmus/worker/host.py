@@ -28,6 +28,27 @@ from isthmus.worker import programs
 logger = logging.getLogger(__name__)
 
 
+def make_cpu_client(num_devices: int, **distributed: Any) -> Any:
+    """A jaxlib CPU client on which every custom call jax lowers to is registered.
+
+    jax registers its CPU custom calls (LAPACK, sparse kernels) lazily, when a CPU client is
+    made through `xla_client.make_cpu_client`; importing the modules that own them first
+    queues their registrations.
+    """
+    import jax  # noqa: F401 - registers LAPACK and friends
+    from jax._src.lax import linalg
+    from jax._src.lib import xla_client
+
+    # LAPACK kernels find their functions (scipy's) at initialisation, which jax does while
+    # lowering; a server that only runs programs must do it itself or call null pointers.
+    linalg.initialize_lapack()
+    try:
+        import jax.experimental.sparse  # noqa: F401 - registers the CPU sparse kernels
+    except ImportError:  # pragma: no cover - an optional part of jax
+        pass
+    return xla_client.make_cpu_client(asynchronous=True, num_devices=num_devices, **distributed)
+
+
 class _Failed:
     """A buffer slot that holds the error which prevented its creation."""
 
@@ -197,13 +218,10 @@ class DeviceHost:
                 e, errors.InvalidRequest, "bitcasting the array failed"))
 
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
+        # Dropping the reference frees the memory once no in-flight work uses it. An explicit
+        # delete() here could free a buffer under a host copy running in another thread.
         for buffer_id in buffer_ids:
-            value = self._buffers.pop(buffer_id, None)
-            if value is not None and not isinstance(value, _Failed):
-                try:
-                    value.delete()
-                except Exception:  # noqa: BLE001 - already deleted (donated) is fine
-                    pass
+            self._buffers.pop(buffer_id, None)
 
     def has(self, buffer_id: BufferId) -> bool:
         return buffer_id in self._buffers
@@ -322,8 +340,9 @@ class DeviceHost:
                 if index in copy_first:
                     shards = [jax.device_put(s, s.sharding, may_alias=False) for s in shards]
                 aval = loaded.info.param_avals[index]
+                # jaxlib checks the shards against the sharding (a bad mix could crash it).
                 arrays.append(_jax.ArrayImpl(aval, loaded.arg_shardings[index], shards,
-                                             True, True))
+                                             True, False))
             outputs = loaded.executable.execute_sharded(arrays)
             per_output = outputs.disassemble_into_single_device_arrays()
         except Exception as e:  # noqa: BLE001

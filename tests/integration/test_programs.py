@@ -162,3 +162,23 @@ def test_pmap(server):
         emit("pmap_index", jax.pmap(lambda a: a + jax.lax.axis_index("d"), axis_name="d")(x))
         emit("pmap_again", jax.pmap(jnp.sin)(out))
     """, server.address)
+
+
+def test_linalg_and_fft_custom_calls(server):
+    # LAPACK, FFT and sort run as CPU custom calls the server must have registered.
+    compare("""
+        import jax, jax.numpy as jnp
+        rng = np.random.default_rng(3)
+        a = rng.standard_normal((6, 6)).astype(np.float32)
+        spd = a @ a.T + 6 * np.eye(6, dtype=np.float32)
+        b = rng.standard_normal((6, 2)).astype(np.float32)
+        emit("solve", jax.jit(jnp.linalg.solve)(a, b))
+        emit("cholesky", jax.jit(jnp.linalg.cholesky)(spd))
+        emit("eigh", jax.jit(lambda m: jnp.linalg.eigh(m)[0])(spd))
+        emit("svd", jax.jit(lambda m: jnp.linalg.svd(m, compute_uv=False))(a))
+        emit("qr", jax.jit(lambda m: jnp.abs(jnp.linalg.qr(m)[1]))(a))
+        emit("det", jax.jit(jnp.linalg.det)(a))
+        emit("fft", jax.jit(jnp.fft.rfft)(a))
+        emit("sort", jax.jit(jnp.sort)(a))
+        emit("argsort", jax.jit(jnp.argsort)(a[0]))
+    """, server.address)
