@@ -24,8 +24,22 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0,
                         help="port to listen on; 0 picks a free one (default: 0)")
-    parser.add_argument("--devices", type=int, default=8,
-                        help="CPU devices of the embedded backend (default: 8)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="serve N CPU devices from the server process itself (the "
+                             "embedded backend) instead of a fleet of workers")
+    parser.add_argument("--slices", type=int, default=None,
+                        help="slices of the fleet (default: 2)")
+    parser.add_argument("--hosts-per-slice", type=int, default=None,
+                        help="worker processes (hosts) per slice (default: 1)")
+    parser.add_argument("--devices-per-host", type=int, default=None,
+                        help="CPU devices per worker (default: 4)")
+    parser.add_argument("--no-launch", action="store_true",
+                        help="do not start the workers here; wait for `isthmus worker` "
+                             "processes started elsewhere to register")
+    parser.add_argument("--advertise-host", default=None,
+                        help="the address workers use to reach this server (default: --host)")
+    parser.add_argument("--fleet-timeout", type=float, default=180.0,
+                        help="seconds to wait for every worker to register (default: 180)")
     parser.add_argument("--host-buffer-timeout", type=float, default=10.0,
                         help="seconds a request waits for its host data to start arriving "
                              "(default: 10)")
@@ -37,10 +51,23 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _head_config(args: argparse.Namespace) -> object:
     from isthmus.controller.controller import ControllerConfig
+    from isthmus.controller.manager import FleetSpec
     from isthmus.head import HeadConfig
 
+    fleet_flags = (args.slices, args.hosts_per_slice, args.devices_per_host)
+    if args.devices is not None and any(f is not None for f in fleet_flags):
+        raise SystemExit("isthmus: --devices (embedded backend) and the fleet options "
+                         "(--slices, --hosts-per-slice, --devices-per-host) exclude each other")
+    fleet = None
+    if args.devices is None:
+        defaults = FleetSpec()
+        fleet = FleetSpec(slices=args.slices or defaults.slices,
+                          hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
+                          devices_per_host=args.devices_per_host or defaults.devices_per_host)
     return HeadConfig(
-        host=args.host, port=args.port, devices=args.devices,
+        host=args.host, port=args.port, devices=args.devices or 8, fleet=fleet,
+        launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
+        advertise_host=args.advertise_host,
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes),
         max_host_buffer_bytes=args.max_array_bytes)
@@ -67,10 +94,18 @@ async def _up(args: argparse.Namespace) -> int:
 
     head = Head(_head_config(args))  # type: ignore[arg-type]
     stop = _stop_event()
-    address = await head.start()
+    starting = asyncio.ensure_future(head.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # stopped while the fleet was still gathering
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await head.stop()
+        return 0
+    address = starting.result()
     print(f"{READY_PREFIX}{address}", flush=True)
     try:
-        await stop.wait()
+        await stopping
     finally:
         await head.stop()
     return 0
@@ -119,6 +154,23 @@ async def _run(args: argparse.Namespace) -> int:
     return code if code >= 0 else 128 - code
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from isthmus.worker.agent import WorkerConfig, exit_with_parent, run_worker
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.pop("JAX_BACKEND_TARGET", None)
+    if args.exit_with_parent:
+        exit_with_parent()
+    config = WorkerConfig(controller=args.controller, slice_index=args.slice,
+                          devices=args.devices, listen=args.listen, advertise=args.advertise)
+    try:
+        return asyncio.run(run_worker(config))
+    except KeyboardInterrupt:
+        return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from isthmus.wire.servicer import fetch_status
 
@@ -147,6 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
         usage="isthmus run [server options] -- CMD [ARGS...]")
     _server_arguments(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
+    worker = commands.add_parser("worker", help="serve this host's devices to a controller")
+    worker.add_argument("--controller", required=True, help="HOST:PORT of the controller")
+    worker.add_argument("--slice", type=int, default=-1,
+                        help="the slice to join (default: any slice with a free host slot)")
+    worker.add_argument("--devices", type=int, default=4, help="CPU devices (default: 4)")
+    worker.add_argument("--listen", default="127.0.0.1",
+                        help="address for the peer data server (default: 127.0.0.1)")
+    worker.add_argument("--advertise", default=None,
+                        help="address peers use to reach this worker (default: --listen)")
+    worker.add_argument("--exit-with-parent", action="store_true",
+                        help="exit when the parent process exits (used by local fleets)")
+    worker.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"))
     status = commands.add_parser("status", help="print a running server's fleet and arrays")
     status.add_argument("--controller", required=True, help="HOST:PORT of the server")
     status.add_argument("--json", action="store_true", help="print raw JSON")
@@ -158,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.subcommand == "status":
         return _status(args)
+    if args.subcommand == "worker":
+        return _worker(args)
     _prepare_server_process(args)
     try:
         if args.subcommand == "up":
@@ -165,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:
         return 0
-    except OSError as e:
+    except (OSError, TimeoutError) as e:
         print(f"isthmus {args.subcommand}: {e}", file=sys.stderr)
         return 1
 

@@ -1,18 +1,20 @@
 """Assembles a head process: fleet, controller, front end and gRPC server.
 
-`Head` is what `isthmus up` and `isthmus run` start, and what tests start in-process. The
-embedded fleet is one in-process worker (a `DeviceHost`) owning N jaxlib CPU devices.
+`Head` is what `isthmus up` and `isthmus run` start, and what tests start in-process. It
+serves either an embedded backend (one in-process `DeviceHost` owning N jaxlib CPU devices)
+or a fleet of worker processes, grouped into slices, that register with it; with
+`launch_workers` it starts those workers itself on this machine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from typing import Any
 
 from isthmus.controller.controller import Controller, ControllerConfig
 from isthmus.controller.fleet import Device, Fleet
+from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
 from isthmus.ids import DeviceId, SliceId, WorkerId
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,11 @@ class HeadConfig:
 
     host: str = "127.0.0.1"  # address to listen on
     port: int = 0  # 0: pick a free port
-    devices: int = 8  # CPU devices of the embedded backend
+    devices: int = 8  # CPU devices of the embedded backend (when fleet is None)
+    fleet: FleetSpec | None = None  # serve a fleet of worker processes instead
+    launch_workers: bool = True  # start the fleet's workers on this machine
+    fleet_timeout: float = 180.0  # seconds to wait for the fleet to be complete
+    advertise_host: str | None = None  # where workers reach this process (default: host)
     controller: ControllerConfig = ControllerConfig()
     max_host_buffer_bytes: int = 1 << 40
 
@@ -50,12 +56,16 @@ class Head:
         self.config = config
         self.server: Any = None
         self.frontend: Any = None
+        self.manager: FleetManager | None = None
+        self.launcher: Any = None
         self.port = 0
         self._hosts: list[Any] = []
 
     @property
     def address(self) -> str:
         host = self.config.host
+        if host in ("0.0.0.0", "::"):
+            host = self.config.advertise_host or "127.0.0.1"
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"grpc://{host}:{self.port}"
@@ -65,30 +75,59 @@ class Head:
         from isthmus.protocol.schema import schema
         from isthmus.wire.servicer import start_server
 
-        fleet, host = embedded_fleet(self.config.devices)
-        self._hosts.append(host)
-        controller = Controller(fleet, self.config.controller)
+        config = self.config
+        extra_handlers: list[Any] = []
+        if config.fleet is None:
+            fleet, host = embedded_fleet(config.devices)
+            self._hosts.append(host)
+            controller = Controller(fleet, config.controller)
+        else:
+            from isthmus.wire.fleet_service import FleetServicer
+
+            fleet = Fleet([], {})
+            controller = Controller(fleet, config.controller)
+            advertise = config.advertise_host or (
+                config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
+            self.manager = FleetManager(
+                config.fleet, fleet, ManagerConfig(advertise_host=advertise),
+                on_slice_down=controller.poison_slice)
+            extra_handlers = FleetServicer(self.manager).handlers()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
-            max_host_buffer_bytes=self.config.max_host_buffer_bytes))
+            max_host_buffer_bytes=config.max_host_buffer_bytes))
+        if self.manager is not None:
+            self.frontend.extra_status = self.manager.status
         self.server, self.port = await start_server(
-            self.frontend, self.config.host, self.config.port)
+            self.frontend, config.host, config.port, extra_handlers)
+        if self.manager is not None:
+            self.manager.start()
+            spec = config.fleet
+            assert spec is not None
+            if config.launch_workers:
+                from isthmus.launch import LocalLauncher
+
+                self.launcher = LocalLauncher(self.address.removeprefix("grpc://"),
+                                              spec.slices, spec.hosts_per_slice,
+                                              spec.devices_per_host)
+                self.launcher.start()
+            try:
+                await self.manager.wait_complete(config.fleet_timeout)
+            except BaseException:
+                await self.stop()
+                raise
         logger.info("serving %d devices at %s", len(fleet.devices), self.address)
         return self.address
 
     async def stop(self, grace: float = 2.0) -> None:
+        if self.manager is not None:
+            await self.manager.stop()
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
         if self.frontend is not None:
             await self.frontend.close()
+        if self.launcher is not None:
+            self.launcher.stop()
+            self.launcher = None
         for host in self._hosts:
             await host.close()
         self._hosts.clear()
-
-
-async def serve_until(head: Head, stop: asyncio.Event) -> None:
-    await head.start()
-    try:
-        await stop.wait()
-    finally:
-        await head.stop()

@@ -14,25 +14,31 @@ def _bytes(n: int) -> str:
 
 
 def render(status: dict[str, Any]) -> str:
-    lines = [f"platform: {status['platform']['name']}  sessions: {len(status['sessions'])}  "
+    """The fleet as a few lines: slices, their hosts and health, arrays held, sessions."""
+    lines = [f"platform: {status['platform']['name']}  collective group: "
+             f"{status.get('generation', 0)}  sessions: {len(status['sessions'])}  "
              f"executables: {status['executables']}"]
-    devices = status["devices"]
-    slices: dict[int, dict[int, list[int]]] = {}
-    workers: dict[int, int] = {}
-    for d in devices:
-        slices.setdefault(d["slice"], {}).setdefault(d["host"], []).append(d["id"])
-        workers[d["host"]] = d["worker"]
-    for slice_index in sorted(slices):
-        lines.append(f"slice {slice_index}:")
-        for host in sorted(slices[slice_index]):
-            ids = slices[slice_index][host]
-            worker = str(workers.get(host, host))
-            w = status["workers"].get(worker, {})
+    hosts: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for d in status["devices"]:
+        hosts.setdefault(d["slice"], {}).setdefault(d["host"], []).append(d)
+    down = status.get("slices_down", {})
+    fleet = status.get("fleet", {})
+    for slice_index in sorted(hosts):
+        reason = down.get(str(slice_index))
+        lines.append(f"slice {slice_index}: " + ("up" if reason is None else f"DOWN ({reason})"))
+        for host in sorted(hosts[slice_index]):
+            devices = hosts[slice_index][host]
+            slot = str(devices[0]["worker"])
+            account = status["workers"].get(slot, {})
+            process = fleet.get(slot)
+            who = (f"{process['host']}:{process['pid']}" if process
+                   else ("in-process" if not fleet and reason is None else "no worker"))
             lines.append(
-                f"  host {host} (worker {worker}, {w.get('health', 'healthy')}): devices "
-                f"{ids[0]}..{ids[-1]}  arrays: {w.get('buffers', 0)} buffers, "
-                f"{_bytes(w.get('bytes', 0))}")
+                f"  host {host} ({who}): devices {devices[0]['id']}..{devices[-1]['id']}  "
+                f"arrays: {account.get('buffers', 0)} buffers, "
+                f"{_bytes(account.get('bytes', 0))}")
     for sid, s in sorted(status["sessions"].items()):
         lines.append(f"session {sid} from {s['peer']}: {s['arrays']} array handles, "
-                     f"{s['requests']} requests")
+                     f"{s['requests']} requests, {_bytes(s['host_buffer_bytes'])} host data "
+                     "held")
     return "\n".join(lines)

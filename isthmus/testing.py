@@ -30,9 +30,14 @@ class ServerError(RuntimeError):
 class LocalServer:
     """An `isthmus up` process on 127.0.0.1 with a free port."""
 
-    def __init__(self, *, devices: int = 8, args: Sequence[str] = (),
-                 start_timeout: float = 60.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *, devices: int | None = 8, args: Sequence[str] = (),
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 fleet: tuple[int, int, int] | None = None) -> None:
+        """`devices`: the embedded backend with that many devices; `fleet`: (slices,
+        hosts_per_slice, devices_per_host) worker processes instead; neither: the default
+        fleet of `isthmus up`."""
         self.devices = devices
+        self.fleet = fleet
         self.args = list(args)
         self.start_timeout = start_timeout
         self.env = env
@@ -42,8 +47,15 @@ class LocalServer:
                                                 delete=False, mode="w+")
 
     def start(self) -> str:
-        command = [sys.executable, "-m", "isthmus.cli", "up", "--port", "0",
-                   "--devices", str(self.devices), *self.args]
+        if self.fleet is not None:
+            slices, hosts, per_host = self.fleet
+            shape = ["--slices", str(slices), "--hosts-per-slice", str(hosts),
+                     "--devices-per-host", str(per_host)]
+        elif self.devices is not None:
+            shape = ["--devices", str(self.devices)]
+        else:
+            shape = []  # the default fleet
+        command = [sys.executable, "-m", "isthmus.cli", "up", "--port", "0", *shape, *self.args]
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.process = subprocess.Popen(

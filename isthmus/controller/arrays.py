@@ -27,7 +27,7 @@ class Buffer:
     """One shard's bytes on one device, as the controller knows them."""
 
     __slots__ = ("id", "device", "nbytes", "refs", "defined", "error", "deleted", "freed",
-                 "memory_kind")
+                 "memory_kind", "pins", "free_pending")
 
     def __init__(self, buffer_id: BufferId, device: Device, nbytes: int,
                  memory_kind: str | None = None) -> None:
@@ -41,6 +41,8 @@ class Buffer:
         self.error: errors.IsthmusError | None = None  # known to the controller
         self.deleted = False  # deleted or donated: the bytes are gone
         self.freed = False  # the worker was told to drop it
+        self.pins = 0  # transfers still reading it: freeing waits for them
+        self.free_pending = False
 
     def check(self) -> None:
         """Raises the error a use of this buffer would meet, as far as the controller knows."""

@@ -35,13 +35,17 @@ class ControllerConfig:
 class Executable:
     """A program compiled for a list of devices, loaded on the workers that own them."""
 
-    __slots__ = ("id", "key", "devices", "parts", "compiled", "info", "refs", "error")
+    __slots__ = ("id", "key", "devices", "parts", "compiled", "info", "refs", "error",
+                 "request", "generation", "loading")
 
-    def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...]
-                 ) -> None:
+    def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
+                 request: CompileRequest) -> None:
         self.id = executable_id
         self.key = key
         self.devices = devices
+        self.request = request
+        self.generation = -1  # the collective group it is loaded in
+        self.loading: asyncio.Future[CompiledInfo] | None = None  # a reload in progress
         # worker -> positions (in `devices`) of that worker's devices
         parts: dict[WorkerId, list[int]] = {}
         for position, device in enumerate(devices):
@@ -79,11 +83,28 @@ class Controller:
         for buffer in buffers:
             if buffer.freed:
                 continue
+            if buffer.pins:
+                buffer.free_pending = True
+                continue
             buffer.freed = True
             self._live.pop(buffer.id, None)
             by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
         for worker, ids in by_worker.items():
             self.fleet.channel(worker).free(ids)
+
+    def pin(self, buffer: Buffer) -> None:
+        buffer.pins += 1
+
+    def unpin(self, buffer: Buffer) -> None:
+        buffer.pins -= 1
+        if buffer.pins == 0 and buffer.free_pending:
+            self.free_buffers([buffer])
+
+    def poison_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
+        """Every buffer on the slice is gone: uses of it report `error` (DATA_LOSS)."""
+        for buffer in self._live.values():
+            if buffer.device.slice_index == slice_index and buffer.error is None:
+                buffer.error = error
 
     def accounting(self) -> dict[WorkerId, dict[str, int]]:
         """Live buffers and bytes per worker, as the controller counts them."""
@@ -106,20 +127,32 @@ class Controller:
             self._idle.pop(key, None)
             executable.refs += 1
             return executable
-        executable = Executable(ExecutableId(next(self._executable_ids)), key, devices)
+        down = self.fleet.unavailable(devices)
+        if down is not None:
+            raise down
+        executable = Executable(ExecutableId(next(self._executable_ids)), key, devices, request)
         executable.refs = 1
         self._executables[key] = executable
         executable.compiled = asyncio.get_running_loop().create_task(
             self._compile(executable, request))
         return executable
 
+    def loaded(self, executable: Executable) -> asyncio.Future[CompiledInfo] | None:
+        """None when `executable` is loaded in the current collective group; else a future
+        that resolves once it has been compiled there again."""
+        if executable.generation == self.fleet.generation:
+            return None
+        if executable.loading is None or executable.loading.done() and (
+                executable.generation != self.fleet.generation):
+            executable.loading = asyncio.get_running_loop().create_task(
+                self._compile(executable, executable.request))
+            executable.loading.add_done_callback(lambda f: f.exception())
+        return executable.loading
+
     async def _compile(self, executable: Executable, request: CompileRequest) -> CompiledInfo:
-        waits = []
-        for worker, positions in executable.parts.items():
-            local = CompileRequest(
-                request.module, request.compile_options,
-                tuple(executable.devices[p].local_id for p in positions))
-            waits.append(self.fleet.channel(worker).compile(executable.id, local))
+        generation = self.fleet.generation
+        waits = [self.fleet.channel(worker).compile(executable.id, request)
+                 for worker in executable.parts]
         try:
             infos = await asyncio.gather(*waits)
         except errors.IsthmusError as e:
@@ -132,6 +165,7 @@ class Controller:
             self._executables.pop(executable.key, None)
             raise error from None
         executable.info = infos[0]
+        executable.generation = generation
         return infos[0]
 
     def release_executable(self, executable: Executable) -> None:

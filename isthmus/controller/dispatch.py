@@ -25,19 +25,27 @@ from isthmus.controller.arrays import Buffer
 logger = logging.getLogger(__name__)
 
 Operation = Callable[[], None]
+# What an operation may wait for: a buffer (until it is defined) or any future.
+Dependency = Buffer | asyncio.Future
+
+
+def _pending(dependency: Dependency) -> asyncio.Future | None:
+    if isinstance(dependency, Buffer):
+        return dependency.defined
+    return None if dependency.done() else dependency
 
 
 class OrderedDispatcher:
     """Runs operations in submission order, each once its input buffers are defined."""
 
     def __init__(self) -> None:
-        self._queue: collections.deque[tuple[tuple[Buffer, ...], Operation]] = (
+        self._queue: collections.deque[tuple[tuple[Dependency, ...], Operation]] = (
             collections.deque())
         self._drainer: asyncio.Task[None] | None = None
 
-    def submit(self, inputs: Iterable[Buffer], operation: Operation) -> None:
+    def submit(self, inputs: Iterable[Dependency], operation: Operation) -> None:
         inputs = tuple(inputs)
-        if not self._queue and all(b.defined is None for b in inputs):
+        if not self._queue and all(_pending(d) is None for d in inputs):
             _run(operation)
             return
         self._queue.append((inputs, operation))
@@ -51,10 +59,12 @@ class OrderedDispatcher:
     async def _drain(self) -> None:
         while self._queue:
             inputs, operation = self._queue[0]
-            for buffer in inputs:
-                if buffer.defined is not None:
-                    # The buffer's owner records any failure in buffer.error; waiting is all.
-                    await asyncio.wait([buffer.defined])
+            for dependency in inputs:
+                waiting = _pending(dependency)
+                if waiting is not None:
+                    # Failures are recorded where the operation will look (buffer.error, the
+                    # future itself); waiting is all this does.
+                    await asyncio.wait([waiting])
             self._queue.popleft()
             _run(operation)
 

@@ -1,13 +1,19 @@
-"""The fleet as the controller sees it: devices, the workers that own them, and slices.
+"""The fleet as the controller sees it: devices, the hosts that own them, and slices.
 
-Global device ids are what the client sees. Each device belongs to one worker (a host) and
-one slice; `local_id` is the device's id in that worker's own jaxlib client.
+Global device ids are what the client sees; they are fixed by position: slice, host within
+the slice, device within the host. A device belongs to a host *slot* (`Device.worker`), which
+keeps its id when the worker process serving it is replaced. `local_id` is the device's
+index on its host.
+
+A slice is usable while every host slot of it has a live worker in the current collective
+group; otherwise `unavailable` names the reason (a DATA_LOSS error naming worker and slice).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from isthmus import errors
 from isthmus.ids import DeviceId, SliceId, WorkerId
@@ -22,8 +28,8 @@ class Device:
     """One accelerator (or CPU device) of the fleet."""
 
     id: DeviceId  # global id, stable for a given fleet
-    worker: WorkerId  # the host that owns it
-    local_id: int  # its id in the worker's jaxlib client
+    worker: WorkerId  # the host slot that owns it
+    local_id: int  # its index on that host
     platform: str  # "cpu", "cuda"
     kind: str  # jaxlib device_kind, e.g. "cpu"
     slice_index: SliceId
@@ -35,13 +41,22 @@ class Device:
 
 
 class Fleet:
-    """Devices and worker channels; the resource manager's view of the hardware."""
+    """Devices, live worker channels, and why some slices are down."""
 
     def __init__(self, devices: Sequence[Device], workers: dict[WorkerId, WorkerChannel]
                  ) -> None:
-        self.devices: tuple[Device, ...] = tuple(sorted(devices, key=lambda d: d.id))
-        self._by_id = {d.id: d for d in self.devices}
+        self.devices: tuple[Device, ...] = ()
+        self._by_id: dict[DeviceId, Device] = {}
         self.workers = dict(workers)
+        self.generation = 0  # bumped whenever the collective group re-forms
+        self._down: dict[SliceId, errors.IsthmusError] = {}
+        self.add_devices(devices)
+
+    def add_devices(self, devices: Sequence[Device]) -> None:
+        known = dict(self._by_id)
+        known.update({d.id: d for d in devices})
+        self.devices = tuple(sorted(known.values(), key=lambda d: d.id))
+        self._by_id = known
 
     def device(self, device_id: int) -> Device:
         device = self._by_id.get(DeviceId(device_id))
@@ -55,11 +70,76 @@ class Fleet:
         return tuple(self.device(d) for d in device_ids)
 
     def channel(self, worker: WorkerId) -> WorkerChannel:
-        return self.workers[worker]
+        channel = self.workers.get(worker)
+        if channel is None:
+            return LostChannel(self.slice_error_of(worker))
+        return channel
+
+    # ---- health --------------------------------------------------------------------------
+
+    def mark_down(self, slice_index: SliceId, error: errors.IsthmusError) -> None:
+        self._down.setdefault(slice_index, error)
+
+    def mark_up(self, slice_index: SliceId) -> None:
+        self._down.pop(slice_index, None)
+
+    def slice_error(self, slice_index: SliceId) -> errors.IsthmusError | None:
+        return self._down.get(slice_index)
+
+    def slice_error_of(self, worker: WorkerId) -> errors.IsthmusError:
+        for device in self.devices:
+            if device.worker == worker and device.slice_index in self._down:
+                return self._down[device.slice_index]
+        return errors.WorkerLost(
+            f"host slot {worker} has no live worker; start `isthmus worker` for its slice.")
+
+    def unavailable(self, devices: Iterable[Device]) -> errors.IsthmusError | None:
+        """Why work on `devices` cannot run now, or None when it can."""
+        for device in devices:
+            error = self._down.get(device.slice_index)
+            if error is not None:
+                return error
+        return None
+
+    @property
+    def down_slices(self) -> dict[SliceId, errors.IsthmusError]:
+        return dict(self._down)
 
     @property
     def platform(self) -> str:
         return self.devices[0].platform if self.devices else "cpu"
+
+
+class LostChannel:
+    """Stands for a host slot with no live worker: everything fails with the slot's loss."""
+
+    def __init__(self, error: errors.IsthmusError) -> None:
+        self.error = error
+
+    async def _fail(self) -> Any:
+        raise self.error
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+    def ready(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+    def fetch(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+    def pull(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def __getattr__(self, name: str) -> Any:
+        # Fire-and-forget commands: the controller has already poisoned what they touch.
+        return lambda *args, **kwargs: None
 
 
 def _ids(devices: Sequence[Device]) -> str:

@@ -157,7 +157,7 @@ class Session:
             if buffer.freed:  # released before its data arrived: nothing to store
                 continue
             waits.append(self.fleet.channel(buffer.device.worker).put(
-                buffer.id, buffer.device.local_id, value, buffer.memory_kind))
+                buffer.id, buffer.device.id, value, buffer.memory_kind))
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
         error = next((o for o in outcomes if isinstance(o, BaseException)), None)
         self._define(buffers, None if error is None else _as_error(error, "storing host data"))
@@ -316,12 +316,10 @@ class Session:
                         dst.error = error
                         continue
                     if src.device.worker != dst.device.worker:
-                        dst.error = errors.Unimplemented(
-                            "copying between workers is not available in this server; "
-                            "keep the arrays on one host.")
+                        self._pull(src, dst, memory_kind)
                         continue
                     self.fleet.channel(src.device.worker).copy(
-                        src.id, dst.id, dst.device.local_id, memory_kind)
+                        src.id, dst.id, dst.device.id, memory_kind)
                 if donate:
                     self._donate(array)
 
@@ -368,11 +366,11 @@ class Session:
         for buffer, box in candidates:
             if all(s0 <= d0 and d1 <= s1 for (s0, s1), (d0, d1) in zip(box, dst_box)):
                 if box == dst_box:
-                    channel.copy(buffer.id, dst.id, dst.device.local_id, dst.memory_kind)
+                    channel.copy(buffer.id, dst.id, dst.device.id, dst.memory_kind)
                 else:
                     rel = tuple(slice(d0 - s0, d1 - s0) for (s0, _), (d0, d1) in zip(box, dst_box))
                     whole = tuple(slice(0, d1 - d0) for d0, d1 in dst_box)
-                    channel.assemble(dst.id, dst.device.local_id, dst.memory_kind,
+                    channel.assemble(dst.id, dst.device.id, dst.memory_kind,
                                      array.dtype.numpy, sh.shard_shape(dst_box),
                                      [(buffer.id, rel, whole)])
                 return
@@ -393,11 +391,77 @@ class Session:
         needed = math.prod(sh.shard_shape(dst_box))
         got = sum(math.prod(b - a for a, b in k) for k in covered)
         if got < needed:
-            raise errors.Unimplemented(
-                "resharding needs data from another worker, which this server cannot move yet; "
-                "reshard within one host.")
-        channel.assemble(dst.id, dst.device.local_id, dst.memory_kind, array.dtype.numpy,
+            self._reshard_from_peers(array, src_boxes, dst, dst_box)
+            return
+        channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
                          sh.shard_shape(dst_box), parts)
+
+    def _reshard_from_peers(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
+                            dst_box: sh.Box) -> None:
+        """Builds `dst` from shards of several workers: the pieces that live elsewhere are
+        pulled (worker to worker) into temporary buffers beside `dst` first."""
+        loop = asyncio.get_running_loop()
+        dst.defined = loop.create_future()
+        channel = self.fleet.channel(dst.device.worker)
+        parts: list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...]]] = []
+        temps: list[Buffer] = []
+        pulls = []
+        covered: set[sh.Box] = set()
+        for buffer, box in zip(array.shards, src_boxes):
+            lo = tuple(max(s0, d0) for (s0, _), (d0, _) in zip(box, dst_box))
+            hi = tuple(min(s1, d1) for (_, s1), (_, d1) in zip(box, dst_box))
+            key = tuple(zip(lo, hi))
+            if (dst_box and any(a >= b for a, b in zip(lo, hi))) or key in covered:
+                continue
+            covered.add(key)
+            source = buffer
+            if buffer.device.worker != dst.device.worker:
+                source = self.controller.new_buffer(dst.device, buffer.nbytes)
+                temps.append(source)
+                pulls.append(self._pull(buffer, source, None))
+            parts.append((source,
+                          tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, box)),
+                          tuple(slice(a - d0, b - d0) for a, b, (d0, _) in zip(lo, hi, dst_box))))
+
+        async def finish() -> None:
+            await asyncio.gather(*pulls, return_exceptions=True)
+            error = next((t.error for t in temps if t.error is not None), None)
+            if error is None:
+                channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
+                                 sh.shard_shape(dst_box), [(b.id, s, d) for b, s, d in parts])
+            self.controller.free_buffers(temps)
+            self._define([dst], error)
+
+        self._spawn(finish())
+
+    def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None) -> asyncio.Future[None]:
+        """Moves `src` into `dst` on another worker, worker to worker; `dst` is defined (or
+        failed) when the transfer completes. Returns that completion."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        dst.defined = asyncio.get_running_loop().create_future()
+        source = self.fleet.channel(src.device.worker)
+        address = getattr(source, "data_address", None)
+        if address is None:
+            self._define([dst], self.fleet.slice_error_of(src.device.worker))
+            done.set_result(None)
+            return done
+        self.controller.pin(src)
+        work = self.fleet.channel(dst.device.worker).pull(
+            src.id, address, dst.id, dst.device.id, memory_kind)
+
+        async def finish() -> None:
+            error = None
+            try:
+                await work
+            except Exception as e:  # noqa: BLE001
+                error = _as_error(e, "moving an array between workers")
+            finally:
+                self.controller.unpin(src)
+            self._define([dst], error)
+            done.set_result(None)
+
+        self._spawn(finish())
+        return done
 
     def bitcast(self, arrays: Sequence[Array],
                 specs: Sequence[tuple[dtypes.DType, tuple[int, ...], sh.Sharding]],
@@ -556,10 +620,15 @@ class Session:
         outputs = self._outputs(executable)
         donated = frozenset(info.donated_inputs) - non_donatable
         copy_first = frozenset(info.donated_inputs) & non_donatable
-        inputs = [b for a in args for b in a.shards]
+        dependencies: list[Buffer | asyncio.Future] = [b for a in args for b in a.shards]
+        reload = self.controller.loaded(executable)
+        if reload is not None:
+            dependencies.append(reload)
 
         def run() -> None:
-            error = first_error(args)
+            error = first_error(args) or self.fleet.unavailable(executable.devices)
+            if error is None and reload is not None and reload.exception() is not None:
+                error = _as_error(reload.exception(), "compiling the program again")
             if error is not None:
                 for out in outputs:
                     for buffer in out.shards:
@@ -577,7 +646,7 @@ class Session:
                 for buffer in args[index].shards:
                     buffer.deleted = True
 
-        self.dispatcher.submit(inputs, run)
+        self.dispatcher.submit(dependencies, run)
 
         async def status() -> None:
             await self.dispatcher.flush()

@@ -55,8 +55,9 @@ class CompileOptionsVetter:
         defaults = self._options.FromString(xc.CompileOptions().SerializeAsString())
         self._default_debug = defaults.executable_build_options.debug_options
 
-    def vet(self, serialized: Any, fleet_devices: Sequence[int]) -> tuple[bytes, tuple[int, ...]]:
-        """(vetted CompileOptionsProto bytes, device ids of the device assignment).
+    def vet(self, serialized: Any, fleet_devices: Sequence[int]
+            ) -> tuple[bytes, tuple[int, ...], int]:
+        """(vetted CompileOptionsProto bytes, device ids of the assignment, replica count).
 
         Options without a device assignment get one, as XLA's server derives it: the first
         device for portable executables, `device_ordinal`, or the default assignment."""
@@ -95,7 +96,7 @@ class CompileOptionsVetter:
                          sorted(options.env_option_overrides))
             options.ClearField("env_option_overrides")
         build.ClearField("fdo_profile")
-        return options.SerializeToString(), tuple(device_ids)
+        return options.SerializeToString(), tuple(device_ids), replicas
 
 
 def _default_assignment(options: Any, fleet_devices: Sequence[int]) -> None:
@@ -135,9 +136,10 @@ def compile_program(session: Any, request: Any, response: Any) -> Any:
         raise errors.Unimplemented(
             "programs with host callbacks (jax.debug.print, pure_callback, io_callback) are not "
             "supported by isthmus; remove the callback or run it outside jit.")
-    options, device_ids = session.vetter.vet(body.compile_options,
-                                             [d.id for d in session.fleet.devices])
-    executable = session.ctl.compile(CompileRequest(bytes(program.data), options, device_ids))
+    options, device_ids, replicas = session.vetter.vet(
+        body.compile_options, [d.id for d in session.fleet.devices])
+    executable = session.ctl.compile(
+        CompileRequest(bytes(program.data), options, device_ids, replicas))
     out = response.compile_response
 
     async def finish() -> None:

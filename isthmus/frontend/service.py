@@ -56,6 +56,7 @@ class Frontend:
         self.vetter = CompileOptionsVetter(schema)
         self.sessions: dict[SessionId, FrontendSession] = {}
         self._session_ids = itertools.count(1)
+        self.extra_status: Callable[[], dict[str, Any]] | None = None
         self._version_response = schema["xla.ifrt.proxy.GrpcGetVersionResponse"]
         self._session_metadata = schema["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]
         self._store_metadata = schema["xla.ifrt.proxy.GrpcHostBufferStoreMetadata"]
@@ -141,6 +142,9 @@ class Frontend:
         fleet = self.controller.fleet
         return {
             "platform": self.platform,
+            "generation": fleet.generation,
+            "slices_down": {str(s): e.message for s, e in fleet.down_slices.items()},
+            "fleet": self.extra_status() if self.extra_status else {},
             "devices": [{"id": d.id, "worker": d.worker, "slice": d.slice_index,
                          "host": d.host_index, "kind": d.kind} for d in fleet.devices],
             "sessions": {str(s.id): {"peer": s.peer, "requests": s.requests,

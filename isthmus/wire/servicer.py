@@ -266,10 +266,15 @@ class IfrtProxyServicer:
         return [ifrt, admin]
 
 
-async def start_server(frontend: Frontend, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Starts serving; returns the server and the port it bound (for port 0, a free one)."""
+async def start_server(frontend: Frontend, host: str, port: int,
+                       extra_handlers: list[grpc.GenericRpcHandler] | None = None
+                       ) -> tuple[grpc.aio.Server, int]:
+    """Starts serving; returns the server and the port it bound (for port 0, a free one).
+
+    `extra_handlers` (the fleet service workers connect to) share the port."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    server.add_generic_rpc_handlers(IfrtProxyServicer(frontend).handlers())
+    server.add_generic_rpc_handlers(IfrtProxyServicer(frontend).handlers()
+                                    + list(extra_handlers or ()))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not listen on {host}:{port}; is the port in use?")

@@ -91,21 +91,32 @@ class _HostArray:
 class _Loaded:
     executable: Any  # jaxlib LoadedExecutable
     info: programs.CompiledInfo
-    devices: tuple[Any, ...]  # jaxlib devices, in the executable's order
+    devices: tuple[Any, ...]  # jaxlib devices of the whole program, in its order
     arg_shardings: tuple[Any, ...]  # per parameter: a jax sharding to wrap shards with
 
 
 class DeviceHost:
-    """Buffers and executables of the local devices of one jaxlib client."""
+    """Buffers and executables of the local devices of one jaxlib client.
 
-    def __init__(self, client: Any, *, pool: concurrent.futures.Executor | None = None) -> None:
+    Devices are named by their global (fleet-wide) ids; `device_map` turns them into the
+    client's devices. In the embedded backend the two numberings are the same. In a worker
+    the client may span several processes (a collective group): then `devices` covers every
+    device of the group, of which only the local ones hold buffers here.
+    """
+
+    def __init__(self, client: Any, device_map: dict[int, int] | None = None, *,
+                 pool: concurrent.futures.Executor | None = None) -> None:
         import jax
 
         # Buffers must keep the client's dtypes: without x64, jax.device_put would turn
         # int64/float64 host data into 32-bit buffers.
         jax.config.update("jax_enable_x64", True)
         self.client = client
-        self.devices = {d.id: d for d in client.devices()}
+        by_id = {d.id: d for d in client.devices()}
+        if device_map is None:
+            device_map = {i: i for i in by_id}
+        self.devices = {g: by_id[j] for g, j in device_map.items() if j in by_id}
+        self._local = {d.id for d in client.local_devices()}
         self._buffers: dict[BufferId, Any] = {}
         self._executables: dict[ExecutableId, _Loaded] = {}
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
@@ -310,9 +321,19 @@ class DeviceHost:
         return loaded.info
 
     def _compile_blocking(self, request: programs.CompileRequest) -> _Loaded:
-        devices = tuple(self.devices[d] for d in request.device_ids)
+        try:
+            devices = tuple(self.devices[d] for d in request.device_ids)
+        except KeyError as e:
+            raise errors.InternalError(
+                f"device {e} is not in this worker's group; the controller and worker "
+                "disagree, which is a bug in isthmus: please report it.") from None
         executable, info = programs.compile_program(self.client, devices, request)
         return _Loaded(executable, info, devices, programs.arg_shardings(info, devices))
+
+    def local_positions(self, device_ids: Sequence[int]) -> tuple[int, ...]:
+        """Positions (in a program's device list) of the devices this host holds."""
+        return tuple(i for i, d in enumerate(device_ids)
+                     if d in self.devices and self.devices[d].id in self._local)
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self._executables.pop(executable_id, None)
@@ -320,10 +341,11 @@ class DeviceHost:
     def execute(self, executable_id: ExecutableId, args: Sequence[Sequence[BufferId]],
                 results: Sequence[Sequence[BufferId]], copy_first: frozenset[int] = frozenset()
                 ) -> None:
-        """Runs an executable; `args[i][k]` is argument i's shard on the k-th device.
+        """Runs an executable; `args[i][k]` is argument i's shard on this host's k-th device
+        of the program (in program order).
 
-        `results[j][k]` names output j's shard on the k-th device. Arguments listed in
-        `copy_first` are copied before the call so that donation cannot consume them.
+        `results[j][k]` names output j's shard likewise. Arguments listed in `copy_first` are
+        copied before the call so that donation cannot consume them.
         """
         import jax
         from jax._src.lib import _jax
@@ -340,9 +362,10 @@ class DeviceHost:
                 if index in copy_first:
                     shards = [jax.device_put(s, s.sharding, may_alias=False) for s in shards]
                 aval = loaded.info.param_avals[index]
-                # jaxlib checks the shards against the sharding (a bad mix could crash it).
+                # The controller orders shards by the program's devices; jaxlib's own checks
+                # would reject the local-only shard lists of a multi-process program.
                 arrays.append(_jax.ArrayImpl(aval, loaded.arg_shardings[index], shards,
-                                             True, False))
+                                             True, True))
             outputs = loaded.executable.execute_sharded(arrays)
             per_output = outputs.disassemble_into_single_device_arrays()
         except Exception as e:  # noqa: BLE001
@@ -354,6 +377,41 @@ class DeviceHost:
         for shard_ids, shards in zip(results, per_output):
             for b, shard in zip(shard_ids, shards):
                 self._buffers[b] = shard
+
+    def adopt(self, old: DeviceHost, wait: float = 5.0) -> int:
+        """Moves `old`'s buffers into this host's client (a new collective group).
+
+        Blocking; run it in a thread. A buffer not computed within `wait` seconds (its
+        computation may hang on a lost peer) becomes an error buffer. Returns how many moved.
+        """
+        import concurrent.futures as cf
+
+        import jax
+
+        moved = 0
+        for buffer_id, value in list(old._buffers.items()):
+            if isinstance(value, (_Failed, _HostArray)):
+                self._buffers[buffer_id] = value
+                continue
+            try:
+                device = next(iter(value.devices()))
+                global_id = next(g for g, d in old.devices.items() if d == device)
+                with cf.ThreadPoolExecutor(1) as waiter:
+                    host_copy = waiter.submit(np.asarray, value).result(timeout=wait)
+                memory_kind = value.sharding.memory_kind
+                from jax.sharding import SingleDeviceSharding
+
+                self._buffers[buffer_id] = jax.device_put(
+                    host_copy, SingleDeviceSharding(self.devices[global_id],
+                                                    memory_kind=memory_kind))
+                moved += 1
+            except Exception as e:  # noqa: BLE001 - includes the timeout
+                self._buffers[buffer_id] = _Failed(errors.WorkerLost(
+                    f"buffer {buffer_id} could not be moved into the re-formed collective "
+                    f"group ({type(e).__name__}); recreate the array."))
+        old._buffers.clear()
+        old._executables.clear()
+        return moved
 
     async def close(self) -> None:
         self.free(list(self._buffers))

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from isthmus import dtypes, errors
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,8 @@ class CompileRequest:
 
     module: bytes  # StableHLO portable artifact or MLIR text
     compile_options: bytes  # serialized xla.CompileOptionsProto, already vetted
-    device_ids: tuple[int, ...]  # the host's device ids, in the program's device order
+    device_ids: tuple[int, ...]  # global ids of the program's devices, replica-major
+    replicas: int = 1  # the device assignment is device_ids as [replicas, computations]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,6 +141,9 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
         options = xc.CompileOptions.ParseFromString(request.compile_options)
     except Exception as e:  # noqa: BLE001
         raise errors.InvalidRequest(f"the compile options do not parse: {_first_line(e)}") from None
+    # The client named devices by global id; the assignment must name this client's devices.
+    options.executable_build_options.device_assignment = xc.DeviceAssignment.create(
+        np.array([d.id for d in devices], dtype=np.int64).reshape(request.replicas, -1))
     try:
         executable = client.compile_and_load(
             request.module, _jax.DeviceList(tuple(devices)), options)

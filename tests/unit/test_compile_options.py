@@ -28,7 +28,7 @@ def _serialized(build_fields=None, debug_fields=None, assignment=((0, 1),)):
 
 
 def _vet(serialized, devices=range(8)):
-    data, device_ids = CompileOptionsVetter(schema()).vet(serialized, list(devices))
+    data, device_ids, _ = CompileOptionsVetter(schema()).vet(serialized, list(devices))
     return schema()["xla.CompileOptionsProto"].FromString(data), device_ids
 
 

@@ -1,0 +1,289 @@
+"""The resource manager: worker registration, host slots, health, and the collective group.
+
+Each slice has `hosts_per_slice` host slots; a registering worker takes the first free slot
+of the slice it names (a restarted worker therefore takes back the slot of the one it
+replaces, and its devices keep their global ids). Global device id =
+(slice * hosts_per_slice + host) * devices_per_host + local index.
+
+All live workers form one collective group (jax's distributed runtime: a coordination
+service in this process, gloo collectives between the workers), so a program may span any
+devices. The service is *recoverable*: a member that dies does not take the others down. A
+lost worker marks its slice down: its arrays are poisoned with DATA_LOSS and work touching
+the slice fails, while other slices go on. Whenever membership changes the group re-forms
+as a new *generation*: every worker builds a fresh jaxlib client on a new coordination
+service and moves its buffers into it (computations stuck on the lost peer are abandoned),
+and executables are compiled again on first use. A slice comes back when all its host slots
+are members again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from isthmus import errors
+from isthmus.controller.fleet import CPU_MEMORY_KINDS, Device, Fleet
+from isthmus.ids import DeviceId, SliceId, WorkerId
+from isthmus.transport import messages as m
+from isthmus.transport.remote import RemoteWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FleetSpec:
+    """The shape of a fleet."""
+
+    slices: int = 2
+    hosts_per_slice: int = 1
+    devices_per_host: int = 4
+    platform: str = "cpu"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManagerConfig:
+    heartbeat_interval: float = 0.5  # seconds between a worker's heartbeats
+    heartbeat_timeout: float = 4.0  # silence after which a worker counts as lost
+    formation_timeout: float = 60.0  # seconds to build a collective group
+    advertise_host: str = "127.0.0.1"  # where workers reach this process
+
+
+class FleetManager:
+    """Registers workers into host slots and keeps the collective group formed."""
+
+    def __init__(self, spec: FleetSpec, fleet: Fleet, config: ManagerConfig | None = None,
+                 on_slice_down: Callable[[SliceId, errors.IsthmusError], None] | None = None,
+                 on_generation: Callable[[int], None] | None = None) -> None:
+        self.spec = spec
+        self.fleet = fleet
+        self.config = config or ManagerConfig()
+        self._on_slice_down = on_slice_down or (lambda s, e: None)
+        self._on_generation = on_generation or (lambda g: None)
+        self.members: dict[WorkerId, RemoteWorker] = {}  # slots in the current group
+        self._services: list[Any] = []  # coordination services of every generation
+        self._form_lock = asyncio.Lock()
+        self._form_wanted = asyncio.Event()
+        self._formed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        for slice_index in range(spec.slices):
+            self._ensure_slice(SliceId(slice_index))
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._monitor()), loop.create_task(self._former())]
+
+    async def stop(self) -> None:
+        for channel in list(self.fleet.workers.values()):
+            if isinstance(channel, RemoteWorker):
+                channel.send_now(m.Shutdown("the controller is stopping"))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- slots and devices ---------------------------------------------------------------
+
+    def slot(self, slice_index: int, host: int) -> WorkerId:
+        return WorkerId(slice_index * self.spec.hosts_per_slice + host)
+
+    def _ensure_slice(self, slice_index: SliceId) -> None:
+        """Adds the devices of a slice the fleet does not know yet (down until complete)."""
+        if any(d.slice_index == slice_index for d in self.fleet.devices):
+            return
+        spec = self.spec
+        self.fleet.mark_down(slice_index, errors.WorkerLost(
+            f"slice {slice_index} has not got all its {spec.hosts_per_slice} hosts yet; "
+            f"start its workers (`isthmus worker --slice {slice_index}`)."))
+        devices = []
+        for host in range(spec.hosts_per_slice):
+            slot = self.slot(slice_index, host)
+            for local in range(spec.devices_per_host):
+                devices.append(Device(
+                    DeviceId(slot * spec.devices_per_host + local), slot, local, spec.platform,
+                    spec.platform, slice_index, host, CPU_MEMORY_KINDS))
+        self.fleet.add_devices(devices)
+
+    def slices(self) -> list[SliceId]:
+        return sorted({d.slice_index for d in self.fleet.devices})
+
+    def _slot_devices(self, slot: WorkerId) -> list[Device]:
+        return [d for d in self.fleet.devices if d.worker == slot]
+
+    # ---- registration --------------------------------------------------------------------
+
+    def register(self, message: m.Register, send: Callable[[bytes], None], peer: str,
+                 close: Callable[[], None] = lambda: None) -> RemoteWorker:
+        """Takes a worker into a free slot; raises RequestError when it cannot be."""
+        spec = self.spec
+        if message.version != m.PROTOCOL_VERSION:
+            raise errors.VersionMismatch(
+                f"the worker speaks fleet protocol {message.version}, the controller "
+                f"{m.PROTOCOL_VERSION}; run the same isthmus version everywhere.")
+        if message.platform != spec.platform or message.devices != spec.devices_per_host:
+            raise errors.InvalidRequest(
+                f"the worker brings {message.devices} {message.platform} devices; this fleet "
+                f"has {spec.devices_per_host} {spec.platform} devices per host. Start it "
+                f"with --devices {spec.devices_per_host}.")
+        slice_index = message.slice_index
+        if slice_index < 0:
+            slice_index = next((s for s in self.slices() if self._free_host(s) is not None),
+                               len(self.slices()))
+        self._ensure_slice(SliceId(slice_index))
+        host = self._free_host(SliceId(slice_index))
+        if host is None:
+            raise errors.InvalidRequest(
+                f"slice {slice_index} already has its {spec.hosts_per_slice} live hosts; "
+                "start the worker for another slice.")
+        slot = self.slot(slice_index, host)
+        channel = RemoteWorker(slot, message, send, peer, close)
+        self.fleet.workers[slot] = channel
+        logger.info("worker %s:%s joined as slice %s host %s", message.hostname, message.pid,
+                    slice_index, host)
+        self._form_wanted.set()
+        return channel
+
+    def welcome(self, channel: RemoteWorker) -> m.Welcome:
+        device = self._slot_devices(channel.slot)[0]
+        return m.Welcome(channel.slot, device.slice_index, device.host_index,
+                         self.config.heartbeat_interval)
+
+    def _free_host(self, slice_index: SliceId) -> int | None:
+        for host in range(self.spec.hosts_per_slice):
+            if self.slot(slice_index, host) not in self.fleet.workers:
+                return host
+        return None
+
+    # ---- loss ----------------------------------------------------------------------------
+
+    def lost(self, channel: RemoteWorker, reason: str) -> None:
+        """A worker disconnected or went silent."""
+        if self.fleet.workers.get(channel.slot) is not channel:
+            return
+        device = self._slot_devices(channel.slot)[0]
+        register = channel.register
+        error = errors.WorkerLost(
+            f"worker {register.hostname}:{register.pid} (slice {device.slice_index}, host "
+            f"{device.host_index}) was lost: {reason}. Arrays on slice {device.slice_index} "
+            "are gone; start a worker for that slice (`isthmus worker --slice "
+            f"{device.slice_index}`) and recreate them, or continue on the other slices.")
+        logger.warning("%s", error.message)
+        del self.fleet.workers[channel.slot]
+        self.members.pop(channel.slot, None)
+        channel.mark_lost(error)
+        self.fleet.mark_down(device.slice_index, error)
+        self._on_slice_down(device.slice_index, error)
+        self._form_wanted.set()
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            now = time.monotonic()
+            for channel in list(self.fleet.workers.values()):
+                # A worker building its jaxlib client may be silent; formation has its own
+                # deadline.
+                if isinstance(channel, RemoteWorker) and not channel.forming and (
+                        now - channel.last_seen > self.config.heartbeat_timeout):
+                    self.lost(channel, f"no heartbeat for {self.config.heartbeat_timeout:g} s")
+
+    # ---- the collective group ------------------------------------------------------------
+
+    async def _former(self) -> None:
+        while True:
+            await self._form_wanted.wait()
+            await asyncio.sleep(0.2)  # let registrations and losses that come together settle
+            if self.fleet.generation == 0:
+                # The first group: give the whole fleet a moment to register, so that it
+                # forms once rather than once per straggler.
+                expected = self.spec.slices * self.spec.hosts_per_slice
+                deadline = time.monotonic() + 10.0
+                while len(self.fleet.workers) < expected and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+            self._form_wanted.clear()
+            try:
+                await self.form()
+            except Exception:  # noqa: BLE001 - retried on the next membership change
+                logger.exception("forming the collective group failed")
+                await asyncio.sleep(1.0)
+                self._form_wanted.set()
+
+    async def form(self) -> None:
+        async with self._form_lock:
+            members = [c for _, c in sorted(self.fleet.workers.items())
+                       if isinstance(c, RemoteWorker)]
+            if not members:
+                return
+            generation = self.fleet.generation + 1
+            address = f"{self.config.advertise_host}:{_free_port(self.config.advertise_host)}"
+            from jax._src.lib import _jax
+
+            service = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: _jax.get_distributed_runtime_service(
+                    address, len(members), recoverable=True))
+            self._services.append(service)
+            logger.info("forming collective group %s with %s workers at %s", generation,
+                        len(members), address)
+            waits = []
+            for node, channel in enumerate(members):
+                number, future = channel.request()
+                channel.send_now(m.FormGroup(number, generation, address, node, len(members)))
+                channel.hold()
+                channel.forming = True
+                waits.append(future)
+            try:
+                replies = await asyncio.wait_for(asyncio.gather(*waits),
+                                                 self.config.formation_timeout)
+            except BaseException:
+                for channel in members:
+                    channel.release()
+                raise
+            finally:
+                now = time.monotonic()
+                for channel in members:
+                    channel.forming = False
+                    channel.last_seen = max(channel.last_seen, now)
+            mapping: dict[int, int] = {}
+            for channel, local_ids in zip(members, replies):
+                for device, jaxlib_id in zip(self._slot_devices(channel.slot), local_ids):
+                    mapping[device.id] = jaxlib_id
+            for channel in members:
+                channel.send_now(m.DeviceMap(mapping))
+                channel.release()
+            self.members = {c.slot: c for c in members}
+            self.fleet.generation = generation
+            for slice_index in self.slices():
+                hosts = [self.slot(slice_index, h) for h in range(self.spec.hosts_per_slice)]
+                if all(h in self.members for h in hosts):
+                    self.fleet.mark_up(slice_index)
+            self._on_generation(generation)
+            self._formed.set()
+            logger.info("collective group %s formed; slices up: %s", generation,
+                        [s for s in self.slices() if self.fleet.slice_error(s) is None])
+
+    async def wait_complete(self, timeout: float) -> None:
+        """Waits until every slice of the spec is up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if all(self.fleet.slice_error(SliceId(s)) is None for s in range(self.spec.slices)):
+                return
+            if time.monotonic() > deadline:
+                down = {int(s): e.message for s, e in self.fleet.down_slices.items()}
+                raise TimeoutError(f"the fleet was not complete within {timeout:g} s: {down}")
+            await asyncio.sleep(0.1)
+
+    def status(self) -> dict[str, Any]:
+        out = {}
+        for slot, channel in self.fleet.workers.items():
+            if isinstance(channel, RemoteWorker):
+                out[str(slot)] = {"host": channel.register.hostname, "pid": channel.register.pid,
+                                  "member": slot in self.members}
+        return out
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

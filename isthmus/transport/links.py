@@ -1,0 +1,145 @@
+"""The worker's network links: its stream to the controller and its peer data server.
+
+Peers move shard bytes worker to worker (`isthmus.WorkerData/Fetch`), never through the
+controller. A fetched buffer travels as one pickled header followed by raw byte pieces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from isthmus import errors
+from isthmus.transport import messages as m
+
+logger = logging.getLogger(__name__)
+
+PIECE_BYTES = 4 << 20
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
+
+
+class ControllerLink:
+    """The worker's bidirectional stream to the controller."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address.removeprefix("grpc://")
+        self._outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._channel: grpc.aio.Channel | None = None
+        self._call: Any = None
+
+    async def open(self, first: Any, timeout: float) -> AsyncIterator[Any]:
+        """Sends `first`, then yields the controller's messages until the stream ends."""
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        stream = self._channel.stream_stream("/isthmus.Fleet/Connect")
+        self.send(first)
+        self._call = stream(self._frames())
+        return self._messages()
+
+    async def _frames(self) -> AsyncIterator[bytes]:
+        while True:
+            frame = await self._outgoing.get()
+            if frame is None:
+                return
+            yield frame
+
+    async def _messages(self) -> AsyncIterator[Any]:
+        async for frame in self._call:
+            yield m.decode(frame)
+
+    def send(self, message: Any) -> None:
+        self._outgoing.put_nowait(m.encode(message))
+
+    async def close(self) -> None:
+        self._outgoing.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class PeerDataServer:
+    """Serves this worker's buffers to its peers."""
+
+    def __init__(self, fetch: Callable[[int], Awaitable[np.ndarray]]) -> None:
+        self._fetch = fetch
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self, host: str) -> int:
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "isthmus.WorkerData", {"Fetch": grpc.unary_stream_rpc_method_handler(self._serve)})])
+        port = self._server.add_insecure_port(f"{host}:0")
+        await self._server.start()
+        return port
+
+    async def _serve(self, request: bytes, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[bytes]:
+        buffer_id = int(request.decode())
+        try:
+            value = await self._fetch(buffer_id)
+        except errors.IsthmusError as e:
+            yield m.encode({"error": e})
+            return
+        if value.dtype == object:
+            yield m.encode({"objects": value})
+            return
+        flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        yield m.encode({"dtype": m.dtype_name(value.dtype), "shape": value.shape,
+                        "nbytes": flat.nbytes})
+        for start in range(0, flat.nbytes, PIECE_BYTES):
+            yield flat[start:start + PIECE_BYTES].tobytes()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0.5)
+
+
+class PeerClient:
+    """Fetches buffers from other workers' data servers."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def fetch(self, peer: str, buffer_id: int, timeout: float = 600.0) -> np.ndarray:
+        channel = self._channels.get(peer)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(peer, options=CHANNEL_OPTIONS)
+            self._channels[peer] = channel
+        call = channel.unary_stream("/isthmus.WorkerData/Fetch")(
+            str(buffer_id).encode(), timeout=timeout)
+        try:
+            header = m.decode(await call.read())
+            if "error" in header:
+                raise header["error"]
+            if "objects" in header:
+                return header["objects"]
+            target = np.empty(header["nbytes"], np.uint8)
+            offset = 0
+            while offset < header["nbytes"]:
+                piece = await call.read()
+                if piece is grpc.aio.EOF:
+                    raise errors.WorkerLost(f"the worker at {peer} stopped sending buffer "
+                                            f"{buffer_id} halfway.")
+                target[offset:offset + len(piece)] = np.frombuffer(piece, np.uint8)
+                offset += len(piece)
+        except grpc.RpcError as e:
+            raise errors.WorkerLost(
+                f"fetching buffer {buffer_id} from the worker at {peer} failed: "
+                f"{e.code().name}") from None
+        return target.view(m.dtype_of(header["dtype"])).reshape(header["shape"])
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()

@@ -1,0 +1,251 @@
+"""Control-plane messages between the controller and its workers.
+
+Both ends are isthmus processes of the same version (checked at registration), so messages
+are frozen dataclasses carried by pickle (protocol 5, which copies bulk `bytes` once). The
+fleet trusts its members: run controller and workers on a private network, as any cluster
+runtime.
+
+Commands flow controller -> worker in batches (`Batch`) and take effect in order. Requests
+that expect an answer carry a `request` number; the worker answers with `Reply`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+PROTOCOL_VERSION = 1  # bump when a message changes shape
+
+
+def encode(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=5)
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
+def dtype_name(dtype: Any) -> str:
+    """A numpy dtype as a name both ends can turn back into the dtype."""
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
+def dtype_of(name: str) -> Any:
+    import ml_dtypes  # noqa: F401 - makes np.dtype() know bfloat16, float8_*, int4, ...
+    import numpy as np
+
+    return object if name == "object" else np.dtype(getattr(ml_dtypes, name, name))
+
+
+# ---- worker -> controller -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Register:
+    """A worker introduces itself (the first message of its stream)."""
+
+    version: int  # PROTOCOL_VERSION of the worker
+    slice_index: int  # the slice it wants to serve in
+    devices: int  # local devices it will bring
+    platform: str  # "cpu", "cuda"
+    device_kind: str
+    data_address: str  # HOST:PORT of its peer data server
+    hostname: str
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Heartbeat:
+    stats: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to a request: `value`, or `error` (an IsthmusError) when it failed."""
+
+    request: int
+    value: Any = None
+    error: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchHeader:
+    """The layout of a fetched buffer; its bytes follow as `Data`, then a `Reply`."""
+
+    request: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Data:
+    """A piece of a fetched buffer, for request `request` (sent before its Reply)."""
+
+    request: int
+    offset: int
+    data: bytes
+
+
+# ---- controller -> worker -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Welcome:
+    worker: int  # the worker's id in this fleet
+    slice_index: int
+    host_index: int
+    heartbeat_interval: float  # seconds between heartbeats
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refused:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Batch:
+    commands: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FormGroup:
+    """Join collective group `generation` as node `node_id` of `num_nodes`.
+
+    The worker builds a new jaxlib client on the coordinator at `address`, moves its buffers
+    into it and answers with its local jaxlib device ids (in local order).
+    """
+
+    request: int
+    generation: int
+    address: str
+    node_id: int
+    num_nodes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceMap:
+    """Global device id -> jaxlib device id in the current generation, for every device."""
+
+    mapping: dict[int, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutBegin:
+    buffer: int
+    device: int  # global device id
+    memory_kind: str | None
+    dtype: str  # numpy dtype name ("object" for strings)
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutData:
+    """Bytes of a put; the put completes (and is answered) with its last piece."""
+
+    request: int
+    buffer: int
+    offset: int
+    data: bytes
+    last: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutObjects:
+    """A string array (IFRT keeps these as host objects)."""
+
+    request: int
+    buffer: int
+    device: int
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fail:
+    buffer: int
+    error: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Copy:
+    src: int
+    dst: int
+    device: int
+    memory_kind: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pull:
+    """Fetch buffer `src` from the worker at `peer` into `dst` on `device`."""
+
+    request: int
+    src: int
+    peer: str
+    dst: int
+    device: int
+    memory_kind: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assemble:
+    dst: int
+    device: int
+    memory_kind: str | None
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bitcast:
+    src: int
+    dst: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Free:
+    buffers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compile:
+    request: int
+    executable: int
+    module: bytes
+    compile_options: bytes
+    device_ids: tuple[int, ...]  # global ids of the program, in device-assignment order
+    replicas: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DropExecutable:
+    executable: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Execute:
+    executable: int
+    args: tuple[tuple[int, ...], ...]  # per argument: this worker's shards, program order
+    results: tuple[tuple[int, ...], ...]
+    copy_first: frozenset[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ready:
+    request: int
+    buffers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fetch:
+    request: int
+    buffer: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shutdown:
+    reason: str

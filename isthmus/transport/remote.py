@@ -1,0 +1,234 @@
+"""The controller's end of a worker process: `WorkerChannel` over a message stream.
+
+Fire-and-forget commands are collected and sent as one `Batch` per event-loop turn, so one
+client request costs one message per involved worker however many commands it makes.
+Requests (compile, ready, fetch, put, pull) get a number and resolve when the worker answers.
+When the worker is lost every pending request fails with the loss, and later commands are
+dropped: the controller has already poisoned the buffers they would touch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.ids import BufferId, ExecutableId, WorkerId
+from isthmus.transport import messages as m
+
+logger = logging.getLogger(__name__)
+
+PUT_PIECE_BYTES = 8 << 20  # bulk data travels in pieces of this size
+
+
+class RemoteWorker:
+    """A worker process, seen from the controller."""
+
+    def __init__(self, slot: WorkerId, register: m.Register, send: Callable[[bytes], None],
+                 peer: str, close: Callable[[], None] = lambda: None) -> None:
+        self.slot = slot
+        self.register = register
+        self.peer = peer
+        self._send = send
+        self._close = close
+        self.forming = False  # in a group formation: silence is expected, not a loss
+        self._pending: list[Any] = []
+        self._flush_scheduled = False
+        self._held = False  # while the collective group re-forms, commands wait
+        self._requests = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._fetches: dict[int, np.ndarray] = {}
+        self.last_seen = time.monotonic()
+        self.reported: dict[str, int] = {}
+        self.lost: errors.IsthmusError | None = None
+
+    @property
+    def data_address(self) -> str:
+        return self.register.data_address
+
+    # ---- sending -------------------------------------------------------------------------
+
+    def _command(self, command: Any) -> None:
+        if self.lost is not None:
+            return
+        self._pending.append(command)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_scheduled = False
+        if self._pending and self.lost is None and not self._held:
+            batch, self._pending = tuple(self._pending), []
+            self._send(m.encode(m.Batch(batch)))
+
+    def send_now(self, message: Any) -> None:
+        """Sends a message outside the batches (after whatever is queued)."""
+        self.flush()
+        if self.lost is None:
+            self._send(m.encode(message))
+
+    def hold(self) -> None:
+        """Keeps later commands back (they belong to the next collective group)."""
+        self._held = True
+
+    def release(self) -> None:
+        self._held = False
+        self.flush()
+
+    def request(self) -> tuple[int, asyncio.Future[Any]]:
+        """A request number and the future its Reply resolves."""
+        return self._request()
+
+    def _request(self) -> tuple[int, asyncio.Future[Any]]:
+        number = next(self._requests)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self.lost is not None:
+            future.set_exception(self.lost)
+        else:
+            self._waiting[number] = future
+        return number, future
+
+    # ---- receiving -----------------------------------------------------------------------
+
+    def on_message(self, message: Any) -> None:
+        self.last_seen = time.monotonic()
+        if isinstance(message, m.Heartbeat):
+            self.reported = message.stats
+        elif isinstance(message, m.FetchHeader):
+            self._fetches[message.request] = _Incoming(message)
+        elif isinstance(message, m.Data):
+            incoming = self._fetches.get(message.request)
+            if incoming is not None:
+                incoming.write(message.offset, message.data)
+        elif isinstance(message, m.Reply):
+            future = self._waiting.pop(message.request, None)
+            incoming = self._fetches.pop(message.request, None)
+            if future is None or future.done():
+                return
+            if message.error is not None:
+                future.set_exception(_as_error(message.error))
+            elif incoming is not None:
+                future.set_result(incoming.array())
+            else:
+                future.set_result(message.value)
+        else:
+            logger.warning("worker %s sent an unexpected %s", self.slot, type(message).__name__)
+
+    def mark_lost(self, error: errors.IsthmusError) -> None:
+        """The worker is gone: every pending request fails with `error`, and its stream is
+        closed (a worker that is in fact alive then registers afresh)."""
+        if self.lost is None:
+            self.lost = error
+            self._close()
+        self._pending.clear()
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(error)
+                future.exception()
+        self._fetches.clear()
+
+    # ---- WorkerChannel -------------------------------------------------------------------
+
+    def put(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
+            memory_kind: str | None = None) -> Awaitable[None]:
+        number, future = self._request()
+        if value.dtype == object:
+            self._command(m.PutObjects(number, buffer_id, device_id, value))
+            return future
+        data = np.ascontiguousarray(value)
+        raw = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+        self._command(m.PutBegin(buffer_id, device_id, memory_kind, m.dtype_name(data.dtype),
+                                 tuple(value.shape), len(raw)))
+        offset = 0
+        while True:
+            piece = raw[offset:offset + PUT_PIECE_BYTES]
+            last = offset + len(piece) >= len(raw)
+            self._command(m.PutData(number, buffer_id, offset, bytes(piece), last))
+            offset += len(piece)
+            if last:
+                break
+        return future
+
+    def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
+        self._command(m.Fail(buffer_id, error))
+
+    def copy(self, src: BufferId, dst: BufferId, device_id: int,
+             memory_kind: str | None = None) -> None:
+        self._command(m.Copy(src, dst, device_id, memory_kind))
+
+    def pull(self, src: BufferId, peer: str, dst: BufferId, device_id: int,
+             memory_kind: str | None) -> Awaitable[None]:
+        number, future = self._request()
+        self._command(m.Pull(number, src, peer, dst, device_id, memory_kind))
+        return future
+
+    def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
+                 dtype: np.dtype, shape: tuple[int, ...],
+                 parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
+        self._command(m.Assemble(dst, device_id, memory_kind, np.dtype(dtype).name,
+                                 tuple(shape), tuple(parts)))
+
+    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype,
+                shape: tuple[int, ...]) -> None:
+        self._command(m.Bitcast(src, dst, np.dtype(dtype).name, tuple(shape)))
+
+    def free(self, buffer_ids: Sequence[BufferId]) -> None:
+        self._command(m.Free(tuple(buffer_ids)))
+
+    def compile(self, executable_id: ExecutableId, request: Any) -> Awaitable[Any]:
+        number, future = self._request()
+        self._command(m.Compile(number, executable_id, request.module, request.compile_options,
+                                tuple(request.device_ids), request.replicas))
+        return future
+
+    def drop_executable(self, executable_id: ExecutableId) -> None:
+        self._command(m.DropExecutable(executable_id))
+
+    def execute(self, executable_id: ExecutableId, args: Sequence[Sequence[BufferId]],
+                results: Sequence[Sequence[BufferId]],
+                copy_first: frozenset[int] = frozenset()) -> None:
+        self._command(m.Execute(executable_id, tuple(tuple(a) for a in args),
+                                tuple(tuple(r) for r in results), copy_first))
+
+    def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
+        number, future = self._request()
+        self._command(m.Ready(number, tuple(buffer_ids)))
+        return future
+
+    def fetch(self, buffer_id: BufferId) -> Awaitable[np.ndarray]:
+        number, future = self._request()
+        self._command(m.Fetch(number, buffer_id))
+        return future
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.reported)
+
+
+class _Incoming:
+    """A fetched buffer arriving in pieces, written into one aligned allocation."""
+
+    __slots__ = ("header", "target")
+
+    def __init__(self, header: m.FetchHeader) -> None:
+        self.header = header
+        self.target = np.empty(header.nbytes, np.uint8)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.target[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def array(self) -> np.ndarray:
+        return self.target.view(m.dtype_of(self.header.dtype)).reshape(self.header.shape)
+
+
+def _as_error(error: Any) -> errors.IsthmusError:
+    if isinstance(error, errors.IsthmusError):
+        return error
+    return errors.InternalError(f"a worker failed unexpectedly: {error}")

@@ -1,0 +1,330 @@
+"""The worker process: one host of the fleet.
+
+It registers with the controller, sends heartbeats, and applies the controller's commands
+to its `DeviceHost` in the order they arrive. Everything that waits (compiles, readiness,
+host copies, peer transfers) runs as a task, so commands keep flowing; the controller only
+sends a command once what it depends on is in place.
+
+The jaxlib client is made when the controller forms a collective group; when the group
+re-forms (a peer was lost or a worker joined) a new client replaces it and the buffers move
+across (`DeviceHost.adopt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.transport import messages as m
+from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer
+from isthmus.worker.host import DeviceHost, make_cpu_client
+from isthmus.worker.programs import CompileRequest
+
+logger = logging.getLogger(__name__)
+
+EXIT_SHUTDOWN = 0
+EXIT_REFUSED = 2
+EXIT_CONTROLLER_LOST = 3
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    controller: str  # HOST:PORT of the controller
+    slice_index: int = -1  # -1: any slice with a free host slot
+    devices: int = 4
+    listen: str = "127.0.0.1"  # address of the peer data server
+    advertise: str | None = None  # how peers reach it (default: `listen`)
+    connect_timeout: float = 60.0
+    group_timeout: int = 60  # seconds to join a collective group
+
+
+@dataclasses.dataclass(slots=True)
+class _Incoming:
+    buffer: np.ndarray
+    device: int
+    memory_kind: str | None
+    dtype: Any
+    shape: tuple[int, ...]
+
+
+class WorkerAgent:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.host: DeviceHost | None = None
+        self._next_client: Any = None
+        self._keep: list[Any] = []  # distributed clients of past groups stay alive
+        self._incoming: dict[int, _Incoming] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._link = ControllerLink(config.controller)
+        self._peers = PeerClient()
+        self._data = PeerDataServer(self._serve_buffer)
+        self._stop = asyncio.Event()
+        self.exit_code = EXIT_CONTROLLER_LOST
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        # Heavy imports now, before registering: later they would hold the GIL and silence
+        # the heartbeats.
+        await loop.run_in_executor(None, _preload)
+        port = await self._data.start(self.config.listen)
+        advertise = self.config.advertise or self.config.listen
+        register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, self.config.devices,
+                              "cpu", "cpu", f"{advertise}:{port}", socket.gethostname(),
+                              os.getpid())
+        while not self._stop.is_set():
+            code = await self._serve(register)
+            if self._stop.is_set() or code != EXIT_CONTROLLER_LOST:
+                self.exit_code = code if not self._stop.is_set() else self.exit_code
+                break
+            # The controller dropped us (or went away): start afresh and register again; a
+            # controller that is really gone makes the next connection attempt fail.
+            self._reset()
+            await asyncio.sleep(1.0)
+        await self._data.stop()
+        await self._peers.close()
+        return self.exit_code
+
+    async def _serve(self, register: m.Register) -> int:
+        """One membership: register, obey, until the stream ends. Returns an exit code."""
+        self._link = ControllerLink(self.config.controller)
+        try:
+            messages = await self._link.open(register, self.config.connect_timeout)
+            welcome = await messages.__anext__()
+        except (asyncio.TimeoutError, StopAsyncIteration, Exception) as e:  # noqa: BLE001
+            logger.error("cannot reach the controller at %s: %s", self.config.controller, e)
+            await self._link.close()
+            self.stop(EXIT_CONTROLLER_LOST)
+            return EXIT_CONTROLLER_LOST
+        if isinstance(welcome, m.Refused):
+            logger.error("the controller refused this worker: %s", welcome.reason)
+            await self._link.close()
+            return EXIT_REFUSED
+        logger.info("joined as slice %s host %s", welcome.slice_index, welcome.host_index)
+        loop = asyncio.get_running_loop()
+        heartbeat = loop.create_task(self._heartbeat(welcome.heartbeat_interval))
+        reader = loop.create_task(self._read(messages))
+        stopped = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait([reader, stopped], return_when=asyncio.FIRST_COMPLETED)
+        for task in (heartbeat, reader, stopped, *self._tasks):
+            task.cancel()
+        await self._link.close()
+        return self.exit_code if self._stop.is_set() else EXIT_CONTROLLER_LOST
+
+    def _reset(self) -> None:
+        """Forgets everything of the last membership (its buffers are gone for the fleet)."""
+        self.host = None
+        self._next_client = None
+        self._incoming.clear()
+        self._tasks.clear()
+
+    def stop(self, code: int = EXIT_SHUTDOWN) -> None:
+        self.exit_code = code
+        self._stop.set()
+
+    async def _heartbeat(self, interval: float) -> None:
+        while True:
+            self._link.send(m.Heartbeat(self.host.stats() if self.host else {}))
+            await asyncio.sleep(interval)
+
+    async def _read(self, messages: Any) -> None:
+        try:
+            async for message in messages:
+                await self._handle(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the controller is gone or dropped us
+            logger.warning("the stream to the controller ended: %s", e)
+
+    # ---- messages ------------------------------------------------------------------------
+
+    async def _handle(self, message: Any) -> None:
+        if isinstance(message, m.Batch):
+            for command in message.commands:
+                try:
+                    self._apply(command)
+                except Exception:  # noqa: BLE001 - reported through the command's buffers
+                    logger.exception("command %s failed", type(command).__name__)
+        elif isinstance(message, m.FormGroup):
+            await self._form(message)
+        elif isinstance(message, m.DeviceMap):
+            await self._activate(message.mapping)
+        elif isinstance(message, m.Shutdown):
+            logger.info("shutting down: %s", message.reason)
+            self.stop(EXIT_SHUTDOWN)
+        else:
+            logger.warning("unexpected message %s", type(message).__name__)
+
+    def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
+        self._link.send(m.Reply(request, value, error))
+
+    def _spawn(self, request: int, work: Any) -> None:
+        async def run() -> None:
+            try:
+                value = await work
+            except errors.IsthmusError as e:
+                self._reply(request, error=e)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("request %s failed", request)
+                self._reply(request, error=errors.InternalError(
+                    f"the worker failed unexpectedly ({type(e).__name__}: {e}); this is a "
+                    "bug in isthmus: please report it with the worker log."))
+            else:
+                self._reply(request, value)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _require_host(self) -> DeviceHost:
+        if self.host is None:
+            raise errors.InternalError("the worker has no collective group yet")
+        return self.host
+
+    def _apply(self, c: Any) -> None:
+        host = self._require_host()
+        if isinstance(c, m.Execute):
+            host.execute(c.executable, c.args, c.results, c.copy_first)
+        elif isinstance(c, m.PutBegin):
+            dtype = m.dtype_of(c.dtype)
+            self._incoming[c.buffer] = _Incoming(
+                _aligned(c.nbytes), c.device, c.memory_kind, dtype, c.shape)
+        elif isinstance(c, m.PutData):
+            incoming = self._incoming[c.buffer]
+            incoming.buffer[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, np.uint8)
+            if c.last:
+                del self._incoming[c.buffer]
+                value = incoming.buffer.view(incoming.dtype).reshape(incoming.shape)
+                self._spawn(c.request, host.put(c.buffer, incoming.device, value,
+                                                incoming.memory_kind))
+        elif isinstance(c, m.PutObjects):
+            self._spawn(c.request, host.put(c.buffer, c.device, c.value))
+        elif isinstance(c, m.Fail):
+            host.fail(c.buffer, c.error)
+        elif isinstance(c, m.Copy):
+            host.copy(c.src, c.dst, c.device, c.memory_kind)
+        elif isinstance(c, m.Assemble):
+            host.assemble(c.dst, c.device, c.memory_kind, m.dtype_of(c.dtype), c.shape,
+                          c.parts)
+        elif isinstance(c, m.Bitcast):
+            host.bitcast(c.src, c.dst, m.dtype_of(c.dtype), c.shape)
+        elif isinstance(c, m.Free):
+            host.free(c.buffers)
+        elif isinstance(c, m.Compile):
+            self._spawn(c.request, self._compile(host, c))
+        elif isinstance(c, m.DropExecutable):
+            host.drop_executable(c.executable)
+        elif isinstance(c, m.Ready):
+            self._spawn(c.request, host.ready(c.buffers))
+        elif isinstance(c, m.Fetch):
+            self._spawn(c.request, self._send_buffer(c.request, host.fetch(c.buffer)))
+        elif isinstance(c, m.Pull):
+            self._spawn(c.request, self._pull(host, c))
+        else:
+            raise errors.InternalError(f"unknown command {type(c).__name__}")
+
+    async def _compile(self, host: DeviceHost, c: m.Compile) -> Any:
+        info = await host.compile(c.executable, CompileRequest(
+            c.module, c.compile_options, c.device_ids, c.replicas))
+        return dataclasses.replace(info, param_avals=())
+
+    async def _send_buffer(self, request: int, fetched: Any) -> Any:
+        value = await fetched
+        if value.dtype == object:
+            return value
+        flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        self._link.send(m.FetchHeader(request, m.dtype_name(value.dtype), value.shape,
+                                      flat.nbytes))
+        for start in range(0, flat.nbytes, 8 << 20):
+            self._link.send(m.Data(request, start, flat[start:start + (8 << 20)].tobytes()))
+        return None
+
+    async def _pull(self, host: DeviceHost, c: m.Pull) -> None:
+        value = await self._peers.fetch(c.peer, c.src)
+        await host.put(c.dst, c.device, value, c.memory_kind)
+        if not host.has(c.dst):
+            raise errors.InternalError("the pulled buffer was not stored")
+
+    async def _serve_buffer(self, buffer_id: int) -> np.ndarray:
+        # A peer may ask before this worker has applied the command that makes the buffer.
+        for _ in range(3000):
+            if self.host is not None and self.host.has(buffer_id):
+                return await self.host.fetch(buffer_id)
+            await asyncio.sleep(0.01)
+        raise errors.InternalError(f"buffer {buffer_id} never appeared on this worker")
+
+    # ---- collective groups ---------------------------------------------------------------
+
+    async def _form(self, message: m.FormGroup) -> None:
+        from jax._src.lib import _jax
+
+        devices = self.config.devices
+        timeout = self.config.group_timeout
+
+        def build() -> tuple[Any, Any]:
+            client = _jax.get_distributed_runtime_client(
+                message.address, message.node_id, init_timeout=timeout,
+                shutdown_on_destruction=False)
+            client.connect()
+            collectives = _jax.make_gloo_tcp_collectives(client)
+            cpu = make_cpu_client(devices, distributed_client=client, node_id=message.node_id,
+                                  num_nodes=message.num_nodes, collectives=collectives)
+            return client, cpu
+
+        try:
+            distributed, client = await asyncio.get_running_loop().run_in_executor(None, build)
+        except Exception as e:  # noqa: BLE001
+            self._reply(message.request, error=errors.WorkerLost(
+                f"joining collective group {message.generation} failed: {e}"))
+            return
+        self._keep.append(distributed)
+        self._next_client = client
+        self._reply(message.request, [d.id for d in client.local_devices()])
+
+    async def _activate(self, mapping: dict[int, int]) -> None:
+        new = DeviceHost(self._next_client, device_map=mapping)
+        old, self.host = self.host, new
+        if old is not None:
+            moved = await asyncio.get_running_loop().run_in_executor(None, new.adopt, old)
+            logger.info("moved %s buffers into the new collective group", moved)
+
+
+def _preload() -> None:
+    import jax  # noqa: F401
+    import jax._src.interpreters.mlir  # noqa: F401 - reading program signatures
+    from jax._src.lax import linalg  # noqa: F401
+    from jaxlib.mlir.dialects import stablehlo  # noqa: F401
+
+
+def _aligned(size: int, alignment: int = 64) -> np.ndarray:
+    raw = np.empty(size + alignment, np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset:offset + size]
+
+
+def exit_with_parent() -> None:
+    """Dies with the parent process (Linux): a local fleet leaves no orphans."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+async def run_worker(config: WorkerConfig) -> int:
+    agent = WorkerAgent(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, agent.stop)
+    return await agent.run()
