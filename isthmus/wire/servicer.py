@@ -15,10 +15,10 @@ from typing import Any
 
 import grpc
 import grpc.aio
-import numpy as np
 
 from isthmus import errors
 from isthmus.frontend.service import Frontend
+from isthmus.hostmem import aligned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +44,6 @@ _END = object()
 
 def _status(code: errors.Code) -> grpc.StatusCode:
     return grpc.StatusCode[code.name]
-
-
-def _aligned_buffer(size: int, alignment: int = 64) -> np.ndarray:
-    """A writable byte buffer whose start is `alignment`-aligned.
-
-    jaxlib's CPU client adopts aligned host memory without copying it, so an upload lands in
-    device memory with no copy beyond the one from the socket.
-    """
-    raw = np.empty(size + alignment, np.uint8)
-    offset = (-raw.ctypes.data) % alignment
-    return raw[offset:offset + size]
 
 
 def _varint(n: int) -> bytes:
@@ -169,7 +158,7 @@ class IfrtProxyServicer:
         except errors.IsthmusError as e:
             await context.abort(_status(e.code), e.message)
             return
-        view = memoryview(_aligned_buffer(size))
+        view = memoryview(aligned_empty(size))
         filled = 0
         try:
             async for chunk in chunks:

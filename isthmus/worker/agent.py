@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
+from isthmus.hostmem import aligned_empty
 from isthmus.transport import messages as m
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer
 from isthmus.worker.host import DeviceHost, make_cpu_client
@@ -197,7 +198,7 @@ class WorkerAgent:
         elif isinstance(c, m.PutBegin):
             dtype = m.dtype_of(c.dtype)
             self._incoming[c.buffer] = _Incoming(
-                _aligned(c.nbytes), c.device, c.memory_kind, dtype, c.shape)
+                aligned_empty(c.nbytes), c.device, c.memory_kind, dtype, c.shape)
         elif isinstance(c, m.PutData):
             incoming = self._incoming[c.buffer]
             incoming.buffer[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, np.uint8)
@@ -303,12 +304,6 @@ def _preload() -> None:
     import jax._src.interpreters.mlir  # noqa: F401 - reading program signatures
     from jax._src.lax import linalg  # noqa: F401
     from jaxlib.mlir.dialects import stablehlo  # noqa: F401
-
-
-def _aligned(size: int, alignment: int = 64) -> np.ndarray:
-    raw = np.empty(size + alignment, np.uint8)
-    offset = (-raw.ctypes.data) % alignment
-    return raw[offset:offset + size]
 
 
 def exit_with_parent() -> None:

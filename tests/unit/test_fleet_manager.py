@@ -1,0 +1,103 @@
+"""The resource manager and the remote channel, driven without sockets or workers."""
+
+import asyncio
+
+import pytest
+
+from isthmus import errors
+from isthmus.controller.controller import Controller
+from isthmus.controller.fleet import Fleet
+from isthmus.controller.manager import FleetManager, FleetSpec
+from isthmus.transport import messages as m
+from isthmus.transport.remote import RemoteWorker
+
+
+def register(slice_index=-1, devices=2, pid=1):
+    return m.Register(m.PROTOCOL_VERSION, slice_index, devices, "cpu", "cpu", "127.0.0.1:1",
+                      "host", pid)
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 10))
+
+
+def _manager(spec=FleetSpec(slices=2, hosts_per_slice=2, devices_per_host=2)):
+    fleet = Fleet([], {})
+    controller = Controller(fleet)
+    return FleetManager(spec, fleet, on_slice_down=controller.poison_slice), fleet, controller
+
+
+def test_slots_device_ids_and_refusals():
+    async def main():
+        manager, fleet, _ = _manager()
+        assert [d.id for d in fleet.devices] == list(range(8))
+        assert fleet.slice_error(0) is not None  # down until its hosts arrive
+        sent = []
+        a = manager.register(register(slice_index=1, pid=10), sent.append, "peer")
+        b = manager.register(register(slice_index=1, pid=11), sent.append, "peer")
+        assert (a.slot, b.slot) == (2, 3)  # slice 1, hosts 0 and 1
+        assert manager.welcome(b) == m.Welcome(3, 1, 1, manager.config.heartbeat_interval)
+        with pytest.raises(errors.InvalidRequest, match="already has its 2 live hosts"):
+            manager.register(register(slice_index=1), sent.append, "peer")
+        with pytest.raises(errors.InvalidRequest, match="--devices 2"):
+            manager.register(register(devices=3), sent.append, "peer")
+        c = manager.register(register(pid=12), sent.append, "peer")  # any slice: slice 0
+        assert c.slot == 0
+        d = manager.register(register(slice_index=5, pid=13), sent.append, "peer")
+        assert d.slot == 10 and fleet.device(20).slice_index == 5
+    run(main())
+
+
+def test_a_lost_worker_poisons_its_slice_only():
+    async def main():
+        manager, fleet, controller = _manager()
+        closed = []
+        workers = [manager.register(register(slice_index=s, pid=20 + 2 * s + h),
+                                    lambda frame: None, "peer",
+                                    close=lambda s=s, h=h: closed.append((s, h)))
+                   for s in (0, 1) for h in (0, 1)]
+        for s in (0, 1):
+            fleet.mark_up(s)
+        on_slice0 = controller.new_buffer(fleet.device(1), 4)
+        on_slice1 = controller.new_buffer(fleet.device(5), 4)
+        pending, future = workers[2].request()
+        manager.lost(workers[2], "it crashed")
+        error = fleet.slice_error(1)
+        assert isinstance(error, errors.WorkerLost) and error.code == errors.Code.DATA_LOSS
+        assert "host:22" in error.message  # hostname:pid of the lost worker
+        assert "slice 1" in error.message and "it crashed" in error.message
+        assert on_slice1.error is error and on_slice0.error is None
+        assert fleet.slice_error(0) is None
+        assert future.exception() is error
+        assert closed == [(1, 0)]
+        assert 4 not in fleet.workers  # the slot is free for a replacement
+        again = manager.register(register(slice_index=1, pid=30), lambda frame: None, "peer")
+        assert again.slot == 2 and fleet.slice_error(1) is error  # up at the next group
+    run(main())
+
+
+def test_remote_commands_travel_in_one_batch_per_turn():
+    async def main():
+        frames = []
+        worker = RemoteWorker(0, register(), frames.append, "peer")
+        worker.copy(1, 2, 0, None)
+        worker.free([3, 4])
+        worker.execute(7, [[1]], [[9]])
+        assert frames == []
+        await asyncio.sleep(0)
+        batch = m.decode(frames[0])
+        assert len(frames) == 1 and [type(c).__name__ for c in batch.commands] == [
+            "Copy", "Free", "Execute"]
+        worker.hold()
+        worker.free([5])
+        await asyncio.sleep(0)
+        assert len(frames) == 1  # held while the collective group re-forms
+        worker.release()
+        assert m.decode(frames[1]).commands == (m.Free((5,)),)
+        ready = worker.ready([9])
+        await asyncio.sleep(0)
+        request = m.decode(frames[2]).commands[0].request
+        worker.on_message(m.Reply(request, error=errors.ExecutionError("boom")))
+        with pytest.raises(errors.ExecutionError, match="boom"):
+            await ready
+    run(main())
