@@ -1,4 +1,9 @@
-"""python -m bench [--quick] [--json PATH]: isthmus beside local jax, in one run."""
+"""python -m bench [--quick] [--json PATH]: isthmus beside local jax, in one run.
+
+Runs the same client measurements (bench/client_metrics.py) on local jax, through an
+embedded isthmus server, and through a local fleet of 2 slices x 2 hosts, and prints one
+table. It also reports the controller's CPU time per dispatched program, read from /proc.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,13 @@ def run_client(env: dict[str, str], quick: bool) -> dict[str, float]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def through(server: LocalServer, base: dict[str, str], quick: bool) -> dict[str, float]:
+    assert server.process is not None
+    env = child_environment(server.address, base)
+    env["ISTHMUS_BENCH_SERVER_PID"] = str(server.process.pid)
+    return run_client(env, quick)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -31,19 +43,25 @@ def main() -> int:
     args = parser.parse_args()
     base = {k: v for k, v in os.environ.items()
             if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_BACKEND_TARGET")}
-    local = run_client({**base, "JAX_PLATFORMS": "cpu"}, args.quick)
+    results = {"local jax": run_client({**base, "JAX_PLATFORMS": "cpu"}, args.quick)}
     with LocalServer(devices=1) as server:
-        remote = run_client(child_environment(server.address, base), args.quick)
-    rows = []
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; single-host embedded server")
-    print(f"{'metric':28} {'isthmus':>12} {'local jax':>12} {'ratio':>8}")
-    for key in local:
-        ratio = remote[key] / local[key] if local[key] else float("nan")
-        rows.append({"metric": key, "isthmus": remote[key], "local": local[key], "ratio": ratio})
-        print(f"{key:28} {remote[key]:12.3f} {local[key]:12.3f} {ratio:8.2f}")
+        results["isthmus embedded"] = through(server, base, args.quick)
+    with LocalServer(devices=None, fleet=(2, 2, 1)) as server:
+        results["isthmus fleet 2x2"] = through(server, base, args.quick)
+    columns = list(results)
+    metrics = list(results["isthmus embedded"])
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; medians of repeated runs")
+    print(f"{'metric':34}" + "".join(f"{c:>20}" for c in columns))
+    for key in metrics:
+        cells = []
+        for column in columns:
+            value = results[column].get(key)
+            cells.append(f"{value:20.3f}" if value is not None else f"{'-':>20}")
+        print(f"{key:34}" + "".join(cells))
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nJSON: {out}")
     return 0
 
 

@@ -4,6 +4,7 @@ Prints one JSON object. Medians and percentiles over many repetitions; the machi
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -11,6 +12,16 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def cpu_seconds(pid):
+    """User + system CPU time of a process (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values, q):
@@ -41,11 +52,14 @@ def main(quick: bool) -> None:
     for _ in range(20):
         y = f(y)
     y.block_until_ready()
+    server = os.environ.get("ISTHMUS_BENCH_SERVER_PID")
+    cpu_before = cpu_seconds(server) if server else None
     t = time.perf_counter()
     for _ in range(n):
         y = f(y)
     y.block_until_ready()
     rate = n / (time.perf_counter() - t)
+    cpu_after = cpu_seconds(server) if server else None
     size = 256 << 20
     data = np.ones(size // 4, np.float32)
     puts, gets = [], []
@@ -64,6 +78,8 @@ def main(quick: bool) -> None:
         "jit_fetch_p50_ms": statistics.median(fetch) * 1e3,
         "jit_fetch_p90_ms": percentile(fetch, 0.9) * 1e3,
         "pipelined_calls_per_s": rate,
+        "controller_cpu_us_per_call": (None if cpu_before is None else
+                                        (cpu_after - cpu_before) / n * 1e6),
         "put_256MiB_GBps": size / statistics.median(puts) / 1e9,
         "fetch_256MiB_GBps": size / statistics.median(gets) / 1e9,
     }))

@@ -294,7 +294,7 @@ class Session:
         """Copies of `arrays` on other devices (same layout, position by position).
 
         With `device_ids` None each array keeps its devices (a memory-kind change)."""
-        results = []
+        shardings = []
         for array in arrays:
             targets = self.fleet.devices_of(
                 array.sharding.devices if device_ids is None else device_ids)
@@ -302,33 +302,13 @@ class Session:
                 raise errors.InvalidRequest(
                     f"copying an array on {len(array.sharding.devices)} devices to "
                     f"{len(targets)} devices; give as many target devices as the array has.")
-            sharding = array.sharding.with_devices(tuple(d.id for d in targets), memory_kind)
-            out = self._new_array(array.dtype, array.shape, sharding, define=False)
-            out.error = array.error
-            results.append(out)
-        inputs = [b for a in arrays for b in a.shards]
-
-        def run() -> None:
-            for array, out in zip(arrays, results):
-                error = first_error([array])
-                for src, dst in zip(array.shards, out.shards):
-                    if error is not None:
-                        dst.error = error
-                        continue
-                    if src.device.worker != dst.device.worker:
-                        self._pull(src, dst, memory_kind)
-                        continue
-                    self.fleet.channel(src.device.worker).copy(
-                        src.id, dst.id, dst.device.id, memory_kind)
-                if donate:
-                    self._donate(array)
-
-        self.dispatcher.submit(inputs, run)
-        return results
+            shardings.append(array.sharding.with_devices(tuple(d.id for d in targets),
+                                                         memory_kind))
+        return self.reshard(arrays, shardings, donate)
 
     def reshard(self, arrays: Sequence[Array], shardings: Sequence[sh.Sharding],
                 donate: bool = False) -> list[Array]:
-        """Copies of `arrays` laid out by new shardings (any devices of one worker)."""
+        """Copies of `arrays` laid out by new shardings, on any devices of the fleet."""
         results = []
         for array, sharding in zip(arrays, shardings):
             out = self._new_array(array.dtype, array.shape, sharding, define=False)
@@ -391,7 +371,11 @@ class Session:
         needed = math.prod(sh.shard_shape(dst_box))
         got = sum(math.prod(b - a for a, b in k) for k in covered)
         if got < needed:
-            self._reshard_from_peers(array, src_boxes, dst, dst_box)
+            whole = next((b for b, box in zip(array.shards, src_boxes) if box == dst_box), None)
+            if whole is not None:  # the same shard on another worker: move it as it is
+                self._pull(whole, dst, dst.memory_kind)
+            else:
+                self._reshard_from_peers(array, src_boxes, dst, dst_box)
             return
         channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
                          sh.shard_shape(dst_box), parts)

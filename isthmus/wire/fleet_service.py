@@ -18,11 +18,11 @@ import grpc.aio
 from isthmus import errors
 from isthmus.controller.manager import FleetManager
 from isthmus.transport import messages as m
+from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "isthmus.Fleet"
-_END = object()
 
 
 class FleetServicer:
@@ -44,17 +44,14 @@ class FleetServicer:
             return
         try:
             channel = self.manager.register(first, queue.put_nowait, context.peer(),
-                                            close=lambda: queue.put_nowait(_END))
+                                            close=lambda: queue.put_nowait(END))
         except errors.IsthmusError as e:
             yield m.encode(m.Refused(e.message))
             return
         yield m.encode(self.manager.welcome(channel))
         reader = asyncio.get_running_loop().create_task(self._read(frames, channel, queue))
         try:
-            while True:
-                item = await queue.get()
-                if item is _END:
-                    break
+            async for item in drain(queue):
                 yield item
         finally:
             reader.cancel()
@@ -69,7 +66,7 @@ class FleetServicer:
             raise
         except Exception as e:  # noqa: BLE001 - a broken stream is a lost worker
             logger.info("worker %s stream ended: %s", channel.slot, e)
-        queue.put_nowait(_END)
+        queue.put_nowait(END)
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         return [grpc.method_handlers_generic_handler(SERVICE, {

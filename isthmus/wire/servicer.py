@@ -19,6 +19,7 @@ import grpc.aio
 from isthmus import errors
 from isthmus.frontend.service import Frontend
 from isthmus.hostmem import aligned_empty
+from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ SERVER_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
 )
 
-_END = object()
 
 
 def _status(code: errors.Code) -> grpc.StatusCode:
@@ -127,10 +127,7 @@ class IfrtProxyServicer:
             return
         reader = asyncio.get_running_loop().create_task(self._read(requests, session, queue))
         try:
-            while True:
-                item = await queue.get()
-                if item is _END:
-                    break
+            async for item in drain(queue):
                 yield item
         finally:
             reader.cancel()
@@ -145,7 +142,7 @@ class IfrtProxyServicer:
             raise
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session
             logger.info("session %s: request stream ended: %s", session.id, e)
-        queue.put_nowait(_END)
+        queue.put_nowait(END)
 
     async def host_buffer_store(self, chunks: AsyncIterator[Any],
                                 context: grpc.aio.ServicerContext) -> Any:
