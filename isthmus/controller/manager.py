@@ -70,6 +70,7 @@ class FleetManager:
         self._form_wanted = asyncio.Event()
         self._formed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         for slice_index in range(spec.slices):
             self._ensure_slice(SliceId(slice_index))
 
@@ -78,6 +79,7 @@ class FleetManager:
         self._tasks = [loop.create_task(self._monitor()), loop.create_task(self._former())]
 
     async def stop(self) -> None:
+        self._stopping = True
         for channel in list(self.fleet.workers.values()):
             if isinstance(channel, RemoteWorker):
                 channel.send_now(m.Shutdown("the controller is stopping"))
@@ -162,6 +164,10 @@ class FleetManager:
     def lost(self, channel: RemoteWorker, reason: str) -> None:
         """A worker disconnected or went silent."""
         if self.fleet.workers.get(channel.slot) is not channel:
+            return
+        if self._stopping:  # we told it to go
+            del self.fleet.workers[channel.slot]
+            channel.mark_lost(errors.SessionClosed("the server is shutting down."))
             return
         device = self._slot_devices(channel.slot)[0]
         register = channel.register

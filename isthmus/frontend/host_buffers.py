@@ -1,9 +1,11 @@
 """Host buffers: bytes the client uploads for a request, or downloads after one.
 
 The client streams a buffer (`HostBufferStore`) under a handle it picked, possibly *after*
-sending the request that uses it; requests therefore wait for the handle, with a deadline on
-the upload *starting* (a buffer that never comes must fail within seconds, not hang) but
-none on a started upload that is still flowing. Results of `CopyToHostBuffer` are put here
+sending the request that uses it, and it throttles its uploads (64 at a time), so a buffer
+may start long after its request when thousands are queued. A request therefore waits for
+its buffer as long as the session moves (uploads begin or end, requests for buffers come),
+and fails when nothing has moved for `start_timeout` seconds: a buffer that never comes
+fails within seconds of the session going quiet, and nothing waits forever. Results of `CopyToHostBuffer` are put here
 for the client's `HostBufferLookup`, and dropped by its `HostBufferDelete`.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from isthmus import errors
 from isthmus.ids import HostBufferHandle
@@ -33,6 +36,7 @@ class HostBufferStore:
     def __init__(self, start_timeout: float) -> None:
         self._start_timeout = start_timeout
         self._entries: dict[int, _Entry] = {}
+        self._activity = time.monotonic()  # the last upload that began or ended
         self._closed: errors.IsthmusError | None = None
         self.bytes_held = 0
 
@@ -56,8 +60,10 @@ class HostBufferStore:
                 "for each buffer.")
         entry.started = True
         entry.size = size
+        self._activity = time.monotonic()
 
     def complete(self, handle: HostBufferHandle, data: memoryview) -> None:
+        self._activity = time.monotonic()
         entry = self._entry(handle)
         if not entry.future.done():
             entry.future.set_result(data)
@@ -72,17 +78,21 @@ class HostBufferStore:
     async def take(self, handle: HostBufferHandle) -> memoryview:
         """Waits for an uploaded buffer and removes it from the store."""
         entry = self._entry(handle)
+        self._activity = time.monotonic()  # a new request counts as the session moving
         try:
-            if not entry.future.done() and not entry.started:
+            while not entry.future.done() and not entry.started:
+                quiet = time.monotonic() - self._activity
+                if quiet >= self._start_timeout:
+                    raise errors.HostBufferMissing(
+                        f"host buffer {handle} did not start arriving, and no upload of this "
+                        f"session has moved for {self._start_timeout:g} s; the client's upload "
+                        "failed or was never sent. Retry the transfer; if uploads are slow to "
+                        "start, raise --host-buffer-timeout.")
                 try:
-                    await asyncio.wait_for(asyncio.shield(entry.future), self._start_timeout)
+                    await asyncio.wait_for(asyncio.shield(entry.future),
+                                           self._start_timeout - quiet)
                 except asyncio.TimeoutError:
-                    if not entry.started:
-                        raise errors.HostBufferMissing(
-                            f"host buffer {handle} did not start arriving within "
-                            f"{self._start_timeout:g} s of the request that uses it; the "
-                            "client's upload failed or was never sent. Retry the transfer; if "
-                            "uploads are slow to start, raise --host-buffer-timeout.") from None
+                    pass
             data = await entry.future
         finally:
             self._drop(handle)

@@ -32,6 +32,12 @@ LOOKUP_CHUNK_BYTES = (4 << 20) - 64  # under gRPC's default 4 MiB message limit
 SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
+    # The client starts a host-buffer upload per shard, thousands at once for a pmap over
+    # many arguments; grpc's default cancels calls beyond 1000 waiting for the handler
+    # loop, and the client drops its whole session when an upload is cancelled.
+    ("grpc.server.max_pending_requests", 1 << 20),
+    ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
+    ("grpc.server_max_unrequested_time_in_server", 3600),
     ("grpc.so_reuseport", 0),
     # Keep idle sessions alive across NATs and notice dead clients.
     ("grpc.keepalive_time_ms", 30_000),
@@ -153,6 +159,7 @@ class IfrtProxyServicer:
             size = self.frontend.check_host_buffer_size(header.buffer_size)
             store.begin(header.handle, size)
         except errors.IsthmusError as e:
+            logger.info("refused host buffer upload: %s", e.message)
             await context.abort(_status(e.code), e.message)
             return
         view = memoryview(aligned_empty(size))
@@ -176,6 +183,8 @@ class IfrtProxyServicer:
             await context.abort(_status(e.code), e.message)
             return
         except BaseException as e:
+            logger.info("upload of host buffer %s (session %s) broke off: %r", header.handle,
+                        header.session_id, e)
             store.abort(header.handle, errors.HostBufferMissing(
                 f"the upload of host buffer {header.handle} broke off ({type(e).__name__}); "
                 "retry the transfer."))

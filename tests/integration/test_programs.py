@@ -182,3 +182,14 @@ def test_linalg_and_fft_custom_calls(server):
         emit("sort", jax.jit(jnp.sort)(a))
         emit("argsort", jax.jit(jnp.argsort)(a[0]))
     """, server.address)
+
+
+def test_pmap_over_hundreds_of_arguments(server):
+    # Thousands of concurrent host-buffer uploads: gRPC must not shed them, and requests
+    # must wait for buffers the client has queued behind the others.
+    compare("""
+        import jax
+        n = jax.device_count()
+        f = jax.pmap(lambda args: sum(args))
+        emit("sum", f([np.full(n, i, np.int32) for i in range(300)]))
+    """, server.address)
