@@ -45,6 +45,10 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 10)")
     parser.add_argument("--max-array-bytes", type=int, default=1 << 40,
                         help="largest array the server accepts, in bytes")
+    parser.add_argument("--shared-dir", default="auto",
+                        help="directory where clients on this machine hand over large host "
+                             "buffers through shared memory; 'auto' makes one under /dev/shm, "
+                             "'none' turns it off (default: auto)")
     parser.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"),
                         help="logging level of the server (default: WARNING)")
 
@@ -68,6 +72,7 @@ def _head_config(args: argparse.Namespace) -> object:
         host=args.host, port=args.port, devices=args.devices or 8, fleet=fleet,
         launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
         advertise_host=args.advertise_host,
+        shared_dir=None if args.shared_dir == "none" else args.shared_dir,
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes),
         max_host_buffer_bytes=args.max_array_bytes)
@@ -104,6 +109,11 @@ async def _up(args: argparse.Namespace) -> int:
         return 0
     address = starting.result()
     print(f"{READY_PREFIX}{address}", flush=True)
+    extra = head.client_environment()
+    if extra:
+        print("isthmus: clients on this machine may also set "
+              + " ".join(f"{k}={v}" for k, v in extra.items())
+              + " to hand over large arrays through shared memory", file=sys.stderr, flush=True)
     try:
         await stopping
     finally:
@@ -111,11 +121,13 @@ async def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def child_environment(address: str, base: dict[str, str] | None = None) -> dict[str, str]:
+def child_environment(address: str, base: dict[str, str] | None = None,
+                      extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment that points a child's stock jax at the server at `address`."""
     import isthmus._bootstrap as bootstrap
 
     env = dict(os.environ if base is None else base)
+    env.update(extra or {})
     env["JAX_PLATFORMS"] = "proxy"
     env["JAX_BACKEND_TARGET"] = address
     env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
@@ -139,7 +151,8 @@ async def _run(args: argparse.Namespace) -> int:
     address = await head.start()
     try:
         child = await asyncio.create_subprocess_exec(
-            *command, env=child_environment(address), stdin=None)
+            *command, env=child_environment(address, extra=head.client_environment()),
+            stdin=None)
     except OSError as e:
         await head.stop()
         print(f"isthmus run: cannot start {command[0]!r}: {e}", file=sys.stderr)

@@ -19,6 +19,9 @@ from isthmus.ids import DeviceId, SliceId, WorkerId
 
 logger = logging.getLogger(__name__)
 
+# Host buffers at least this large go through the shared directory when the client opts in.
+SHARED_TRANSFER_THRESHOLD = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HeadConfig:
@@ -33,6 +36,9 @@ class HeadConfig:
     advertise_host: str | None = None  # where workers reach this process (default: host)
     controller: ControllerConfig = ControllerConfig()
     max_host_buffer_bytes: int = 1 << 40
+    # Directory for clients on this machine to hand over large host buffers through shared
+    # memory (HostBufferReadFromDisk); "auto": a fresh one under /dev/shm; None: off.
+    shared_dir: str | None = "auto"
 
 
 def embedded_fleet(num_devices: int) -> tuple[Fleet, Any]:
@@ -59,6 +65,8 @@ class Head:
         self.manager: FleetManager | None = None
         self.launcher: Any = None
         self.port = 0
+        self.shared_dir: str | None = None
+        self._own_shared_dir = False
         self._hosts: list[Any] = []
 
     @property
@@ -92,8 +100,9 @@ class Head:
                 config.fleet, fleet, ManagerConfig(advertise_host=advertise),
                 on_slice_down=controller.poison_slice)
             extra_handlers = FleetServicer(self.manager).handlers()
+        self.shared_dir = self._make_shared_dir()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
-            max_host_buffer_bytes=config.max_host_buffer_bytes))
+            max_host_buffer_bytes=config.max_host_buffer_bytes, shared_dir=self.shared_dir))
         if self.manager is not None:
             self.frontend.extra_status = self.manager.status
         self.server, self.port = await start_server(
@@ -117,6 +126,25 @@ class Head:
         logger.info("serving %d devices at %s", len(fleet.devices), self.address)
         return self.address
 
+    def _make_shared_dir(self) -> str | None:
+        import os
+        import tempfile
+
+        if self.config.shared_dir != "auto":
+            return self.config.shared_dir
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+            else None
+        self._own_shared_dir = True
+        return tempfile.mkdtemp(prefix="isthmus-", dir=base)
+
+    def client_environment(self) -> dict[str, str]:
+        """Environment variables for a client on this machine (beyond the target)."""
+        if self.shared_dir is None:
+            return {}
+        return {"IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY": self.shared_dir,
+                "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES":
+                    str(SHARED_TRANSFER_THRESHOLD)}
+
     async def stop(self, grace: float = 2.0) -> None:
         if self.manager is not None:
             await self.manager.stop()
@@ -131,3 +159,8 @@ class Head:
         for host in self._hosts:
             await host.close()
         self._hosts.clear()
+        if self._own_shared_dir and self.shared_dir:
+            import shutil
+
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+            self._own_shared_dir = False

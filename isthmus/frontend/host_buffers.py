@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
+import os
+import stat
 import time
 
 from isthmus import errors
@@ -142,3 +145,32 @@ class HostBufferStore:
                 entry.future.exception()
         self._entries.clear()
         self.bytes_held = 0
+
+
+def map_shared_file(directory: str, handle: int, size: int) -> memoryview:
+    """The bytes of `<directory>/lt_<handle>`, a buffer the client wrote there (protocol 17's
+    shared-directory transfer), mapped without copying; the file is removed at once (the
+    mapping keeps the bytes until they are dropped)."""
+    path = os.path.join(directory, f"lt_{int(handle)}")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise errors.HostBufferMissing(
+            f"the shared-directory file for host buffer {handle} cannot be opened ({e}); "
+            "client and server must share the directory named by "
+            "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY.") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise errors.InvalidRequest(
+                f"the shared-directory file for host buffer {handle} has {info.st_size} "
+                f"bytes, not the {size} announced.")
+        if size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -17,7 +17,7 @@ from isthmus.controller.controller import Controller
 from isthmus.controller.session import Session as ControllerSession
 from isthmus.frontend import (  # noqa: F401 - importing registers the handlers
     arrays, devices, execute, futures, programs, transfers, unsupported)
-from isthmus.frontend.host_buffers import HostBufferStore
+from isthmus.frontend.host_buffers import HostBufferStore, map_shared_file
 from isthmus.frontend.programs import CompileOptionsVetter
 from isthmus.frontend.registry import HANDLERS
 from isthmus.frontend.serdes import Serdes
@@ -35,6 +35,9 @@ class FrontendConfig:
 
     max_host_buffer_bytes: int = 1 << 40  # larger uploads are refused
     platform_version: str = "isthmus"
+    # Where clients on this machine may drop large host buffers (HostBufferReadFromDisk);
+    # None: that transfer path is off.
+    shared_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,6 +133,16 @@ class Frontend:
                 f"{self.config.max_host_buffer_bytes}; split the transfer.")
         return size
 
+    def read_shared(self, header: StoreHeader) -> memoryview:
+        """A host buffer the client wrote into the shared directory."""
+        if self.config.shared_dir is None:
+            raise errors.Unimplemented(
+                "this server has no shared directory for host buffers; unset "
+                "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES in the client "
+                "(or start the server with --shared-dir).")
+        return map_shared_file(self.config.shared_dir, header.handle,
+                               self.check_host_buffer_size(header.buffer_size))
+
     def host_buffers(self, session_id: int) -> HostBufferStore:
         session = self.sessions.get(SessionId(session_id))
         if session is None:
@@ -142,6 +155,7 @@ class Frontend:
         fleet = self.controller.fleet
         return {
             "platform": self.platform,
+            "shared_dir": self.config.shared_dir,
             "generation": fleet.generation,
             "slices_down": {str(s): e.message for s, e in fleet.down_slices.items()},
             "fleet": self.extra_status() if self.extra_status else {},

@@ -216,10 +216,21 @@ class IfrtProxyServicer:
 
     async def host_buffer_read_from_disk(self, request: Any,
                                          context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "HostBufferReadFromDisk is not implemented by isthmus; the client falls back to "
-            "streaming the buffer.")
+        header = self.frontend.parse_store_metadata(request.metadata.SerializeToString())
+        try:
+            store = self.frontend.host_buffers(header.session_id)
+            store.begin(header.handle, header.buffer_size)
+        except errors.IsthmusError as e:
+            await context.abort(_status(e.code), e.message)
+            return
+        try:
+            data = self.frontend.read_shared(header)
+        except errors.IsthmusError as e:
+            store.abort(header.handle, e)
+            await context.abort(_status(e.code), e.message)
+            return
+        store.complete(header.handle, data)
+        return self.schema["xla.ifrt.proxy.GrpcHostBufferReadFromDiskResponse"]()
 
     # ---- admin ---------------------------------------------------------------------------
 

@@ -111,3 +111,35 @@ def test_device_put_to_each_device_and_memory_kind(server):
         emit("moved", np.asarray(moved))
         emit("moved_dev", [z.id for z in moved.devices()])
     """, server.address)
+
+
+def test_shared_memory_uploads(server):
+    # Clients on the server's machine may hand over large buffers through its shared
+    # directory (protocol 17's HostBufferReadFromDisk) instead of streaming them.
+    import os
+
+    from tests.integration.harness import run_snippet
+
+    shared = server.status()["shared_dir"]
+    assert shared and os.path.isdir(shared)
+    os.environ["IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY"] = shared
+    os.environ["IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES"] = "65536"
+    try:
+        out = run_snippet("""
+            import jax
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+            x = np.random.default_rng(5).standard_normal((1024, 1024)).astype(np.float32)
+            y = jax.device_put(x)
+            s = jax.device_put(x, NamedSharding(Mesh(np.array(jax.devices()), ("d",)),
+                                                P("d")))
+            emit("same", bool(np.array_equal(np.asarray(y), x)))
+            emit("same_sharded", bool(np.array_equal(np.asarray(s), x)))
+            emit("sum", float(jax.jit(lambda a: (a * 2).sum())(s)))
+            emit("expected", float((x * 2).sum(dtype=np.float32)))
+        """, server.address)
+    finally:
+        del os.environ["IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY"]
+        del os.environ["IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES"]
+    assert bool(out["same"]) and bool(out["same_sharded"])
+    assert abs(float(out["sum"]) - float(out["expected"])) <= 1e-3 * abs(float(out["expected"]))
+    assert os.listdir(shared) == []  # every handed-over file was taken and removed
