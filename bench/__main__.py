@@ -1,8 +1,8 @@
-"""python -m bench [--quick] [--json PATH]: isthmus beside local jax, in one run.
+"""python -m bench [--quick]: isthmus beside local jax, in one run.
 
-Runs the same client measurements (bench/client_metrics.py) on local jax, through an
-embedded isthmus server, and through a local fleet of 2 slices x 2 hosts, and prints one
-table. It also reports the controller's CPU time per dispatched program, read from /proc.
+Starts its own servers (an embedded one and a local fleet of 2 slices x 2 hosts), runs the
+same client programs through them and on local jax, and prints one table; JSON and a PNG of
+the dispatch-threshold curve go to bench/out/. No figure here is a test assertion.
 """
 
 from __future__ import annotations
@@ -12,56 +12,172 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import subprocess
 import sys
+import time
 
 from isthmus.cli import child_environment
 from isthmus.testing import LocalServer
 
 HERE = pathlib.Path(__file__).parent
+OUT = HERE / "out"
+SHARED_ENV = ("IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY",
+              "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES")
 
 
-def run_client(env: dict[str, str], quick: bool) -> dict[str, float]:
-    args = [sys.executable, str(HERE / "client_metrics.py")] + (["--quick"] if quick else [])
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
+def _run(script: str, env: dict[str, str], args: list[str]) -> dict:
+    result = subprocess.run([sys.executable, str(HERE / script), *args], env=env,
+                            capture_output=True, text=True, timeout=1800)
     if result.returncode:
-        raise RuntimeError(f"benchmark client failed:\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"{script} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def through(server: LocalServer, base: dict[str, str], quick: bool) -> dict[str, float]:
-    assert server.process is not None
-    env = child_environment(server.address, base)
-    env["ISTHMUS_BENCH_SERVER_PID"] = str(server.process.pid)
-    return run_client(env, quick)
+def _base() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_BACKEND_TARGET", *SHARED_ENV)}
+
+
+def _local(devices: int = 1) -> dict[str, str]:
+    env = {**_base(), "JAX_PLATFORMS": "cpu"}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _through(server: LocalServer, shared: bool = False) -> dict[str, str]:
+    env = child_environment(server.address, _base())
+    env["ISTHMUS_BENCH_SERVER_PID"] = str(server.process.pid)  # type: ignore[union-attr]
+    if shared:
+        env[SHARED_ENV[0]] = server.status()["shared_dir"]
+        env[SHARED_ENV[1]] = str(1 << 20)
+    return env
+
+
+def threshold(rows: dict[str, dict], reference: str) -> dict[str, float | None]:
+    """Per backend: the smallest step (local ms) at which it reaches 95% of local jax."""
+    local = rows[reference]
+    out: dict[str, float | None] = {}
+    for name, row in rows.items():
+        if name == reference:
+            continue
+        found = None
+        for ms, mine, theirs in zip(local["step_ms"], row["steps_per_s"],
+                                    local["steps_per_s"]):
+            if mine / theirs >= 0.95:
+                found = ms
+                break
+        out[name] = found
+    return out
+
+
+def plot(curves: dict[str, tuple[dict, dict]], path: pathlib.Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(matplotlib not installed: pip install -e '.[bench]' for the PNG)"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (local, row) in curves.items():
+        ratio = [m / t for m, t in zip(row["steps_per_s"], local["steps_per_s"])]
+        ax.plot(local["step_ms"], ratio, marker="o", label=name)
+    ax.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="95% of local jax")
+    ax.set_xscale("log")
+    ax.set_xlabel("compute per step on local jax (ms)")
+    ax.set_ylabel("isthmus throughput / local throughput")
+    ax.set_ylim(0, 1.1)
+    ax.set_title("Dispatch threshold: pipelined jitted steps of growing size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--json", default="bench/out/results.json")
+    parser.add_argument("--quick", action="store_true", help="finish in a few minutes")
     args = parser.parse_args()
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_BACKEND_TARGET")}
-    results = {"local jax": run_client({**base, "JAX_PLATFORMS": "cpu"}, args.quick)}
+    quick = args.quick
+    start = time.monotonic()
+    OUT.mkdir(parents=True, exist_ok=True)
+    metrics_args = ["--quick"] if quick else []
+    sizes = "32,96,192,320,448,640" if quick else "16,32,64,96,128,192,256,320,384,448,512,640,768"
+    seconds = "0.4" if quick else "1.5"
+    results: dict[str, dict] = {"machine": {
+        "machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "quick": quick}}
+
+    metrics = {"local jax": _run("client_metrics.py", _local(), metrics_args)}
+    curves = {"local 1 device": _run("threshold.py", _local(), [sizes, "4", seconds]),
+              "local 4 devices": _run("threshold.py", _local(4), [sizes, "4", seconds, "4"])}
+    compile_times = {}
     with LocalServer(devices=1) as server:
-        results["isthmus embedded"] = through(server, base, args.quick)
+        metrics["isthmus embedded"] = _run("client_metrics.py", _through(server), metrics_args)
+        shared = _run("client_metrics.py", _through(server, shared=True), metrics_args)
+        metrics["isthmus embedded"]["put_256MiB_shared_memory_GBps"] = shared["put_256MiB_GBps"]
+        curves["isthmus embedded"] = _run("threshold.py", _through(server), [sizes, "4", seconds])
+        compile_times["embedded cold"] = _run("compile_cache.py", _through(server), [])
+        compile_times["embedded cached"] = _run("compile_cache.py", _through(server), [])
     with LocalServer(devices=None, fleet=(2, 2, 1)) as server:
-        results["isthmus fleet 2x2"] = through(server, base, args.quick)
-    columns = list(results)
-    metrics = list(results["isthmus embedded"])
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; medians of repeated runs")
-    print(f"{'metric':34}" + "".join(f"{c:>20}" for c in columns))
-    for key in metrics:
+        metrics["isthmus fleet 2x2"] = _run("client_metrics.py", _through(server), metrics_args)
+        curves["isthmus fleet 2x2"] = _run("threshold.py", _through(server),
+                                           [sizes, "4", seconds, "4"])
+    compile_times["local"] = _run("compile_cache.py", _local(), [])
+
+    from bench.scaling import run as scaling
+
+    hosts = [16, 64, 256, 1024]
+    scale = scaling(hosts, 0.5 if quick else 2.0)
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+          f"{platform.python_version()}; {'quick' if quick else 'full'} mode; medians")
+    columns = list(metrics)
+    keys = list(dict.fromkeys(k for row in metrics.values() for k in row))
+    print(f"\n{'metric':34}" + "".join(f"{c:>20}" for c in columns))
+    for key in keys:
         cells = []
         for column in columns:
-            value = results[column].get(key)
-            cells.append(f"{value:20.3f}" if value is not None else f"{'-':>20}")
+            value = metrics[column].get(key)
+            cells.append(f"{value:20.3f}" if isinstance(value, (int, float)) else f"{'-':>20}")
         print(f"{key:34}" + "".join(cells))
-    out = pathlib.Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nJSON: {out}")
+
+    print("\ndispatch threshold (pipelined steps of 4 chained matmuls, n x n):")
+    pairs = {"isthmus embedded": "local 1 device", "isthmus fleet 2x2": "local 4 devices"}
+    print(f"{'n':>6} {'local ms':>10}" + "".join(f"{name + ' / local':>30}" for name in pairs))
+    reference = curves["local 1 device"]
+    for i, n in enumerate(reference["sizes"]):
+        cells = []
+        for name, ref in pairs.items():
+            ratio = curves[name]["steps_per_s"][i] / curves[ref]["steps_per_s"][i]
+            cells.append(f"{ratio:30.2f}")
+        print(f"{n:6d} {reference['step_ms'][i]:10.3f}" + "".join(cells))
+    thresholds = {}
+    for name, ref in pairs.items():
+        found = threshold({ref: curves[ref], name: curves[name]}, ref)[name]
+        thresholds[name] = found
+        text = f"{found:.3f} ms of compute per step" if found else "not reached in this range"
+        print(f"  {name}: reaches 95% of local jax at {text}")
+
+    print("\ncontroller scaling (in-process, stand-in workers, one program over all hosts):")
+    for n in hosts:
+        print(f"  {n:5d} hosts: {scale[n]:9.0f} programs/s  ({scale[n] / scale[hosts[0]]:.1%} "
+              f"of {hosts[0]} hosts)")
+
+    print("\ncompilation of one program (ms):")
+    for name, value in compile_times.items():
+        print(f"  {name:18} {value['compile_ms']:9.1f}")
+
+    results.update({"client": metrics, "threshold_curves": curves,
+                    "threshold_ms": thresholds, "scaling_programs_per_s": scale,
+                    "compile_ms": {k: v["compile_ms"] for k, v in compile_times.items()}})
+    (OUT / "results.json").write_text(json.dumps(results, indent=2))
+    png = plot({name: (curves[ref], curves[name]) for name, ref in pairs.items()},
+               OUT / "dispatch_threshold.png")
+    print(f"\nJSON: {OUT / 'results.json'}   plot: {png}   "
+          f"({time.monotonic() - start:.0f} s in all)")
     return 0
 
 

@@ -41,11 +41,16 @@ ALLOWED_DEBUG_OPTIONS = frozenset({
     "xla_gpu_enable_fast_min_max",
     "xla_allow_excess_precision",
     "xla_step_marker_location",
+    "xla_embed_ir_in_executable",
 })
 
 
 class CompileOptionsVetter:
-    """Turns a client's XlaCompileOptions into options the server is willing to use."""
+    """Turns a client's XlaCompileOptions into options the server is willing to use.
+
+    Compiler options (jax's `compiler_options=`, carried as XLA option overrides) are checked
+    the way XLA checks them; the allowlisted ones take effect, the others are dropped.
+    """
 
     def __init__(self, schema: Any) -> None:
         from jax._src.lib import xla_client as xc  # the server's own defaults
@@ -54,6 +59,18 @@ class CompileOptionsVetter:
         self._options = schema["xla.CompileOptionsProto"]
         defaults = self._options.FromString(xc.CompileOptions().SerializeAsString())
         self._default_debug = defaults.executable_build_options.debug_options
+
+    def _vet_overrides(self, options: Any) -> None:
+        overrides = options.env_option_overrides
+        for key in sorted(overrides):
+            error = _override_error(self._default_debug, key, overrides[key])
+            if error is not None:
+                raise error
+        dropped = [k for k in overrides if k not in ALLOWED_DEBUG_OPTIONS]
+        if dropped:
+            logger.info("ignoring compiler options the server does not allow: %s", dropped)
+        for key in dropped:
+            del overrides[key]
 
     def vet(self, serialized: Any, fleet_devices: Sequence[int]
             ) -> tuple[bytes, tuple[int, ...], int]:
@@ -91,10 +108,7 @@ class CompileOptionsVetter:
                 else:
                     setattr(debug, field.name, value)
         build.debug_options.CopyFrom(debug)
-        if options.env_option_overrides:
-            logger.debug("ignoring client XLA flag overrides: %s",
-                         sorted(options.env_option_overrides))
-            options.ClearField("env_option_overrides")
+        self._vet_overrides(options)
         build.ClearField("fdo_profile")
         return options.SerializeToString(), tuple(device_ids), replicas
 
@@ -118,6 +132,20 @@ def _default_assignment(options: Any, fleet_devices: Sequence[int]) -> None:
     assignment.computation_count = len(devices)
     for replica_ids in devices:
         assignment.computation_devices.add().replica_device_ids.extend(replica_ids)
+
+
+def _override_error(debug: Any, key: str, value: Any) -> errors.IsthmusError | None:
+    """XLA's own complaint about one compiler option (jax's `compiler_options`), if any."""
+    field = debug.DESCRIPTOR.fields_by_name.get(key)
+    if field is None:
+        return errors.InvalidRequest(f"No such compile option: '{key}'")
+    kind = value.WhichOneof("value")
+    if field.type == field.TYPE_BOOL and not (
+            kind == "bool_field" or kind == "string_field" and value.string_field.lower() in (
+                "true", "false")):
+        shown = getattr(value, kind) if kind else ""
+        return errors.InvalidRequest(f"value {shown!r} is not a valid bool value.")
+    return None
 
 
 @handles("compile_request")

@@ -40,8 +40,28 @@ def test_dangerous_debug_options_are_reset_and_allowed_ones_kept():
     assert debug.xla_dump_to == "" and debug.xla_gpu_cuda_data_dir != "/evil"
     assert debug.xla_force_host_platform_device_count != 512
     assert debug.xla_backend_optimization_level == 0  # jax sets this on purpose
-    assert not options.env_option_overrides
+    assert not options.env_option_overrides  # xla_dump_to is not for clients to set
     assert device_ids == (0, 1)
+
+
+def test_compiler_options_are_checked_like_xla_and_allowlisted():
+    s = schema()
+    serialized = _serialized()
+    options = s["xla.ifrt.XlaCompileOptionsProto"].FromString(serialized.data)
+    overrides = options.compile_options.env_option_overrides
+    overrides["xla_embed_ir_in_executable"].bool_field = True
+    serialized.data = options.SerializeToString()
+    vetted, _ = _vet(serialized)
+    assert list(vetted.env_option_overrides) == ["xla_embed_ir_in_executable"]
+    overrides["invalid_key"].string_field = "x"
+    serialized.data = options.SerializeToString()
+    with pytest.raises(errors.InvalidRequest, match="No such compile option: 'invalid_key'"):
+        _vet(serialized)
+    del overrides["invalid_key"]
+    overrides["xla_embed_ir_in_executable"].string_field = "invalid_value"
+    serialized.data = options.SerializeToString()
+    with pytest.raises(errors.InvalidRequest, match="is not a valid bool value"):
+        _vet(serialized)
 
 
 def test_device_assignment_order_and_defaults():

@@ -1,0 +1,65 @@
+"""The Pathways paper's metric, measured inside one client process (local jax or isthmus).
+
+A training-like loop of jitted steps is dispatched without waiting (pipelined). Each step
+chains `depth` matmuls of an n x n matrix, so its compute grows with n; with several devices
+the rows of x are split over them (data parallel, no collectives). For each size we
+report the step time and the steps per second; the driver divides isthmus's rate by local
+jax's to find the smallest step at which isthmus keeps up.
+
+Prints one JSON object: {"sizes": [...], "step_ms": [...], "steps_per_s": [...]}.
+"""
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def measure(n: int, depth: int, min_seconds: float, devices: int) -> tuple[float, float]:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
+    rows, replicated = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+    w = jax.device_put(np.eye(n, dtype=np.float32) * 0.5 + 0.01, replicated)
+
+    @jax.jit
+    def step(x):
+        for _ in range(depth):
+            x = jnp.tanh(x @ w)
+        return x
+
+    x = jax.device_put(np.ones((n, n), np.float32), rows)
+    for _ in range(3):
+        x = step(x)
+    x.block_until_ready()
+    steps = 0
+    start = time.perf_counter()
+    while True:
+        for _ in range(10):
+            x = step(x)
+        steps += 10
+        if time.perf_counter() - start > min_seconds:
+            break
+    x.block_until_ready()
+    elapsed = time.perf_counter() - start
+    return elapsed / steps * 1e3, steps / elapsed
+
+
+def main() -> None:
+    sizes = [int(s) for s in sys.argv[1].split(",")]
+    depth = int(sys.argv[2])
+    min_seconds = float(sys.argv[3])
+    devices = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    step_ms, rates = [], []
+    for n in sizes:
+        ms, rate = measure(n, depth, min_seconds, devices)
+        step_ms.append(ms)
+        rates.append(rate)
+    print(json.dumps({"sizes": sizes, "step_ms": step_ms, "steps_per_s": rates}))
+
+
+if __name__ == "__main__":
+    main()
