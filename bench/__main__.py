@@ -104,8 +104,8 @@ def main() -> int:
     start = time.monotonic()
     OUT.mkdir(parents=True, exist_ok=True)
     metrics_args = ["--quick"] if quick else []
-    sizes = "32,96,192,320,448,640" if quick else "16,32,64,96,128,192,256,320,384,448,512,640,768"
-    seconds = "0.4" if quick else "1.5"
+    sizes = "64,192,384,640" if quick else "16,32,64,96,128,192,256,320,384,448,512,640,768"
+    seconds = "0.25" if quick else "1.5"
     results: dict[str, dict] = {"machine": {
         "machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
         "quick": quick}}
@@ -117,7 +117,8 @@ def main() -> int:
     with LocalServer(devices=1) as server:
         metrics["isthmus embedded"] = _run("client_metrics.py", _through(server), metrics_args)
         shared = _run("client_metrics.py", _through(server, shared=True), metrics_args)
-        metrics["isthmus embedded"]["put_256MiB_shared_memory_GBps"] = shared["put_256MiB_GBps"]
+        for key in [k for k in shared if k.startswith("put_")]:
+            metrics["isthmus embedded"][key.replace("_GBps", "_shared_memory_GBps")] = shared[key]
         curves["isthmus embedded"] = _run("threshold.py", _through(server), [sizes, "4", seconds])
         compile_times["embedded cold"] = _run("compile_cache.py", _through(server), [])
         compile_times["embedded cached"] = _run("compile_cache.py", _through(server), [])
@@ -130,7 +131,7 @@ def main() -> int:
     from bench.scaling import run as scaling
 
     hosts = [16, 64, 256, 1024]
-    scale = scaling(hosts, 0.5 if quick else 2.0)
+    scale = scaling(hosts, 0.3 if quick else 2.0)
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {'quick' if quick else 'full'} mode; medians")

@@ -30,7 +30,7 @@ def percentile(values, q):
 
 
 def main(quick: bool) -> None:
-    reps = 200 if quick else 1000
+    reps = 100 if quick else 1000
     f = jax.jit(lambda a: a + 1)
     x = jax.device_put(np.float32(1))
     f(x).block_until_ready()
@@ -47,7 +47,7 @@ def main(quick: bool) -> None:
         t = time.perf_counter()
         np.asarray(g(small))
         fetch.append(time.perf_counter() - t)
-    n = 500 if quick else 3000
+    n = 300 if quick else 3000
     y = x
     for _ in range(20):
         y = f(y)
@@ -60,7 +60,7 @@ def main(quick: bool) -> None:
     y.block_until_ready()
     rate = n / (time.perf_counter() - t)
     cpu_after = cpu_seconds(server) if server else None
-    size = 256 << 20
+    size = (64 if quick else 256) << 20
     data = np.ones(size // 4, np.float32)
     puts, gets = [], []
     for _ in range(2 if quick else 4):
@@ -80,8 +80,8 @@ def main(quick: bool) -> None:
         "pipelined_calls_per_s": rate,
         "controller_cpu_us_per_call": (None if cpu_before is None else
                                         (cpu_after - cpu_before) / n * 1e6),
-        "put_256MiB_GBps": size / statistics.median(puts) / 1e9,
-        "fetch_256MiB_GBps": size / statistics.median(gets) / 1e9,
+        f"put_{size >> 20}MiB_GBps": size / statistics.median(puts) / 1e9,
+        f"fetch_{size >> 20}MiB_GBps": size / statistics.median(gets) / 1e9,
     }))
 
 
