@@ -22,6 +22,8 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from isthmus.protocol.wireformat import read_varint
+
 logger = logging.getLogger(__name__)
 
 # The roots we need; their dependencies are followed transitively.
@@ -59,20 +61,6 @@ def _library_path() -> pathlib.Path:
     return path
 
 
-def _read_varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise ValueError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return result, pos
-
-
 # FileDescriptorProto field number -> allowed wire types.
 _FILE_FIELDS = {1: {2}, 2: {2}, 3: {2}, 4: {2}, 5: {2}, 6: {2}, 7: {2}, 8: {2}, 9: {2},
                 10: {0, 2}, 11: {0, 2}, 12: {2}, 14: {0}, 15: {2}}
@@ -88,7 +76,7 @@ def _descriptor_extent(buf: Any, start: int, end: int) -> int:
     seen_name = False
     while pos < end:
         try:
-            tag, nxt = _read_varint(buf, pos, end)
+            tag, nxt = read_varint(buf, pos, end)
             field, wire_type = tag >> 3, tag & 7
             if wire_type not in _FILE_FIELDS.get(field, ()):
                 break
@@ -97,12 +85,12 @@ def _descriptor_extent(buf: Any, start: int, end: int) -> int:
                     break
                 seen_name = True
             if wire_type == 2:
-                length, nxt = _read_varint(buf, nxt, end)
+                length, nxt = read_varint(buf, nxt, end)
                 nxt += length
                 if nxt > end:
                     break
             else:
-                _, nxt = _read_varint(buf, nxt, end)
+                _, nxt = read_varint(buf, nxt, end)
         except ValueError:
             break
         pos = nxt

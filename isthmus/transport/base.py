@@ -34,6 +34,12 @@ class WorkerChannel(Protocol):
              memory_kind: str | None = None) -> None:
         """Copies a buffer to another device (or memory) of the same worker."""
 
+    def pull(self, src: BufferId, peer: str, dst: BufferId, device_id: int,
+             memory_kind: str | None) -> Awaitable[None]:
+        """Fetches buffer `src` from the worker whose data server is at `peer` into `dst`.
+
+        Only workers that are separate processes have peers; the embedded host has none."""
+
     def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
                  dtype: np.dtype, shape: tuple[int, ...],
                  parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:

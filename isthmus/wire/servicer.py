@@ -19,6 +19,7 @@ import grpc.aio
 from isthmus import errors
 from isthmus.frontend.service import Frontend
 from isthmus.hostmem import aligned_empty
+from isthmus.protocol.wireformat import bytes_field, bytes_message
 from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
@@ -50,62 +51,6 @@ SERVER_OPTIONS = (
 
 def _status(code: errors.Code) -> grpc.StatusCode:
     return grpc.StatusCode[code.name]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _data_message(data: memoryview) -> bytes:
-    """A serialized message whose only field is `bytes data = 1`."""
-    return b"".join((b"\x0a", _varint(len(data)), data))
-
-
-def _chunk_data(message: bytes) -> memoryview:
-    """The `data` field of a serialized GrpcHostBufferStoreRequest, without copying."""
-    view = memoryview(message)
-    result = view[0:0]
-    pos = 0
-    while pos < len(view):
-        tag, pos = _read_varint(view, pos)
-        wire_type = tag & 7
-        if wire_type == 2:
-            length, pos = _read_varint(view, pos)
-            if tag >> 3 == 1:
-                result = view[pos:pos + length]
-            pos += length
-        elif wire_type == 0:
-            _, pos = _read_varint(view, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        else:
-            raise errors.InvalidRequest("a host buffer chunk is not a valid message.")
-    if pos != len(view):
-        raise errors.InvalidRequest("a host buffer chunk is truncated.")
-    return result
-
-
-def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(view) or shift > 63:
-            raise errors.InvalidRequest("a host buffer chunk is truncated.")
-        byte = view[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return result, pos
 
 
 class IfrtProxyServicer:
@@ -166,7 +111,11 @@ class IfrtProxyServicer:
         filled = 0
         try:
             async for chunk in chunks:
-                data = _chunk_data(chunk)
+                try:
+                    data = bytes_field(chunk)
+                except ValueError:
+                    raise errors.InvalidRequest(
+                        "a host buffer chunk is not a valid message.") from None
                 end = filled + len(data)
                 if end > size:
                     raise errors.InvalidRequest(
@@ -204,7 +153,7 @@ class IfrtProxyServicer:
             yield b""
             return
         for start in range(0, len(data), LOOKUP_CHUNK_BYTES):
-            yield _data_message(data[start:start + LOOKUP_CHUNK_BYTES])
+            yield bytes_message(data[start:start + LOOKUP_CHUNK_BYTES])
 
     async def host_buffer_delete(self, request: Any, context: grpc.aio.ServicerContext
                                  ) -> Any:
