@@ -193,3 +193,21 @@ def test_pmap_over_hundreds_of_arguments(server):
         f = jax.pmap(lambda args: sum(args))
         emit("sum", f([np.full(n, i, np.int32) for i in range(300)]))
     """, server.address)
+
+
+def test_compiled_text_cost_analysis_and_memory_stats(server):
+    from tests.integration.harness import run_snippet
+
+    out = run_snippet("""
+        import jax, jax.numpy as jnp
+        compiled = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(
+            np.ones((64, 32), np.float32), np.ones((32, 16), np.float32)).compile()
+        cost = compiled.cost_analysis()
+        emit("flops", float(cost.get("flops", -1)))
+        emit("text_has_dot", "dot" in compiled.as_text())
+        stats = compiled.memory_analysis()
+        emit("output_bytes", int(getattr(stats, "output_size_in_bytes", -1)))
+    """, server.address)
+    assert float(out["flops"]) >= 64 * 32 * 16 * 2
+    assert bool(out["text_has_dot"])
+    assert int(out["output_bytes"]) == 64 * 16 * 4

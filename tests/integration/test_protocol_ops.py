@@ -116,3 +116,85 @@ def test_remap_moves_shards_between_arrays(raw):
     code, message = status_of(raw.call("remap_arrays_request", body))
     assert code == 0, message
     np.testing.assert_array_equal(_read(raw, 3, np.float32, (4, 4), 7), np.concatenate([a, b]))
+
+
+def _compile_add_one(raw):
+    """Compiles `x + 1` for one f32[4] on device 0; returns the executable handle."""
+    import jax
+    from jax._src.lib import _jax
+    from jaxlib.mlir.dialects import stablehlo
+
+    lowered = jax.jit(lambda x: x + 1).lower(np.zeros(4, np.float32))
+    program = _jax.mlir.serialize_portable_artifact(
+        str(lowered.compiler_ir("stablehlo")), stablehlo.get_current_version())
+    body = raw.msg("CompileRequest")
+    body.program.type_name = "xla::ifrt::XlaProgram"
+    body.program.data = program
+    options = raw.s["xla.ifrt.XlaCompileOptionsProto"]()
+    assignment = options.compile_options.executable_build_options.device_assignment
+    assignment.replica_count = 1
+    assignment.computation_count = 1
+    assignment.computation_devices.add(replica_device_ids=[0])
+    body.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
+    body.compile_options.data = options.SerializeToString()
+    reply = raw.call("compile_request", body)
+    assert not status_of(reply)[0], status_of(reply)
+    ready = reply.compile_response.ready_future_handle
+    assert not status_of(raw.call("check_future_request",
+                                  raw.msg("CheckFutureRequest", future_handle=ready)))[0]
+    return reply.compile_response.loaded_executable_handle
+
+
+def test_execute_with_fill_status_and_execute_results(raw):
+    exe = _compile_add_one(raw)
+    _upload(raw, 1, np.arange(4, dtype=np.float32), _tiled(raw, [0], [1]))
+    first = raw.msg("LoadedExecutableExecuteRequest", loaded_executable_handle=exe,
+                    args_handles=[1])
+    first.execute_options.fill_status = True
+    reply = raw.call("loaded_executable_execute_request", first)
+    out = reply.loaded_executable_execute_response
+    assert not status_of(reply)[0] and len(out.outputs) == 1 and out.status_handle
+    fetched = raw.call("loaded_executable_fetch_execute_result_request", raw.msg(
+        "LoadedExecutableFetchExecuteResultRequest", result_status_handle=out.status_handle))
+    assert not status_of(fetched)[0]
+    np.testing.assert_array_equal(_read(raw, out.outputs[0].array_handle, np.float32, (4,), 60),
+                                  np.arange(4) + 1)
+    # Later calls: client-minted result and status handles, an empty but present answer.
+    later = raw.msg("LoadedExecutableExecuteRequest", loaded_executable_handle=exe,
+                    args_handles=[out.outputs[0].array_handle], result_array_handle=[70],
+                    result_status_handle=71)
+    later.execute_options.fill_status = True
+    reply = raw.call("loaded_executable_execute_request", later)
+    assert reply.HasField("loaded_executable_execute_response")
+    assert not reply.loaded_executable_execute_response.outputs
+    done = raw.call("check_future_request", raw.msg("CheckFutureRequest", future_handle=71))
+    assert not status_of(done)[0]
+    np.testing.assert_array_equal(_read(raw, 70, np.float32, (4,), 61), np.arange(4) + 2)
+    # Without fill_status the first answer must carry no status handle (the client aborts).
+    exe2 = _compile_add_one(raw)
+    plain = raw.call("loaded_executable_execute_request", raw.msg(
+        "LoadedExecutableExecuteRequest", loaded_executable_handle=exe2, args_handles=[70]))
+    assert plain.loaded_executable_execute_response.status_handle == 0
+    # A failing later call binds its handles to the error.
+    bad = raw.msg("LoadedExecutableExecuteRequest", loaded_executable_handle=exe,
+                  args_handles=[999], result_array_handle=[80], result_status_handle=81)
+    bad.execute_options.fill_status = True
+    assert status_of(raw.call("loaded_executable_execute_request", bad))[0] == 5
+    code, message = status_of(raw.call("check_future_request",
+                                       raw.msg("CheckFutureRequest", future_handle=81)))
+    assert code == 5 and "999" in message
+    code, _ = status_of(raw.call("check_value_ready_request",
+                                 raw.msg("CheckValueReadyRequest", value_handles=[80])))
+    assert code == 5
+
+
+def test_default_device_assignment_and_layout(raw):
+    reply = raw.call("get_default_device_assignment_request", raw.msg(
+        "GetDefaultDeviceAssignmentRequest", num_replicas=2, num_partitions=3))
+    assignment = reply.get_default_device_assignment_response.device_assignment
+    assert (assignment.replica_count, assignment.computation_count) == (2, 3)
+    assert [list(c.replica_device_ids) for c in assignment.computation_devices] == [
+        [0, 1], [2, 3], [4, 5]]
+    too_many = raw.call("get_default_device_assignment_request", raw.msg(
+        "GetDefaultDeviceAssignmentRequest", num_replicas=8, num_partitions=8))
+    assert status_of(too_many)[0] == 3
