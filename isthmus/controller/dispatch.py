@@ -52,10 +52,6 @@ class OrderedDispatcher:
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
-    @property
-    def backlog(self) -> int:
-        return len(self._queue)
-
     async def _drain(self) -> None:
         while self._queue:
             inputs, operation = self._queue[0]
