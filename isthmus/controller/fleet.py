@@ -49,6 +49,9 @@ class Fleet:
         self._by_id: dict[DeviceId, Device] = {}
         self.workers = dict(workers)
         self.generation = 0  # bumped whenever the collective group re-forms
+        # Slots whose workers are in the current collective group (None: every worker, as in
+        # the embedded backend). A registered worker gets work only once it is a member.
+        self.members: set[WorkerId] | None = None
         self._down: dict[SliceId, errors.IsthmusError] = {}
         self.add_devices(devices)
 
@@ -71,7 +74,7 @@ class Fleet:
 
     def channel(self, worker: WorkerId) -> WorkerChannel:
         channel = self.workers.get(worker)
-        if channel is None:
+        if channel is None or (self.members is not None and worker not in self.members):
             return LostChannel(self.slice_error_of(worker))
         return channel
 

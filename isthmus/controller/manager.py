@@ -65,6 +65,7 @@ class FleetManager:
         self._on_slice_down = on_slice_down or (lambda s, e: None)
         self._on_generation = on_generation or (lambda g: None)
         self.members: dict[WorkerId, RemoteWorker] = {}  # slots in the current group
+        fleet.members = set()
         self._services: list[Any] = []  # coordination services of every generation
         self._form_lock = asyncio.Lock()
         self._form_wanted = asyncio.Event()
@@ -179,6 +180,7 @@ class FleetManager:
         logger.warning("%s", error.message)
         del self.fleet.workers[channel.slot]
         self.members.pop(channel.slot, None)
+        self.fleet.members = set(self.members)
         channel.mark_lost(error)
         self.fleet.mark_down(device.slice_index, error)
         self._on_slice_down(device.slice_index, error)
@@ -258,7 +260,8 @@ class FleetManager:
             for channel in members:
                 channel.send_now(m.DeviceMap(mapping))
                 channel.release()
-            self.members = {c.slot: c for c in members}
+            self.members = {c.slot: c for c in members if self.fleet.workers.get(c.slot) is c}
+            self.fleet.members = set(self.members)
             self.fleet.generation = generation
             for slice_index in self.slices():
                 hosts = [self.slot(slice_index, h) for h in range(self.spec.hosts_per_slice)]

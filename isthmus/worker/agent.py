@@ -153,8 +153,8 @@ class WorkerAgent:
             for command in message.commands:
                 try:
                     self._apply(command)
-                except Exception:  # noqa: BLE001 - reported through the command's buffers
-                    logger.exception("command %s failed", type(command).__name__)
+                except Exception as e:  # noqa: BLE001
+                    self._refuse(command, e)
         elif isinstance(message, m.FormGroup):
             await self._form(message)
         elif isinstance(message, m.DeviceMap):
@@ -164,6 +164,21 @@ class WorkerAgent:
             self.stop(EXIT_SHUTDOWN)
         else:
             logger.warning("unexpected message %s", type(message).__name__)
+
+    def _refuse(self, command: Any, e: Exception) -> None:
+        """A command that could not be applied: whoever waits on it hears why, and the
+        buffers it was to produce hold the error (nothing waits forever)."""
+        error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
+            f"the worker could not apply {type(command).__name__} ({type(e).__name__}: {e}); "
+            "this is a bug in isthmus: please report it with the worker log.")
+        if not isinstance(e, errors.IsthmusError):
+            logger.exception("command %s failed", type(command).__name__)
+        request = getattr(command, "request", None)
+        if request is not None:
+            self._reply(request, error=error)
+        if self.host is not None:
+            for buffer_id in _produced(command):
+                self.host.fail(buffer_id, error)
 
     def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
         self._link.send(m.Reply(request, value, error))
@@ -297,6 +312,16 @@ class WorkerAgent:
         if old is not None:
             moved = await asyncio.get_running_loop().run_in_executor(None, new.adopt, old)
             logger.info("moved %s buffers into the new collective group", moved)
+
+
+def _produced(command: Any) -> list[int]:
+    """The buffers a command would have made."""
+    if isinstance(command, m.Execute):
+        return [b for shards in command.results for b in shards]
+    for field in ("dst", "buffer"):
+        if hasattr(command, field) and not isinstance(command, (m.Fetch, m.Fail)):
+            return [getattr(command, field)]
+    return []
 
 
 def _preload() -> None:

@@ -384,31 +384,38 @@ class DeviceHost:
         Blocking; run it in a thread. A buffer not computed within `wait` seconds (its
         computation may hang on a lost peer) becomes an error buffer. Returns how many moved.
         """
-        import concurrent.futures as cf
+        import threading
+        import time
 
         import jax
+        from jax.sharding import SingleDeviceSharding
 
         moved = 0
+        device_ids = {d: g for g, d in old.devices.items()}
+        deadline = time.monotonic() + wait
         for buffer_id, value in list(old._buffers.items()):
             if isinstance(value, (_Failed, _HostArray)):
                 self._buffers[buffer_id] = value
                 continue
             try:
-                device = next(iter(value.devices()))
-                global_id = next(g for g, d in old.devices.items() if d == device)
-                with cf.ThreadPoolExecutor(1) as waiter:
-                    host_copy = waiter.submit(np.asarray, value).result(timeout=wait)
-                memory_kind = value.sharding.memory_kind
-                from jax.sharding import SingleDeviceSharding
-
+                if not value.is_ready():
+                    # A computation waiting on a lost peer never finishes: wait for it in a
+                    # thread that may be abandoned, up to one deadline for all buffers.
+                    waiter = threading.Thread(target=_settle_quietly, args=(value,),
+                                              daemon=True)
+                    waiter.start()
+                    waiter.join(max(0.0, deadline - time.monotonic()))
+                    if not value.is_ready():
+                        raise TimeoutError("still being computed")
+                global_id = device_ids[next(iter(value.devices()))]
                 self._buffers[buffer_id] = jax.device_put(
-                    host_copy, SingleDeviceSharding(self.devices[global_id],
-                                                    memory_kind=memory_kind))
+                    np.asarray(value), SingleDeviceSharding(
+                        self.devices[global_id], memory_kind=value.sharding.memory_kind))
                 moved += 1
             except Exception as e:  # noqa: BLE001 - includes the timeout
                 self._buffers[buffer_id] = _Failed(errors.WorkerLost(
                     f"buffer {buffer_id} could not be moved into the re-formed collective "
-                    f"group ({type(e).__name__}); recreate the array."))
+                    f"group ({type(e).__name__}: {e}); recreate the array."))
         old._buffers.clear()
         old._executables.clear()
         return moved
@@ -424,6 +431,13 @@ async def _failed(error: errors.IsthmusError) -> Any:
 
 async def _done() -> None:
     return None
+
+
+def _settle_quietly(value: Any) -> None:
+    try:
+        value.block_until_ready()
+    except Exception:  # noqa: BLE001 - the caller reads the error from the value
+        pass
 
 
 def _block_all(values: list[Any]) -> None:
