@@ -35,14 +35,15 @@ class ControllerConfig:
 class Executable:
     """A program compiled for a list of devices, loaded on the workers that own them."""
 
-    __slots__ = ("id", "key", "devices", "parts", "compiled", "info", "refs", "error",
-                 "request", "generation", "loading")
+    __slots__ = ("id", "key", "devices", "positions", "parts", "compiled", "info", "refs",
+                 "error", "request", "generation", "loading")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
                  request: CompileRequest) -> None:
         self.id = executable_id
         self.key = key
         self.devices = devices
+        self.positions = {d.id: p for p, d in enumerate(devices)}  # device id -> position
         self.request = request
         self.generation = -1  # the collective group it is loaded in
         self.loading: asyncio.Future[CompiledInfo] | None = None  # a reload in progress

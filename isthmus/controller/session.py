@@ -339,73 +339,45 @@ class Session:
     def _reshard_one(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
                      dst_box: sh.Box) -> None:
         channel = self.fleet.channel(dst.device.worker)
-        candidates = [(b, box) for b, box in zip(array.shards, src_boxes)
-                      if b.device.worker == dst.device.worker]
+        local = [(b, box) for b, box in zip(array.shards, src_boxes)
+                 if b.device.worker == dst.device.worker]
         # Prefer the shard already on the target device, then any holding the whole box.
-        candidates.sort(key=lambda c: c[0].device.id != dst.device.id)
-        for buffer, box in candidates:
-            if all(s0 <= d0 and d1 <= s1 for (s0, s1), (d0, d1) in zip(box, dst_box)):
-                if box == dst_box:
-                    channel.copy(buffer.id, dst.id, dst.device.id, dst.memory_kind)
-                else:
-                    rel = tuple(slice(d0 - s0, d1 - s0) for (s0, _), (d0, d1) in zip(box, dst_box))
-                    whole = tuple(slice(0, d1 - d0) for d0, d1 in dst_box)
-                    channel.assemble(dst.id, dst.device.id, dst.memory_kind,
-                                     array.dtype.numpy, sh.shard_shape(dst_box),
-                                     [(buffer.id, rel, whole)])
+        local.sort(key=lambda c: c[0].device.id != dst.device.id)
+        for buffer, box in local:
+            if box == dst_box:
+                channel.copy(buffer.id, dst.id, dst.device.id, dst.memory_kind)
                 return
-        parts = []
-        covered: set[sh.Box] = set()
-        for buffer, box in candidates:
-            lo = tuple(max(s0, d0) for (s0, _), (d0, _) in zip(box, dst_box))
-            hi = tuple(min(s1, d1) for (_, s1), (_, d1) in zip(box, dst_box))
-            if any(a >= b for a, b in zip(lo, hi)) and dst_box:
-                continue
-            key = tuple(zip(lo, hi))
-            if key in covered:
-                continue
-            covered.add(key)
-            parts.append((buffer.id,
-                          tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, box)),
-                          tuple(slice(a - d0, b - d0) for a, b, (d0, _) in zip(lo, hi, dst_box))))
-        needed = math.prod(sh.shard_shape(dst_box))
-        got = sum(math.prod(b - a for a, b in k) for k in covered)
-        if got < needed:
-            whole = next((b for b, box in zip(array.shards, src_boxes) if box == dst_box), None)
-            if whole is not None:  # the same shard on another worker: move it as it is
-                self._pull(whole, dst, dst.memory_kind)
-            else:
-                self._reshard_from_peers(array, src_boxes, dst, dst_box)
+            if all(s0 <= d0 and d1 <= s1 for (s0, s1), (d0, d1) in zip(box, dst_box)):
+                local = [(buffer, box)]
+                break
+        pieces = _pieces(local, dst_box)
+        if sum(n for *_, n in pieces) == math.prod(sh.shard_shape(dst_box)):
+            channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
+                             sh.shard_shape(dst_box), [(b.id, s, d) for b, s, d, _ in pieces])
             return
-        channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
-                         sh.shard_shape(dst_box), parts)
+        whole = next((b for b, box in zip(array.shards, src_boxes) if box == dst_box), None)
+        if whole is not None:  # the same shard on another worker: move it as it is
+            self._pull(whole, dst, dst.memory_kind)
+        else:
+            self._reshard_from_peers(array, src_boxes, dst, dst_box)
 
     def _reshard_from_peers(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
                             dst_box: sh.Box) -> None:
         """Builds `dst` from shards of several workers: the pieces that live elsewhere are
         pulled (worker to worker) into temporary buffers beside `dst` first."""
-        loop = asyncio.get_running_loop()
-        dst.defined = loop.create_future()
+        dst.defined = asyncio.get_running_loop().create_future()
         channel = self.fleet.channel(dst.device.worker)
         parts: list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...]]] = []
         temps: list[Buffer] = []
         pulls = []
-        covered: set[sh.Box] = set()
-        for buffer, box in zip(array.shards, src_boxes):
-            lo = tuple(max(s0, d0) for (s0, _), (d0, _) in zip(box, dst_box))
-            hi = tuple(min(s1, d1) for (_, s1), (_, d1) in zip(box, dst_box))
-            key = tuple(zip(lo, hi))
-            if (dst_box and any(a >= b for a, b in zip(lo, hi))) or key in covered:
-                continue
-            covered.add(key)
-            source = buffer
-            if buffer.device.worker != dst.device.worker:
-                source = self.controller.new_buffer(dst.device, buffer.nbytes)
-                temps.append(source)
-                pulls.append(self._pull(buffer, source, None))
-            parts.append((source,
-                          tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, box)),
-                          tuple(slice(a - d0, b - d0) for a, b, (d0, _) in zip(lo, hi, dst_box))))
+        for source, src_slices, dst_slices, _ in _pieces(
+                list(zip(array.shards, src_boxes)), dst_box):
+            if source.device.worker != dst.device.worker:
+                temp = self.controller.new_buffer(dst.device, source.nbytes)
+                temps.append(temp)
+                pulls.append(self._pull(source, temp, None))
+                source = temp
+            parts.append((source, src_slices, dst_slices))
 
         async def finish() -> None:
             await asyncio.gather(*pulls, return_exceptions=True)
@@ -583,7 +555,7 @@ class Session:
         if len(args) != len(info.params):
             raise errors.InvalidRequest(
                 f"the program takes {len(info.params)} arguments but {len(args)} were given.")
-        positions = {d.id: p for p, d in enumerate(executable.devices)}
+        positions = executable.positions
         ordered: list[list[Buffer]] = []
         for index, (array, aval) in enumerate(zip(args, info.params)):
             if array.dtype != aval.dtype or array.shape != aval.shape:
@@ -684,6 +656,26 @@ class Session:
         for task in list(self._tasks):
             task.cancel()
         self.controller.sessions.discard(self)
+
+
+def _pieces(sources: Sequence[tuple[Buffer, sh.Box]], dst_box: sh.Box
+            ) -> list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...], int]]:
+    """The distinct regions of `dst_box` that the sources hold: (source, slices into the
+    source, slices into the destination, elements), one source per region."""
+    pieces = []
+    seen: set[sh.Box] = set()
+    for buffer, box in sources:
+        lo = tuple(max(s0, d0) for (s0, _), (d0, _) in zip(box, dst_box))
+        hi = tuple(min(s1, d1) for (_, s1), (_, d1) in zip(box, dst_box))
+        region = tuple(zip(lo, hi))
+        if (dst_box and any(a >= b for a, b in zip(lo, hi))) or region in seen:
+            continue
+        seen.add(region)
+        pieces.append((buffer,
+                       tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, box)),
+                       tuple(slice(a - d0, b - d0) for a, b, (d0, _) in zip(lo, hi, dst_box)),
+                       math.prod(b - a for a, b in region)))
+    return pieces
 
 
 async def _assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.ndarray]]],
