@@ -143,16 +143,20 @@ class DeviceHost:
     def _put_blocking(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
                       memory_kind: str | None) -> None:
         import jax
-        from jax.sharding import SingleDeviceSharding
 
         try:
-            device = self.devices[device_id]
-            target = device if memory_kind is None else SingleDeviceSharding(
-                device, memory_kind=memory_kind)
-            self._buffers[buffer_id] = jax.device_put(value, target)
+            self._buffers[buffer_id] = jax.device_put(value, self._target(device_id, memory_kind))
         except Exception as e:  # noqa: BLE001 - jaxlib raises ValueError, RuntimeError, ...
             self.fail(buffer_id, errors.from_runtime_error(
                 e, errors.InvalidRequest, "could not place the host data on the device"))
+
+    def _target(self, device_id: int, memory_kind: str | None) -> Any:
+        """Where jax.device_put should place a buffer: a device, or a memory of one."""
+        from jax.sharding import SingleDeviceSharding
+
+        device = self.devices[device_id]
+        return device if memory_kind is None else SingleDeviceSharding(
+            device, memory_kind=memory_kind)
 
     def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
         """Makes `buffer_id` an error buffer: every use of it reports `error`."""
@@ -162,16 +166,13 @@ class DeviceHost:
              memory_kind: str | None = None) -> None:
         """Copies a buffer to another local device (or memory kind)."""
         import jax
-        from jax.sharding import SingleDeviceSharding
 
         value = self._buffers.get(src)
         if value is None or isinstance(value, _Failed):
             self._buffers[dst] = value if value is not None else _Failed(self._missing(src))
             return
         try:
-            device = self.devices[device_id]
-            target = device if memory_kind is None else SingleDeviceSharding(
-                device, memory_kind=memory_kind)
+            target = self._target(device_id, memory_kind)
             if isinstance(value, _HostArray):
                 self._buffers[dst] = _HostArray(value.value)
                 return

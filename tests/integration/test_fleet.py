@@ -2,7 +2,6 @@
 slices, movement between them, and the loss and return of a worker."""
 
 import os
-import signal
 import subprocess
 import sys
 import time

@@ -1,5 +1,4 @@
 import pytest
-from jax._src.lib import xla_client as xc
 
 from isthmus import errors
 from isthmus.controller.sharding import (Sharding, ShardingKind, is_fully_replicated,
