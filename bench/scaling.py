@@ -1,10 +1,12 @@
 """Controller scaling: programs dispatched per second against simulated fleets.
 
 The controller is driven in-process, exactly as the front end drives it, over a fleet of
-N hosts whose workers are stand-ins: they take commands and answer requests at once, doing
-no device work. A program spans every host (one device each), so one dispatch costs the
-controller one command per host. The number that matters is how throughput falls as N grows:
-one message per involved host, no per-host round trips.
+N hosts whose workers are stand-ins: the controller's real channel to a worker process
+(`RemoteWorker`: batching, message encoding) with a stream that only counts the bytes, and
+requests answered at once. No device work is done. A program spans every host (one device
+each) and its output of the step before is released, so each step costs the controller one
+Execute and one Free for every host. The number that matters is how throughput falls as N
+grows.
 """
 
 from __future__ import annotations
@@ -21,53 +23,53 @@ from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.session import Session
 from isthmus.controller.sharding import Sharding, ShardingKind
 from isthmus.ids import DeviceId, SliceId, WorkerId
+from isthmus.transport import messages as m
+from isthmus.transport.remote import RemoteWorker
 from isthmus.worker.programs import Aval, CompiledInfo, CompileRequest
 
 F32 = dtypes.BY_KIND["KIND_F32"]
 
 
-class StandInWorker:
-    """Accepts every command; answers requests immediately."""
+class StandInWorker(RemoteWorker):
+    """A worker's channel whose stream only keeps the frames; requests are answered at once."""
 
-    def __init__(self) -> None:
-        self.commands = 0
+    def __init__(self, slot: int) -> None:
+        self.frames: list[bytes] = []
+        register = m.Register(m.PROTOCOL_VERSION, 0, 1, "cpu", "cpu", "stand-in:0", "stand-in",
+                              0)
+        super().__init__(WorkerId(slot), register, self.frames.append, "stand-in:0")
 
-    async def _ok(self, value: Any = None) -> Any:
+    def executes(self) -> int:
+        """Execute commands received (shared ones decoded)."""
+        count = 0
+        for frame in self.frames:
+            for command in m.decode(frame).commands:
+                inner = m.decode(command.data) if isinstance(command, m.Shared) else (command,)
+                count += sum(isinstance(c, m.Execute) for c in inner)
+        return count
+
+    async def _answer(self, value: Any) -> Any:
         return value
 
-    def put(self, *args: Any, **kwargs: Any) -> Any:
-        self.commands += 1
-        return self._ok()
-
     def compile(self, executable_id: Any, request: Any) -> Any:
-        self.commands += 1
         aval = Aval(F32, (len(request.device_ids),))
-        return self._ok(CompiledInfo(
+        return self._answer(CompiledInfo(
             name="standin", params=(aval,), outputs=(aval,), param_shardings=None,
             output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
             output_memory_kinds=("device",), donated_inputs=(), fingerprint=None,
             cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0))
 
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        return self._answer(None)
+
     def ready(self, *args: Any) -> Any:
-        return self._ok()
-
-    def fetch(self, *args: Any) -> Any:
-        return self._ok(np.zeros(1, np.float32))
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-    def execute(self, *args: Any, **kwargs: Any) -> None:
-        self.commands += 1
-
-    def __getattr__(self, name: str) -> Any:
-        def command(*args: Any, **kwargs: Any) -> None:
-            self.commands += 1
-        return command
+        return self._answer(None)
 
 
-async def programs_per_second(hosts: int, seconds: float) -> float:
-    workers = {WorkerId(h): StandInWorker() for h in range(hosts)}
+async def programs_per_second(hosts: int, seconds: float, per_turn: int = 1) -> float:
+    """Programs per second over `hosts` stand-in hosts, issuing `per_turn` programs in each
+    event-loop turn (1 is how requests arrive through gRPC: one per turn)."""
+    workers = {WorkerId(h): StandInWorker(h) for h in range(hosts)}
     devices = [Device(DeviceId(h), WorkerId(h), 0, "cpu", "cpu", SliceId(0), h)
                for h in range(hosts)]
     controller = Controller(Fleet(devices, workers))  # type: ignore[arg-type]
@@ -81,13 +83,17 @@ async def programs_per_second(hosts: int, seconds: float) -> float:
     count = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        for _ in range(20):
+        for _ in range(per_turn):
             outputs, _ = session.execute(executable, [x])
             session.release([x])
             x = outputs[0]
-        count += 20
+        count += per_turn
         await asyncio.sleep(0)  # let batches go out, as the real loop would
+    controller.fleet.flush()  # what is still waiting to go out counts too
     rate = count / (time.perf_counter() - start)
+    for worker in (workers[WorkerId(0)], workers[WorkerId(hosts - 1)]):
+        if worker.executes() < count:
+            raise RuntimeError(f"a stand-in host got {worker.executes()} of {count} programs")
     await session.close()
     return rate
 
@@ -96,10 +102,13 @@ async def _ready(value: np.ndarray) -> np.ndarray:
     return value
 
 
-def run(host_counts: list[int], seconds: float) -> dict[int, float]:
-    return {n: asyncio.run(programs_per_second(n, seconds)) for n in host_counts}
+def run(host_counts: list[int], seconds: float, per_turn: int = 1) -> dict[int, float]:
+    return {n: asyncio.run(programs_per_second(n, seconds, per_turn)) for n in host_counts}
 
 
 if __name__ == "__main__":
-    for n, rate in run([16, 64, 256, 1024], 1.0).items():
-        print(f"{n:5d} hosts: {rate:10.0f} programs/s")
+    for per_turn in (1, 20):
+        rates = run([16, 64, 256, 1024], 1.0, per_turn)
+        for n, rate in rates.items():
+            print(f"{per_turn:2d} per turn {n:5d} hosts: {rate:10.0f} programs/s "
+                  f"({rate / rates[16]:.0%})")

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 
 from isthmus import errors
-from isthmus.controller.arrays import Buffer
+from isthmus.controller.arrays import Buffer, BufferGroup
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.worker.programs import CompiledInfo, CompileRequest
@@ -35,14 +35,16 @@ class ControllerConfig:
 class Executable:
     """A program compiled for a list of devices, loaded on the workers that own them."""
 
-    __slots__ = ("id", "key", "devices", "positions", "parts", "compiled", "info", "refs",
-                 "error", "request", "generation", "loading")
+    __slots__ = ("id", "key", "devices", "device_ids", "positions", "parts", "workers",
+                 "compiled", "info", "refs", "error", "request", "generation", "loading",
+                 "output_specs")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
                  request: CompileRequest) -> None:
         self.id = executable_id
         self.key = key
         self.devices = devices
+        self.device_ids = tuple(d.id for d in devices)
         self.positions = {d.id: p for p, d in enumerate(devices)}  # device id -> position
         self.request = request
         self.generation = -1  # the collective group it is loaded in
@@ -52,6 +54,8 @@ class Executable:
         for position, device in enumerate(devices):
             parts.setdefault(device.worker, []).append(position)
         self.parts = {w: tuple(p) for w, p in parts.items()}
+        self.workers = tuple(self.parts)  # where the program's commands go
+        self.output_specs: list | None = None  # per output, worked out at the first Execute
         self.compiled: asyncio.Future[CompiledInfo] | None = None
         self.info: CompiledInfo | None = None
         self.error: errors.IsthmusError | None = None
@@ -66,55 +70,95 @@ class Controller:
         self.config = config or ControllerConfig()
         self._buffer_ids = itertools.count(1)
         self._executable_ids = itertools.count(1)
-        self._live: dict[BufferId, Buffer] = {}
+        self._live: dict[BufferId, BufferGroup] = {}  # by base id
         self._executables: dict[bytes, Executable] = {}
         self._idle: dict[bytes, Executable] = {}  # released executables, oldest first
         self.sessions: set[object] = set()
 
     # ---- buffers -------------------------------------------------------------------------
 
-    def new_buffer(self, device: Device, nbytes: int, memory_kind: str | None = None) -> Buffer:
-        buffer = Buffer(BufferId(next(self._buffer_ids)), device, nbytes, memory_kind)
-        self._live[buffer.id] = buffer
-        return buffer
+    def new_group(self, devices: tuple[Device, ...], nbytes: tuple[int, ...],
+                  memory_kind: str | None = None,
+                  workers: tuple[WorkerId, ...] | None = None) -> BufferGroup:
+        """Names a buffer on each device: ids `base .. base + len(devices) - 1`."""
+        base = next(self._buffer_ids)
+        if len(devices) > 1:
+            self._buffer_ids = itertools.count(base + len(devices))
+        if workers is None:
+            workers = tuple(dict.fromkeys(d.worker for d in devices))
+        group = BufferGroup(base, devices, workers, nbytes, memory_kind)
+        self._live[BufferId(base)] = group
+        return group
+
+    def free_groups(self, groups: Sequence[BufferGroup]) -> None:
+        """Drops every shard of the groups on their workers (in dispatch order): one shared
+        command for all the workers of a group."""
+        for group in groups:
+            if group.freed:
+                continue
+            if group.pins or group.freed_at:
+                self.free_buffers([Buffer(group, p) for p in range(len(group))])
+                continue
+            group.freed = True
+            self._live.pop(BufferId(group.base), None)
+            self.fleet.multicast(group.workers, "free", group.ids)
 
     def free_buffers(self, buffers: Sequence[Buffer]) -> None:
-        """Tells the owning workers to drop the buffers (in dispatch order)."""
+        """Drops single shards on their workers (in dispatch order)."""
         by_worker: dict[WorkerId, list[BufferId]] = {}
         for buffer in buffers:
-            if buffer.freed:
+            group, position = buffer.group, buffer.position
+            if group.freed_position(position):
                 continue
-            if buffer.pins:
-                buffer.free_pending = True
+            if group.pins and group.pins.get(position):
+                if group.free_pending is None:
+                    group.free_pending = set()
+                group.free_pending.add(position)
                 continue
-            buffer.freed = True
-            self._live.pop(buffer.id, None)
+            if group.freed_at is None:
+                group.freed_at = set()
+            group.freed_at.add(position)
+            if len(group.freed_at) == len(group):
+                group.freed = True
+                self._live.pop(BufferId(group.base), None)
             by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
         for worker, ids in by_worker.items():
             self.fleet.channel(worker).free(ids)
 
     def pin(self, buffer: Buffer) -> None:
-        buffer.pins += 1
+        group = buffer.group
+        if group.pins is None:
+            group.pins = {}
+        group.pins[buffer.position] = group.pins.get(buffer.position, 0) + 1
 
     def unpin(self, buffer: Buffer) -> None:
-        buffer.pins -= 1
-        if buffer.pins == 0 and buffer.free_pending:
-            self.free_buffers([buffer])
+        group, position = buffer.group, buffer.position
+        assert group.pins is not None
+        group.pins[position] -= 1
+        if group.pins[position] == 0:
+            del group.pins[position]
+            if group.free_pending and position in group.free_pending:
+                group.free_pending.discard(position)
+                self.free_buffers([buffer])
 
     def poison_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
         """Every buffer on the slice is gone: uses of it report `error` (DATA_LOSS)."""
-        for buffer in self._live.values():
-            if buffer.device.slice_index == slice_index and buffer.error is None:
-                buffer.error = error
+        for group in self._live.values():
+            for position, device in enumerate(group.devices):
+                if device.slice_index == slice_index and group.error_at(position) is None:
+                    group.set_error(position, error)
 
     def accounting(self) -> dict[WorkerId, dict[str, int]]:
         """Live buffers and bytes per worker, as the controller counts them."""
         result: dict[WorkerId, dict[str, int]] = {
             w: {"buffers": 0, "bytes": 0} for w in self.fleet.workers}
-        for buffer in self._live.values():
-            entry = result.setdefault(buffer.device.worker, {"buffers": 0, "bytes": 0})
-            entry["buffers"] += 1
-            entry["bytes"] += buffer.nbytes
+        for group in self._live.values():
+            for position, device in enumerate(group.devices):
+                if group.freed_position(position):
+                    continue
+                entry = result.setdefault(device.worker, {"buffers": 0, "bytes": 0})
+                entry["buffers"] += 1
+                entry["bytes"] += group.nbytes[position]
         return result
 
     # ---- programs ------------------------------------------------------------------------

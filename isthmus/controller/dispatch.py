@@ -4,12 +4,12 @@ Every operation that touches workers goes through a session's `OrderedDispatcher
 workers see a session's operations in the order the client issued them (a delete never
 overtakes the computation that reads the array; every host of a slice sees the same order).
 
-An operation may depend on buffers that are not yet *defined*: their bytes are still on the
-way from the client (a host buffer races the request that uses it). Such an operation waits,
+An operation may depend on buffer groups that are not yet *defined*: their bytes are still on
+the way from the client (a host buffer races the request that uses it). Such an operation waits,
 and every operation after it waits behind it. When nothing is waiting, an operation runs at
 once, inside the call that submits it: the common case costs no task and no hand-off.
 
-Invariant: a waiting buffer always resolves, with data or with an error (host buffers have a
+Invariant: a waiting group always resolves, with data or with an error (host buffers have a
 deadline), so the queue never stalls forever.
 """
 
@@ -20,17 +20,17 @@ import collections
 import logging
 from collections.abc import Callable, Iterable
 
-from isthmus.controller.arrays import Buffer
+from isthmus.controller.arrays import BufferGroup
 
 logger = logging.getLogger(__name__)
 
 Operation = Callable[[], None]
-# What an operation may wait for: a buffer (until it is defined) or any future.
-Dependency = Buffer | asyncio.Future
+# What an operation may wait for: a buffer group (until it is defined) or any future.
+Dependency = BufferGroup | asyncio.Future
 
 
 def _pending(dependency: Dependency) -> asyncio.Future | None:
-    if isinstance(dependency, Buffer):
+    if isinstance(dependency, BufferGroup):
         return dependency.defined
     return None if dependency.done() else dependency
 

@@ -11,13 +11,17 @@ group; otherwise `unavailable` names the reason (a DATA_LOSS error naming worker
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from isthmus import errors
 from isthmus.ids import DeviceId, SliceId, WorkerId
-from isthmus.transport.base import WorkerChannel
+from isthmus.transport.base import Commands, WorkerChannel
+
+MAX_FLUSH_WAIT = 0.001  # seconds shared commands may wait for more of their kind
 
 # Memory kinds every jaxlib CPU device offers, default first.
 CPU_MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
@@ -47,13 +51,45 @@ class Fleet:
                  ) -> None:
         self.devices: tuple[Device, ...] = ()
         self._by_id: dict[DeviceId, Device] = {}
-        self.workers = dict(workers)
+        self._workers = dict(workers)
         self.generation = 0  # bumped whenever the collective group re-forms
         # Slots whose workers are in the current collective group (None: every worker, as in
         # the embedded backend). A registered worker gets work only once it is a member.
-        self.members: set[WorkerId] | None = None
+        self._members: set[WorkerId] | None = None
+        # workers tuple id -> (that tuple, its channels' `deliver`); cleared on any change.
+        self._routes: dict[int, tuple[tuple[WorkerId, ...], list[Any]]] = {}
         self._down: dict[SliceId, errors.IsthmusError] = {}
+        # Commands for several workers, this event-loop turn, in order. Consecutive ones for
+        # the same workers share one `Commands`; any single-worker command flushes first.
+        self._outbox: list[tuple[tuple[WorkerId, ...], Commands]] = []
+        self._flushed_at = 0.0  # loop time the last shared commands went out
+        self._flush_cost = 0.0  # seconds handing them out took
         self.add_devices(devices)
+
+    @property
+    def workers(self) -> dict[WorkerId, WorkerChannel]:
+        """Live channels by host slot (read-only: change them with `attach`/`detach`)."""
+        return self._workers
+
+    def attach(self, worker: WorkerId, channel: WorkerChannel) -> None:
+        self.flush()
+        self._workers[worker] = channel
+        self._routes.clear()
+
+    def detach(self, worker: WorkerId) -> None:
+        self.flush()
+        self._workers.pop(worker, None)
+        self._routes.clear()
+
+    @property
+    def members(self) -> set[WorkerId] | None:
+        return self._members
+
+    @members.setter
+    def members(self, members: set[WorkerId] | None) -> None:
+        self.flush()
+        self._members = members
+        self._routes.clear()
 
     def add_devices(self, devices: Sequence[Device]) -> None:
         known = dict(self._by_id)
@@ -73,10 +109,60 @@ class Fleet:
         return tuple(self.device(d) for d in device_ids)
 
     def channel(self, worker: WorkerId) -> WorkerChannel:
-        channel = self.workers.get(worker)
-        if channel is None or (self.members is not None and worker not in self.members):
+        """The channel to one worker (a `LostChannel` when it has none)."""
+        if self._outbox:
+            self.flush()
+        return self._channel(worker)
+
+    def _channel(self, worker: WorkerId) -> WorkerChannel:
+        channel = self._workers.get(worker)
+        if channel is None or (self._members is not None and worker not in self._members):
             return LostChannel(self.slice_error_of(worker))
         return channel
+
+    def multicast(self, workers: tuple[WorkerId, ...], name: str, *args: Any) -> None:
+        """Sends one fire-and-forget command (a WorkerChannel method) to several workers.
+
+        The cost per worker is paid once per hand-out, not once per command: consecutive
+        commands for the same workers (`workers` must be the same tuple object: the program's
+        or the group's) share one record. Commands go out at the end of the event-loop turn;
+        when the last hand-out was expensive (a large fleet), the next waits as long as that
+        one took, so that at most about half of the controller's time goes to fanning out
+        and a burst of programs shares one hand-out. Any single-worker command, and every
+        request (`channel()`), hands out what is waiting first, so order is kept and a
+        waiting client is not delayed.
+        """
+        outbox = self._outbox
+        if outbox and outbox[-1][0] is workers:
+            outbox[-1][1].calls.append((name, args))
+            return
+        if len(workers) == 1 and not outbox:
+            getattr(self._channel(workers[0]), name)(*args)
+            return
+        if not outbox:
+            loop = asyncio.get_running_loop()
+            due = self._flushed_at + self._flush_cost
+            if due > loop.time():
+                loop.call_at(due, self.flush)
+            else:
+                loop.call_soon(self.flush)
+        outbox.append((workers, Commands([(name, args)])))
+
+    def flush(self) -> None:
+        """Hands the waiting shared commands to their workers."""
+        if not self._outbox:
+            return
+        started = time.perf_counter()
+        outbox, self._outbox = self._outbox, []
+        for workers, commands in outbox:
+            route = self._routes.get(id(workers))
+            if route is None or route[0] is not workers:
+                route = (workers, [self._channel(w).deliver for w in workers])
+                self._routes[id(workers)] = route
+            for deliver in route[1]:
+                deliver(commands)
+        self._flush_cost = min(time.perf_counter() - started, MAX_FLUSH_WAIT)
+        self._flushed_at = asyncio.get_running_loop().time()
 
     # ---- health --------------------------------------------------------------------------
 
@@ -98,6 +184,8 @@ class Fleet:
 
     def unavailable(self, devices: Iterable[Device]) -> errors.IsthmusError | None:
         """Why work on `devices` cannot run now, or None when it can."""
+        if not self._down:
+            return None
         for device in devices:
             error = self._down.get(device.slice_index)
             if error is not None:

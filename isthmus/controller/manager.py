@@ -143,7 +143,7 @@ class FleetManager:
                 "start the worker for another slice.")
         slot = self.slot(slice_index, host)
         channel = RemoteWorker(slot, message, send, peer, close)
-        self.fleet.workers[slot] = channel
+        self.fleet.attach(slot, channel)
         logger.info("worker %s:%s joined as slice %s host %s", message.hostname, message.pid,
                     slice_index, host)
         self._form_wanted.set()
@@ -167,7 +167,7 @@ class FleetManager:
         if self.fleet.workers.get(channel.slot) is not channel:
             return
         if self._stopping:  # we told it to go
-            del self.fleet.workers[channel.slot]
+            self.fleet.detach(channel.slot)
             channel.mark_lost(errors.SessionClosed("the server is shutting down."))
             return
         device = self._slot_devices(channel.slot)[0]
@@ -178,7 +178,7 @@ class FleetManager:
             "are gone; start a worker for that slice (`isthmus worker --slice "
             f"{device.slice_index}`) and recreate them, or continue on the other slices.")
         logger.warning("%s", error.message)
-        del self.fleet.workers[channel.slot]
+        self.fleet.detach(channel.slot)
         self.members.pop(channel.slot, None)
         self.fleet.members = set(self.members)
         channel.mark_lost(error)

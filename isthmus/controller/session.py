@@ -16,7 +16,8 @@ import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, Buffer, first_error
+from isthmus.controller.arrays import (Array, Buffer, BufferGroup, first_error, groups_of,
+                                       whole_group)
 from isthmus.controller.controller import Controller, Executable
 from isthmus.controller.dispatch import OrderedDispatcher
 from isthmus.controller.fleet import Device
@@ -58,16 +59,12 @@ class Session:
                    *, define: bool = True) -> Array:
         devices = self.fleet.devices_of(sharding.devices)
         self._check_memory_kind(devices, sharding.memory_kind)
-        boxes = sh.shard_boxes(sharding, shape)
-        buffers = []
-        for device, box in zip(devices, boxes):
-            nbytes = math.prod(sh.shard_shape(box)) * dtype.itemsize
-            buffer = self.controller.new_buffer(device, nbytes, sharding.memory_kind)
-            if define:
-                buffer.defined = asyncio.get_running_loop().create_future()
-            buffer.refs = 1
-            buffers.append(buffer)
-        array = Array(dtype, shape, sharding, tuple(buffers))
+        nbytes = sh.shard_nbytes(sharding, shape, dtype.itemsize)
+        group = self.controller.new_group(devices, nbytes, sharding.memory_kind)
+        group.refs = 1
+        if define:
+            group.expect()
+        array = Array(dtype, shape, sharding, group)
         self._arrays.add(array)
         return array
 
@@ -95,37 +92,44 @@ class Session:
         """An array whose shards arrive as host arrays; `pieces` pairs device positions
         (indices into the sharding's device list) with the data all of them hold."""
         shape = self.validate_shape(dtype, shape)
-        array = self._new_array(dtype, shape, sharding)
+        array = self._new_array(dtype, shape, sharding, define=False)
+        group = array.group
+        assert group is not None
         covered: set[int] = set()
-        boxes = sh.shard_boxes(sharding, shape)
-        for positions, data in pieces:
+        for positions, _ in pieces:
             for p in positions:
-                if not 0 <= p < len(array.shards) or p in covered:
-                    self._fail(array, errors.InvalidRequest(
+                if not 0 <= p < len(group) or p in covered:
+                    array.error = errors.InvalidRequest(
                         f"shard index {p} is out of range or given twice for an array with "
-                        f"{len(array.shards)} shards; send each shard index once."))
+                        f"{len(group)} shards; send each shard index once.")
+                    group.error = array.error
                     return array
                 covered.add(p)
-            self._spawn(self._fill_shards(array, [array.shards[p] for p in positions],
-                                          [boxes[p] for p in positions], data))
-        missing = [p for p in range(len(array.shards)) if p not in covered]
+        boxes = sh.shard_boxes(sharding, shape)
+        for positions, data in pieces:
+            group.expect()
+            self._spawn(self._fill_shards(group, list(positions), [boxes[p] for p in positions],
+                                          data))
+        missing = [p for p in range(len(group)) if p not in covered]
         if missing:
             error = errors.InvalidRequest(
                 f"no host data was given for shard(s) {missing[:8]} of the array; every "
                 "addressable shard needs data.")
             for p in missing:
-                self._define([array.shards[p]], error)
+                group.set_error(p, error)
         return array
 
     def make_error_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
                          error: errors.IsthmusError) -> Array:
         array = self._new_array(dtype, self.validate_shape(dtype, shape), sharding, define=False)
         array.error = error
-        for buffer in array.shards:
-            buffer.error = error
+        assert array.group is not None
+        array.group.error = error
         return array
 
     async def _fill(self, array: Array, host: Awaitable[np.ndarray]) -> None:
+        group = array.group
+        assert group is not None
         try:
             value = await host
             if tuple(value.shape) != array.shape:
@@ -133,11 +137,13 @@ class Session:
                     f"host data has shape {tuple(value.shape)} but the array has shape "
                     f"{array.shape}; send data matching the declared shape.")
             boxes = sh.shard_boxes(array.sharding, array.shape)
-            await self._put(array.shards, [value[sh.box_slices(b)] for b in boxes])
+            await self._put(group, range(len(group)), [value[sh.box_slices(b)] for b in boxes])
         except Exception as e:  # noqa: BLE001 - the array carries the failure
-            self._define(array.shards, _as_error(e, "receiving the array's host data"))
+            if group.error is None:
+                group.error = _as_error(e, "receiving the array's host data")
+        group.settle()
 
-    async def _fill_shards(self, array: Array, buffers: list[Buffer], boxes: list[sh.Box],
+    async def _fill_shards(self, group: BufferGroup, positions: list[int], boxes: list[sh.Box],
                            host: Awaitable[np.ndarray]) -> None:
         try:
             value = await host
@@ -147,41 +153,51 @@ class Session:
                         f"a host shard has shape {tuple(value.shape)} but the sharding puts "
                         f"shape {sh.shard_shape(box)} there; send shards of the shapes the "
                         "sharding implies.")
-            await self._put(buffers, [value] * len(buffers))
+            await self._put(group, positions, [value] * len(positions))
         except Exception as e:  # noqa: BLE001
-            self._define(buffers, _as_error(e, "receiving the array's host data"))
+            error = _as_error(e, "receiving the array's host data")
+            for p in positions:
+                if group.error_at(p) is None:
+                    group.set_error(p, error)
+        group.settle()
 
-    async def _put(self, buffers: Sequence[Buffer], values: Sequence[np.ndarray]) -> None:
-        waits = []
-        for buffer, value in zip(buffers, values):
-            if buffer.freed:  # released before its data arrived: nothing to store
+    async def _put(self, group: BufferGroup, positions: Sequence[int],
+                   values: Sequence[np.ndarray]) -> None:
+        """Stores host data at positions of a group; failures stay with their positions."""
+        waits, placed = [], []
+        for p, value in zip(positions, values):
+            if group.freed_position(p):  # released before its data arrived: nothing to store
                 continue
-            waits.append(self.fleet.channel(buffer.device.worker).put(
-                buffer.id, buffer.device.id, value, buffer.memory_kind))
+            device = group.devices[p]
+            placed.append(p)
+            waits.append(self.fleet.channel(device.worker).put(
+                BufferId(group.base + p), device.id, value, group.memory_kind))
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
-        error = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        self._define(buffers, None if error is None else _as_error(error, "storing host data"))
+        for p, outcome in zip(placed, outcomes):
+            if isinstance(outcome, BaseException) and group.error_at(p) is None:
+                group.set_error(p, _as_error(outcome, "storing host data"))
 
-    def _define(self, buffers: Sequence[Buffer], error: errors.IsthmusError | None) -> None:
-        for buffer in buffers:
-            if error is not None and buffer.error is None:
-                buffer.error = error
-            if buffer.defined is not None:
-                if not buffer.defined.done():
-                    buffer.defined.set_result(None)
-                buffer.defined = None
-
-    def _fail(self, array: Array, error: errors.IsthmusError) -> None:
-        array.error = error
-        self._define(array.shards, error)
+    def _defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
+        """An operation that was to define `buffer` is over (with `error` if it failed)."""
+        if error is not None and buffer.error is None:
+            buffer.error = error
+        buffer.group.settle()
 
     # ---- arrays over existing buffers ----------------------------------------------------
 
     def _share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
                buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array:
-        for buffer in buffers:
-            buffer.refs += 1
-        array = Array(dtype, shape, sharding, tuple(buffers), error=error)
+        group = whole_group(buffers)
+        if group is not None:
+            group.refs += 1
+            array = Array(dtype, shape, sharding, group, error=error)
+        else:
+            for buffer in buffers:
+                shared = buffer.group
+                if shared.shard_refs is None:
+                    shared.shard_refs = {}
+                shared.shard_refs[buffer.position] = shared.shard_refs.get(buffer.position, 0) + 1
+            array = Array(dtype, shape, sharding, parts=tuple(buffers), error=error)
         self._arrays.add(array)
         return array
 
@@ -314,7 +330,7 @@ class Session:
             out = self._new_array(array.dtype, array.shape, sharding, define=False)
             out.error = array.error
             results.append(out)
-        inputs = [b for a in arrays for b in a.shards]
+        inputs = groups_of(arrays)
 
         def run() -> None:
             for array, out in zip(arrays, results):
@@ -365,7 +381,7 @@ class Session:
                             dst_box: sh.Box) -> None:
         """Builds `dst` from shards of several workers: the pieces that live elsewhere are
         pulled (worker to worker) into temporary buffers beside `dst` first."""
-        dst.defined = asyncio.get_running_loop().create_future()
+        dst.group.expect()
         channel = self.fleet.channel(dst.device.worker)
         parts: list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...]]] = []
         temps: list[Buffer] = []
@@ -373,7 +389,7 @@ class Session:
         for source, src_slices, dst_slices, _ in _pieces(
                 list(zip(array.shards, src_boxes)), dst_box):
             if source.device.worker != dst.device.worker:
-                temp = self.controller.new_buffer(dst.device, source.nbytes)
+                temp = Buffer(self.controller.new_group((dst.device,), (source.nbytes,)), 0)
                 temps.append(temp)
                 pulls.append(self._pull(source, temp, None))
                 source = temp
@@ -386,7 +402,7 @@ class Session:
                 channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
                                  sh.shard_shape(dst_box), [(b.id, s, d) for b, s, d in parts])
             self.controller.free_buffers(temps)
-            self._define([dst], error)
+            self._defined(dst, error)
 
         self._spawn(finish())
 
@@ -394,13 +410,14 @@ class Session:
         """Moves `src` into `dst` on another worker, worker to worker; `dst` is defined (or
         failed) when the transfer completes. Returns that completion."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        dst.defined = asyncio.get_running_loop().create_future()
         source = self.fleet.channel(src.device.worker)
         address = getattr(source, "data_address", None)
         if address is None:
-            self._define([dst], self.fleet.slice_error_of(src.device.worker))
+            if dst.error is None:
+                dst.error = self.fleet.slice_error_of(src.device.worker)
             done.set_result(None)
             return done
+        dst.group.expect()
         self.controller.pin(src)
         work = self.fleet.channel(dst.device.worker).pull(
             src.id, address, dst.id, dst.device.id, memory_kind)
@@ -413,7 +430,7 @@ class Session:
                 error = _as_error(e, "moving an array between workers")
             finally:
                 self.controller.unpin(src)
-            self._define([dst], error)
+            self._defined(dst, error)
             done.set_result(None)
 
         self._spawn(finish())
@@ -453,7 +470,7 @@ class Session:
                 if donate:
                     self._donate(array)
 
-        self.dispatcher.submit([b for a in arrays for b in a.shards], run)
+        self.dispatcher.submit(groups_of(arrays), run)
         return results
 
     def fetch(self, array: Array) -> Awaitable[np.ndarray]:
@@ -473,7 +490,7 @@ class Session:
                       for box, b in wanted.items()]
             self._spawn(_assemble_host(array, pieces, result))
 
-        self.dispatcher.submit(array.shards, run)
+        self.dispatcher.submit(array.groups, run)
         return result
 
     def ready(self, arrays: Sequence[Array]) -> Awaitable[None]:
@@ -492,7 +509,7 @@ class Session:
             waits = [self.fleet.channel(w).ready(ids) for w, ids in by_worker.items()]
             self._spawn(_settle(asyncio.gather(*waits), result))
 
-        self.dispatcher.submit([b for a in arrays for b in a.shards], run)
+        self.dispatcher.submit(groups_of(arrays), run)
         return result
 
     # ---- freeing -------------------------------------------------------------------------
@@ -504,9 +521,16 @@ class Session:
             array.deleted = True
 
         def run() -> None:
-            buffers = [b for a in arrays for b in a.shards]
-            for buffer in buffers:
-                buffer.deleted = True
+            groups, buffers = [], []
+            for array in arrays:
+                if array.group is not None:
+                    array.group.deleted = True
+                    groups.append(array.group)
+                else:
+                    for buffer in array.shards:
+                        buffer.deleted = True
+                        buffers.append(buffer)
+            self.controller.free_groups(groups)
             self.controller.free_buffers(buffers)
             result.set_result(None)
 
@@ -515,18 +539,35 @@ class Session:
 
     def release(self, arrays: Sequence[Array]) -> None:
         """The client dropped these arrays; buffers no other array holds are freed."""
-        dead: list[Buffer] = []
+        groups: list[BufferGroup] = []
+        buffers: list[Buffer] = []
         for array in arrays:
             if array.released:
                 continue
             array.released = True
             self._arrays.discard(array)
+            group = array.group
+            if group is not None:
+                group.refs -= 1
+                if group.refs <= 0:
+                    if group.shard_refs:
+                        buffers.extend(Buffer(group, p) for p in range(len(group))
+                                       if not group.held(p))
+                    else:
+                        groups.append(group)
+                continue
             for buffer in array.shards:
-                buffer.refs -= 1
-                if buffer.refs <= 0:
-                    dead.append(buffer)
-        if dead:
-            self.dispatcher.submit([], lambda: self.controller.free_buffers(dead))
+                shard_refs = buffer.group.shard_refs
+                assert shard_refs is not None
+                shard_refs[buffer.position] -= 1
+                if not buffer.group.held(buffer.position):
+                    buffers.append(buffer)
+        if groups or buffers:
+            def free() -> None:
+                self.controller.free_groups(groups)
+                self.controller.free_buffers(buffers)
+
+            self.dispatcher.submit([], free)
 
     # ---- programs ------------------------------------------------------------------------
 
@@ -555,31 +596,21 @@ class Session:
         if len(args) != len(info.params):
             raise errors.InvalidRequest(
                 f"the program takes {len(info.params)} arguments but {len(args)} were given.")
-        positions = executable.positions
-        ordered: list[list[Buffer]] = []
+        refs: list[int | tuple[BufferId, ...]] = []
         for index, (array, aval) in enumerate(zip(args, info.params)):
             if array.dtype != aval.dtype or array.shape != aval.shape:
                 raise errors.InvalidRequest(
                     f"argument {index} is {array.dtype.kind}{list(array.shape)} but the program "
                     f"expects {aval.dtype.kind}{list(aval.shape)}.")
-            slots: list[Buffer | None] = [None] * len(executable.devices)
-            for buffer in array.shards:
-                p = positions.get(buffer.device.id)
-                if p is not None and slots[p] is None:
-                    slots[p] = buffer
-            if any(s is None for s in slots):
-                raise errors.InvalidRequest(
-                    f"argument {index} lives on devices {list(array.sharding.devices)} but the "
-                    f"program runs on {[d.id for d in executable.devices]}; put the argument "
-                    "on the program's devices first.")
-            ordered.append(slots)  # type: ignore[arg-type]
+            refs.append(self._argument(executable, index, array))
         outputs = self._outputs(executable)
         donated = frozenset(info.donated_inputs) - non_donatable
         copy_first = frozenset(info.donated_inputs) & non_donatable
-        dependencies: list[Buffer | asyncio.Future] = [b for a in args for b in a.shards]
+        dependencies: list[BufferGroup | asyncio.Future] = list(groups_of(args))
         reload = self.controller.loaded(executable)
         if reload is not None:
             dependencies.append(reload)
+        results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
 
         def run() -> None:
             error = first_error(args) or self.fleet.unavailable(executable.devices)
@@ -587,20 +618,17 @@ class Session:
                 error = _as_error(reload.exception(), "compiling the program again")
             if error is not None:
                 for out in outputs:
-                    for buffer in out.shards:
-                        buffer.error = error
+                    out.group.error = error  # type: ignore[union-attr]
                 return
-            for worker, part in executable.parts.items():
-                channel = self.fleet.channel(worker)
-                channel.execute(
-                    executable.id,
-                    [[slots[p].id for p in part] for slots in ordered],
-                    [[out.shards[p].id for p in part] for out in outputs],
-                    copy_first)
+            self.fleet.multicast(executable.workers, "execute", executable.id, tuple(refs),
+                                 results, copy_first)
             for index in donated:
                 args[index].deleted = True
-                for buffer in args[index].shards:
-                    buffer.deleted = True
+                if args[index].group is not None:
+                    args[index].group.deleted = True  # type: ignore[union-attr]
+                else:
+                    for buffer in args[index].shards:
+                        buffer.deleted = True
 
         self.dispatcher.submit(dependencies, run)
 
@@ -608,30 +636,69 @@ class Session:
             await self.dispatcher.flush()
             by_worker: dict[WorkerId, list[BufferId]] = {}
             for out in outputs:
-                for buffer in out.shards:
-                    if buffer.error is not None:
-                        raise buffer.error
-                    if not (buffer.freed or buffer.deleted):
-                        by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
+                group = out.group
+                assert group is not None
+                error = group.error or (group.errors and group.errors[min(group.errors)])
+                if error:
+                    raise error
+                if group.freed or group.deleted:
+                    continue
+                for worker, part in executable.parts.items():
+                    by_worker.setdefault(worker, []).extend(
+                        BufferId(group.base + p) for p in part
+                        if not (group.freed_position(p) or group.deleted_position(p)))
             await asyncio.gather(*(self.fleet.channel(w).ready(ids)
-                                   for w, ids in by_worker.items()))
+                                   for w, ids in by_worker.items() if ids))
 
         return outputs, status
 
+    def _argument(self, executable: Executable, index: int, array: Array
+                  ) -> int | tuple[BufferId, ...]:
+        """How workers find an argument's shards: its group base when the array is a whole
+        group on the program's devices in their order, else one buffer id per position."""
+        devices = array.sharding.devices
+        if array.group is not None and (devices is executable.device_ids
+                                        or tuple(devices) == executable.device_ids):
+            return array.group.base
+        positions = executable.positions
+        slots: list[BufferId | None] = [None] * len(executable.devices)
+        for buffer in array.shards:
+            p = positions.get(buffer.device.id)
+            if p is not None and slots[p] is None:
+                slots[p] = buffer.id
+        if any(s is None for s in slots):
+            raise errors.InvalidRequest(
+                f"argument {index} lives on devices {list(devices)} but the program runs on "
+                f"{list(executable.device_ids)}; put the argument on the program's devices "
+                "first.")
+        return tuple(slots)  # type: ignore[arg-type]
+
     def _outputs(self, executable: Executable) -> list[Array]:
+        """New arrays for a program's outputs: one group each, over the program's devices."""
         info = executable.info
         assert info is not None
-        device_ids = tuple(d.id for d in executable.devices)
+        if executable.output_specs is None:
+            device_ids = executable.device_ids
+            specs = []
+            for index, aval in enumerate(info.outputs):
+                memory_kind = (info.output_memory_kinds[index]
+                               if index < len(info.output_memory_kinds) else None)
+                if info.output_shardings is None or len(device_ids) == 1:
+                    sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind)
+                else:
+                    sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind,
+                                           info.output_shardings[index])
+                nbytes = sh.shard_nbytes(sharding, aval.shape, aval.dtype.itemsize)
+                specs.append((aval, sharding, nbytes))
+            executable.output_specs = specs
         outputs = []
-        for index, aval in enumerate(info.outputs):
-            memory_kind = (info.output_memory_kinds[index]
-                           if index < len(info.output_memory_kinds) else None)
-            if info.output_shardings is None or len(device_ids) == 1:
-                sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind)
-            else:
-                sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind,
-                                       info.output_shardings[index])
-            outputs.append(self._new_array(aval.dtype, aval.shape, sharding, define=False))
+        for aval, sharding, nbytes in executable.output_specs:
+            group = self.controller.new_group(executable.devices, nbytes, sharding.memory_kind,
+                                              executable.workers)
+            group.refs = 1
+            array = Array(aval.dtype, aval.shape, sharding, group)
+            self._arrays.add(array)
+            outputs.append(array)
         return outputs
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -152,3 +152,9 @@ def is_fully_replicated(sharding: Sharding, shape: tuple[int, ...]) -> bool:
 
 def box_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(start, stop) for start, stop in box)
+
+
+@functools.lru_cache(maxsize=8192)
+def shard_nbytes(sharding: Sharding, shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Bytes of each device position's shard."""
+    return tuple(math.prod(shard_shape(box)) * itemsize for box in shard_boxes(sharding, shape))

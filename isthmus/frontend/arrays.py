@@ -172,8 +172,7 @@ def delete_array(session: Any, request: Any, response: Any) -> None:
 @handles("is_array_deleted_request")
 def is_array_deleted(session: Any, request: Any, response: Any) -> None:
     array = session.array(request.is_array_deleted_request.array_handle)
-    deleted = array.deleted or any(b.deleted for b in array.shards)
-    response.is_array_deleted_response.deleted = deleted
+    response.is_array_deleted_response.deleted = array.is_deleted
 
 
 @handles("destruct_array_request")

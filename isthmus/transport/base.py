@@ -20,6 +20,27 @@ from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 
 
+class Commands:
+    """Fire-and-forget commands addressed to several workers, recorded once.
+
+    The fleet delivers the same object to every worker of a program or buffer group, so a
+    command for a thousand hosts is built (and, over the network, serialized) once. `calls`
+    are (WorkerChannel method name, arguments) in order; `encoded` is for a transport to
+    cache the serialized form in.
+    """
+
+    __slots__ = ("calls", "encoded")
+
+    def __init__(self, calls: list[tuple[str, tuple[Any, ...]]]) -> None:
+        self.calls = calls
+        self.encoded: Any = None
+
+    def apply(self, channel: Any) -> None:
+        """Runs the commands on one channel, one method call each."""
+        for name, args in self.calls:
+            getattr(channel, name)(*args)
+
+
 class WorkerChannel(Protocol):
     def put(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
             memory_kind: str | None = None) -> Awaitable[None]:
@@ -50,7 +71,8 @@ class WorkerChannel(Protocol):
         """Makes `dst` the bytes of `src` read as another dtype and shape."""
 
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
-        """Drops buffers."""
+        """Drops buffers; ids the worker does not hold are ignored (a group's ids span
+        every worker of the group)."""
 
     def compile(self, executable_id: ExecutableId, request: Any) -> Awaitable[Any]:
         """Compiles and loads a program; resolves to its `CompiledInfo`."""
@@ -58,10 +80,18 @@ class WorkerChannel(Protocol):
     def drop_executable(self, executable_id: ExecutableId) -> None:
         """Unloads a program."""
 
-    def execute(self, executable_id: ExecutableId, args: Sequence[Sequence[BufferId]],
-                results: Sequence[Sequence[BufferId]],
-                copy_first: frozenset[int] = frozenset()) -> None:
-        """Runs a loaded program on the worker's shards of its arguments."""
+    def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+                results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
+        """Runs a loaded program on the worker's shards of its arguments.
+
+        The same command goes to every worker of the program; each uses the positions (in the
+        program's device list) of its own devices. An argument is a group base (the shard at
+        position p is buffer `base + p`) or the buffer ids of every position; `results` are
+        the bases of the output groups.
+        """
+
+    def deliver(self, commands: Commands) -> None:
+        """Takes commands shared with other workers (in order with the rest)."""
 
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
         """Resolves when the buffers are computed; fails with the first one's error."""

@@ -15,7 +15,7 @@ import dataclasses
 import pickle
 from typing import Any
 
-PROTOCOL_VERSION = 1  # bump when a message changes shape
+PROTOCOL_VERSION = 2  # bump when a message changes shape
 
 
 def encode(message: Any) -> bytes:
@@ -107,6 +107,14 @@ class Refused:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Batch:
     commands: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shared:
+    """Commands encoded once for many workers (a tuple of commands, pickled); applied in
+    order, in the place of the batch where they stand."""
+
+    data: bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -208,7 +216,7 @@ class Bitcast:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Free:
-    buffers: tuple[int, ...]
+    buffers: tuple[int, ...] | range  # ids the worker does not hold are ignored
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -228,9 +236,11 @@ class DropExecutable:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Execute:
+    """The same for every worker of the program; each takes its own device positions."""
+
     executable: int
-    args: tuple[tuple[int, ...], ...]  # per argument: this worker's shards, program order
-    results: tuple[tuple[int, ...], ...]
+    args: tuple[int | tuple[int, ...], ...]  # per argument: group base, or an id per position
+    results: tuple[int, ...]  # per output: the base of its group
     copy_first: frozenset[int]
 
 

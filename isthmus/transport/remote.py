@@ -21,6 +21,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
+from isthmus.transport.base import Commands
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class RemoteWorker:
         self._command(m.Bitcast(src, dst, np.dtype(dtype).name, tuple(shape)))
 
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
-        self._command(m.Free(tuple(buffer_ids)))
+        self._command(_free(buffer_ids))
 
     def compile(self, executable_id: ExecutableId, request: Any) -> Awaitable[Any]:
         number, future = self._request()
@@ -192,11 +193,24 @@ class RemoteWorker:
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self._command(m.DropExecutable(executable_id))
 
-    def execute(self, executable_id: ExecutableId, args: Sequence[Sequence[BufferId]],
-                results: Sequence[Sequence[BufferId]],
-                copy_first: frozenset[int] = frozenset()) -> None:
-        self._command(m.Execute(executable_id, tuple(tuple(a) for a in args),
-                                tuple(tuple(r) for r in results), copy_first))
+    def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+                results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
+        self._command(_execute(executable_id, args, results, copy_first))
+
+    def deliver(self, commands: Commands) -> None:
+        """Shared commands are encoded once for all their workers; a worker with nothing
+        else queued gets the very same frame, sent at once."""
+        if self.lost is not None:
+            return
+        if commands.encoded is None:
+            shared = m.Shared(m.encode(tuple(_SHARED[name](*args)
+                                             for name, args in commands.calls)))
+            commands.encoded = (shared, m.encode(m.Batch((shared,))))
+        shared, frame = commands.encoded
+        if not self._pending and not self._held:
+            self._send(frame)
+        else:
+            self._command(shared)
 
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
         number, future = self._request()
@@ -210,6 +224,20 @@ class RemoteWorker:
 
     def stats(self) -> dict[str, int]:
         return dict(self.reported)
+
+
+def _execute(executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+             results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> m.Execute:
+    return m.Execute(executable_id, tuple(a if isinstance(a, int) else tuple(a) for a in args),
+                     tuple(results), copy_first)
+
+
+def _free(buffer_ids: Sequence[BufferId]) -> m.Free:
+    return m.Free(buffer_ids if isinstance(buffer_ids, range) else tuple(buffer_ids))
+
+
+# The commands the controller sends to several workers at once, as messages.
+_SHARED: dict[str, Callable[..., Any]] = {"execute": _execute, "free": _free}
 
 
 class _Incoming:

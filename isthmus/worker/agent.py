@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -150,7 +151,7 @@ class WorkerAgent:
 
     async def _handle(self, message: Any) -> None:
         if isinstance(message, m.Batch):
-            for command in message.commands:
+            for command in _unpack(message.commands):
                 try:
                     self._apply(command)
                 except Exception as e:  # noqa: BLE001
@@ -314,10 +315,19 @@ class WorkerAgent:
             logger.info("moved %s buffers into the new collective group", moved)
 
 
+def _unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
+    """The commands of a batch, with those shared by several workers decoded in place."""
+    for command in commands:
+        if isinstance(command, m.Shared):
+            yield from m.decode(command.data)
+        else:
+            yield command
+
+
 def _produced(command: Any) -> list[int]:
-    """The buffers a command would have made."""
+    """The buffers a command would have made (an Execute fails its own outputs)."""
     if isinstance(command, m.Execute):
-        return [b for shards in command.results for b in shards]
+        return []
     for field in ("dst", "buffer"):
         if hasattr(command, field) and not isinstance(command, (m.Fetch, m.Fail)):
             return [getattr(command, field)]

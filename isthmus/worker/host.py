@@ -93,6 +93,7 @@ class _Loaded:
     info: programs.CompiledInfo
     devices: tuple[Any, ...]  # jaxlib devices of the whole program, in its order
     arg_shardings: tuple[Any, ...]  # per parameter: a jax sharding to wrap shards with
+    positions: tuple[int, ...]  # positions (in the program's device list) held here
 
 
 class DeviceHost:
@@ -329,7 +330,8 @@ class DeviceHost:
                 f"device {e} is not in this worker's group; the controller and worker "
                 "disagree, which is a bug in isthmus: please report it.") from None
         executable, info = programs.compile_program(self.client, devices, request)
-        return _Loaded(executable, info, devices, programs.arg_shardings(info, devices))
+        return _Loaded(executable, info, devices, programs.arg_shardings(info, devices),
+                       self.local_positions(request.device_ids))
 
     def local_positions(self, device_ids: Sequence[int]) -> tuple[int, ...]:
         """Positions (in a program's device list) of the devices this host holds."""
@@ -339,45 +341,54 @@ class DeviceHost:
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self._executables.pop(executable_id, None)
 
-    def execute(self, executable_id: ExecutableId, args: Sequence[Sequence[BufferId]],
-                results: Sequence[Sequence[BufferId]], copy_first: frozenset[int] = frozenset()
-                ) -> None:
-        """Runs an executable; `args[i][k]` is argument i's shard on this host's k-th device
-        of the program (in program order).
+    def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+                results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
+        """Runs an executable on this host's shards (see `WorkerChannel.execute`).
 
-        `results[j][k]` names output j's shard likewise. Arguments listed in `copy_first` are
-        copied before the call so that donation cannot consume them.
+        `args[i]` names argument i's shards: a group base (position p is `base + p`) or one
+        id per position of the program's devices; `results[j]` is output j's group base.
+        Arguments listed in `copy_first` are copied before the call so that donation cannot
+        consume them.
         """
         import jax
         from jax._src.lib import _jax
 
+        loaded = self._executables.get(executable_id)
+        positions = loaded.positions if loaded is not None else ()
         try:
-            loaded = self._executables.get(executable_id)
             if loaded is None:
                 raise errors.InternalError(
                     f"executable {executable_id} is not loaded on this host; this is a bug in "
                     "isthmus: please report it.")
             arrays = []
-            for index, shard_ids in enumerate(args):
-                shards = [self._get(b) for b in shard_ids]
+            for index, ref in enumerate(args):
+                if isinstance(ref, int):
+                    shards = [self._get(BufferId(ref + p)) for p in positions]
+                else:
+                    shards = [self._get(ref[p]) for p in positions]
                 if index in copy_first:
                     shards = [jax.device_put(s, s.sharding, may_alias=False) for s in shards]
                 aval = loaded.info.param_avals[index]
-                # The controller orders shards by the program's devices; jaxlib's own checks
-                # would reject the local-only shard lists of a multi-process program.
+                # Shards are in the program's device order; jaxlib's own checks would reject
+                # the local-only shard lists of a multi-process program.
                 arrays.append(_jax.ArrayImpl(aval, loaded.arg_shardings[index], shards,
                                              True, True))
             outputs = loaded.executable.execute_sharded(arrays)
             per_output = outputs.disassemble_into_single_device_arrays()
         except Exception as e:  # noqa: BLE001
             error = errors.from_runtime_error(e, errors.ExecutionError, "execution failed")
-            for shard_ids in results:
-                for b in shard_ids:
-                    self.fail(b, error)
+            for base in results:
+                for p in positions:
+                    self.fail(BufferId(base + p), error)
             return
-        for shard_ids, shards in zip(results, per_output):
-            for b, shard in zip(shard_ids, shards):
-                self._buffers[b] = shard
+        for base, shards in zip(results, per_output):
+            for p, shard in zip(positions, shards):
+                self._buffers[BufferId(base + p)] = shard
+
+    def deliver(self, commands: Any) -> None:
+        """Commands shared with other workers (`transport.base.Commands`)."""
+        commands.apply(self)
+
 
     def adopt(self, old: DeviceHost, wait: float = 5.0) -> int:
         """Moves `old`'s buffers into this host's client (a new collective group).

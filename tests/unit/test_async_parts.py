@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from isthmus import errors
-from isthmus.controller.arrays import Buffer
+from isthmus.controller.arrays import BufferGroup
 from isthmus.controller.dispatch import OrderedDispatcher
 from isthmus.controller.fleet import Device
 from isthmus.frontend.host_buffers import HostBufferStore
@@ -51,25 +51,24 @@ def test_close_fails_waiters():
     run(main())
 
 
-def _buffer(i):
-    return Buffer(i, Device(0, 0, 0, "cpu", "cpu", 0, 0), 4)
+def _group(i):
+    return BufferGroup(i, (Device(0, 0, 0, "cpu", "cpu", 0, 0),), (0,), (4,))
 
 
 def test_dispatcher_runs_in_order_and_waits_for_inputs():
     async def main():
         dispatcher = OrderedDispatcher()
         order = []
-        ready = _buffer(1)
-        pending = _buffer(2)
-        pending.defined = asyncio.get_running_loop().create_future()
+        ready = _group(1)
+        pending = _group(2)
+        pending.expect()
         dispatcher.submit([ready], lambda: order.append("a"))
         assert order == ["a"]  # nothing pending: runs inside submit
         dispatcher.submit([pending], lambda: order.append("b"))
         dispatcher.submit([ready], lambda: order.append("c"))  # waits behind b
         await asyncio.sleep(0.01)
         assert order == ["a"]
-        pending.defined.set_result(None)
-        pending.defined = None
+        pending.settle()
         await dispatcher.flush()
         assert order == ["a", "b", "c"]
     run(main())

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from isthmus import errors
+from isthmus.controller.arrays import Buffer
 from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec
@@ -58,8 +59,8 @@ def test_a_lost_worker_poisons_its_slice_only():
                    for s in (0, 1) for h in (0, 1)]
         for s in (0, 1):
             fleet.mark_up(s)
-        on_slice0 = controller.new_buffer(fleet.device(1), 4)
-        on_slice1 = controller.new_buffer(fleet.device(5), 4)
+        group = controller.new_group((fleet.device(1), fleet.device(5)), (4, 4))
+        on_slice0, on_slice1 = Buffer(group, 0), Buffer(group, 1)
         pending, future = workers[2].request()
         manager.lost(workers[2], "it crashed")
         error = fleet.slice_error(1)
@@ -67,6 +68,7 @@ def test_a_lost_worker_poisons_its_slice_only():
         assert "host:22" in error.message  # hostname:pid of the lost worker
         assert "slice 1" in error.message and "it crashed" in error.message
         assert on_slice1.error is error and on_slice0.error is None
+        assert group.first_problem() is error
         assert fleet.slice_error(0) is None
         assert future.exception() is error
         assert closed == [(1, 0)]
@@ -82,7 +84,7 @@ def test_remote_commands_travel_in_one_batch_per_turn():
         worker = RemoteWorker(0, register(), frames.append, "peer")
         worker.copy(1, 2, 0, None)
         worker.free([3, 4])
-        worker.execute(7, [[1]], [[9]])
+        worker.execute(7, [1], [9])
         assert frames == []
         await asyncio.sleep(0)
         batch = m.decode(frames[0])

@@ -1,0 +1,148 @@
+"""Buffer groups and shared commands: the controller's cost per program stays flat as fleets
+grow. Driven in-process over the real worker channel (`RemoteWorker`) with streams that only
+keep their frames; every frame is decoded and checked."""
+
+import asyncio
+
+import numpy as np
+
+from isthmus import dtypes
+from isthmus.controller.controller import Controller
+from isthmus.controller.fleet import Device, Fleet
+from isthmus.controller.session import Session
+from isthmus.controller.sharding import Sharding, ShardingKind
+from isthmus.transport import messages as m
+from isthmus.transport.remote import RemoteWorker
+from isthmus.worker.programs import Aval, CompiledInfo, CompileRequest
+
+F32 = dtypes.BY_KIND["KIND_F32"]
+HOSTS = 3
+
+
+class Host(RemoteWorker):
+    """A worker channel whose stream keeps its frames; requests are answered at once."""
+
+    def __init__(self, slot):
+        self.frames = []
+        register = m.Register(m.PROTOCOL_VERSION, 0, 1, "cpu", "cpu", "peer:0", "host", slot)
+        super().__init__(slot, register, self.frames.append, "peer:0")
+
+    def commands(self):
+        out = []
+        for frame in self.frames:
+            for command in m.decode(frame).commands:
+                out.extend(m.decode(command.data) if isinstance(command, m.Shared)
+                           else [command])
+        return out
+
+    async def _answer(self, value):
+        return value
+
+    def compile(self, executable_id, request):
+        aval = Aval(F32, (HOSTS,))
+        return self._answer(CompiledInfo(
+            name="p", params=(aval,), outputs=(aval,), param_shardings=None,
+            output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
+            output_memory_kinds=("device",), donated_inputs=(), fingerprint=None,
+            cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0))
+
+    def put(self, *args, **kwargs):
+        return self._answer(None)
+
+
+def _setup():
+    hosts = {h: Host(h) for h in range(HOSTS)}
+    devices = [Device(h, h, 0, "cpu", "cpu", 0, h) for h in range(HOSTS)]
+    controller = Controller(Fleet(devices, hosts))
+    return hosts, controller, Session(controller)
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 10))
+
+
+def test_a_program_is_one_shared_frame_for_every_host():
+    async def main():
+        hosts, controller, session = _setup()
+        ids = tuple(range(HOSTS))
+        executable = session.compile(CompileRequest(b"", b"", ids))
+        await executable.compiled
+        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
+                               _value(np.zeros(HOSTS, np.float32)))
+        await asyncio.sleep(0.01)
+        for host in hosts.values():
+            host.frames.clear()
+        outputs = []
+        for _ in range(5):
+            (y,), _ = session.execute(executable, [x])
+            session.release([x])
+            outputs.append(y)
+            x = y
+        controller.fleet.flush()
+        frames = [host.frames for host in hosts.values()]
+        assert all(f == frames[0] for f in frames)  # the very same bytes for every host
+        commands = hosts[0].commands()
+        executes = [c for c in commands if isinstance(c, m.Execute)]
+        frees = [c for c in commands if isinstance(c, m.Free)]
+        assert [e.results for e in executes] == [(y.group.base,) for y in outputs]
+        assert executes[1].args == (outputs[0].group.base,)  # the step before's output
+        # Each released input is freed as one id range covering every host's shard.
+        assert [list(f.buffers) for f in frees][1:] == [
+            list(range(y.group.base, y.group.base + HOSTS)) for y in outputs[:4]]
+        await session.close()
+    run(main())
+
+
+def test_shared_shards_are_freed_when_their_last_holder_goes():
+    async def main():
+        hosts, controller, session = _setup()
+        ids = tuple(range(HOSTS))
+        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
+                               _value(np.zeros(HOSTS, np.float32)))
+        await asyncio.sleep(0.01)
+        parts = session.disassemble(x)
+        session.release([x])
+        await asyncio.sleep(0.01)
+        assert not any(isinstance(c, m.Free) for h in hosts.values() for c in h.commands())
+        session.release([parts[1]])
+        await asyncio.sleep(0.01)
+        freed = [c.buffers for h in hosts.values() for c in h.commands() if isinstance(c, m.Free)]
+        assert freed == [(x.group.base + 1,)]  # only that shard, only on its host
+        assert controller.accounting()[1]["buffers"] == 0
+        assert controller.accounting()[0]["buffers"] == 1
+        whole = session.assemble(F32, (HOSTS,), x.sharding,
+                                 [parts[0], parts[2], _single(session, x, 1)])
+        await asyncio.sleep(0.01)
+        assert whole.group is None and whole.problem() is None
+        await session.delete([parts[0]])
+        assert whole.problem() is not None  # a deleted shard is gone for every sharer
+        assert parts[2].problem() is None
+        await session.close()
+        assert controller.accounting() == {h: {"buffers": 0, "bytes": 0} for h in hosts}
+    run(main())
+
+
+def _single(session, x, position):
+    """A new single-device array (a replica of `x`'s shape) on the device of its `position`."""
+    device = x.sharding.devices[position]
+    return session.make_array(F32, (HOSTS,), Sharding.single(device),
+                              _value(np.ones(HOSTS, np.float32)))
+
+
+async def _value(value):
+    return value
+
+
+def test_a_single_host_command_never_overtakes_a_shared_one():
+    async def main():
+        hosts, controller, _ = _setup()
+        fleet = controller.fleet
+        everyone = tuple(hosts)
+        fleet.multicast(everyone, "free", range(10, 13))
+        fleet.channel(0).copy(10, 20, 0, None)  # flushes the shared command first
+        fleet.multicast(everyone, "free", range(20, 23))
+        await asyncio.sleep(0.01)
+        fleet.flush()
+        assert [type(c).__name__ for c in hosts[0].commands()] == ["Free", "Copy", "Free"]
+        assert [list(c.buffers) for c in hosts[2].commands()] == [[10, 11, 12], [20, 21, 22]]
+    run(main())
