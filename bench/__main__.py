@@ -25,11 +25,16 @@ SHARED_ENV = ("IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY",
               "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES")
 
 
+STAGES: list[tuple[str, float]] = []  # (what, seconds), shown at the end
+
+
 def _run(script: str, env: dict[str, str], args: list[str]) -> dict:
+    start = time.monotonic()
     result = subprocess.run([sys.executable, str(HERE / script), *args], env=env,
                             capture_output=True, text=True, timeout=1800)
     if result.returncode:
         raise RuntimeError(f"{script} failed:\n{result.stderr[-4000:]}")
+    STAGES.append((f"{script} {' '.join(args)}", time.monotonic() - start))
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -176,6 +181,8 @@ def main() -> int:
     (OUT / "results.json").write_text(json.dumps(results, indent=2))
     png = plot({name: (curves[ref], curves[name]) for name, ref in pairs.items()},
                OUT / "dispatch_threshold.png")
+    print("\nseconds per stage: " + ", ".join(f"{w} {t:.0f}" for w, t in STAGES),
+          file=sys.stderr)
     print(f"\nJSON: {OUT / 'results.json'}   plot: {png}   "
           f"({time.monotonic() - start:.0f} s in all)")
     return 0
