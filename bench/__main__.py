@@ -12,9 +12,11 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from isthmus.cli import child_environment
 from isthmus.testing import LocalServer
@@ -59,24 +61,35 @@ def _through(server: LocalServer, shared: bool = False) -> dict[str, str]:
     return env
 
 
-def threshold(rows: dict[str, dict], reference: str) -> dict[str, float | None]:
-    """Per backend: the smallest step (local ms) at which it reaches 95% of local jax."""
-    local = rows[reference]
-    out: dict[str, float | None] = {}
-    for name, row in rows.items():
-        if name == reference:
-            continue
-        found = None
-        for ms, mine, theirs in zip(local["step_ms"], row["steps_per_s"],
-                                    local["steps_per_s"]):
-            if mine / theirs >= 0.95:
-                found = ms
-                break
-        out[name] = found
-    return out
+def paired_curves(local: Callable[[], dict], mine: Callable[[], dict], rounds: int
+                  ) -> tuple[dict, list[float]]:
+    """Runs the local and the isthmus curve in turn, `rounds` times; returns the median
+    local curve and, per size, the median of isthmus/local within a round (so slow drifts
+    of a shared machine fall on both sides of each ratio)."""
+    ratios: list[list[float]] = []
+    locals_: list[dict] = []
+    for _ in range(rounds):
+        theirs, ours = local(), mine()
+        locals_.append(theirs)
+        ratios.append([m / t for m, t in zip(ours["steps_per_s"], theirs["steps_per_s"])])
+    reference = {"sizes": locals_[0]["sizes"],
+                 "step_ms": [statistics.median(c["step_ms"][i] for c in locals_)
+                             for i in range(len(locals_[0]["sizes"]))]}
+    return reference, [statistics.median(r[i] for r in ratios) for i in range(len(ratios[0]))]
 
 
-def plot(curves: dict[str, tuple[dict, dict]], path: pathlib.Path) -> str:
+def threshold(step_ms: list[float], ratios: list[float], level: float = 0.95) -> float | None:
+    """The smallest step (local ms) from which on isthmus keeps at least `level` of local
+    jax's throughput at every larger measured step; None when it never does."""
+    found = None
+    for ms, ratio in zip(reversed(step_ms), reversed(ratios)):
+        if ratio < level:
+            break
+        found = ms
+    return found
+
+
+def plot(curves: dict[str, tuple[list[float], list[float]]], path: pathlib.Path) -> str:
     try:
         import matplotlib
 
@@ -85,14 +98,13 @@ def plot(curves: dict[str, tuple[dict, dict]], path: pathlib.Path) -> str:
     except ImportError:
         return "(matplotlib not installed: pip install -e '.[bench]' for the PNG)"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, (local, row) in curves.items():
-        ratio = [m / t for m, t in zip(row["steps_per_s"], local["steps_per_s"])]
-        ax.plot(local["step_ms"], ratio, marker="o", label=name)
+    for name, (step_ms, ratios) in curves.items():
+        ax.plot(step_ms, ratios, marker="o", label=name)
     ax.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="95% of local jax")
     ax.set_xscale("log")
     ax.set_xlabel("compute per step on local jax (ms)")
     ax.set_ylabel("isthmus throughput / local throughput")
-    ax.set_ylim(0, 1.1)
+    ax.set_ylim(0, 1.2)
     ax.set_title("Dispatch threshold: pipelined jitted steps of growing size")
     ax.legend()
     fig.tight_layout()
@@ -108,28 +120,32 @@ def main() -> int:
     start = time.monotonic()
     OUT.mkdir(parents=True, exist_ok=True)
     metrics_args = ["--quick"] if quick else []
-    sizes = "64,192,384,640" if quick else "16,32,64,96,128,192,256,320,384,448,512,640,768"
-    seconds = "0.25" if quick else "1.5"
+    sizes = ("64,128,192,256,384,640" if quick else
+             "16,32,64,96,128,192,256,320,384,448,512,640,768")
+    seconds = "0.3" if quick else "1.5"
+    rounds = 3
     results: dict[str, dict] = {"machine": {
         "machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
         "quick": quick}}
 
     metrics = {"local jax": _run("client_metrics.py", _local(), metrics_args)}
-    curves = {"local 1 device": _run("threshold.py", _local(), [sizes, "4", seconds]),
-              "local 4 devices": _run("threshold.py", _local(4), [sizes, "4", seconds, "4"])}
+    curves: dict[str, tuple[dict, list[float]]] = {}  # backend -> (local curve, ratios)
     compile_times = {}
     with LocalServer(devices=1) as server:
         metrics["isthmus embedded"] = _run("client_metrics.py", _through(server), metrics_args)
         shared = _run("client_metrics.py", _through(server, shared=True), metrics_args)
         for key in [k for k in shared if k.startswith("put_")]:
             metrics["isthmus embedded"][key.replace("_GBps", "_shared_memory_GBps")] = shared[key]
-        curves["isthmus embedded"] = _run("threshold.py", _through(server), [sizes, "4", seconds])
+        curves["isthmus embedded"] = paired_curves(
+            lambda: _run("threshold.py", _local(), [sizes, "4", seconds]),
+            lambda: _run("threshold.py", _through(server), [sizes, "4", seconds]), rounds)
         compile_times["embedded cold"] = _run("compile_cache.py", _through(server), [])
         compile_times["embedded cached"] = _run("compile_cache.py", _through(server), [])
     with LocalServer(devices=None, fleet=(2, 2, 1)) as server:
         metrics["isthmus fleet 2x2"] = _run("client_metrics.py", _through(server), metrics_args)
-        curves["isthmus fleet 2x2"] = _run("threshold.py", _through(server),
-                                           [sizes, "4", seconds, "4"])
+        curves["isthmus fleet 2x2"] = paired_curves(
+            lambda: _run("threshold.py", _local(4), [sizes, "4", seconds, "4"]),
+            lambda: _run("threshold.py", _through(server), [sizes, "4", seconds, "4"]), rounds)
     compile_times["local"] = _run("compile_cache.py", _local(), [])
 
     from bench.scaling import run as scaling
@@ -149,22 +165,19 @@ def main() -> int:
             cells.append(f"{value:20.3f}" if isinstance(value, (int, float)) else f"{'-':>20}")
         print(f"{key:34}" + "".join(cells))
 
-    print("\ndispatch threshold (pipelined steps of 4 chained matmuls, n x n):")
-    pairs = {"isthmus embedded": "local 1 device", "isthmus fleet 2x2": "local 4 devices"}
-    print(f"{'n':>6} {'local ms':>10}" + "".join(f"{name + ' / local':>30}" for name in pairs))
-    reference = curves["local 1 device"]
-    for i, n in enumerate(reference["sizes"]):
-        cells = []
-        for name, ref in pairs.items():
-            ratio = curves[name]["steps_per_s"][i] / curves[ref]["steps_per_s"][i]
-            cells.append(f"{ratio:30.2f}")
-        print(f"{n:6d} {reference['step_ms'][i]:10.3f}" + "".join(cells))
+    print(f"\ndispatch threshold (pipelined steps of 4 chained n x n matmuls; median of "
+          f"{rounds} paired rounds):")
+    print(f"{'n':>6}" + "".join(f"{'local ms':>10}{name + ' / local':>30}" for name in curves))
+    first = next(iter(curves.values()))[0]
+    for i, n in enumerate(first["sizes"]):
+        print(f"{n:6d}" + "".join(f"{local['step_ms'][i]:10.3f}{ratios[i]:30.2f}"
+                                  for local, ratios in curves.values()))
     thresholds = {}
-    for name, ref in pairs.items():
-        found = threshold({ref: curves[ref], name: curves[name]}, ref)[name]
+    for name, (local, ratios) in curves.items():
+        found = threshold(local["step_ms"], ratios)
         thresholds[name] = found
         text = f"{found:.3f} ms of compute per step" if found else "not reached in this range"
-        print(f"  {name}: reaches 95% of local jax at {text}")
+        print(f"  {name}: keeps >= 95% of local jax from {text}")
 
     print("\ncontroller scaling (in-process, stand-in workers, one program over all hosts):")
     for n in hosts:
@@ -175,11 +188,15 @@ def main() -> int:
     for name, value in compile_times.items():
         print(f"  {name:18} {value['compile_ms']:9.1f}")
 
-    results.update({"client": metrics, "threshold_curves": curves,
+    results.update({"client": metrics,
+                    "threshold_curves": {name: {"sizes": local["sizes"],
+                                                "local_step_ms": local["step_ms"],
+                                                "ratio_to_local": ratios}
+                                         for name, (local, ratios) in curves.items()},
                     "threshold_ms": thresholds, "scaling_programs_per_s": scale,
                     "compile_ms": {k: v["compile_ms"] for k, v in compile_times.items()}})
     (OUT / "results.json").write_text(json.dumps(results, indent=2))
-    png = plot({name: (curves[ref], curves[name]) for name, ref in pairs.items()},
+    png = plot({name: (local["step_ms"], ratios) for name, (local, ratios) in curves.items()},
                OUT / "dispatch_threshold.png")
     print("\nseconds per stage: " + ", ".join(f"{w} {t:.0f}" for w, t in STAGES),
           file=sys.stderr)

@@ -29,7 +29,7 @@ def percentile(values, q):
 
 
 def main(quick: bool) -> None:
-    reps = 100 if quick else 1000
+    reps = 300 if quick else 1000
     f = jax.jit(lambda a: a + 1)
     x = jax.device_put(np.float32(1))
     f(x).block_until_ready()

@@ -26,6 +26,7 @@ from isthmus.transport.base import Commands
 logger = logging.getLogger(__name__)
 
 PUT_PIECE_BYTES = 8 << 20  # bulk data travels in pieces of this size
+FREE_DELAY = 0.002  # seconds a free waits for other commands to travel with
 
 
 class RemoteWorker:
@@ -40,7 +41,8 @@ class RemoteWorker:
         self._close = close
         self.forming = False  # in a group formation: silence is expected, not a loss
         self._pending: list[Any] = []
-        self._flush_scheduled = False
+        self._flush: asyncio.Handle | None = None  # the scheduled flush, if any
+        self._flush_delayed = False  # it waits for FREE_DELAY (nothing urgent is queued)
         self._held = False  # while the collective group re-forms, commands wait
         self._requests = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
@@ -55,16 +57,25 @@ class RemoteWorker:
 
     # ---- sending -------------------------------------------------------------------------
 
-    def _command(self, command: Any) -> None:
+    def _command(self, command: Any, urgent: bool = True) -> None:
+        """Queues a command for this turn's batch. A command that is not urgent (a free)
+        waits up to FREE_DELAY for company, so it rides with the next batch."""
         if self.lost is not None:
             return
         self._pending.append(command)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+        if self._flush is not None and (not urgent or not self._flush_delayed):
+            return
+        if self._flush is not None:
+            self._flush.cancel()
+        loop = asyncio.get_running_loop()
+        self._flush_delayed = not urgent
+        self._flush = (loop.call_soon(self.flush) if urgent else
+                       loop.call_later(FREE_DELAY, self.flush))
 
     def flush(self) -> None:
-        self._flush_scheduled = False
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         if self._pending and self.lost is None and not self._held:
             batch, self._pending = tuple(self._pending), []
             self._send(m.encode(m.Batch(batch)))
@@ -182,7 +193,7 @@ class RemoteWorker:
         self._command(m.Bitcast(src, dst, np.dtype(dtype).name, tuple(shape)))
 
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
-        self._command(_free(buffer_ids))
+        self._command(_free(buffer_ids), urgent=False)
 
     def compile(self, executable_id: ExecutableId, request: Any) -> Awaitable[Any]:
         number, future = self._request()

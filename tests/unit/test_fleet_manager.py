@@ -10,6 +10,7 @@ from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec
 from isthmus.transport import messages as m
+from isthmus.transport import remote
 from isthmus.transport.remote import RemoteWorker
 
 
@@ -102,4 +103,20 @@ def test_remote_commands_travel_in_one_batch_per_turn():
         worker.on_message(m.Reply(request, error=errors.ExecutionError("boom")))
         with pytest.raises(errors.ExecutionError, match="boom"):
             await ready
+    run(main())
+
+
+def test_a_lone_free_waits_to_ride_with_the_next_command():
+    async def main():
+        frames = []
+        worker = RemoteWorker(0, register(), frames.append, "peer")
+        worker.free([1])
+        await asyncio.sleep(0)
+        assert frames == []  # not worth a frame of its own yet
+        worker.copy(2, 3, 0, None)
+        await asyncio.sleep(0)
+        assert [m.decode(f).commands for f in frames] == [(m.Free((1,)), m.Copy(2, 3, 0, None))]
+        worker.free([4])
+        await asyncio.sleep(remote.FREE_DELAY * 3)
+        assert m.decode(frames[1]).commands == (m.Free((4,)),)  # alone, it still goes out
     run(main())
