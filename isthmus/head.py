@@ -85,6 +85,7 @@ class Head:
 
         config = self.config
         extra_handlers: list[Any] = []
+        self.shared_dir = self._make_shared_dir()
         if config.fleet is None:
             fleet, host = embedded_fleet(config.devices)
             self._hosts.append(host)
@@ -97,10 +98,10 @@ class Head:
             advertise = config.advertise_host or (
                 config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
             self.manager = FleetManager(
-                config.fleet, fleet, ManagerConfig(advertise_host=advertise),
+                config.fleet, fleet,
+                ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir),
                 on_slice_down=controller.poison_slice)
             extra_handlers = FleetServicer(self.manager).handlers()
-        self.shared_dir = self._make_shared_dir()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
             max_host_buffer_bytes=config.max_host_buffer_bytes, shared_dir=self.shared_dir))
         if self.manager is not None:

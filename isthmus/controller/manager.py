@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -51,6 +53,8 @@ class ManagerConfig:
     heartbeat_timeout: float = 4.0  # silence after which a worker counts as lost
     formation_timeout: float = 60.0  # seconds to build a collective group
     advertise_host: str = "127.0.0.1"  # where workers reach this process
+    # A directory for bulk data with workers on this machine (None: every byte streams).
+    shared_dir: str | None = None
 
 
 class FleetManager:
@@ -152,7 +156,23 @@ class FleetManager:
     def welcome(self, channel: RemoteWorker) -> m.Welcome:
         device = self._slot_devices(channel.slot)[0]
         return m.Welcome(channel.slot, device.slice_index, device.host_index,
-                         self.config.heartbeat_interval)
+                         self.config.heartbeat_interval, self._probe(channel))
+
+    def _probe(self, channel: RemoteWorker) -> tuple[str, str] | None:
+        """A file only a worker on this machine can read: its answer (SharedDir) lets bulk
+        data to and from it go through the shared directory instead of the stream."""
+        if self.config.shared_dir is None:
+            return None
+        token = secrets.token_hex(16)
+        path = os.path.join(self.config.shared_dir, f"probe-{channel.slot}-{token[:8]}")
+        try:
+            with open(path, "w") as f:
+                f.write(token)
+        except OSError as e:
+            logger.info("no shared-directory probe for worker %s: %s", channel.slot, e)
+            return None
+        channel.probe = (self.config.shared_dir, path)
+        return path, token
 
     def _free_host(self, slice_index: SliceId) -> int | None:
         for host in range(self.spec.hosts_per_slice):
@@ -288,7 +308,8 @@ class FleetManager:
         for slot, channel in self.fleet.workers.items():
             if isinstance(channel, RemoteWorker):
                 out[str(slot)] = {"host": channel.register.hostname, "pid": channel.register.pid,
-                                  "member": slot in self.members}
+                                  "member": slot in self.members,
+                                  "shared_memory": channel.shared_dir is not None}
         return out
 
 

@@ -486,7 +486,7 @@ class Session:
             wanted: dict[sh.Box, Buffer] = {}
             for buffer, box in zip(array.shards, boxes):
                 wanted.setdefault(box, buffer)
-            pieces = [(box, self.fleet.channel(b.device.worker).fetch(b.id))
+            pieces = [(box, self.fleet.channel(b.device.worker).fetch(b.id, b.nbytes))
                       for box, b in wanted.items()]
             self._spawn(_assemble_host(array, pieces, result))
 

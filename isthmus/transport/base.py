@@ -96,8 +96,9 @@ class WorkerChannel(Protocol):
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
         """Resolves when the buffers are computed; fails with the first one's error."""
 
-    def fetch(self, buffer_id: BufferId) -> Awaitable[np.ndarray]:
-        """Resolves to the host copy of one computed buffer."""
+    def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
+        """Resolves to the host copy of one computed buffer (`nbytes`: its size, as the
+        controller knows it; a channel may pick its path by it)."""
 
     def stats(self) -> dict[str, int]:
         """Live buffers and bytes on the worker."""

@@ -71,6 +71,14 @@ class Reply:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SharedDir:
+    """The worker read the controller's probe file: it shares the directory `path` (it runs on
+    the controller's machine), so bulk data may travel through files there."""
+
+    path: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class FetchHeader:
     """The layout of a fetched buffer; its bytes follow as `Data`, then a `Reply`."""
 
@@ -97,6 +105,9 @@ class Welcome:
     slice_index: int
     host_index: int
     heartbeat_interval: float  # seconds between heartbeats
+    # (file, its contents) in the controller's shared directory: a worker that reads them
+    # there answers with SharedDir. None: the controller has no shared directory.
+    shared_probe: tuple[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,6 +179,31 @@ class PutObjects:
     buffer: int
     device: int
     value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutFile:
+    """A put whose bytes wait in a file of the controller's shared directory (for a worker
+    that answered the probe: it runs on the controller's machine); the worker maps the file,
+    stores the buffer and answers."""
+
+    request: int
+    buffer: int
+    device: int
+    memory_kind: str | None
+    dtype: str
+    shape: tuple[int, ...]
+    path: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchFile:
+    """Write buffer `buffer` into the new file `path` of the controller's shared directory
+    and answer with (dtype name, shape)."""
+
+    request: int
+    buffer: int
+    path: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import mmap
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 PUT_PIECE_BYTES = 8 << 20  # bulk data travels in pieces of this size
 FREE_DELAY = 0.002  # seconds a free waits for other commands to travel with
+SHARED_BYTES = 1 << 20  # with a worker on this machine, data this large goes through files
 
 
 class RemoteWorker:
@@ -50,6 +53,11 @@ class RemoteWorker:
         self.last_seen = time.monotonic()
         self.reported: dict[str, int] = {}
         self.lost: errors.IsthmusError | None = None
+        # (shared directory, probe file) offered in the Welcome; the directory is used once
+        # the worker has shown that it reads it (`shared_dir`).
+        self.probe: tuple[str, str] | None = None
+        self.shared_dir: str | None = None
+        self._files = itertools.count()
 
     @property
     def data_address(self) -> str:
@@ -113,6 +121,10 @@ class RemoteWorker:
         self.last_seen = time.monotonic()
         if isinstance(message, m.Heartbeat):
             self.reported = message.stats
+        elif isinstance(message, m.SharedDir):
+            if self.probe is not None and message.path == self.probe[0]:
+                self.shared_dir = message.path
+                _unlink(self.probe[1])
         elif isinstance(message, m.FetchHeader):
             self._fetches[message.request] = _Incoming(message)
         elif isinstance(message, m.Data):
@@ -151,6 +163,21 @@ class RemoteWorker:
 
     def put(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
             memory_kind: str | None = None) -> Awaitable[None]:
+        if (self.shared_dir is not None and value.dtype != object
+                and value.nbytes >= SHARED_BYTES):
+            path = self._file("put")
+            try:
+                _write(path, value)
+            except OSError as e:
+                logger.warning("writing %s failed (%s); data to worker %s streams from now on",
+                               path, e, self.slot)
+                self.shared_dir = None
+                _unlink(path)
+            else:
+                number, future = self._request()
+                self._command(m.PutFile(number, buffer_id, device_id, memory_kind,
+                                        m.dtype_name(value.dtype), tuple(value.shape), path))
+                return _removing(path, future)
         number, future = self._request()
         if value.dtype == object:
             self._command(m.PutObjects(number, buffer_id, device_id, value))
@@ -228,13 +255,58 @@ class RemoteWorker:
         self._command(m.Ready(number, tuple(buffer_ids)))
         return future
 
-    def fetch(self, buffer_id: BufferId) -> Awaitable[np.ndarray]:
+    def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
         number, future = self._request()
+        if self.shared_dir is not None and nbytes >= SHARED_BYTES:
+            path = self._file("fetch")
+            self._command(m.FetchFile(number, buffer_id, path))
+            return _mapped(path, future)
         self._command(m.Fetch(number, buffer_id))
         return future
 
+    def _file(self, kind: str) -> str:
+        assert self.shared_dir is not None
+        return os.path.join(self.shared_dir, f"{kind}-{self.slot}-{os.getpid()}-"
+                                             f"{next(self._files)}")
+
     def stats(self) -> dict[str, int]:
         return dict(self.reported)
+
+
+def _write(path: str, value: np.ndarray) -> None:
+    """`value`'s bytes (C order) into a new file."""
+    data = np.ascontiguousarray(value)
+    with open(path, "xb") as f:
+        f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+async def _removing(path: str, answer: Awaitable[Any]) -> None:
+    """Waits for the worker's answer to a PutFile; the file goes either way."""
+    try:
+        await answer
+    finally:
+        _unlink(path)
+
+
+async def _mapped(path: str, answer: Awaitable[Any]) -> np.ndarray:
+    """The buffer a worker wrote into `path` for a FetchFile, mapped without a copy."""
+    try:
+        dtype, shape = await answer
+        size = os.path.getsize(path)
+        if size == 0:
+            return np.empty(shape, m.dtype_of(dtype))
+        with open(path, "rb") as f:
+            region = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        return np.frombuffer(region, m.dtype_of(dtype)).reshape(shape)
+    finally:
+        _unlink(path)
 
 
 def _execute(executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],

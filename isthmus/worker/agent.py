@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import mmap
 import os
 import signal
 import socket
@@ -112,6 +113,8 @@ class WorkerAgent:
             await self._link.close()
             return EXIT_REFUSED
         logger.info("joined as slice %s host %s", welcome.slice_index, welcome.host_index)
+        if welcome.shared_probe is not None and _reads(*welcome.shared_probe):
+            self._link.send(m.SharedDir(os.path.dirname(welcome.shared_probe[0])))
         loop = asyncio.get_running_loop()
         heartbeat = loop.create_task(self._heartbeat(welcome.heartbeat_interval))
         reader = loop.create_task(self._read(messages))
@@ -244,6 +247,11 @@ class WorkerAgent:
             self._spawn(c.request, host.ready(c.buffers))
         elif isinstance(c, m.Fetch):
             self._spawn(c.request, self._send_buffer(c.request, host.fetch(c.buffer)))
+        elif isinstance(c, m.PutFile):
+            value = _map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
+            self._spawn(c.request, host.put(c.buffer, c.device, value, c.memory_kind))
+        elif isinstance(c, m.FetchFile):
+            self._spawn(c.request, self._write_buffer(host.fetch(c.buffer), c.path))
         elif isinstance(c, m.Pull):
             self._spawn(c.request, self._pull(host, c))
         else:
@@ -253,6 +261,21 @@ class WorkerAgent:
         info = await host.compile(c.executable, CompileRequest(
             c.module, c.compile_options, c.device_ids, c.replicas))
         return dataclasses.replace(info, param_avals=())
+
+    async def _write_buffer(self, fetched: Any, path: str) -> tuple[str, tuple[int, ...]]:
+        """Writes a fetched buffer into a file of the controller's shared directory."""
+        value = await fetched
+        if value.dtype == object:
+            raise errors.InternalError("string arrays do not travel through files; this is a "
+                                       "bug in isthmus: please report it.")
+        data = np.ascontiguousarray(value)
+
+        def write() -> None:
+            with open(path, "xb") as f:
+                f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
+
+        await asyncio.get_running_loop().run_in_executor(None, write)
+        return m.dtype_name(value.dtype), tuple(value.shape)
 
     async def _send_buffer(self, request: int, fetched: Any) -> Any:
         value = await fetched
@@ -313,6 +336,25 @@ class WorkerAgent:
         if old is not None:
             moved = await asyncio.get_running_loop().run_in_executor(None, new.adopt, old)
             logger.info("moved %s buffers into the new collective group", moved)
+
+
+def _reads(path: str, token: str) -> bool:
+    """The controller's probe file is here with its contents: we share its machine."""
+    try:
+        with open(path) as f:
+            return f.read() == token
+    except OSError:
+        return False
+
+
+def _map_file(path: str) -> np.ndarray:
+    """A file of the controller's shared directory as bytes, mapped copy-on-write (the
+    controller removes the file once the put is answered; the mapping keeps the bytes)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return np.empty(0, np.uint8)
+        return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), np.uint8)
 
 
 def _unpack(commands: tuple[Any, ...]) -> Iterator[Any]:

@@ -287,8 +287,9 @@ class DeviceHost:
             raise errors.from_runtime_error(
                 e, errors.ExecutionError, "the computation producing this array failed") from None
 
-    def fetch(self, buffer_id: BufferId) -> Awaitable[np.ndarray]:
-        """Resolves to the host copy of one buffer, once it is computed."""
+    def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
+        """Resolves to the host copy of one buffer, once it is computed (`nbytes`, the
+        controller's size of it, matters only to channels that choose a path by size)."""
         try:
             value = self._get(buffer_id)
         except errors.IsthmusError as e:

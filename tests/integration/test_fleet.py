@@ -252,3 +252,28 @@ def _alive(pid):
     except OSError:
         return False
 
+
+
+def test_large_arrays_round_trip_through_workers_on_this_machine(server):
+    # Shards of 1 MiB and more travel between controller and a worker on its machine as files
+    # of the shared directory (fleet); the results must not change, and no file may stay.
+    compare("""
+        import jax, jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        rows = NamedSharding(mesh, P("x"))
+        a = np.arange(8 * 512 * 1024, dtype=np.float32).reshape(8 * 512, 1024) / 7
+        x = jax.device_put(a, rows)                     # 2 MiB per shard
+        y = jax.jit(lambda v: jnp.sin(v) * 2 + v[::-1])(x)
+        emit("sharded", np.asarray(y))
+        one = jax.device_put(a[:1024], jax.devices()[5])  # 4 MiB on one device
+        emit("single", np.asarray(one * 3))
+        emit("ints", np.asarray(jax.device_put(np.arange(1 << 19, dtype=np.int64),
+                                               jax.devices()[2])))
+    """, server.address)
+    status = server.status()
+    if server.kind == "fleet":
+        workers = list(status["fleet"].values())
+        assert len(workers) == 4 and all(w["shared_memory"] for w in workers), workers
+    left = [f for f in os.listdir(status["shared_dir"]) if f.startswith(("put-", "fetch-"))]
+    assert left == [], left

@@ -1,6 +1,7 @@
 """The resource manager and the remote channel, driven without sockets or workers."""
 
 import asyncio
+import os
 
 import pytest
 
@@ -8,7 +9,7 @@ from isthmus import errors
 from isthmus.controller.arrays import Buffer
 from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Fleet
-from isthmus.controller.manager import FleetManager, FleetSpec
+from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
 from isthmus.transport import messages as m
 from isthmus.transport import remote
 from isthmus.transport.remote import RemoteWorker
@@ -119,4 +120,21 @@ def test_a_lone_free_waits_to_ride_with_the_next_command():
         worker.free([4])
         await asyncio.sleep(remote.FREE_DELAY * 3)
         assert m.decode(frames[1]).commands == (m.Free((4,)),)  # alone, it still goes out
+    run(main())
+
+
+def test_shared_memory_only_for_a_worker_that_reads_the_probe(tmp_path):
+    async def main():
+        fleet = Fleet([], {})
+        manager = FleetManager(FleetSpec(slices=1, hosts_per_slice=2, devices_per_host=2),
+                               fleet, ManagerConfig(shared_dir=str(tmp_path)))
+        near, far = (manager.register(register(slice_index=0, pid=p), lambda f: None, "peer")
+                     for p in (1, 2))
+        probes = [manager.welcome(w).shared_probe for w in (near, far)]
+        path, token = probes[0]
+        assert open(path).read() == token and probes[1][1] != token
+        far.on_message(m.SharedDir("/somewhere/else"))  # not our directory: keep streaming
+        near.on_message(m.SharedDir(str(tmp_path)))
+        assert near.shared_dir == str(tmp_path) and far.shared_dir is None
+        assert not os.path.exists(path)  # the probe is removed once answered
     run(main())
