@@ -33,6 +33,8 @@ def render(status: dict[str, Any]) -> str:
             process = fleet.get(slot)
             who = (f"{process['host']}:{process['pid']}" if process
                    else ("in-process" if not fleet and reason is None else "no worker"))
+            if process and process.get("shared_memory"):
+                who += ", shared memory"
             lines.append(
                 f"  host {host} ({who}): devices {devices[0]['id']}..{devices[-1]['id']}  "
                 f"arrays: {account.get('buffers', 0)} buffers, "
