@@ -262,6 +262,20 @@ class DeviceHost:
                 "keep a copy (or don't donate it) if you need it again.")
         return value
 
+    def all_ready(self, buffer_ids: Sequence[BufferId]) -> bool:
+        """Every buffer is here, computed and without error (False when in doubt)."""
+        for buffer_id in buffer_ids:
+            value = self._buffers.get(buffer_id)
+            if value is None or isinstance(value, _Failed) or value.is_deleted():
+                return False
+            if not value.is_ready():
+                return False
+            try:
+                value.block_until_ready()  # ready: returns at once, or raises its error
+            except Exception:  # noqa: BLE001 - `ready` reports it
+                return False
+        return True
+
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
         """Resolves when every buffer is computed; fails with the first buffer's error."""
         try:
