@@ -112,12 +112,19 @@ class BufferGroup:
         """Some array still holds the shard at `position`."""
         return self.refs > 0 or bool(self.shard_refs and self.shard_refs.get(position, 0) > 0)
 
-    def first_problem(self) -> errors.IsthmusError | None:
-        """The error a use of the whole group would meet, or None."""
+    def first_error(self) -> errors.IsthmusError | None:
+        """The group's error, or its first shard's own, or None."""
         if self.error is not None:
             return self.error
         if self.errors:
             return self.errors[min(self.errors)]
+        return None
+
+    def first_problem(self) -> errors.IsthmusError | None:
+        """The error a use of the whole group would meet (deleted included), or None."""
+        error = self.first_error()
+        if error is not None:
+            return error
         if self.deleted or self.deleted_at:
             return errors.ArrayDeleted(DELETED)
         return None
@@ -243,6 +250,16 @@ class Array:
         error = self.problem()
         if error is not None:
             raise error
+
+    def consume(self) -> None:
+        """The array's bytes are gone (deleted, or donated to a computation): every use of it,
+        and of any array sharing its shards, reports so."""
+        self.deleted = True
+        if self.group is not None:
+            self.group.deleted = True
+        else:
+            for buffer in self.shards:
+                buffer.deleted = True
 
     @property
     def is_deleted(self) -> bool:

@@ -61,9 +61,14 @@ class Session:
         self._check_memory_kind(devices, sharding.memory_kind)
         nbytes = sh.shard_nbytes(sharding, shape, dtype.itemsize)
         group = self.controller.new_group(devices, nbytes, sharding.memory_kind)
-        group.refs = 1
         if define:
             group.expect()
+        return self._own(dtype, shape, sharding, group)
+
+    def _own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+             group: BufferGroup) -> Array:
+        """The session's array over a new group (its first holder)."""
+        group.refs = 1
         array = Array(dtype, shape, sharding, group)
         self._arrays.add(array)
         return array
@@ -521,17 +526,11 @@ class Session:
             array.deleted = True
 
         def run() -> None:
-            groups, buffers = [], []
             for array in arrays:
-                if array.group is not None:
-                    array.group.deleted = True
-                    groups.append(array.group)
-                else:
-                    for buffer in array.shards:
-                        buffer.deleted = True
-                        buffers.append(buffer)
-            self.controller.free_groups(groups)
-            self.controller.free_buffers(buffers)
+                array.consume()
+            self.controller.free_groups([a.group for a in arrays if a.group is not None])
+            self.controller.free_buffers([b for a in arrays if a.group is None
+                                          for b in a.shards])
             result.set_result(None)
 
         self.dispatcher.submit([], run)
@@ -623,12 +622,7 @@ class Session:
             self.fleet.multicast(executable.workers, "execute", executable.id, tuple(refs),
                                  results, copy_first)
             for index in donated:
-                args[index].deleted = True
-                if args[index].group is not None:
-                    args[index].group.deleted = True  # type: ignore[union-attr]
-                else:
-                    for buffer in args[index].shards:
-                        buffer.deleted = True
+                args[index].consume()
 
         self.dispatcher.submit(dependencies, run)
 
@@ -638,8 +632,8 @@ class Session:
             for out in outputs:
                 group = out.group
                 assert group is not None
-                error = group.error or (group.errors and group.errors[min(group.errors)])
-                if error:
+                error = group.first_error()
+                if error is not None:
                     raise error
                 if group.freed or group.deleted:
                     continue
@@ -691,15 +685,10 @@ class Session:
                 nbytes = sh.shard_nbytes(sharding, aval.shape, aval.dtype.itemsize)
                 specs.append((aval, sharding, nbytes))
             executable.output_specs = specs
-        outputs = []
-        for aval, sharding, nbytes in executable.output_specs:
-            group = self.controller.new_group(executable.devices, nbytes, sharding.memory_kind,
-                                              executable.workers)
-            group.refs = 1
-            array = Array(aval.dtype, aval.shape, sharding, group)
-            self._arrays.add(array)
-            outputs.append(array)
-        return outputs
+        return [self._own(aval.dtype, aval.shape, sharding,
+                          self.controller.new_group(executable.devices, nbytes,
+                                                    sharding.memory_kind, executable.workers))
+                for aval, sharding, nbytes in executable.output_specs]
 
     # ---- lifecycle -----------------------------------------------------------------------
 
