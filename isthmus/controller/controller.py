@@ -54,7 +54,7 @@ class Executable:
         for position, device in enumerate(devices):
             parts.setdefault(device.worker, []).append(position)
         self.parts = {w: tuple(p) for w, p in parts.items()}
-        self.workers = tuple(self.parts)  # where the program's commands go
+        self.workers = tuple(self.parts)  # where its commands go (the controller interns it)
         self.output_specs: list | None = None  # per output, worked out at the first Execute
         self.compiled: asyncio.Future[CompiledInfo] | None = None
         self.info: CompiledInfo | None = None
@@ -68,7 +68,7 @@ class Controller:
     def __init__(self, fleet: Fleet, config: ControllerConfig | None = None) -> None:
         self.fleet = fleet
         self.config = config or ControllerConfig()
-        self._buffer_ids = itertools.count(1)
+        self._next_buffer_id = 1
         self._executable_ids = itertools.count(1)
         self._live: dict[BufferId, BufferGroup] = {}  # by base id
         self._executables: dict[bytes, Executable] = {}
@@ -81,11 +81,10 @@ class Controller:
                   memory_kind: str | None = None,
                   workers: tuple[WorkerId, ...] | None = None) -> BufferGroup:
         """Names a buffer on each device: ids `base .. base + len(devices) - 1`."""
-        base = next(self._buffer_ids)
-        if len(devices) > 1:
-            self._buffer_ids = itertools.count(base + len(devices))
+        base = self._next_buffer_id
+        self._next_buffer_id += len(devices)
         if workers is None:
-            workers = tuple(dict.fromkeys(d.worker for d in devices))
+            workers = self.fleet.worker_set(d.worker for d in devices)
         group = BufferGroup(base, devices, workers, nbytes, memory_kind)
         self._live[BufferId(base)] = group
         return group
@@ -176,6 +175,7 @@ class Controller:
         if down is not None:
             raise down
         executable = Executable(ExecutableId(next(self._executable_ids)), key, devices, request)
+        executable.workers = self.fleet.worker_set(executable.parts)
         executable.refs = 1
         self._executables[key] = executable
         executable.compiled = asyncio.get_running_loop().create_task(

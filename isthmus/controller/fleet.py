@@ -56,7 +56,10 @@ class Fleet:
         # Slots whose workers are in the current collective group (None: every worker, as in
         # the embedded backend). A registered worker gets work only once it is a member.
         self._members: set[WorkerId] | None = None
-        # workers tuple id -> (that tuple, its channels' `deliver`); cleared on any change.
+        # One tuple object per distinct set of workers (`worker_set`), so that commands for
+        # the same workers can be recognised by identity and routes stay few.
+        self._worker_sets: dict[tuple[WorkerId, ...], tuple[WorkerId, ...]] = {}
+        # worker set id -> (that set, its channels' `deliver`); cleared on any change.
         self._routes: dict[int, tuple[tuple[WorkerId, ...], list[Any]]] = {}
         self._down: dict[SliceId, errors.IsthmusError] = {}
         # Commands for several workers, this event-loop turn, in order. Consecutive ones for
@@ -120,12 +123,18 @@ class Fleet:
             return LostChannel(self.slice_error_of(worker))
         return channel
 
+    def worker_set(self, workers: Iterable[WorkerId]) -> tuple[WorkerId, ...]:
+        """The canonical tuple of these workers (first-seen order, each once): the same
+        object for the same workers, as `multicast` wants."""
+        key = tuple(dict.fromkeys(workers))
+        return self._worker_sets.setdefault(key, key)
+
     def multicast(self, workers: tuple[WorkerId, ...], name: str, *args: Any) -> None:
         """Sends one fire-and-forget command (a WorkerChannel method) to several workers.
 
         The cost per worker is paid once per hand-out, not once per command: consecutive
-        commands for the same workers (`workers` must be the same tuple object: the program's
-        or the group's) share one record. Commands go out at the end of the event-loop turn;
+        commands for the same workers (`workers` from `worker_set`, so the same workers are
+        the same object) share one record. Commands go out at the end of the event-loop turn;
         when the last hand-out was expensive (a large fleet), the next waits as long as that
         one took, so that at most about half of the controller's time goes to fanning out
         and a burst of programs shares one hand-out. Any single-worker command, and every
