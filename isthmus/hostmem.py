@@ -1,8 +1,9 @@
-"""Host memory for bulk data."""
+"""Host memory for bulk data: aligned buffers, byte views, files of the shared directory."""
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 
@@ -24,3 +25,24 @@ def aligned_empty(size: int, alignment: int = 64) -> np.ndarray:
     raw = np.empty(size + alignment, np.uint8)
     offset = (-raw.ctypes.data) % alignment
     return raw[offset:offset + size]
+
+
+def byte_view(value: np.ndarray) -> np.ndarray:
+    """`value`'s bytes in C order as a flat uint8 array (a copy only when it is strided)."""
+    return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+
+
+def write_file(path: str, value: np.ndarray) -> None:
+    """`value`'s bytes (C order) into a new file; an existing one is an error."""
+    with open(path, "xb") as f:
+        f.write(memoryview(byte_view(value)))
+
+
+def map_file(path: str) -> np.ndarray:
+    """A file's bytes as a flat uint8 array, mapped copy-on-write (no copy is made; the
+    mapping keeps the bytes when the file is removed)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return np.empty(0, np.uint8)
+        return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), np.uint8)

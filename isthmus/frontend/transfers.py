@@ -15,6 +15,7 @@ import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.frontend.registry import handles
+from isthmus.hostmem import byte_view
 
 
 def decode_host_array(session: Any, data: memoryview, dtype: dtypes.DType,
@@ -71,7 +72,7 @@ def encode_host_array(session: Any, value: np.ndarray, dtype: dtypes.DType,
     if value.dtype != dtype.numpy:
         value = value.astype(dtype.numpy)
     if byte_strides is None or tuple(byte_strides) == _c_strides(value.shape, dtype.itemsize):
-        return memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+        return memoryview(byte_view(value))
     if len(byte_strides) != value.ndim or any(s < 0 for s in byte_strides):
         raise errors.InvalidRequest(
             f"byte_strides {list(byte_strides)} do not fit an array of shape {value.shape}.")

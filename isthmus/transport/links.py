@@ -16,6 +16,7 @@ import grpc.aio
 import numpy as np
 
 from isthmus import errors
+from isthmus.hostmem import byte_view
 from isthmus.transport import messages as m
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class PeerDataServer:
         if value.dtype == object:
             yield m.encode({"objects": value})
             return
-        flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        flat = byte_view(value)
         yield m.encode({"dtype": m.dtype_name(value.dtype), "shape": value.shape,
                         "nbytes": flat.nbytes})
         for start in range(0, flat.nbytes, PIECE_BYTES):

@@ -16,6 +16,7 @@ import pickle
 from typing import Any
 
 PROTOCOL_VERSION = 2  # bump when a message changes shape
+PIECE_BYTES = 8 << 20  # bulk data on a worker's stream travels in pieces of this size
 
 
 def encode(message: Any) -> bytes:

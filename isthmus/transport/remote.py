@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import mmap
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -21,13 +20,13 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
+from isthmus.hostmem import byte_view, map_file, write_file
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
 
 logger = logging.getLogger(__name__)
 
-PUT_PIECE_BYTES = 8 << 20  # bulk data travels in pieces of this size
 FREE_DELAY = 0.002  # seconds a free waits for other commands to travel with
 SHARED_BYTES = 1 << 20  # with a worker on this machine, data this large goes through files
 
@@ -44,12 +43,12 @@ class RemoteWorker:
         self._close = close
         self.forming = False  # in a group formation: silence is expected, not a loss
         self._pending: list[Any] = []
-        self._flush: asyncio.Handle | None = None  # the scheduled flush, if any
-        self._flush_delayed = False  # it waits for FREE_DELAY (nothing urgent is queued)
+        # The scheduled flush, if any: a TimerHandle while only frees wait (FREE_DELAY).
+        self._flush: asyncio.Handle | None = None
         self._held = False  # while the collective group re-forms, commands wait
         self._requests = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._fetches: dict[int, np.ndarray] = {}
+        self._fetches: dict[int, _Incoming] = {}
         self.last_seen = time.monotonic()
         self.reported: dict[str, int] = {}
         self.lost: errors.IsthmusError | None = None
@@ -71,12 +70,11 @@ class RemoteWorker:
         if self.lost is not None:
             return
         self._pending.append(command)
-        if self._flush is not None and (not urgent or not self._flush_delayed):
-            return
         if self._flush is not None:
+            if not urgent or not isinstance(self._flush, asyncio.TimerHandle):
+                return  # what is scheduled is soon enough
             self._flush.cancel()
         loop = asyncio.get_running_loop()
-        self._flush_delayed = not urgent
         self._flush = (loop.call_soon(self.flush) if urgent else
                        loop.call_later(FREE_DELAY, self.flush))
 
@@ -151,6 +149,8 @@ class RemoteWorker:
         if self.lost is None:
             self.lost = error
             self._close()
+            if self.probe is not None and self.shared_dir is None:
+                _unlink(self.probe[1])  # never answered (another machine): not needed now
         self._pending.clear()
         waiting, self._waiting = self._waiting, {}
         for future in waiting.values():
@@ -167,7 +167,7 @@ class RemoteWorker:
                 and value.nbytes >= SHARED_BYTES):
             path = self._file("put")
             try:
-                _write(path, value)
+                write_file(path, value)
             except OSError as e:
                 logger.warning("writing %s failed (%s); data to worker %s streams from now on",
                                path, e, self.slot)
@@ -182,13 +182,12 @@ class RemoteWorker:
         if value.dtype == object:
             self._command(m.PutObjects(number, buffer_id, device_id, value))
             return future
-        data = np.ascontiguousarray(value)
-        raw = memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
-        self._command(m.PutBegin(buffer_id, device_id, memory_kind, m.dtype_name(data.dtype),
+        raw = memoryview(byte_view(value))
+        self._command(m.PutBegin(buffer_id, device_id, memory_kind, m.dtype_name(value.dtype),
                                  tuple(value.shape), len(raw)))
         offset = 0
         while True:
-            piece = raw[offset:offset + PUT_PIECE_BYTES]
+            piece = raw[offset:offset + m.PIECE_BYTES]
             last = offset + len(piece) >= len(raw)
             self._command(m.PutData(number, buffer_id, offset, bytes(piece), last))
             offset += len(piece)
@@ -273,13 +272,6 @@ class RemoteWorker:
         return dict(self.reported)
 
 
-def _write(path: str, value: np.ndarray) -> None:
-    """`value`'s bytes (C order) into a new file."""
-    data = np.ascontiguousarray(value)
-    with open(path, "xb") as f:
-        f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
-
-
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -299,12 +291,7 @@ async def _mapped(path: str, answer: Awaitable[Any]) -> np.ndarray:
     """The buffer a worker wrote into `path` for a FetchFile, mapped without a copy."""
     try:
         dtype, shape = await answer
-        size = os.path.getsize(path)
-        if size == 0:
-            return np.empty(shape, m.dtype_of(dtype))
-        with open(path, "rb") as f:
-            region = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-        return np.frombuffer(region, m.dtype_of(dtype)).reshape(shape)
+        return map_file(path).view(m.dtype_of(dtype)).reshape(shape)
     finally:
         _unlink(path)
 

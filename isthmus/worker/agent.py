@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import mmap
 import os
 import signal
 import socket
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import aligned_empty
+from isthmus.hostmem import aligned_empty, byte_view, map_file, write_file
 from isthmus.transport import messages as m
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer
 from isthmus.worker.host import DeviceHost, make_cpu_client
@@ -251,7 +250,7 @@ class WorkerAgent:
         elif isinstance(c, m.Fetch):
             self._spawn(c.request, self._send_buffer(c.request, host.fetch(c.buffer)))
         elif isinstance(c, m.PutFile):
-            value = _map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
+            value = map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
             self._spawn(c.request, host.put(c.buffer, c.device, value, c.memory_kind))
         elif isinstance(c, m.FetchFile):
             self._spawn(c.request, self._write_buffer(host.fetch(c.buffer), c.path))
@@ -271,24 +270,18 @@ class WorkerAgent:
         if value.dtype == object:
             raise errors.InternalError("string arrays do not travel through files; this is a "
                                        "bug in isthmus: please report it.")
-        data = np.ascontiguousarray(value)
-
-        def write() -> None:
-            with open(path, "xb") as f:
-                f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
-
-        await asyncio.get_running_loop().run_in_executor(None, write)
+        await asyncio.get_running_loop().run_in_executor(None, write_file, path, value)
         return m.dtype_name(value.dtype), tuple(value.shape)
 
     async def _send_buffer(self, request: int, fetched: Any) -> Any:
         value = await fetched
         if value.dtype == object:
             return value
-        flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        flat = byte_view(value)
         self._link.send(m.FetchHeader(request, m.dtype_name(value.dtype), value.shape,
                                       flat.nbytes))
-        for start in range(0, flat.nbytes, 8 << 20):
-            self._link.send(m.Data(request, start, flat[start:start + (8 << 20)].tobytes()))
+        for start in range(0, flat.nbytes, m.PIECE_BYTES):
+            self._link.send(m.Data(request, start, flat[start:start + m.PIECE_BYTES].tobytes()))
         return None
 
     async def _pull(self, host: DeviceHost, c: m.Pull) -> None:
@@ -348,16 +341,6 @@ def _reads(path: str, token: str) -> bool:
             return f.read() == token
     except OSError:
         return False
-
-
-def _map_file(path: str) -> np.ndarray:
-    """A file of the controller's shared directory as bytes, mapped copy-on-write (the
-    controller removes the file once the put is answered; the mapping keeps the bytes)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return np.empty(0, np.uint8)
-        return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), np.uint8)
 
 
 def _unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
