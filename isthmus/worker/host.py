@@ -263,17 +263,16 @@ class DeviceHost:
         return value
 
     def all_ready(self, buffer_ids: Sequence[BufferId]) -> bool:
-        """Every buffer is here, computed and without error (False when in doubt)."""
-        for buffer_id in buffer_ids:
-            value = self._buffers.get(buffer_id)
-            if value is None or isinstance(value, _Failed) or value.is_deleted():
-                return False
-            if not value.is_ready():
-                return False
-            try:
+        """Every buffer is here, computed and without error (False when in doubt: `ready`
+        then reports whatever is wrong)."""
+        try:
+            values = [self._get(b) for b in buffer_ids]
+            for value in values:
+                if not value.is_ready():
+                    return False
                 value.block_until_ready()  # ready: returns at once, or raises its error
-            except Exception:  # noqa: BLE001 - `ready` reports it
-                return False
+        except Exception:  # noqa: BLE001
+            return False
         return True
 
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
