@@ -36,6 +36,10 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-launch", action="store_true",
                         help="do not start the workers here; wait for `isthmus worker` "
                              "processes started elsewhere to register")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="do not restart a launched worker that dies (by default it is "
+                             "restarted with a backoff of 0.5 s doubling to 8 s, at most 10 "
+                             "times in a row)")
     parser.add_argument("--advertise-host", default=None,
                         help="the address workers use to reach this server (default: --host)")
     parser.add_argument("--fleet-timeout", type=float, default=180.0,
@@ -57,6 +61,7 @@ def _head_config(args: argparse.Namespace) -> object:
     from isthmus.controller.controller import ControllerConfig
     from isthmus.controller.manager import FleetSpec
     from isthmus.head import HeadConfig
+    from isthmus.launch import RestartPolicy
 
     fleet_flags = (args.slices, args.hosts_per_slice, args.devices_per_host)
     if args.devices is not None and any(f is not None for f in fleet_flags):
@@ -71,6 +76,7 @@ def _head_config(args: argparse.Namespace) -> object:
     return HeadConfig(
         host=args.host, port=args.port, devices=args.devices or 8, fleet=fleet,
         launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
+        restart=RestartPolicy(enabled=not args.no_restart),
         advertise_host=args.advertise_host,
         shared_dir=None if args.shared_dir == "none" else args.shared_dir,
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,

@@ -16,6 +16,7 @@ from isthmus.controller.controller import Controller, ControllerConfig
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
 from isthmus.ids import DeviceId, SliceId, WorkerId
+from isthmus.launch import RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class HeadConfig:
     devices: int = 8  # CPU devices of the embedded backend (when fleet is None)
     fleet: FleetSpec | None = None  # serve a fleet of worker processes instead
     launch_workers: bool = True  # start the fleet's workers on this machine
+    restart: RestartPolicy = RestartPolicy()  # restarting launched workers that die
     fleet_timeout: float = 180.0  # seconds to wait for the fleet to be complete
     advertise_host: str | None = None  # where workers reach this process (default: host)
     controller: ControllerConfig = ControllerConfig()
@@ -117,9 +119,10 @@ class Head:
 
                 self.launcher = LocalLauncher(self.address.removeprefix("grpc://"),
                                               spec.slices, spec.hosts_per_slice,
-                                              spec.devices_per_host)
-                self.launcher.start()
+                                              spec.devices_per_host, restart=config.restart)
             try:
+                if self.launcher is not None:
+                    self.launcher.start()
                 await self.manager.wait_complete(config.fleet_timeout)
             except BaseException:
                 await self.stop()
@@ -147,6 +150,9 @@ class Head:
                     str(SHARED_TRANSFER_THRESHOLD)}
 
     async def stop(self, grace: float = 2.0) -> None:
+        if self.launcher is not None:
+            # Before the workers are told to shut down: their exits are no failures.
+            self.launcher.stop_restarting()
         if self.manager is not None:
             await self.manager.stop()
         if self.server is not None:

@@ -1,11 +1,19 @@
-"""Starting worker processes on this machine (`isthmus up` with a local fleet).
+"""Starting worker processes on this machine (`isthmus up` with a local fleet), and starting
+them again when they die.
 
 The workers are the same program that Slurm or Kubernetes would start (`isthmus worker`),
 with `--exit-with-parent` so that they never outlive the controller that launched them.
+A restarted worker runs the same command: it takes the free host slot of its slice (the one
+its predecessor left), so its devices keep their ids.
+
+A daemon thread (the watcher) polls the processes; the head's event loop never waits on it.
+The restart decisions themselves are plain functions of `RestartPolicy`, testable without
+processes; `LocalLauncher.command` is the seam that lets tests launch anything else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -13,47 +21,227 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 logger = logging.getLogger(__name__)
 
+# Inherited settings that would point a worker's jax somewhere other than its own devices.
+_DROPPED_ENVIRONMENT = ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "XLA_FLAGS")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """When the launcher starts a dead worker again.
+
+    Restart n (1-based) of a slot waits `min(initial_backoff * 2**(n-1), max_backoff)` s. A
+    worker that lived `reset_after` s starts the count (and so the backoff) afresh: only
+    restarts in quick succession count against `max_restarts`.
+    """
+
+    enabled: bool = True  # False: a worker that dies stays dead (`--no-restart`)
+    max_restarts: int = 10  # restarts in a row per slot; past them the slot stays down
+    initial_backoff: float = 0.5  # seconds before the first restart
+    max_backoff: float = 8.0  # the backoff doubles up to this many seconds
+    reset_after: float = 60.0  # seconds a worker must live to reset count and backoff
+    poll_interval: float = 0.2  # seconds between two looks at the processes
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be 0 or more, not {self.max_restarts}")
+        if not 0 <= self.initial_backoff <= self.max_backoff:
+            raise ValueError(
+                f"backoff must satisfy 0 <= initial_backoff ({self.initial_backoff}) <= "
+                f"max_backoff ({self.max_backoff})")
+        if self.poll_interval <= 0:
+            raise ValueError(f"poll_interval must be positive, not {self.poll_interval}")
+
+    def attempt(self, restarts: int, lived: float) -> int:
+        """The number of the restart that follows an exit, after `restarts` in a row and a
+        worker that ran `lived` seconds."""
+        return 1 if lived >= self.reset_after else restarts + 1
+
+    def delay(self, attempt: int) -> float | None:
+        """Seconds to wait before restart `attempt`; None: none (off, or past the limit)."""
+        if not self.enabled or attempt > self.max_restarts:
+            return None
+        return min(self.initial_backoff * 2.0 ** (attempt - 1), self.max_backoff)
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerSlot:
+    """One worker the launcher keeps running, and its restart history.
+
+    Invariant: `process` is None exactly while the slot waits for `restart_at` or, with
+    `restart_at` also None, has been given up (or the launcher has stopped).
+    """
+
+    slice_index: int  # the slice its worker joins (`--slice`)
+    host: int  # the launcher's count within the slice (the controller picks the host slot)
+    log_path: pathlib.Path  # the worker's output, appended to by every restart
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0  # time.monotonic() of the last start
+    restarts: int = 0  # restarts in a row (see RestartPolicy.attempt)
+    restart_at: float | None = None  # time.monotonic() of the next start, when one is due
+
+
+def describe_exit(code: int) -> str:
+    """`exit code 3` or `signal SIGKILL`, from a Popen return code."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
 
 class LocalLauncher:
-    """Starts and stops `isthmus worker` subprocesses."""
+    """Starts `isthmus worker` subprocesses, restarts those that die, and stops them all.
+
+    Invariant: once `stop_restarting` (or `stop`) has returned, no process is started any
+    more; every start happens under `_lock` after checking `_restarting`.
+    """
 
     def __init__(self, controller: str, slices: int, hosts_per_slice: int,
-                 devices_per_host: int, log_dir: str | None = None) -> None:
+                 devices_per_host: int, log_dir: str | None = None,
+                 restart: RestartPolicy = RestartPolicy()) -> None:
         self.controller = controller
         self.slices = slices
         self.hosts_per_slice = hosts_per_slice
         self.devices_per_host = devices_per_host
+        self.restart = restart
         self.log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="isthmus-workers-"))
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.slots: list[WorkerSlot] = []
+        self._env: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._restarting = False
+        self._done = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def command(self, slice_index: int) -> list[str]:
+        """The command line of a worker for `slice_index` (tests override it)."""
         return [sys.executable, "-m", "isthmus.cli", "worker", "--controller", self.controller,
                 "--slice", str(slice_index), "--devices", str(self.devices_per_host),
                 "--exit-with-parent"]
 
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        """The worker processes started last in each slot (running or not yet noticed dead)."""
+        with self._lock:
+            return [s.process for s in self.slots if s.process is not None]
+
     def start(self) -> None:
+        if self.slots:
+            raise RuntimeError("this launcher has started its workers already; make a new one")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "XLA_FLAGS")}
-        for slice_index in range(self.slices):
-            for host in range(self.hosts_per_slice):
-                log = open(self.log_dir / f"worker-s{slice_index}-h{host}.log", "ab")
-                self.processes.append(subprocess.Popen(
-                    self.command(slice_index), stdout=log, stderr=subprocess.STDOUT, env=env))
-                log.close()
-        logger.info("started %d workers; logs in %s", len(self.processes), self.log_dir)
+        self._env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENVIRONMENT}
+        with self._lock:
+            for slice_index in range(self.slices):
+                for host in range(self.hosts_per_slice):
+                    slot = WorkerSlot(slice_index, host,
+                                      self.log_dir / f"worker-s{slice_index}-h{host}.log")
+                    self.slots.append(slot)
+                    self._spawn(slot)
+            self._restarting = self.restart.enabled
+        logger.info("started %d workers; logs in %s", len(self.slots), self.log_dir)
+        if self.restart.enabled:
+            self._watcher = threading.Thread(target=self._watch, name="isthmus-launcher",
+                                             daemon=True)
+            self._watcher.start()
+
+    def stop_restarting(self) -> None:
+        """From now on a worker that exits stays down (the head calls this before it tells
+        the workers to shut down, so that their exits are not taken for failures)."""
+        with self._lock:
+            self._restarting = False
 
     def stop(self, timeout: float = 10.0) -> None:
-        for process in self.processes:
+        """Stops restarting, then the workers: SIGTERM, and SIGKILL for those still running
+        after `timeout` s. Returns once none is left."""
+        self.stop_restarting()
+        processes = self.processes
+        for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in self.processes:
+        deadline = time.monotonic() + timeout
+        for process in processes:
             try:
-                process.wait(timeout)
+                process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                logger.warning("worker %s ignored SIGTERM for %g s; killing it", process.pid,
+                               timeout)
                 process.kill()
                 process.wait(timeout)
-        self.processes.clear()
+        # The watcher ends only now: a worker started by it dies with it (PR_SET_PDEATHSIG
+        # follows the thread that forked the worker), and these are all dead already.
+        self._done.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout)
+            self._watcher = None
+        with self._lock:
+            for slot in self.slots:
+                slot.process = None
+                slot.restart_at = None
+
+    # ---- the watcher ---------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.restart.poll_interval):
+            with self._lock:
+                if not self._restarting:
+                    continue
+                for slot in self.slots:
+                    try:
+                        self._tend(slot, time.monotonic())
+                    except Exception:  # noqa: BLE001 - the watcher must outlive any one slot
+                        logger.exception("watching the worker of slice %s host %s failed",
+                                         slot.slice_index, slot.host)
+
+    def _tend(self, slot: WorkerSlot, now: float) -> None:
+        """Notices an exit and schedules a restart, or starts a restart that is due."""
+        if slot.process is not None:
+            code = slot.process.poll()
+            if code is not None:
+                pid, slot.process = slot.process.pid, None
+                self._exited(slot, now, f"worker {pid} ended with {describe_exit(code)} "
+                                        f"after {now - slot.started_at:.1f} s")
+        elif slot.restart_at is not None and now >= slot.restart_at:
+            slot.restart_at = None
+            self._spawn(slot)
+
+    def _exited(self, slot: WorkerSlot, now: float, how: str) -> None:
+        attempt = self.restart.attempt(slot.restarts, now - slot.started_at)
+        delay = self.restart.delay(attempt)
+        if delay is None:
+            logger.error(
+                "%s (slice %s, host %s) and was restarted %d times in a row; the slot stays "
+                "down. Read %s, then start a worker by hand: isthmus worker --controller %s "
+                "--slice %s --devices %s", how, slot.slice_index, slot.host, slot.restarts,
+                slot.log_path, self.controller, slot.slice_index, self.devices_per_host)
+            return
+        slot.restarts = attempt
+        slot.restart_at = now + delay
+        logger.warning("%s (slice %s, host %s); restarting it in %.1f s (attempt %d of %d); "
+                       "its log: %s", how, slot.slice_index, slot.host, delay, attempt,
+                       self.restart.max_restarts, slot.log_path)
+
+    def _spawn(self, slot: WorkerSlot) -> None:
+        """Starts the slot's worker, appending to its log. Call with `_lock` held."""
+        with open(slot.log_path, "ab") as log:
+            if slot.restarts:
+                log.write(f"--- isthmus launcher: restart {slot.restarts} of "
+                          f"{self.restart.max_restarts} ---\n".encode())
+                log.flush()
+            slot.started_at = time.monotonic()
+            try:
+                slot.process = subprocess.Popen(
+                    self.command(slot.slice_index), stdout=log, stderr=subprocess.STDOUT,
+                    env=self._env)
+            except OSError as e:
+                if not self._restarting:  # the first start: the caller hears of it
+                    raise
+                self._exited(slot, slot.started_at, f"starting a worker failed: {e}")
+                return
+        if slot.restarts:
+            logger.info("restarted the worker of slice %s host %s as pid %s",
+                        slot.slice_index, slot.host, slot.process.pid)

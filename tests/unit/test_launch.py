@@ -1,0 +1,203 @@
+"""The local launcher's restarts, driven with stand-in commands instead of workers (no
+controller, no sockets)."""
+
+import logging
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from isthmus.cli import _head_config, build_parser
+from isthmus.launch import LocalLauncher, RestartPolicy, describe_exit
+
+# Each start appends "<monotonic time> <pid>" to the file named by its first argument.
+RECORD = ("import os, sys, time\n"
+          "open(sys.argv[1], 'a').write(f'{time.monotonic()} {os.getpid()}\\n')\n")
+FAIL = RECORD + "print('failing', flush=True); sys.exit(3)\n"
+LIVE = RECORD + "time.sleep(60)\n"
+STUBBORN = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            + RECORD + "time.sleep(60)\n")
+FAST = dict(initial_backoff=0.05, max_backoff=0.2, poll_interval=0.02)
+
+
+class FakeLauncher(LocalLauncher):
+    """Runs `script` (with its record file as argument) in place of `isthmus worker`."""
+
+    def __init__(self, tmp_path, script, policy, slices=1, hosts=1):
+        super().__init__("127.0.0.1:1", slices, hosts, 2, log_dir=str(tmp_path / "logs"),
+                         restart=policy)
+        self.script = script
+        self.tmp_path = tmp_path
+
+    def record(self, slice_index):
+        return self.tmp_path / f"starts-{slice_index}"
+
+    def command(self, slice_index):
+        return [sys.executable, "-S", "-c", self.script, str(self.record(slice_index))]
+
+    def starts(self, slice_index=0):
+        """(time, pid) of each start of a slice's workers, in order."""
+        try:
+            lines = self.record(slice_index).read_text().split()
+        except FileNotFoundError:
+            return []
+        return [(float(t), int(p)) for t, p in zip(lines[::2], lines[1::2])]
+
+
+def wait_for(condition, timeout=10.0, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.02)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def launched():
+    made = []
+    yield made.append
+    for launcher in made:
+        launcher.stop(timeout=2.0)
+
+
+def messages(caplog, level):
+    return [r.getMessage() for r in caplog.records
+            if r.name == "isthmus.launch" and r.levelno == level]
+
+
+def test_backoff_doubles_up_to_its_cap_and_ends_at_the_limit():
+    policy = RestartPolicy()
+    assert [policy.delay(n) for n in range(1, 11)] == [0.5, 1, 2, 4, 8, 8, 8, 8, 8, 8]
+    assert policy.delay(11) is None
+    assert policy.attempt(restarts=4, lived=3.0) == 5
+    assert policy.attempt(restarts=10, lived=60.0) == 1  # lived long enough: afresh
+    assert RestartPolicy(enabled=False).delay(1) is None
+    assert RestartPolicy(max_restarts=0).delay(1) is None
+
+
+@pytest.mark.parametrize("bad", [dict(max_restarts=-1), dict(initial_backoff=-1.0),
+                                 dict(initial_backoff=9.0, max_backoff=8.0),
+                                 dict(poll_interval=0.0)])
+def test_a_policy_refuses_impossible_values(bad):
+    with pytest.raises(ValueError):
+        RestartPolicy(**bad)
+
+
+def test_exits_are_described_by_code_or_signal():
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
+
+
+def test_a_dying_worker_is_restarted_with_backoff_until_the_limit(tmp_path, launched, caplog):
+    caplog.set_level(logging.INFO, logger="isthmus.launch")
+    launcher = FakeLauncher(tmp_path, FAIL, RestartPolicy(max_restarts=3, **FAST))
+    launched(launcher)
+    launcher.start()
+    wait_for(lambda: messages(caplog, logging.ERROR), what="giving up the slot")
+    time.sleep(0.3)  # nothing more may start
+    starts = launcher.starts()
+    assert len(starts) == 4, starts  # the first start and 3 restarts
+    assert len({pid for _, pid in starts}) == 4
+    gaps = [b[0] - a[0] for a, b in zip(starts, starts[1:])]
+    for gap, backoff in zip(gaps, [0.05, 0.1, 0.2]):
+        assert gap >= backoff, (gaps, "a restart came before its backoff")
+    warnings = messages(caplog, logging.WARNING)
+    assert len(warnings) == 3, warnings
+    for attempt, line in enumerate(warnings, 1):
+        assert "(slice 0, host 0)" in line and "exit code 3" in line, line
+        assert f"attempt {attempt} of 3" in line, line
+    [error] = messages(caplog, logging.ERROR)
+    assert "stays down" in error and "isthmus worker --controller 127.0.0.1:1 --slice 0 " \
+        "--devices 2" in error, error
+    log = (tmp_path / "logs" / "worker-s0-h0.log").read_text()
+    assert log.count("failing") == 4 and "restart 3 of 3" in log, log  # one file, appended
+    assert launcher.processes == []
+
+
+def test_a_worker_that_lived_long_enough_starts_the_count_afresh(tmp_path, launched, caplog):
+    caplog.set_level(logging.WARNING, logger="isthmus.launch")
+    script = RECORD + "time.sleep(0.3); sys.exit(1)\n"
+    launcher = FakeLauncher(tmp_path, script, RestartPolicy(
+        max_restarts=1, reset_after=0.2, **FAST))
+    launched(launcher)
+    launcher.start()
+    wait_for(lambda: len(launcher.starts()) >= 3, what="two restarts")
+    warnings = messages(caplog, logging.WARNING)
+    assert len(warnings) >= 2 and all("attempt 1 of 1" in w for w in warnings), warnings
+    assert not messages(caplog, logging.ERROR)
+
+
+def test_a_killed_worker_is_replaced_and_stop_leaves_no_process(tmp_path, launched, caplog):
+    caplog.set_level(logging.WARNING, logger="isthmus.launch")
+    launcher = FakeLauncher(tmp_path, LIVE, RestartPolicy(**FAST), slices=2, hosts=2)
+    launched(launcher)
+    launcher.start()
+    wait_for(lambda: len(launcher.starts(0)) == 2 and len(launcher.starts(1)) == 2,
+             what="four starts")
+    victim = launcher.starts(1)[0][1]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(launcher.starts(1)) == 3, what="the restart of slice 1")
+    [warning] = messages(caplog, logging.WARNING)
+    assert f"worker {victim} ended with signal SIGKILL" in warning, warning
+    assert "(slice 1, host " in warning and "attempt 1 of 10" in warning, warning
+    pids = [pid for s in (0, 1) for _, pid in launcher.starts(s)]
+    launcher.stop(timeout=2.0)
+    assert not any(alive(pid) for pid in pids)
+    time.sleep(0.2)  # ten polls: no restart after stop
+    assert len(launcher.starts(0)) + len(launcher.starts(1)) == 5
+    assert launcher.processes == []
+
+
+def test_stop_kills_a_worker_that_ignores_sigterm(tmp_path, launched):
+    launcher = FakeLauncher(tmp_path, STUBBORN, RestartPolicy(**FAST))
+    launched(launcher)
+    launcher.start()
+    wait_for(lambda: launcher.starts(), what="the start")
+    [(_, pid)] = launcher.starts()
+    began = time.monotonic()
+    launcher.stop(timeout=0.5)
+    assert 0.5 <= time.monotonic() - began < 5.0
+    assert not alive(pid)
+    assert len(launcher.starts()) == 1
+
+
+def test_after_stop_restarting_an_exit_is_final(tmp_path, launched):
+    launcher = FakeLauncher(tmp_path, LIVE, RestartPolicy(**FAST))
+    launched(launcher)
+    launcher.start()
+    wait_for(lambda: launcher.starts(), what="the start")
+    launcher.stop_restarting()
+    os.kill(launcher.starts()[0][1], signal.SIGTERM)
+    time.sleep(0.3)
+    assert len(launcher.starts()) == 1
+
+
+def test_without_restarts_a_dead_worker_stays_dead(tmp_path, launched):
+    launcher = FakeLauncher(tmp_path, FAIL, RestartPolicy(enabled=False, **FAST))
+    launched(launcher)
+    launcher.start()
+    wait_for(lambda: launcher.starts(), what="the start")
+    time.sleep(0.3)
+    assert len(launcher.starts()) == 1
+
+
+def test_no_restart_option_reaches_the_head_config():
+    parser = build_parser()
+    assert _head_config(parser.parse_args(["up"])).restart == RestartPolicy()
+    for argv in (["up", "--no-restart"], ["run", "--no-restart", "--", "true"]):
+        config = _head_config(parser.parse_args(argv))
+        assert config.restart.enabled is False, argv
