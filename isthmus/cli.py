@@ -173,9 +173,11 @@ async def _run(args: argparse.Namespace) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _worker(args: argparse.Namespace) -> int:
-    from isthmus.worker.agent import WorkerConfig, exit_with_parent, run_worker
+def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from isthmus.worker.agent import (WorkerConfig, block_stop_signals, exit_with_parent,
+                                      run_worker)
 
+    block_stop_signals()  # before any thread starts
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -183,7 +185,8 @@ def _worker(args: argparse.Namespace) -> int:
     if args.exit_with_parent:
         exit_with_parent()
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
-                          devices=args.devices, listen=args.listen, advertise=args.advertise)
+                          devices=args.devices, listen=args.listen, advertise=args.advertise,
+                          argv=(sys.executable, "-m", "isthmus.cli", *argv))
     try:
         return asyncio.run(run_worker(config))
     except KeyboardInterrupt:
@@ -238,11 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.subcommand == "status":
         return _status(args)
     if args.subcommand == "worker":
-        return _worker(args)
+        return _worker(args, argv)
     _prepare_server_process(args)
     try:
         if args.subcommand == "up":

@@ -36,7 +36,7 @@ class Executable:
     """A program compiled for a list of devices, loaded on the workers that own them."""
 
     __slots__ = ("id", "key", "devices", "device_ids", "positions", "parts", "workers",
-                 "compiled", "info", "refs", "error", "request", "generation", "loading",
+                 "compiled", "info", "refs", "error", "request", "epoch", "holders",
                  "output_specs")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
@@ -47,8 +47,11 @@ class Executable:
         self.device_ids = tuple(d.id for d in devices)
         self.positions = {d.id: p for p, d in enumerate(devices)}  # device id -> position
         self.request = request
-        self.generation = -1  # the collective group it is loaded in
-        self.loading: asyncio.Future[CompiledInfo] | None = None  # a reload in progress
+        # The channels that were given the program, and the fleet epoch when that was last
+        # checked (`Controller.ensure_loaded`). A worker compiles the program again by itself
+        # when its collective group re-forms; a worker that replaced one must be given it.
+        self.holders: dict[WorkerId, object] = {}
+        self.epoch = -1
         # worker -> positions (in `devices`) of that worker's devices
         parts: dict[WorkerId, list[int]] = {}
         for position, device in enumerate(devices):
@@ -182,22 +185,25 @@ class Controller:
             self._compile(executable, request))
         return executable
 
-    def loaded(self, executable: Executable) -> asyncio.Future[CompiledInfo] | None:
-        """None when `executable` is loaded in the current collective group; else a future
-        that resolves once it has been compiled there again."""
-        if executable.generation == self.fleet.generation:
-            return None
-        if executable.loading is None or executable.loading.done() and (
-                executable.generation != self.fleet.generation):
-            executable.loading = asyncio.get_running_loop().create_task(
-                self._compile(executable, executable.request))
-            executable.loading.add_done_callback(lambda f: f.exception())
-        return executable.loading
+    def ensure_loaded(self, executable: Executable) -> None:
+        """Gives the program to every current worker of `executable` that lacks it (one that
+        replaced a lost worker), ahead of the Execute being dispatched. Called at dispatch
+        time, so it sees the channels the Execute will go to; O(1) while the fleet is
+        unchanged."""
+        if executable.epoch == self.fleet.epoch:
+            return
+        for worker in executable.parts:
+            channel = self.fleet.channel(worker)
+            if executable.holders.get(worker) is not channel:
+                channel.load(executable.id, executable.request)
+                executable.holders[worker] = channel
+        executable.epoch = self.fleet.epoch
 
     async def _compile(self, executable: Executable, request: CompileRequest) -> CompiledInfo:
-        generation = self.fleet.generation
-        waits = [self.fleet.channel(worker).compile(executable.id, request)
-                 for worker in executable.parts]
+        executable.epoch = self.fleet.epoch
+        channels = {worker: self.fleet.channel(worker) for worker in executable.parts}
+        executable.holders = dict(channels)
+        waits = [channel.compile(executable.id, request) for channel in channels.values()]
         try:
             infos = await asyncio.gather(*waits)
         except errors.IsthmusError as e:
@@ -210,7 +216,6 @@ class Controller:
             self._executables.pop(executable.key, None)
             raise error from None
         executable.info = infos[0]
-        executable.generation = generation
         return infos[0]
 
     def release_executable(self, executable: Executable) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from isthmus import errors
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.transport.base import Commands, WorkerChannel
+from isthmus.transport.flow import FlowGate
 
 MAX_FLUSH_WAIT = 0.001  # seconds shared commands may wait for more of their kind
 
@@ -53,6 +54,9 @@ class Fleet:
         self._by_id: dict[DeviceId, Device] = {}
         self._workers = dict(workers)
         self.generation = 0  # bumped whenever the collective group re-forms
+        # Bumped whenever a host slot's channel changes (attach, detach, membership): what
+        # was sent to the channels of an earlier epoch may not be on the current ones.
+        self.epoch = 0
         # Slots whose workers are in the current collective group (None: every worker, as in
         # the embedded backend). A registered worker gets work only once it is a member.
         self._members: set[WorkerId] | None = None
@@ -62,6 +66,7 @@ class Fleet:
         # worker set id -> (that set, its channels' `deliver`); cleared on any change.
         self._routes: dict[int, tuple[tuple[WorkerId, ...], list[Any]]] = {}
         self._down: dict[SliceId, errors.IsthmusError] = {}
+        self.flow = FlowGate()  # closed while some worker has too much outstanding work
         # Commands for several workers, this event-loop turn, in order. Consecutive ones for
         # the same workers share one `Commands`; any single-worker command flushes first.
         self._outbox: list[tuple[tuple[WorkerId, ...], Commands]] = []
@@ -77,12 +82,12 @@ class Fleet:
     def attach(self, worker: WorkerId, channel: WorkerChannel) -> None:
         self.flush()
         self._workers[worker] = channel
-        self._routes.clear()
+        self._changed()
 
     def detach(self, worker: WorkerId) -> None:
         self.flush()
         self._workers.pop(worker, None)
-        self._routes.clear()
+        self._changed()
 
     @property
     def members(self) -> set[WorkerId] | None:
@@ -92,7 +97,11 @@ class Fleet:
     def members(self, members: set[WorkerId] | None) -> None:
         self.flush()
         self._members = members
+        self._changed()
+
+    def _changed(self) -> None:
         self._routes.clear()
+        self.epoch += 1
 
     def add_devices(self, devices: Sequence[Device]) -> None:
         known = dict(self._by_id)

@@ -606,19 +606,15 @@ class Session:
         donated = frozenset(info.donated_inputs) - non_donatable
         copy_first = frozenset(info.donated_inputs) & non_donatable
         dependencies: list[BufferGroup | asyncio.Future] = list(groups_of(args))
-        reload = self.controller.loaded(executable)
-        if reload is not None:
-            dependencies.append(reload)
         results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
 
         def run() -> None:
             error = first_error(args) or self.fleet.unavailable(executable.devices)
-            if error is None and reload is not None and reload.exception() is not None:
-                error = _as_error(reload.exception(), "compiling the program again")
             if error is not None:
                 for out in outputs:
                     out.group.error = error  # type: ignore[union-attr]
                 return
+            self.controller.ensure_loaded(executable)
             self.fleet.multicast(executable.workers, "execute", executable.id, tuple(refs),
                                  results, copy_first)
             for index in donated:

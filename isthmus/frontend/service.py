@@ -60,6 +60,8 @@ class Frontend:
         self.sessions: dict[SessionId, FrontendSession] = {}
         self._session_ids = itertools.count(1)
         self.extra_status: Callable[[], dict[str, Any]] | None = None
+        # Open while the workers keep up; sessions read no new requests while it is closed.
+        self.flow = controller.fleet.flow
         self._version_response = schema["xla.ifrt.proxy.GrpcGetVersionResponse"]
         self._session_metadata = schema["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]
         self._store_metadata = schema["xla.ifrt.proxy.GrpcHostBufferStoreMetadata"]
@@ -157,6 +159,7 @@ class Frontend:
             "platform": self.platform,
             "shared_dir": self.config.shared_dir,
             "generation": fleet.generation,
+            "flow": {"open": fleet.flow.is_open, "closed_count": fleet.flow.closed_count},
             "slices_down": {str(s): e.message for s, e in fleet.down_slices.items()},
             "fleet": self.extra_status() if self.extra_status else {},
             "devices": [{"id": d.id, "worker": d.worker, "slice": d.slice_index,

@@ -77,6 +77,10 @@ class WorkerChannel(Protocol):
     def compile(self, executable_id: ExecutableId, request: Any) -> Awaitable[Any]:
         """Compiles and loads a program; resolves to its `CompiledInfo`."""
 
+    def load(self, executable_id: ExecutableId, request: Any) -> None:
+        """Makes a program known without waiting: the worker compiles it when it first
+        runs it. For a worker that joined after the program was compiled elsewhere."""
+
     def drop_executable(self, executable_id: ExecutableId) -> None:
         """Unloads a program."""
 

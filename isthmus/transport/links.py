@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -144,3 +145,48 @@ class PeerClient:
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+class Pulse:
+    """Proves the worker alive from a thread of its own, over a channel of its own.
+
+    Liveness must not depend on the worker's event loop, which may sit for seconds inside
+    jaxlib (dispatch blocks while too many computations are in flight), nor on its stream,
+    which may be full of bulk data. Every `interval` the thread calls `isthmus.Fleet/Alive`
+    with the current membership token; the controller answers `ALIVE_OK`, `ALIVE_DROPPED`
+    (it declared this worker lost: the worker must not act on its old state) or `ALIVE_STOP`.
+    A stopped process (SIGSTOP) sends nothing, so it is declared lost like a dead one.
+    """
+
+    def __init__(self, address: str, interval: float,
+                 on_answer: Callable[[bytes], None]) -> None:
+        self.address = address.removeprefix("grpc://")
+        self.interval = interval
+        self.token: str | None = None  # None between memberships: nothing to prove
+        self._on_answer = on_answer
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="isthmus-pulse", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        alive = channel.unary_unary("/isthmus.Fleet/Alive")
+        try:
+            while not self._stop.wait(self.interval):
+                token = self.token
+                if token is None:
+                    continue
+                try:
+                    answer = alive(token.encode(), timeout=max(2.0, 2 * self.interval))
+                except grpc.RpcError as e:
+                    logger.debug("pulse not answered: %s", e.code().name)
+                    continue
+                if token == self.token and not self._stop.is_set():
+                    self._on_answer(answer)
+        finally:
+            channel.close()

@@ -15,8 +15,15 @@ import dataclasses
 import pickle
 from typing import Any
 
-PROTOCOL_VERSION = 2  # bump when a message changes shape
+PROTOCOL_VERSION = 3  # bump when a message changes shape
 PIECE_BYTES = 8 << 20  # bulk data on a worker's stream travels in pieces of this size
+WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
+ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
+
+# What the worker's pulse RPC (`isthmus.Fleet/Alive`, from a thread of its own) answers.
+ALIVE_OK = b"ok"  # a member: carry on
+ALIVE_DROPPED = b"dropped"  # not (or no longer) a member: start afresh, never act on old state
+ALIVE_STOP = b"stop"  # the controller is stopping: exit
 
 
 def encode(message: Any) -> bytes:
@@ -60,6 +67,13 @@ class Register:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Heartbeat:
     stats: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Applied:
+    """Flow control: the worker has applied commands of this total weight (`weight`)."""
+
+    total: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +123,7 @@ class Welcome:
     # (file, its contents) in the controller's shared directory: a worker that reads them
     # there answers with SharedDir. None: the controller has no shared directory.
     shared_probe: tuple[str, str] | None = None
+    token: str = ""  # names this membership in the worker's pulses (`isthmus.Fleet/Alive`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -267,6 +282,18 @@ class Compile:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Load:
+    """A program the worker compiles when it first runs it (no answer): sent ahead of an
+    Execute to a worker that joined after the program was compiled."""
+
+    executable: int
+    module: bytes
+    compile_options: bytes
+    device_ids: tuple[int, ...]
+    replicas: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class DropExecutable:
     executable: int
 
@@ -296,3 +323,10 @@ class Fetch:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Shutdown:
     reason: str
+
+
+def weight(command: Any) -> int:
+    """A command's share of a worker's backlog, as both ends count it for flow control."""
+    if isinstance(command, PutData):
+        return 1 + len(command.data) // WEIGHT_BYTES
+    return 1

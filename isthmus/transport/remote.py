@@ -24,6 +24,7 @@ from isthmus.hostmem import byte_view, map_file, write_file
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
+from isthmus.transport.flow import FlowGate
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,21 @@ class RemoteWorker:
     """A worker process, seen from the controller."""
 
     def __init__(self, slot: WorkerId, register: m.Register, send: Callable[[bytes], None],
-                 peer: str, close: Callable[[], None] = lambda: None) -> None:
+                 peer: str, close: Callable[[], None] = lambda: None,
+                 flow: FlowGate | None = None, token: str = "") -> None:
         self.slot = slot
+        self.token = token  # names this membership in the worker's pulses
         self.register = register
         self.peer = peer
         self._send = send
         self._close = close
         self.forming = False  # in a group formation: silence is expected, not a loss
         self._pending: list[Any] = []
+        self._pending_weight = 0
+        # Flow control: weight of the commands sent, and of those the worker has applied.
+        self._flow = flow
+        self.sent = 0
+        self.applied = 0
         # The scheduled flush, if any: a TimerHandle while only frees wait (FREE_DELAY).
         self._flush: asyncio.Handle | None = None
         self._held = False  # while the collective group re-forms, commands wait
@@ -64,12 +72,13 @@ class RemoteWorker:
 
     # ---- sending -------------------------------------------------------------------------
 
-    def _command(self, command: Any, urgent: bool = True) -> None:
+    def _command(self, command: Any, urgent: bool = True, weight: int = 1) -> None:
         """Queues a command for this turn's batch. A command that is not urgent (a free)
         waits up to FREE_DELAY for company, so it rides with the next batch."""
         if self.lost is not None:
             return
         self._pending.append(command)
+        self._pending_weight += weight
         if self._flush is not None:
             if not urgent or not isinstance(self._flush, asyncio.TimerHandle):
                 return  # what is scheduled is soon enough
@@ -84,7 +93,19 @@ class RemoteWorker:
             self._flush = None
         if self._pending and self.lost is None and not self._held:
             batch, self._pending = tuple(self._pending), []
+            self._sent(self._pending_weight)
+            self._pending_weight = 0
             self._send(m.encode(m.Batch(batch)))
+
+    def _sent(self, weight: int) -> None:
+        self.sent += weight
+        if self._flow is not None and self.sent - self.applied >= self._flow.limits.high:
+            self._flow.report(self.slot, self.sent - self.applied)
+
+    @property
+    def backlog(self) -> int:
+        """Weight of the commands sent that the worker has not applied yet."""
+        return self.sent - self.applied
 
     def send_now(self, message: Any) -> None:
         """Sends a message outside the batches (after whatever is queued)."""
@@ -117,7 +138,11 @@ class RemoteWorker:
 
     def on_message(self, message: Any) -> None:
         self.last_seen = time.monotonic()
-        if isinstance(message, m.Heartbeat):
+        if isinstance(message, m.Applied):
+            self.applied = message.total
+            if self._flow is not None:
+                self._flow.report(self.slot, self.sent - self.applied)
+        elif isinstance(message, m.Heartbeat):
             self.reported = message.stats
         elif isinstance(message, m.SharedDir):
             if self.probe is not None and message.path == self.probe[0]:
@@ -149,6 +174,8 @@ class RemoteWorker:
         if self.lost is None:
             self.lost = error
             self._close()
+            if self._flow is not None:
+                self._flow.forget(self.slot)
             if self.probe is not None and self.shared_dir is None:
                 _unlink(self.probe[1])  # never answered (another machine): not needed now
         self._pending.clear()
@@ -189,7 +216,8 @@ class RemoteWorker:
         while True:
             piece = raw[offset:offset + m.PIECE_BYTES]
             last = offset + len(piece) >= len(raw)
-            self._command(m.PutData(number, buffer_id, offset, bytes(piece), last))
+            data = m.PutData(number, buffer_id, offset, bytes(piece), last)
+            self._command(data, weight=m.weight(data))
             offset += len(piece)
             if last:
                 break
@@ -227,6 +255,10 @@ class RemoteWorker:
                                 tuple(request.device_ids), request.replicas))
         return future
 
+    def load(self, executable_id: ExecutableId, request: Any) -> None:
+        self._command(m.Load(executable_id, request.module, request.compile_options,
+                             tuple(request.device_ids), request.replicas))
+
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self._command(m.DropExecutable(executable_id))
 
@@ -245,9 +277,10 @@ class RemoteWorker:
             commands.encoded = (shared, m.encode(m.Batch((shared,))))
         shared, frame = commands.encoded
         if not self._pending and not self._held:
+            self._sent(len(commands.calls))
             self._send(frame)
         else:
-            self._command(shared)
+            self._command(shared, weight=len(commands.calls))
 
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
         number, future = self._request()

@@ -2,7 +2,8 @@
 
 The worker sends `Register` first; the controller answers `Welcome` (or `Refused`) and from
 then on sends command batches while the worker sends heartbeats, replies and data. A stream
-that ends, for whatever reason, is the loss of that worker.
+that ends, for whatever reason, is the loss of that worker. `Alive` is the worker's pulse,
+sent from a thread of its own so that a busy worker still proves itself alive.
 """
 
 from __future__ import annotations
@@ -68,7 +69,12 @@ class FleetServicer:
             logger.info("worker %s stream ended: %s", channel.slot, e)
         queue.put_nowait(END)
 
+    async def alive(self, token: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """A worker's pulse (from its own thread, apart from its stream)."""
+        return self.manager.alive(token.decode(errors="replace"))
+
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         return [grpc.method_handlers_generic_handler(SERVICE, {
             "Connect": grpc.stream_stream_rpc_method_handler(self.connect),
+            "Alive": grpc.unary_unary_rpc_method_handler(self.alive),
         })]

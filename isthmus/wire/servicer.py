@@ -87,8 +87,11 @@ class IfrtProxyServicer:
     async def _read(self, requests: AsyncIterator[Any], session: Any,
                     queue: asyncio.Queue[Any]) -> None:
         try:
+            flow = self.frontend.flow
             async for request in requests:
                 session.handle(request)
+                if not flow.is_open:  # a worker is far behind: let the client wait
+                    await flow.wait()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session

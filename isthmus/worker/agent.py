@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.hostmem import aligned_empty, byte_view, map_file, write_file
 from isthmus.transport import messages as m
-from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer
+from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.worker.host import DeviceHost, make_cpu_client
 from isthmus.worker.programs import CompileRequest
 
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 EXIT_SHUTDOWN = 0
 EXIT_REFUSED = 2
 EXIT_CONTROLLER_LOST = 3
+EXIT_DROPPED = 4  # declared lost while alive, with no way to start afresh (no argv)
+STOP_GRACE = 5.0  # seconds a signalled worker may take to stop before it just exits
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +49,9 @@ class WorkerConfig:
     advertise: str | None = None  # how peers reach it (default: `listen`)
     connect_timeout: float = 60.0
     group_timeout: int = 60  # seconds to join a collective group
+    # The command line that starts this worker afresh (a worker the controller declared
+    # lost while it was alive replaces itself with it); empty: it exits instead.
+    argv: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,12 +70,19 @@ class WorkerAgent:
         self._next_client: Any = None
         self._keep: list[Any] = []  # distributed clients of past groups stay alive
         self._incoming: dict[int, _Incoming] = {}
+        # Every program the controller gave this worker, by executable id. Kept across
+        # collective groups: after a re-formation a program is compiled again on first use.
+        self._programs: dict[int, CompileRequest] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._link = ControllerLink(config.controller)
         self._peers = PeerClient()
         self._data = PeerDataServer(self._serve_buffer)
         self._stop = asyncio.Event()
         self.exit_code = EXIT_CONTROLLER_LOST
+        self._pulse: Pulse | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._applied = 0  # weight of the commands applied in this membership
+        self._acked = 0  # ... of which the controller has been told (`Applied`)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -92,6 +105,8 @@ class WorkerAgent:
             # controller that is really gone makes the next connection attempt fail.
             self._reset()
             await asyncio.sleep(1.0)
+        if self._pulse is not None:
+            self._pulse.stop()
         await self._data.stop()
         await self._peers.close()
         return self.exit_code
@@ -112,6 +127,13 @@ class WorkerAgent:
             await self._link.close()
             return EXIT_REFUSED
         logger.info("joined as slice %s host %s", welcome.slice_index, welcome.host_index)
+        self._applied = self._acked = 0
+        self._loop = asyncio.get_running_loop()
+        if self._pulse is None:
+            self._pulse = Pulse(self.config.controller, welcome.heartbeat_interval,
+                                self._on_pulse)
+            self._pulse.start()
+        self._pulse.token = welcome.token or None
         if welcome.shared_probe is not None and _reads(*welcome.shared_probe):
             self._link.send(m.SharedDir(os.path.dirname(welcome.shared_probe[0])))
         loop = asyncio.get_running_loop()
@@ -119,6 +141,8 @@ class WorkerAgent:
         reader = loop.create_task(self._read(messages))
         stopped = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait([reader, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if self._pulse is not None:
+            self._pulse.token = None
         for task in (heartbeat, reader, stopped, *self._tasks):
             task.cancel()
         await self._link.close()
@@ -129,11 +153,40 @@ class WorkerAgent:
         self.host = None
         self._next_client = None
         self._incoming.clear()
+        self._programs.clear()
         self._tasks.clear()
 
     def stop(self, code: int = EXIT_SHUTDOWN) -> None:
         self.exit_code = code
         self._stop.set()
+
+    def stop_soon(self, reason: str) -> None:
+        """Stops from any thread; exits outright if the event loop does not get there within
+        STOP_GRACE (it may be stuck in jaxlib on a computation that waits for a lost peer)."""
+        logger.info("stopping: %s", reason)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.stop)
+        timer = threading.Timer(STOP_GRACE, _exit_now, (EXIT_SHUTDOWN,))
+        timer.daemon = True
+        timer.start()
+
+    def _on_pulse(self, answer: bytes) -> None:
+        """The controller's answer to a pulse (in the pulse thread)."""
+        if answer == m.ALIVE_STOP:
+            self.stop_soon("the controller is stopping")
+        elif answer == m.ALIVE_DROPPED:
+            # The controller declared this worker lost (it was silent too long: stopped,
+            # swapped out, starved). Its buffers and group are gone for the fleet; acting on
+            # commands still queued here could block on peers that moved on. Start afresh.
+            logger.warning("the controller declared this worker lost; starting afresh")
+            self.restart_process()
+
+    def restart_process(self) -> None:
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        if not self.config.argv:
+            _exit_now(EXIT_DROPPED)
+        os.execv(self.config.argv[0], list(self.config.argv))
 
     async def _heartbeat(self, interval: float) -> None:
         while True:
@@ -154,10 +207,18 @@ class WorkerAgent:
     async def _handle(self, message: Any) -> None:
         if isinstance(message, m.Batch):
             for command in _unpack(message.commands):
+                if isinstance(command, m.Execute):
+                    await self._load(command.executable)
+                    if self.host is not None and self.host.is_collective(command.executable):
+                        await self.host.collective_settled()
                 try:
                     self._apply(command)
                 except Exception as e:  # noqa: BLE001
                     self._refuse(command, e)
+                self._applied += m.weight(command)
+            if self._applied - self._acked >= m.ACK_EVERY:
+                self._acked = self._applied
+                self._link.send(m.Applied(self._applied))
         elif isinstance(message, m.FormGroup):
             await self._form(message)
         elif isinstance(message, m.DeviceMap):
@@ -239,8 +300,12 @@ class WorkerAgent:
         elif isinstance(c, m.Free):
             host.free(c.buffers)
         elif isinstance(c, m.Compile):
+            self._programs[c.executable] = _request(c)
             self._spawn(c.request, self._compile(host, c))
+        elif isinstance(c, m.Load):
+            self._programs[c.executable] = _request(c)
         elif isinstance(c, m.DropExecutable):
+            self._programs.pop(c.executable, None)
             host.drop_executable(c.executable)
         elif isinstance(c, m.Ready):
             if host.all_ready(c.buffers):  # the common case of a small step: answer now
@@ -260,9 +325,20 @@ class WorkerAgent:
             raise errors.InternalError(f"unknown command {type(c).__name__}")
 
     async def _compile(self, host: DeviceHost, c: m.Compile) -> Any:
-        info = await host.compile(c.executable, CompileRequest(
-            c.module, c.compile_options, c.device_ids, c.replicas))
+        info = await host.compile(c.executable, self._programs[c.executable])
         return dataclasses.replace(info, param_avals=())
+
+    async def _load(self, executable: int) -> None:
+        """Compiles a known program that the current client lacks (the group re-formed, or
+        the program came with `Load`), before the Execute that needs it is applied. A
+        failure is kept by the host and fails that Execute's outputs."""
+        host, request = self.host, self._programs.get(executable)
+        if host is None or request is None or host.knows(executable):
+            return
+        try:
+            await host.compile(executable, request)
+        except Exception:  # noqa: BLE001 - the host keeps the error for the Execute
+            logger.warning("compiling program %s again failed", executable, exc_info=True)
 
     async def _write_buffer(self, fetched: Any, path: str) -> tuple[str, tuple[int, ...]]:
         """Writes a fetched buffer into a file of the controller's shared directory."""
@@ -286,6 +362,7 @@ class WorkerAgent:
 
     async def _pull(self, host: DeviceHost, c: m.Pull) -> None:
         value = await self._peers.fetch(c.peer, c.src)
+        host = self._require_host()  # the group may have re-formed while the bytes came
         await host.put(c.dst, c.device, value, c.memory_kind)
         if not host.has(c.dst):
             raise errors.InternalError("the pulled buffer was not stored")
@@ -330,6 +407,7 @@ class WorkerAgent:
         new = DeviceHost(self._next_client, device_map=mapping)
         old, self.host = self.host, new
         if old is not None:
+            await old.settle_writes()  # host data still being placed lands in `old` first
             moved = await asyncio.get_running_loop().run_in_executor(None, new.adopt, old)
             logger.info("moved %s buffers into the new collective group", moved)
 
@@ -341,6 +419,10 @@ def _reads(path: str, token: str) -> bool:
             return f.read() == token
     except OSError:
         return False
+
+
+def _request(c: m.Compile | m.Load) -> CompileRequest:
+    return CompileRequest(c.module, c.compile_options, c.device_ids, c.replicas)
 
 
 def _unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
@@ -380,9 +462,32 @@ def exit_with_parent() -> None:
         pass
 
 
+def _exit_now(code: int) -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def block_stop_signals() -> None:
+    """Call first thing in the worker process, before any thread starts: SIGINT and SIGTERM
+    are then taken by `run_worker`'s signal thread, so they work even while the event loop
+    sits inside jaxlib."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
 async def run_worker(config: WorkerConfig) -> int:
     agent = WorkerAgent(config)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, agent.stop)
+    agent._loop = asyncio.get_running_loop()
+    if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set()):
+        def wait_for_signal() -> None:
+            received = signal.sigwait(STOP_SIGNALS)
+            agent.stop_soon(f"received {signal.Signals(received).name}")
+
+        threading.Thread(target=wait_for_signal, name="isthmus-signals", daemon=True).start()
+    else:
+        for sig in STOP_SIGNALS:
+            agent._loop.add_signal_handler(sig, agent.stop)
     return await agent.run()

@@ -96,6 +96,12 @@ class _Loaded:
     positions: tuple[int, ...]  # positions (in the program's device list) held here
 
 
+@dataclasses.dataclass(slots=True)
+class _Unloadable:
+    error: errors.IsthmusError  # why the program could not be compiled here
+    positions: tuple[int, ...]  # its positions held here, whose outputs get the error
+
+
 class DeviceHost:
     """Buffers and executables of the local devices of one jaxlib client.
 
@@ -119,7 +125,10 @@ class DeviceHost:
         self.devices = {g: by_id[j] for g, j in device_map.items() if j in by_id}
         self._local = {d.id for d in client.local_devices()}
         self._buffers: dict[BufferId, Any] = {}
-        self._executables: dict[ExecutableId, _Loaded] = {}
+        self._executables: dict[ExecutableId, _Loaded | _Unloadable] = {}
+        self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
+        # Output shards of the last program over several devices (see `collective_pending`).
+        self._last_collective: list[Any] = []
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="isthmus-host"
         )
@@ -138,8 +147,16 @@ class DeviceHost:
         if value.nbytes <= self.INLINE_PUT_BYTES:
             self._put_blocking(buffer_id, device_id, value, memory_kind)
             return _done()
-        return asyncio.get_running_loop().run_in_executor(
+        write = asyncio.get_running_loop().run_in_executor(
             self._pool, self._put_blocking, buffer_id, device_id, value, memory_kind)
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        return write
+
+    async def settle_writes(self) -> None:
+        """Waits until host data being placed from threads is stored (`adopt` then sees it)."""
+        while self._writes:
+            await asyncio.wait(list(self._writes))
 
     def _put_blocking(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
                       memory_kind: str | None) -> None:
@@ -243,7 +260,7 @@ class DeviceHost:
         live = [v for v in self._buffers.values()
                 if not isinstance(v, _Failed) and not v.is_deleted()]
         return {"buffers": len(live), "bytes": sum(v.nbytes for v in live),
-                "executables": len(self._executables)}
+                "executables": sum(isinstance(e, _Loaded) for e in self._executables.values())}
 
     def _missing(self, buffer_id: BufferId) -> errors.IsthmusError:
         return errors.InternalError(
@@ -328,13 +345,25 @@ class DeviceHost:
         """Starts compiling a StableHLO program for local devices, in a thread."""
         work = asyncio.get_running_loop().run_in_executor(
             self._pool, self._compile_blocking, request)
-        return self._finish_compile(executable_id, work)
+        return self._finish_compile(executable_id, request, work)
 
     async def _finish_compile(self, executable_id: ExecutableId,
+                              request: programs.CompileRequest,
                               work: Awaitable[_Loaded]) -> programs.CompiledInfo:
-        loaded = await work
+        try:
+            loaded = await work
+        except Exception as e:
+            # Executes of it fail their outputs with this error (not with "not loaded").
+            self._executables[executable_id] = _Unloadable(
+                errors.from_runtime_error(e, errors.CompileError, "compilation failed"),
+                self.local_positions(request.device_ids))
+            raise
         self._executables[executable_id] = loaded
         return loaded.info
+
+    def knows(self, executable_id: ExecutableId) -> bool:
+        """The program is loaded here, or failed to compile here."""
+        return executable_id in self._executables
 
     def _compile_blocking(self, request: programs.CompileRequest) -> _Loaded:
         try:
@@ -351,6 +380,9 @@ class DeviceHost:
         """Positions (in a program's device list) of the devices this host holds."""
         return tuple(i for i, d in enumerate(device_ids)
                      if d in self.devices and self.devices[d].id in self._local)
+
+    def load(self, executable_id: ExecutableId, request: programs.CompileRequest) -> None:
+        """In-process hosts never lose their programs: nothing to do."""
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self._executables.pop(executable_id, None)
@@ -370,6 +402,8 @@ class DeviceHost:
         loaded = self._executables.get(executable_id)
         positions = loaded.positions if loaded is not None else ()
         try:
+            if isinstance(loaded, _Unloadable):
+                raise loaded.error
             if loaded is None:
                 raise errors.InternalError(
                     f"executable {executable_id} is not loaded on this host; this is a bug in "
@@ -398,6 +432,27 @@ class DeviceHost:
         for base, shards in zip(results, per_output):
             for p, shard in zip(positions, shards):
                 self._buffers[BufferId(base + p)] = shard
+        if len(loaded.devices) > 1:
+            self._last_collective = [s for shards in per_output for s in shards]
+
+    def is_collective(self, executable_id: ExecutableId) -> bool:
+        loaded = self._executables.get(executable_id)
+        return isinstance(loaded, _Loaded) and len(loaded.devices) > 1
+
+    async def collective_settled(self) -> None:
+        """Waits until the last program over several devices has finished.
+
+        XLA:CPU runs the devices of a program on a shared thread pool and meets them in an
+        in-process rendezvous for collectives; with many such programs in flight on few
+        cores, the pool fills with devices of later steps waiting for devices that cannot
+        get a thread, and every step hangs. One program over several devices in flight at
+        a time (other work keeps flowing) rules that out; the worker's backlog then slows
+        the client through flow control instead.
+        """
+        pending = [v for v in self._last_collective if not v.is_ready()]
+        if pending:
+            await asyncio.get_running_loop().run_in_executor(self._pool, _block_all, pending)
+        self._last_collective = []
 
     def deliver(self, commands: Any) -> None:
         """Commands shared with other workers (`transport.base.Commands`)."""

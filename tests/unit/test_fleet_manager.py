@@ -39,7 +39,12 @@ def test_slots_device_ids_and_refusals():
         a = manager.register(register(slice_index=1, pid=10), sent.append, "peer")
         b = manager.register(register(slice_index=1, pid=11), sent.append, "peer")
         assert (a.slot, b.slot) == (2, 3)  # slice 1, hosts 0 and 1
-        assert manager.welcome(b) == m.Welcome(3, 1, 1, manager.config.heartbeat_interval)
+        assert manager.welcome(b) == m.Welcome(3, 1, 1, manager.config.heartbeat_interval,
+                                               token=b.token)
+        assert a.token != b.token and len(b.token) == 16
+        # Pulses: a member carries on; a lost (or unknown) membership starts afresh.
+        assert manager.alive(b.token) == m.ALIVE_OK
+        assert manager.alive("no-such-token") == m.ALIVE_DROPPED
         with pytest.raises(errors.InvalidRequest, match="already has its 2 live hosts"):
             manager.register(register(slice_index=1), sent.append, "peer")
         with pytest.raises(errors.InvalidRequest, match="--devices 2"):
