@@ -44,6 +44,10 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the address workers use to reach this server (default: --host)")
     parser.add_argument("--fleet-timeout", type=float, default=180.0,
                         help="seconds to wait for every worker to register (default: 180)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=4.0,
+                        help="seconds without a sign of life after which a worker counts as "
+                             "lost (workers pulse every 0.5 s from a thread of their own, "
+                             "however busy; default: 4)")
     parser.add_argument("--host-buffer-timeout", type=float, default=10.0,
                         help="seconds a request waits for its host data to start arriving "
                              "(default: 10)")
@@ -76,6 +80,7 @@ def _head_config(args: argparse.Namespace) -> object:
     return HeadConfig(
         host=args.host, port=args.port, devices=args.devices or 8, fleet=fleet,
         launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
         restart=RestartPolicy(enabled=not args.no_restart),
         advertise_host=args.advertise_host,
         shared_dir=None if args.shared_dir == "none" else args.shared_dir,
@@ -137,6 +142,9 @@ def child_environment(address: str, base: dict[str, str] | None = None,
     env["JAX_PLATFORMS"] = "proxy"
     env["JAX_BACKEND_TARGET"] = address
     env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
+    # Quiet the stock client's C++ warnings (insecure credentials, and a "disconnected:
+    # CANCELLED" stack trace at exit that reads like a crash) unless the user set a level.
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     folder = os.path.dirname(bootstrap.__file__)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (folder, env.get("PYTHONPATH", "")) if p)

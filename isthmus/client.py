@@ -18,6 +18,10 @@ def connect(address: str, *, timeout: float | None = None) -> None:
     Raises:
       RuntimeError: jax has already created its backends in this process.
     """
+    # The stock client logs insecure-credential warnings and, at exit, a "server
+    # disconnected: CANCELLED" stack trace that reads like a crash: keep C++ logs to errors
+    # unless the user chose a level (effective when jaxlib is not yet loaded).
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
     from jax._src import xla_bridge
 

@@ -35,6 +35,7 @@ class HeadConfig:
     launch_workers: bool = True  # start the fleet's workers on this machine
     restart: RestartPolicy = RestartPolicy()  # restarting launched workers that die
     fleet_timeout: float = 180.0  # seconds to wait for the fleet to be complete
+    heartbeat_timeout: float = 4.0  # seconds of silence after which a worker is lost
     advertise_host: str | None = None  # where workers reach this process (default: host)
     controller: ControllerConfig = ControllerConfig()
     max_host_buffer_bytes: int = 1 << 40
@@ -101,7 +102,8 @@ class Head:
                 config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
             self.manager = FleetManager(
                 config.fleet, fleet,
-                ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir),
+                ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir,
+                              heartbeat_timeout=config.heartbeat_timeout),
                 on_slice_down=controller.poison_slice)
             extra_handlers = FleetServicer(self.manager).handlers()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
