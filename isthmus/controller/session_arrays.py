@@ -1,0 +1,229 @@
+"""Creating a session's arrays, and freeing them.
+
+A new array gets a new buffer group. Its contents arrive from the client as host arrays (whole,
+or shard by shard) and are stored on the workers in background tasks; the group is defined
+once every expected piece has settled. `delete` frees an array's buffers at once, for every
+sharer; `release` frees those that no other array holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Sequence
+
+import numpy as np
+
+from isthmus import dtypes, errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array, Buffer, BufferGroup
+from isthmus.controller.fleet import Device
+from isthmus.controller.session_core import SessionCore, _as_error
+from isthmus.ids import BufferId
+
+
+class SessionArrays(SessionCore):
+    """Creating and freeing a session's arrays."""
+
+    # ---- creating arrays -----------------------------------------------------------------
+
+    def validate_shape(self, dtype: dtypes.DType, shape: Sequence[int]) -> tuple[int, ...]:
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise errors.InvalidRequest(
+                f"shape {shape} has a negative dimension; every dimension must be >= 0.")
+        nbytes = math.prod(shape) * max(dtype.itemsize, 1)
+        if nbytes > self.controller.config.max_array_bytes:
+            raise errors.TooLarge(
+                f"an array of shape {shape} and dtype {dtype.kind} needs {nbytes} bytes, over "
+                f"the server's limit of {self.controller.config.max_array_bytes} bytes; split "
+                "it, or start the server with a larger --max-array-bytes.")
+        return shape
+
+    def _new_array(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+                   *, define: bool = True) -> Array:
+        devices = self.fleet.devices_of(sharding.devices)
+        self._check_memory_kind(devices, sharding.memory_kind)
+        nbytes = sh.shard_nbytes(sharding, shape, dtype.itemsize)
+        group = self.controller.new_group(devices, nbytes, sharding.memory_kind)
+        if define:
+            group.expect()
+        return self._own(dtype, shape, sharding, group)
+
+    def _own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+             group: BufferGroup) -> Array:
+        """The session's array over a new group (its first holder)."""
+        group.refs = 1
+        array = Array(dtype, shape, sharding, group)
+        self._arrays.add(array)
+        return array
+
+    def _check_memory_kind(self, devices: Sequence[Device], kind: str | None) -> None:
+        if kind is None:
+            return
+        for device in devices:
+            if kind not in device.memory_kinds:
+                raise errors.InvalidRequest(
+                    f"memory kind {kind!r} does not exist on device {device.id} (it has "
+                    f"{', '.join(device.memory_kinds)}); pick one of those.")
+
+    def make_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
+                   host: Awaitable[np.ndarray]) -> Array:
+        """An array whose full contents arrive later as a host array (C order or strided)."""
+        shape = self.validate_shape(dtype, shape)
+        array = self._new_array(dtype, shape, sharding)
+        self._spawn(self._fill(array, host))
+        return array
+
+    def make_array_from_shards(self, dtype: dtypes.DType, shape: Sequence[int],
+                               sharding: sh.Sharding,
+                               pieces: Sequence[tuple[Sequence[int], Awaitable[np.ndarray]]]
+                               ) -> Array:
+        """An array whose shards arrive as host arrays; `pieces` pairs device positions
+        (indices into the sharding's device list) with the data all of them hold."""
+        shape = self.validate_shape(dtype, shape)
+        array = self._new_array(dtype, shape, sharding, define=False)
+        group = array.group
+        assert group is not None
+        covered: set[int] = set()
+        for positions, _ in pieces:
+            for p in positions:
+                if not 0 <= p < len(group) or p in covered:
+                    array.error = errors.InvalidRequest(
+                        f"shard index {p} is out of range or given twice for an array with "
+                        f"{len(group)} shards; send each shard index once.")
+                    group.error = array.error
+                    return array
+                covered.add(p)
+        boxes = sh.shard_boxes(sharding, shape)
+        for positions, data in pieces:
+            group.expect()
+            self._spawn(self._fill_shards(group, list(positions), [boxes[p] for p in positions],
+                                          data))
+        missing = [p for p in range(len(group)) if p not in covered]
+        if missing:
+            error = errors.InvalidRequest(
+                f"no host data was given for shard(s) {missing[:8]} of the array; every "
+                "addressable shard needs data.")
+            for p in missing:
+                group.set_error(p, error)
+        return array
+
+    def make_error_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
+                         error: errors.IsthmusError) -> Array:
+        array = self._new_array(dtype, self.validate_shape(dtype, shape), sharding, define=False)
+        array.error = error
+        assert array.group is not None
+        array.group.error = error
+        return array
+
+    async def _fill(self, array: Array, host: Awaitable[np.ndarray]) -> None:
+        group = array.group
+        assert group is not None
+        try:
+            value = await host
+            if tuple(value.shape) != array.shape:
+                raise errors.InvalidRequest(
+                    f"host data has shape {tuple(value.shape)} but the array has shape "
+                    f"{array.shape}; send data matching the declared shape.")
+            boxes = sh.shard_boxes(array.sharding, array.shape)
+            await self._put(group, range(len(group)), [value[sh.box_slices(b)] for b in boxes])
+        except Exception as e:  # noqa: BLE001 - the array carries the failure
+            if group.error is None:
+                group.error = _as_error(e, "receiving the array's host data")
+        group.settle()
+
+    async def _fill_shards(self, group: BufferGroup, positions: list[int], boxes: list[sh.Box],
+                           host: Awaitable[np.ndarray]) -> None:
+        try:
+            value = await host
+            for box in boxes:
+                if tuple(value.shape) != sh.shard_shape(box):
+                    raise errors.InvalidRequest(
+                        f"a host shard has shape {tuple(value.shape)} but the sharding puts "
+                        f"shape {sh.shard_shape(box)} there; send shards of the shapes the "
+                        "sharding implies.")
+            await self._put(group, positions, [value] * len(positions))
+        except Exception as e:  # noqa: BLE001
+            error = _as_error(e, "receiving the array's host data")
+            for p in positions:
+                if group.error_at(p) is None:
+                    group.set_error(p, error)
+        group.settle()
+
+    async def _put(self, group: BufferGroup, positions: Sequence[int],
+                   values: Sequence[np.ndarray]) -> None:
+        """Stores host data at positions of a group; failures stay with their positions."""
+        waits, placed = [], []
+        for p, value in zip(positions, values):
+            if group.freed_position(p):  # released before its data arrived: nothing to store
+                continue
+            device = group.devices[p]
+            placed.append(p)
+            waits.append(self.fleet.channel(device.worker).put(
+                BufferId(group.base + p), device.id, value, group.memory_kind))
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        for p, outcome in zip(placed, outcomes):
+            if isinstance(outcome, BaseException) and group.error_at(p) is None:
+                group.set_error(p, _as_error(outcome, "storing host data"))
+
+    def _defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
+        """An operation that was to define `buffer` is over (with `error` if it failed)."""
+        if error is not None and buffer.error is None:
+            buffer.error = error
+        buffer.group.settle()
+
+    # ---- freeing -------------------------------------------------------------------------
+
+    def delete(self, arrays: Sequence[Array]) -> Awaitable[None]:
+        """Deletes arrays now: their buffers are freed even where other arrays share them."""
+        result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for array in arrays:
+            array.deleted = True
+
+        def run() -> None:
+            for array in arrays:
+                array.consume()
+            self.controller.free_groups([a.group for a in arrays if a.group is not None])
+            self.controller.free_buffers([b for a in arrays if a.group is None
+                                          for b in a.shards])
+            result.set_result(None)
+
+        self.dispatcher.submit([], run)
+        return result
+
+    def release(self, arrays: Sequence[Array]) -> None:
+        """The client dropped these arrays; buffers no other array holds are freed."""
+        groups: list[BufferGroup] = []
+        buffers: list[Buffer] = []
+        for array in arrays:
+            if array.released:
+                continue
+            array.released = True
+            self._arrays.discard(array)
+            group = array.group
+            if group is not None:
+                group.refs -= 1
+                if group.refs <= 0:
+                    if group.shard_refs:
+                        buffers.extend(Buffer(group, p) for p in range(len(group))
+                                       if not group.held(p))
+                    else:
+                        groups.append(group)
+                continue
+            for buffer in array.shards:
+                shard_refs = buffer.group.shard_refs
+                assert shard_refs is not None
+                shard_refs[buffer.position] -= 1
+                if not buffer.group.held(buffer.position):
+                    buffers.append(buffer)
+        if groups or buffers:
+            def free() -> None:
+                self.controller.free_groups(groups)
+                self.controller.free_buffers(buffers)
+
+            self.dispatcher.submit([], free)
+
+    def _donate(self, array: Array) -> None:
+        """The input of a DONATE_INPUT operation: unusable afterwards, its buffers live on."""
+        array.deleted = True

@@ -1,0 +1,43 @@
+"""The state every part of a controller session shares, and the helpers they have in common.
+
+A `Session` (session.py) is composed of parts, each a mixin over `SessionCore`: creating and
+freeing arrays (session_arrays.py), arrays over existing buffers (session_sharing.py), moving
+data (session_moves.py), and compiling and running programs (session_programs.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from isthmus import errors
+from isthmus.controller.arrays import Array
+from isthmus.controller.controller import Controller, Executable
+from isthmus.controller.dispatch import OrderedDispatcher
+
+
+class SessionCore:
+    """The controller, queue, arrays, executables and background tasks of one session."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.fleet = controller.fleet
+        self.dispatcher = OrderedDispatcher()
+        self._arrays: set[Array] = set()
+        self._executables: list[Executable] = []
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.closed = False
+        controller.sessions.add(self)
+
+    def _spawn(self, coroutine: Awaitable[object]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _as_error(e: BaseException, doing: str) -> errors.IsthmusError:
+    if isinstance(e, errors.IsthmusError):
+        return e
+    return errors.InternalError(
+        f"{doing} failed unexpectedly ({type(e).__name__}: {e}); this is a bug in isthmus: "
+        "please report it.")

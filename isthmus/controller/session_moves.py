@@ -1,0 +1,282 @@
+"""Moving data: copies and reshards onto any devices of the fleet, bitcasts, and reading
+arrays back (`fetch` to the host, `ready` to wait for them).
+
+Each operation queues on the session's dispatcher behind the arrays it reads; transfers
+between workers and host reads finish in background tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Sequence
+
+import numpy as np
+
+from isthmus import dtypes, errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array, Buffer, first_error, groups_of
+from isthmus.controller.session_arrays import SessionArrays
+from isthmus.controller.session_core import _as_error
+from isthmus.ids import BufferId, WorkerId
+
+
+class SessionMoves(SessionArrays):
+    """Copying, resharding, bitcasting and reading a session's arrays."""
+
+    # ---- moving data ---------------------------------------------------------------------
+
+    def copy_arrays(self, arrays: Sequence[Array], device_ids: Sequence[int] | None,
+                    memory_kind: str | None, donate: bool = False) -> list[Array]:
+        """Copies of `arrays` on other devices (same layout, position by position).
+
+        With `device_ids` None each array keeps its devices (a memory-kind change)."""
+        shardings = []
+        for array in arrays:
+            targets = self.fleet.devices_of(
+                array.sharding.devices if device_ids is None else device_ids)
+            if len(targets) != len(array.sharding.devices):
+                raise errors.InvalidRequest(
+                    f"copying an array on {len(array.sharding.devices)} devices to "
+                    f"{len(targets)} devices; give as many target devices as the array has.")
+            shardings.append(array.sharding.with_devices(tuple(d.id for d in targets),
+                                                         memory_kind))
+        return self.reshard(arrays, shardings, donate)
+
+    def reshard(self, arrays: Sequence[Array], shardings: Sequence[sh.Sharding],
+                donate: bool = False) -> list[Array]:
+        """Copies of `arrays` laid out by new shardings, on any devices of the fleet."""
+        results = []
+        for array, sharding in zip(arrays, shardings):
+            out = self._new_array(array.dtype, array.shape, sharding, define=False)
+            out.error = array.error
+            results.append(out)
+        inputs = groups_of(arrays)
+
+        def run() -> None:
+            for array, out in zip(arrays, results):
+                error = first_error([array])
+                src_boxes = sh.shard_boxes(array.sharding, array.shape)
+                dst_boxes = sh.shard_boxes(out.sharding, out.shape)
+                for dst, dst_box in zip(out.shards, dst_boxes):
+                    if error is None:
+                        try:
+                            self._reshard_one(array, src_boxes, dst, dst_box)
+                            continue
+                        except errors.IsthmusError as e:
+                            dst.error = e
+                    else:
+                        dst.error = error
+                if donate:
+                    self._donate(array)
+
+        self.dispatcher.submit(inputs, run)
+        return results
+
+    def _reshard_one(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
+                     dst_box: sh.Box) -> None:
+        channel = self.fleet.channel(dst.device.worker)
+        local = [(b, box) for b, box in zip(array.shards, src_boxes)
+                 if b.device.worker == dst.device.worker]
+        # Prefer the shard already on the target device, then any holding the whole box.
+        local.sort(key=lambda c: c[0].device.id != dst.device.id)
+        for buffer, box in local:
+            if box == dst_box:
+                channel.copy(buffer.id, dst.id, dst.device.id, dst.memory_kind)
+                return
+            if all(s0 <= d0 and d1 <= s1 for (s0, s1), (d0, d1) in zip(box, dst_box)):
+                local = [(buffer, box)]
+                break
+        pieces = _pieces(local, dst_box)
+        if sum(n for *_, n in pieces) == math.prod(sh.shard_shape(dst_box)):
+            channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
+                             sh.shard_shape(dst_box), [(b.id, s, d) for b, s, d, _ in pieces])
+            return
+        whole = next((b for b, box in zip(array.shards, src_boxes) if box == dst_box), None)
+        if whole is not None:  # the same shard on another worker: move it as it is
+            self._pull(whole, dst, dst.memory_kind)
+        else:
+            self._reshard_from_peers(array, src_boxes, dst, dst_box)
+
+    def _reshard_from_peers(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
+                            dst_box: sh.Box) -> None:
+        """Builds `dst` from shards of several workers: the pieces that live elsewhere are
+        pulled (worker to worker) into temporary buffers beside `dst` first."""
+        dst.group.expect()
+        channel = self.fleet.channel(dst.device.worker)
+        parts: list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...]]] = []
+        temps: list[Buffer] = []
+        pulls = []
+        for source, src_slices, dst_slices, _ in _pieces(
+                list(zip(array.shards, src_boxes)), dst_box):
+            if source.device.worker != dst.device.worker:
+                temp = Buffer(self.controller.new_group((dst.device,), (source.nbytes,)), 0)
+                temps.append(temp)
+                pulls.append(self._pull(source, temp, None))
+                source = temp
+            parts.append((source, src_slices, dst_slices))
+
+        async def finish() -> None:
+            await asyncio.gather(*pulls, return_exceptions=True)
+            error = next((t.error for t in temps if t.error is not None), None)
+            if error is None:
+                channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
+                                 sh.shard_shape(dst_box), [(b.id, s, d) for b, s, d in parts])
+            self.controller.free_buffers(temps)
+            self._defined(dst, error)
+
+        self._spawn(finish())
+
+    def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None) -> asyncio.Future[None]:
+        """Moves `src` into `dst` on another worker, worker to worker; `dst` is defined (or
+        failed) when the transfer completes. Returns that completion."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        source = self.fleet.channel(src.device.worker)
+        address = getattr(source, "data_address", None)
+        if address is None:
+            if dst.error is None:
+                dst.error = self.fleet.slice_error_of(src.device.worker)
+            done.set_result(None)
+            return done
+        dst.group.expect()
+        self.controller.pin(src)
+        work = self.fleet.channel(dst.device.worker).pull(
+            src.id, address, dst.id, dst.device.id, memory_kind)
+
+        async def finish() -> None:
+            error = None
+            try:
+                await work
+            except Exception as e:  # noqa: BLE001
+                error = _as_error(e, "moving an array between workers")
+            finally:
+                self.controller.unpin(src)
+            self._defined(dst, error)
+            done.set_result(None)
+
+        self._spawn(finish())
+        return done
+
+    def bitcast(self, arrays: Sequence[Array],
+                specs: Sequence[tuple[dtypes.DType, tuple[int, ...], sh.Sharding]],
+                donate: bool = False) -> list[Array]:
+        """The same bytes read as other dtypes and shapes (shard by shard)."""
+        results = []
+        for array, (dtype, shape, sharding) in zip(arrays, specs):
+            if tuple(sharding.devices) != tuple(array.sharding.devices):
+                raise errors.InvalidRequest(
+                    "a bitcast keeps every shard where it is; give the same devices.")
+            if dtype.is_string or array.dtype.is_string:
+                raise errors.InvalidRequest("string arrays cannot be bitcast.")
+            out = self._new_array(dtype, self.validate_shape(dtype, shape), sharding,
+                                  define=False)
+            if any(a.nbytes != b.nbytes for a, b in zip(array.shards, out.shards)):
+                self.release([out])
+                raise errors.InvalidRequest(
+                    f"bitcasting {array.dtype.kind}{list(array.shape)} to "
+                    f"{dtype.kind}{list(shape)} changes the size of the shards.")
+            out.error = array.error
+            results.append(out)
+
+        def run() -> None:
+            for array, out in zip(arrays, results):
+                error = first_error([array])
+                boxes = sh.shard_boxes(out.sharding, out.shape)
+                for src, dst, box in zip(array.shards, out.shards, boxes):
+                    if error is not None:
+                        dst.error = error
+                    else:
+                        self.fleet.channel(src.device.worker).bitcast(
+                            src.id, dst.id, out.dtype.numpy, sh.shard_shape(box))
+                if donate:
+                    self._donate(array)
+
+        self.dispatcher.submit(groups_of(arrays), run)
+        return results
+
+    def fetch(self, array: Array) -> Awaitable[np.ndarray]:
+        """Resolves to the whole array on the host (C order; strings as an object array)."""
+        result: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            error = first_error([array])
+            if error is not None:
+                result.set_exception(error)
+                return
+            boxes = sh.shard_boxes(array.sharding, array.shape)
+            wanted: dict[sh.Box, Buffer] = {}
+            for buffer, box in zip(array.shards, boxes):
+                wanted.setdefault(box, buffer)
+            pieces = [(box, self.fleet.channel(b.device.worker).fetch(b.id, b.nbytes))
+                      for box, b in wanted.items()]
+            self._spawn(_assemble_host(array, pieces, result))
+
+        self.dispatcher.submit(array.groups, run)
+        return result
+
+    def ready(self, arrays: Sequence[Array]) -> Awaitable[None]:
+        """Resolves when every array is computed; fails with the first error."""
+        result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            error = first_error(arrays)
+            if error is not None:
+                result.set_exception(error)
+                return
+            by_worker: dict[WorkerId, list[BufferId]] = {}
+            for array in arrays:
+                for buffer in array.shards:
+                    by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
+            waits = [self.fleet.channel(w).ready(ids) for w, ids in by_worker.items()]
+            self._spawn(_settle(asyncio.gather(*waits), result))
+
+        self.dispatcher.submit(groups_of(arrays), run)
+        return result
+
+
+def _pieces(sources: Sequence[tuple[Buffer, sh.Box]], dst_box: sh.Box
+            ) -> list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...], int]]:
+    """The distinct regions of `dst_box` that the sources hold: (source, slices into the
+    source, slices into the destination, elements), one source per region."""
+    pieces = []
+    seen: set[sh.Box] = set()
+    for buffer, box in sources:
+        lo = tuple(max(s0, d0) for (s0, _), (d0, _) in zip(box, dst_box))
+        hi = tuple(min(s1, d1) for (_, s1), (_, d1) in zip(box, dst_box))
+        region = tuple(zip(lo, hi))
+        if (dst_box and any(a >= b for a, b in zip(lo, hi))) or region in seen:
+            continue
+        seen.add(region)
+        pieces.append((buffer,
+                       tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, box)),
+                       tuple(slice(a - d0, b - d0) for a, b, (d0, _) in zip(lo, hi, dst_box)),
+                       math.prod(b - a for a, b in region)))
+    return pieces
+
+
+async def _assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.ndarray]]],
+                         result: asyncio.Future[np.ndarray]) -> None:
+    try:
+        values = await asyncio.gather(*(p for _, p in pieces))
+        if len(values) == 1 and pieces[0][0] == tuple((0, d) for d in array.shape):
+            host = values[0]
+        else:
+            dtype = object if array.dtype.is_string else array.dtype.numpy
+            host = np.empty(array.shape, dtype=dtype)
+            for (box, _), value in zip(pieces, values):
+                host[sh.box_slices(box)] = value
+        if not result.done():
+            result.set_result(host)
+    except Exception as e:  # noqa: BLE001
+        if not result.done():
+            result.set_exception(_as_error(e, "fetching the array"))
+
+
+async def _settle(work: Awaitable[object], result: asyncio.Future[None]) -> None:
+    try:
+        await work
+        if not result.done():
+            result.set_result(None)
+    except Exception as e:  # noqa: BLE001
+        if not result.done():
+            result.set_exception(_as_error(e, "waiting for the array"))

@@ -1,0 +1,138 @@
+"""Programs: compiling them for a session and running them, with each argument mapped onto
+the program's devices and a new array (one buffer group) made for each output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+from isthmus import errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
+from isthmus.controller.controller import Executable
+from isthmus.controller.session_arrays import SessionArrays
+from isthmus.ids import BufferId, WorkerId
+from isthmus.worker.programs import CompileRequest
+
+
+class SessionPrograms(SessionArrays):
+    """Compiling and executing a session's programs."""
+
+    # ---- programs ------------------------------------------------------------------------
+
+    def compile(self, request: CompileRequest) -> Executable:
+        devices = self.fleet.devices_of(request.device_ids)
+        if len(set(d.id for d in devices)) != len(devices):
+            raise errors.InvalidRequest(
+                "the program's device assignment names a device twice; give each device once.")
+        executable = self.controller.executable(request, devices)
+        self._executables.append(executable)
+        return executable
+
+    def release_executable(self, executable: Executable) -> None:
+        if executable in self._executables:
+            self._executables.remove(executable)
+            self.controller.release_executable(executable)
+
+    def execute(self, executable: Executable, args: Sequence[Array],
+                non_donatable: frozenset[int] = frozenset()) -> tuple[list[Array], Callable[
+                    [], Awaitable[None]]]:
+        """Runs a compiled program; returns its outputs and a way to wait for completion."""
+        info = executable.info
+        if info is None:
+            raise errors.InvalidRequest(
+                "the executable has not finished compiling; wait for its ready future first.")
+        if len(args) != len(info.params):
+            raise errors.InvalidRequest(
+                f"the program takes {len(info.params)} arguments but {len(args)} were given.")
+        refs: list[int | tuple[BufferId, ...]] = []
+        for index, (array, aval) in enumerate(zip(args, info.params)):
+            if array.dtype != aval.dtype or array.shape != aval.shape:
+                raise errors.InvalidRequest(
+                    f"argument {index} is {array.dtype.kind}{list(array.shape)} but the program "
+                    f"expects {aval.dtype.kind}{list(aval.shape)}.")
+            refs.append(self._argument(executable, index, array))
+        outputs = self._outputs(executable)
+        donated = frozenset(info.donated_inputs) - non_donatable
+        copy_first = frozenset(info.donated_inputs) & non_donatable
+        dependencies: list[BufferGroup | asyncio.Future] = list(groups_of(args))
+        results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
+
+        def run() -> None:
+            error = first_error(args) or self.fleet.unavailable(executable.devices)
+            if error is not None:
+                for out in outputs:
+                    out.group.error = error  # type: ignore[union-attr]
+                return
+            self.controller.ensure_loaded(executable)
+            self.fleet.multicast(executable.workers, "execute", executable.id, tuple(refs),
+                                 results, copy_first)
+            for index in donated:
+                args[index].consume()
+
+        self.dispatcher.submit(dependencies, run)
+
+        async def status() -> None:
+            await self.dispatcher.flush()
+            by_worker: dict[WorkerId, list[BufferId]] = {}
+            for out in outputs:
+                group = out.group
+                assert group is not None
+                error = group.first_error()
+                if error is not None:
+                    raise error
+                if group.freed or group.deleted:
+                    continue
+                for worker, part in executable.parts.items():
+                    by_worker.setdefault(worker, []).extend(
+                        BufferId(group.base + p) for p in part
+                        if not (group.freed_position(p) or group.deleted_position(p)))
+            await asyncio.gather(*(self.fleet.channel(w).ready(ids)
+                                   for w, ids in by_worker.items() if ids))
+
+        return outputs, status
+
+    def _argument(self, executable: Executable, index: int, array: Array
+                  ) -> int | tuple[BufferId, ...]:
+        """How workers find an argument's shards: its group base when the array is a whole
+        group on the program's devices in their order, else one buffer id per position."""
+        devices = array.sharding.devices
+        if array.group is not None and (devices is executable.device_ids
+                                        or tuple(devices) == executable.device_ids):
+            return array.group.base
+        positions = executable.positions
+        slots: list[BufferId | None] = [None] * len(executable.devices)
+        for buffer in array.shards:
+            p = positions.get(buffer.device.id)
+            if p is not None and slots[p] is None:
+                slots[p] = buffer.id
+        if any(s is None for s in slots):
+            raise errors.InvalidRequest(
+                f"argument {index} lives on devices {list(devices)} but the program runs on "
+                f"{list(executable.device_ids)}; put the argument on the program's devices "
+                "first.")
+        return tuple(slots)  # type: ignore[arg-type]
+
+    def _outputs(self, executable: Executable) -> list[Array]:
+        """New arrays for a program's outputs: one group each, over the program's devices."""
+        info = executable.info
+        assert info is not None
+        if executable.output_specs is None:
+            device_ids = executable.device_ids
+            specs = []
+            for index, aval in enumerate(info.outputs):
+                memory_kind = (info.output_memory_kinds[index]
+                               if index < len(info.output_memory_kinds) else None)
+                if info.output_shardings is None or len(device_ids) == 1:
+                    sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind)
+                else:
+                    sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind,
+                                           info.output_shardings[index])
+                nbytes = sh.shard_nbytes(sharding, aval.shape, aval.dtype.itemsize)
+                specs.append((aval, sharding, nbytes))
+            executable.output_specs = specs
+        return [self._own(aval.dtype, aval.shape, sharding,
+                          self.controller.new_group(executable.devices, nbytes,
+                                                    sharding.memory_kind, executable.workers))
+                for aval, sharding, nbytes in executable.output_specs]

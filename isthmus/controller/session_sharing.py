@@ -1,0 +1,135 @@
+"""Arrays over existing buffers: disassembling, assembling, taking a fully replicated shard
+and remapping make new arrays over the same shards, with no device work.
+
+An array that is a whole group counts as one more holder of the group; one made of shards of
+other arrays holds each of its `Buffer` views one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from isthmus import dtypes, errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array, Buffer, first_error, whole_group
+from isthmus.controller.session_arrays import SessionArrays
+
+
+class SessionSharing(SessionArrays):
+    """New arrays over the shards of a session's arrays."""
+
+    # ---- arrays over existing buffers ----------------------------------------------------
+
+    def _share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+               buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array:
+        group = whole_group(buffers)
+        if group is not None:
+            group.refs += 1
+            array = Array(dtype, shape, sharding, group, error=error)
+        else:
+            for buffer in buffers:
+                shared = buffer.group
+                if shared.shard_refs is None:
+                    shared.shard_refs = {}
+                shared.shard_refs[buffer.position] = shared.shard_refs.get(buffer.position, 0) + 1
+            array = Array(dtype, shape, sharding, parts=tuple(buffers), error=error)
+        self._arrays.add(array)
+        return array
+
+    def disassemble(self, array: Array, donate: bool = False) -> list[Array]:
+        """One single-device array per shard, in the order of the sharding's devices."""
+        boxes = sh.shard_boxes(array.sharding, array.shape)
+        result = [
+            self._share(array.dtype, sh.shard_shape(box),
+                        sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
+                        [buffer], array.error)
+            for buffer, box in zip(array.shards, boxes)]
+        if donate:
+            self._donate(array)
+        return result
+
+    def assemble(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
+                 parts: Sequence[Array], donate: bool = False) -> Array:
+        """An array made of single-device arrays (one per device of `sharding`)."""
+        shape = self.validate_shape(dtype, shape)
+        boxes = sh.shard_boxes(sharding, shape)
+        by_device: dict[int, Array] = {}
+        for part in parts:
+            if len(part.shards) != 1:
+                raise errors.InvalidRequest(
+                    "assembling takes single-device arrays, but one of them has "
+                    f"{len(part.shards)} shards; disassemble it first.")
+            by_device[part.shards[0].device.id] = part
+        buffers = []
+        for device_id, box in zip(sharding.devices, boxes):
+            part = by_device.get(device_id)
+            if part is None:
+                raise errors.InvalidRequest(
+                    f"no single-device array was given for device {device_id} of the "
+                    "sharding; pass one array per device of the sharding.")
+            if part.shape != sh.shard_shape(box) or part.dtype != dtype:
+                raise errors.InvalidRequest(
+                    f"the array for device {device_id} has shape {part.shape} and dtype "
+                    f"{part.dtype.kind}, but the sharding needs {sh.shard_shape(box)} and "
+                    f"{dtype.kind} there.")
+            buffers.append(part.shards[0])
+        error = first_error(a for a in parts if a.error is not None)
+        result = self._share(dtype, shape, sharding, buffers, error)
+        if donate:
+            for part in parts:
+                self._donate(part)
+        return result
+
+    def fully_replicated_shard(self, array: Array, donate: bool = False) -> Array:
+        if not sh.is_fully_replicated(array.sharding, array.shape):
+            raise errors.InvalidRequest(
+                "the array is not fully replicated, so no single shard holds all of it; "
+                "reshard it to a replicated sharding first.")
+        buffer = array.shards[0]
+        result = self._share(array.dtype, array.shape,
+                             sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
+                             [buffer], array.error)
+        if donate:
+            self._donate(array)
+        return result
+
+    def remap(self, inputs: Sequence[Array],
+              outputs: Sequence[tuple[dtypes.DType, tuple[int, ...], sh.Sharding]],
+              mappings: Sequence[tuple[int, int, range, range]], donate: bool = False
+              ) -> list[Array]:
+        """New arrays whose shards are shards of the inputs, as a remap plan says.
+
+        Each mapping is (input index, output index, input shard range, output shard range).
+        """
+        slots: list[list[Buffer | None]] = [[None] * len(spec[2].devices) for spec in outputs]
+        for in_index, out_index, src, dst in mappings:
+            if not (0 <= in_index < len(inputs) and 0 <= out_index < len(outputs)):
+                raise errors.InvalidRequest(
+                    f"the remap plan maps array {in_index} to array {out_index}, outside the "
+                    f"{len(inputs)} inputs and {len(outputs)} outputs.")
+            if len(src) != len(dst):
+                raise errors.InvalidRequest(
+                    "a remap plan interval maps a different number of shards than it "
+                    "receives; make both intervals the same length.")
+            shards = inputs[in_index].shards
+            for s, d in zip(src, dst):
+                if not (0 <= s < len(shards) and 0 <= d < len(slots[out_index])):
+                    raise errors.InvalidRequest(
+                        f"the remap plan names shard {s} -> {d}, outside the arrays' shards.")
+                slots[out_index][d] = shards[s]
+        result = []
+        for (dtype, shape, sharding), buffers in zip(outputs, slots):
+            if any(b is None for b in buffers):
+                raise errors.InvalidRequest(
+                    "the remap plan leaves some output shards unmapped; map every shard.")
+            for device_id, buffer in zip(sharding.devices, buffers):
+                if buffer is not None and buffer.device.id != device_id:
+                    raise errors.InvalidRequest(
+                        f"the remap plan puts a shard held on device {buffer.device.id} at "
+                        f"the place of device {device_id}; remapping cannot move data.")
+            error = first_error(a for a in inputs if a.error is not None)
+            result.append(self._share(dtype, shape, sharding, buffers, error))  # type: ignore[arg-type]
+        if donate:
+            for array in inputs:
+                self._donate(array)
+        return result
