@@ -11,6 +11,11 @@ once, inside the call that submits it: the common case costs no task and no hand
 
 Invariant: a waiting group always resolves, with data or with an error (host buffers have a
 deadline), so the queue never stalls forever.
+
+Flow control: the stock client never waits for its uploads, so a loop that puts fresh host
+data every step can run arbitrarily far ahead of the uploads (each waits in a client thread).
+When `QUEUE_HIGH` operations wait here, `has_room` turns false and the session's stream is not
+read until fewer than `QUEUE_LOW` wait: the client blocks in its own stream write.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from isthmus.controller.arrays import BufferGroup
 logger = logging.getLogger(__name__)
 
 Operation = Callable[[], None]
+QUEUE_HIGH = 256  # operations waiting for host data at which the session stops reading
+QUEUE_LOW = 64  # ... and under which it reads again
 # What an operation may wait for: a buffer group (until it is defined) or any future.
 Dependency = BufferGroup | asyncio.Future
 
@@ -42,6 +49,15 @@ class OrderedDispatcher:
         self._queue: collections.deque[tuple[tuple[Dependency, ...], Operation]] = (
             collections.deque())
         self._drainer: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()
+        self._room.set()
+
+    @property
+    def has_room(self) -> bool:
+        return self._room.is_set()
+
+    async def wait_for_room(self) -> None:
+        await self._room.wait()
 
     def submit(self, inputs: Iterable[Dependency], operation: Operation) -> None:
         inputs = tuple(inputs)
@@ -49,6 +65,8 @@ class OrderedDispatcher:
             _run(operation)
             return
         self._queue.append((inputs, operation))
+        if len(self._queue) >= QUEUE_HIGH:
+            self._room.clear()
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
@@ -62,7 +80,10 @@ class OrderedDispatcher:
                     # future itself); waiting is all this does.
                     await asyncio.wait([waiting])
             self._queue.popleft()
+            if len(self._queue) < QUEUE_LOW:
+                self._room.set()
             _run(operation)
+        self._room.set()
 
     async def flush(self) -> None:
         """Waits until every submitted operation has run."""

@@ -66,6 +66,15 @@ class FrontendSession:
 
     # ---- the request loop ----------------------------------------------------------------
 
+    @property
+    def has_room(self) -> bool:
+        """False while too many of this session's operations wait for their host data: the
+        stream should not be read until `wait_for_room` returns (flow control)."""
+        return self.ctl.dispatcher.has_room
+
+    async def wait_for_room(self) -> None:
+        await self.ctl.dispatcher.wait_for_room()
+
     def handle(self, request: Any) -> None:
         """Handles one request; its response is sent now or when its work completes."""
         self.requests += 1

@@ -67,6 +67,7 @@ class Register:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Heartbeat:
     stats: dict[str, int]
+    applied: int = 0  # weight of the commands applied (flow control), as in `Applied`
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -144,6 +144,10 @@ class RemoteWorker:
                 self._flow.report(self.slot, self.sent - self.applied)
         elif isinstance(message, m.Heartbeat):
             self.reported = message.stats
+            if message.applied > self.applied:  # what `Applied` left unreported
+                self.applied = message.applied
+                if self._flow is not None:
+                    self._flow.report(self.slot, self.sent - self.applied)
         elif isinstance(message, m.SharedDir):
             if self.probe is not None and message.path == self.probe[0]:
                 self.shared_dir = message.path

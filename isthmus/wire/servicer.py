@@ -45,6 +45,11 @@ SERVER_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Flow control: a session stream that is not read must soon block the client's writes.
+    # gRPC grows a stream's receive window to the bandwidth-delay product, which let the
+    # client queue thousands of requests (and start as many upload threads) ahead.
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 1 << 16),
 )
 
 
@@ -90,8 +95,12 @@ class IfrtProxyServicer:
             flow = self.frontend.flow
             async for request in requests:
                 session.handle(request)
-                if not flow.is_open:  # a worker is far behind: let the client wait
+                # Flow control: when a worker is far behind, or this session's uploads are,
+                # the client waits in its own stream write.
+                if not flow.is_open:
                     await flow.wait()
+                if not session.has_room:
+                    await session.wait_for_room()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session

@@ -74,6 +74,13 @@ class WorkerAgent:
         # collective groups: after a re-formation a program is compiled again on first use.
         self._programs: dict[int, CompileRequest] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Requests that wait for computations (Ready, Fetch, FetchFile) and their tasks: when
+        # the group re-forms, those still waiting are asked again of the new host, where a
+        # computation stuck on a lost peer has become an error (it would never finish here).
+        self._waits: dict[int, tuple[Any, asyncio.Task[Any]]] = {}
+        # Set when a FormGroup has arrived behind the commands being applied: the current
+        # group is on its way out, and nothing waits for its computations any more.
+        self._superseded = asyncio.Event()
         self._link = ControllerLink(config.controller)
         self._peers = PeerClient()
         self._data = PeerDataServer(self._serve_buffer)
@@ -190,17 +197,32 @@ class WorkerAgent:
 
     async def _heartbeat(self, interval: float) -> None:
         while True:
-            self._link.send(m.Heartbeat(self.host.stats() if self.host else {}))
+            self._acked = self._applied
+            self._link.send(m.Heartbeat(self.host.stats() if self.host else {}, self._applied))
             await asyncio.sleep(interval)
 
     async def _read(self, messages: Any) -> None:
+        """Reads the stream while `_apply_in_order` applies it, so that a FormGroup is seen
+        even while the applier waits for a computation of the group it replaces."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        applier = asyncio.get_running_loop().create_task(self._apply_in_order(queue))
         try:
             async for message in messages:
-                await self._handle(message)
+                if isinstance(message, m.FormGroup):
+                    self._superseded.set()
+                queue.put_nowait(message)
+            queue.put_nowait(None)
+            await applier
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the controller is gone or dropped us
             logger.warning("the stream to the controller ended: %s", e)
+        finally:
+            applier.cancel()
+
+    async def _apply_in_order(self, queue: asyncio.Queue[Any]) -> None:
+        while (message := await queue.get()) is not None:
+            await self._handle(message)
 
     # ---- messages ------------------------------------------------------------------------
 
@@ -210,7 +232,7 @@ class WorkerAgent:
                 if isinstance(command, m.Execute):
                     await self._load(command.executable)
                     if self.host is not None and self.host.is_collective(command.executable):
-                        await self.host.collective_settled()
+                        await self.host.collective_settled(self._superseded)
                 try:
                     self._apply(command)
                 except Exception as e:  # noqa: BLE001
@@ -247,7 +269,9 @@ class WorkerAgent:
     def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
         self._link.send(m.Reply(request, value, error))
 
-    def _spawn(self, request: int, work: Any) -> None:
+    def _spawn(self, request: int, work: Any, command: Any = None) -> None:
+        """Runs `work` as a task and answers `request` with its outcome. With `command`
+        (a wait for computations), the request is asked again if the group re-forms."""
         async def run() -> None:
             try:
                 value = await work
@@ -264,6 +288,9 @@ class WorkerAgent:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if command is not None:
+            self._waits[request] = (command, task)
+            task.add_done_callback(lambda _: self._waits.pop(request, None))
 
     def _require_host(self) -> DeviceHost:
         if self.host is None:
@@ -311,14 +338,14 @@ class WorkerAgent:
             if host.all_ready(c.buffers):  # the common case of a small step: answer now
                 self._reply(c.request)
             else:
-                self._spawn(c.request, host.ready(c.buffers))
+                self._spawn(c.request, host.ready(c.buffers), c)
         elif isinstance(c, m.Fetch):
-            self._spawn(c.request, self._send_buffer(c.request, host.fetch(c.buffer)))
+            self._spawn(c.request, self._send_buffer(c.request, host.fetch(c.buffer)), c)
         elif isinstance(c, m.PutFile):
             value = map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
             self._spawn(c.request, host.put(c.buffer, c.device, value, c.memory_kind))
         elif isinstance(c, m.FetchFile):
-            self._spawn(c.request, self._write_buffer(host.fetch(c.buffer), c.path))
+            self._spawn(c.request, self._write_buffer(host.fetch(c.buffer), c.path), c)
         elif isinstance(c, m.Pull):
             self._spawn(c.request, self._pull(host, c))
         else:
@@ -410,6 +437,12 @@ class WorkerAgent:
             await old.settle_writes()  # host data still being placed lands in `old` first
             moved = await asyncio.get_running_loop().run_in_executor(None, new.adopt, old)
             logger.info("moved %s buffers into the new collective group", moved)
+            # Waits still pending are on computations the old group never finished: ask
+            # them again here, where such buffers now hold their error.
+            for command, task in list(self._waits.values()):
+                task.cancel()
+                self._apply(command)
+        self._superseded.clear()
 
 
 def _reads(path: str, token: str) -> bool:

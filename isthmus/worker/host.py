@@ -439,7 +439,7 @@ class DeviceHost:
         loaded = self._executables.get(executable_id)
         return isinstance(loaded, _Loaded) and len(loaded.devices) > 1
 
-    async def collective_settled(self) -> None:
+    async def collective_settled(self, superseded: asyncio.Event | None = None) -> None:
         """Waits until the last program over several devices has finished.
 
         XLA:CPU runs the devices of a program on a shared thread pool and meets them in an
@@ -447,12 +447,19 @@ class DeviceHost:
         cores, the pool fills with devices of later steps waiting for devices that cannot
         get a thread, and every step hangs. One program over several devices in flight at
         a time (other work keeps flowing) rules that out; the worker's backlog then slows
-        the client through flow control instead.
+        the client through flow control instead. Once `superseded` is set (the group is
+        being replaced; the computation may wait for a lost peer forever) it waits no more.
         """
         pending = [v for v in self._last_collective if not v.is_ready()]
-        if pending:
-            await asyncio.get_running_loop().run_in_executor(self._pool, _block_all, pending)
         self._last_collective = []
+        if not pending or (superseded is not None and superseded.is_set()):
+            return
+        waits = [asyncio.get_running_loop().run_in_executor(self._pool, _block_all, pending)]
+        if superseded is not None:
+            waits.append(asyncio.ensure_future(superseded.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits[1:]:
+            wait.cancel()
 
     def deliver(self, commands: Any) -> None:
         """Commands shared with other workers (`transport.base.Commands`)."""
