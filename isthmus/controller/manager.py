@@ -72,6 +72,7 @@ class FleetManager:
         self._on_generation = on_generation or (lambda g: None)
         self.members: dict[WorkerId, RemoteWorker] = {}  # slots in the current group
         self._tokens: dict[str, RemoteWorker] = {}  # live memberships by pulse token
+        self._losses: list[str] = []  # losses since the group last formed (for errors)
         fleet.members = set()
         self._services: list[Any] = []  # coordination services of every generation
         self._form_lock = asyncio.Lock()
@@ -214,6 +215,7 @@ class FleetManager:
             "are gone; start a worker for that slice (`isthmus worker --slice "
             f"{device.slice_index}`) and recreate them, or continue on the other slices.")
         logger.warning("%s", error.message)
+        self._losses.append(error.message)
         self.fleet.detach(channel.slot)
         self.members.pop(channel.slot, None)
         self.fleet.members = set(self.members)
@@ -282,9 +284,11 @@ class FleetManager:
             # still in the fleet's outbox go out ahead of the FormGroup.
             self.fleet.flush()
             waits = []
+            reason, self._losses = " ".join(self._losses), []
             for node, channel in enumerate(members):
                 number, future = channel.request()
-                channel.send_now(m.FormGroup(number, generation, address, node, len(members)))
+                channel.send_now(m.FormGroup(number, generation, address, node, len(members),
+                                             reason))
                 channel.hold()
                 channel.forming = True
                 waits.append(future)

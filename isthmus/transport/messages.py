@@ -158,6 +158,7 @@ class FormGroup:
     address: str
     node_id: int
     num_nodes: int
+    reason: str = ""  # why the group re-forms (the losses since the last one), for errors
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

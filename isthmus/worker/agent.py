@@ -87,6 +87,7 @@ class WorkerAgent:
         self._stop = asyncio.Event()
         self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
+        self._form_reason = ""  # why the group being formed re-forms
         self._loop: asyncio.AbstractEventLoop | None = None
         self._applied = 0  # weight of the commands applied in this membership
         self._acked = 0  # ... of which the controller has been told (`Applied`)
@@ -428,6 +429,7 @@ class WorkerAgent:
             return
         self._keep.append(distributed)
         self._next_client = client
+        self._form_reason = message.reason
         self._reply(message.request, [d.id for d in client.local_devices()])
 
     async def _activate(self, mapping: dict[int, int]) -> None:
@@ -435,7 +437,8 @@ class WorkerAgent:
         old, self.host = self.host, new
         if old is not None:
             await old.settle_writes()  # host data still being placed lands in `old` first
-            moved = await asyncio.get_running_loop().run_in_executor(None, new.adopt, old)
+            moved = await asyncio.get_running_loop().run_in_executor(
+                None, new.adopt, old, self._form_reason)
             logger.info("moved %s buffers into the new collective group", moved)
             # Waits still pending are on computations the old group never finished: ask
             # them again here, where such buffers now hold their error.

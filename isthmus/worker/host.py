@@ -94,6 +94,8 @@ class _Loaded:
     devices: tuple[Any, ...]  # jaxlib devices of the whole program, in its order
     arg_shardings: tuple[Any, ...]  # per parameter: a jax sharding to wrap shards with
     positions: tuple[int, ...]  # positions (in the program's device list) held here
+    # Global ids of the program's devices when some are on other hosts (None: all here).
+    span: frozenset[int] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -127,6 +129,9 @@ class DeviceHost:
         self._buffers: dict[BufferId, Any] = {}
         self._executables: dict[ExecutableId, _Loaded | _Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
+        # Outputs of programs that span other hosts -> those programs' devices: when the
+        # group re-forms without one of them, such an output still being computed never will.
+        self._spans: dict[BufferId, frozenset[int]] = {}
         # Output shards of the last program over several devices (see `collective_pending`).
         self._last_collective: list[Any] = []
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
@@ -252,6 +257,9 @@ class DeviceHost:
         # delete() here could free a buffer under a host copy running in another thread.
         for buffer_id in buffer_ids:
             self._buffers.pop(buffer_id, None)
+        if self._spans:
+            for buffer_id in buffer_ids:
+                self._spans.pop(buffer_id, None)
 
     def has(self, buffer_id: BufferId) -> bool:
         return buffer_id in self._buffers
@@ -373,8 +381,11 @@ class DeviceHost:
                 f"device {e} is not in this worker's group; the controller and worker "
                 "disagree, which is a bug in isthmus: please report it.") from None
         executable, info = programs.compile_program(self.client, devices, request)
+        positions = self.local_positions(request.device_ids)
+        span = (frozenset(request.device_ids) if len(positions) < len(request.device_ids)
+                else None)
         return _Loaded(executable, info, devices, programs.arg_shardings(info, devices),
-                       self.local_positions(request.device_ids))
+                       positions, span)
 
     def local_positions(self, device_ids: Sequence[int]) -> tuple[int, ...]:
         """Positions (in a program's device list) of the devices this host holds."""
@@ -432,6 +443,10 @@ class DeviceHost:
         for base, shards in zip(results, per_output):
             for p, shard in zip(positions, shards):
                 self._buffers[BufferId(base + p)] = shard
+        if loaded.span is not None:
+            for base in results:
+                for p in positions:
+                    self._spans[BufferId(base + p)] = loaded.span
         if len(loaded.devices) > 1:
             self._last_collective = [s for shards in per_output for s in shards]
 
@@ -466,11 +481,14 @@ class DeviceHost:
         commands.apply(self)
 
 
-    def adopt(self, old: DeviceHost, wait: float = 5.0) -> int:
+    def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
         """Moves `old`'s buffers into this host's client (a new collective group).
 
-        Blocking; run it in a thread. A buffer not computed within `wait` seconds (its
-        computation may hang on a lost peer) becomes an error buffer. Returns how many moved.
+        Blocking; run it in a thread. A buffer still being computed by a program over a
+        device that is not in the new group waits for a lost peer and never finishes: it
+        becomes an error buffer at once, with `reason` (why the group re-formed). Any other
+        buffer not computed within `wait` seconds becomes an error too. Returns how many
+        moved.
         """
         import threading
         import time
@@ -486,9 +504,17 @@ class DeviceHost:
                 self._buffers[buffer_id] = value
                 continue
             try:
+                span = old._spans.get(buffer_id)
+                if span is not None and not span <= self.devices.keys() and (
+                        not value.is_ready()):
+                    self._buffers[buffer_id] = _Failed(errors.WorkerLost(
+                        f"the computation of this array spanned a worker that was lost "
+                        f"({reason or 'a peer left the collective group'}); recreate it, "
+                        "or continue on the slices that are up."))
+                    continue
                 if not value.is_ready():
-                    # A computation waiting on a lost peer never finishes: wait for it in a
-                    # thread that may be abandoned, up to one deadline for all buffers.
+                    # Wait for it in a thread that may be abandoned, up to one deadline for
+                    # all buffers.
                     waiter = threading.Thread(target=_settle_quietly, args=(value,),
                                               daemon=True)
                     waiter.start()
@@ -506,6 +532,7 @@ class DeviceHost:
                     f"group ({type(e).__name__}: {e}); recreate the array."))
         old._buffers.clear()
         old._executables.clear()
+        old._spans.clear()
         return moved
 
     async def close(self) -> None:

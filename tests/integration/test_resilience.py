@@ -177,9 +177,11 @@ def _pipelined_training(steps, fleet, timeout):
         log = server.log()
     assert "was lost" not in log, log[-4000:]
     assert not status["slices_down"], status["slices_down"]
-    # Same steps, same data; cross-host all-reductions add in another order (gloo).
+    # Same steps, same data; cross-host all-reductions add in another order (gloo). Those
+    # roundings compound over thousands of adam steps: by then the loss is ~1e-4 and the runs
+    # differ by a few 1e-6 (measured: 4.8e-6 after 5000 steps).
     np.testing.assert_allclose(remote["loss_100"], local["loss_100"], rtol=1e-4)
-    np.testing.assert_allclose(remote["final_loss"], local["final_loss"], rtol=5e-2)
+    np.testing.assert_allclose(remote["final_loss"], local["final_loss"], rtol=5e-2, atol=2e-5)
     return status
 
 

@@ -1,0 +1,279 @@
+"""Elastic recovery, measured: python -m bench.elastic [--chaos SECONDS].
+
+Runs `examples/elastic_train.py` (pathwaysutils' elastic Manager, orbax's in-memory
+Snapshotter, a 3-layer MLP data parallel over the slices that are up) through a local fleet
+of 2 slices x 1 host x 4 devices, kills slice 1's worker in the middle of the run and later
+starts a replacement, and breaks both recoveries down from the server's log, the example's
+JSON log and the moments this driver acted:
+
+    loss:     kill -> controller notices -> client sees DATA_LOSS -> Manager's cleanup and
+              health check -> group re-formed -> snapshot restored -> step compiled ->
+              first step on the remaining slice
+    scale-up: replacement started -> joined -> group re-formed -> Manager's monitor sees it
+              -> step boundary -> restore, compile, first step on both slices
+
+`--chaos SECONDS` instead kills a worker every ~10 s for that long while the launcher
+restarts them, then compares every step's loss with an undisturbed run and reports the
+memory of the controller and the workers at the start and the end.
+
+No figure here is a test assertion; `tests/integration/test_chaos.py` (slow) asserts what must
+hold (no crash, equal losses) through `chaos()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from isthmus.cli import child_environment
+from isthmus.testing import LocalServer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "elastic_train.py"
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+class Run:
+    """The example as a client process, with its JSON log followed as it is written."""
+
+    def __init__(self, server: LocalServer, args: list[str], folder: str) -> None:
+        self.log_path = os.path.join(folder, f"run-{time.monotonic_ns()}.jsonl")
+        env = child_environment(server.address)
+        env.pop("XLA_FLAGS", None)
+        self.process = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--log-json", self.log_path, *args], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def records(self, kind: str | None = None) -> list[dict[str, Any]]:
+        try:
+            with open(self.log_path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
+        return [r for r in rows if kind is None or r["kind"] == kind]
+
+    def wait_for(self, what: str, found: Callable[[list[dict[str, Any]]], Any],
+                 timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = found(self.records())
+            if value:
+                return value
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the client ended while waiting for {what}:\n"
+                                   f"{self.process.communicate()[0][-4000:]}")
+            time.sleep(0.02)
+        self.process.kill()
+        raise TimeoutError(f"no {what} within {timeout} s; the client printed:\n"
+                           f"{self.process.communicate()[0][-3000:]}")
+
+    def finish(self, timeout: float) -> str:
+        out, _ = self.process.communicate(timeout=timeout)
+        if self.process.returncode:
+            raise RuntimeError(f"the client failed ({self.process.returncode}):\n{out[-4000:]}")
+        return out
+
+
+def _steps(rows: list[dict[str, Any]], slices: list[int], after: float) -> list[dict]:
+    return [r for r in rows if r["kind"] == "step" and r["slices"] == slices
+            and r["time"] > after]
+
+
+def _pid(server: LocalServer, slice_index: int) -> int:
+    status = server.status()
+    slot = next(d["worker"] for d in status["devices"] if d["slice"] == slice_index)
+    return status["fleet"][str(slot)]["pid"]
+
+
+def log_times(text: str, pattern: str, after: float) -> list[float]:
+    """Times (epoch seconds) of the server-log lines matching `pattern`, after `after`."""
+    found = []
+    for line in text.splitlines():
+        stamp = _STAMP.match(line)
+        if stamp and re.search(pattern, line):
+            when = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            if when.timestamp() > after:
+                found.append(when.timestamp())
+    return found
+
+
+def _formation(log: str, after: float) -> tuple[float, float]:
+    began = log_times(log, r"forming collective group", after)[0]
+    return began, log_times(log, r"collective group \d+ formed", began - 0.001)[0]
+
+
+def recovery(devices_per_host: int = 4, kill_at_step: int = 15, steps: int = 1000,
+             poll_interval: float = 0.5) -> dict[str, dict[str, float]]:
+    """One loss and one scale-up, broken down (seconds)."""
+    # Enough steps to outlast both recoveries; the run ends by itself, so that every
+    # attempt's record (restore, compile, first step) is in its log.
+    args = ["--steps", str(steps), "--snapshot-every", "5", "--poll-interval",
+            str(poll_interval), "--print-every", "1000", "--step-delay", "0.02"]
+    with tempfile.TemporaryDirectory() as folder, LocalServer(
+            devices=None, fleet=(2, 1, devices_per_host),
+            args=["--no-restart", "--log-level", "INFO"]) as server:
+        run = Run(server, args, folder)
+        replacement = None
+        try:
+            run.wait_for(f"step {kill_at_step}", lambda rows: _steps(rows, [0, 1], 0)[
+                kill_at_step - 1:], 180)
+            killed = time.time()
+            os.kill(_pid(server, 1), signal.SIGKILL)
+            first = run.wait_for("a step on slice 0 alone",
+                                 lambda rows: _steps(rows, [0], killed), 40)[0]
+            run.wait_for("5 more steps", lambda rows: _steps(rows, [0], killed)[4:], 60)
+            started = time.time()
+            replacement = subprocess.Popen(
+                [sys.executable, "-m", "isthmus.cli", "worker", "--controller",
+                 server.address.removeprefix("grpc://"), "--slice", "1", "--devices",
+                 str(devices_per_host)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            back = run.wait_for("a step on both slices again",
+                                lambda rows: _steps(rows, [0, 1], started), 120)[0]
+            run.finish(timeout=300)
+            rows, log = run.records(), server.log()
+        finally:
+            if run.process.poll() is None:
+                run.process.kill()
+                run.process.wait()
+            if replacement is not None:
+                replacement.kill()
+                replacement.wait()
+    attempts = {r["attempt"]: r for r in rows if r["kind"] == "attempt"}
+    errors = [r for r in rows if r["kind"] == "error" and r["time"] > killed]
+    after_loss, after_join = attempts[first["attempt"]], attempts[back["attempt"]]
+    formed_loss = _formation(log, killed)
+    joined = log_times(log, r"joined as slice 1", started)[0]
+    formed_join = _formation(log, joined)
+    signalled = attempts[back["attempt"] - 1]["ended"]
+    return {
+        "loss": {
+            "controller notices the loss": log_times(log, r"was lost", killed)[0] - killed,
+            "client sees DATA_LOSS": (errors[0]["time"] - killed) if errors else float("nan"),
+            "group re-formed (in parallel)": formed_loss[1] - formed_loss[0],
+            "Manager cleanup + health check": after_loss["wait_s"],
+            "snapshot restored": after_loss.get("restore_s", 0.0),
+            "step compiled (new mesh)": after_loss["compile_s"],
+            "first step": after_loss["first_step_s"],
+            "total: kill -> first step done": after_loss["first_step_done"] - killed},
+        "scale_up": {
+            "worker started -> joined": joined - started,
+            "group re-formed": formed_join[1] - formed_join[0],
+            "monitor sees it, step boundary": signalled - formed_join[1],
+            "Manager cleanup + health check": after_join["wait_s"],
+            "snapshot restored": after_join.get("restore_s", 0.0),
+            "step compiled (both slices)": after_join["compile_s"],
+            "first step": after_join["first_step_s"],
+            "total: start -> step on all slices": after_join["first_step_done"] - started},
+    }
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _memory(server: LocalServer) -> dict[str, float]:
+    status = server.status()
+    sizes = {"controller": _rss_mib(server.process.pid)}  # type: ignore[union-attr]
+    for slot, entry in sorted(status["fleet"].items()):
+        sizes[f"worker {slot}"] = _rss_mib(entry["pid"])
+    return sizes
+
+
+def chaos(seconds: float = 60.0, every: float = 10.0, devices_per_host: int = 2,
+          step_delay: float = 0.05) -> dict[str, Any]:
+    """Kills a worker every `every` seconds for `seconds` while the launcher restarts it;
+    returns the run's losses beside those of an undisturbed run, and memory figures."""
+    # Enough steps to outlast the kills (a step takes step_delay plus a few ms).
+    steps = int(seconds / step_delay) + 200
+    args = ["--steps", str(steps), "--snapshot-every", "5", "--poll-interval", "0.5",
+            "--print-every", "1000", "--step-delay", str(step_delay)]
+    kills: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as folder:
+        with LocalServer(devices=None, fleet=(2, 1, devices_per_host)) as server:
+            run = Run(server, args, folder)
+            run.wait_for("the first 20 steps", lambda rows: _steps(rows, [0, 1], 0)[19:], 180)
+            memory_before = _memory(server)
+            began = time.monotonic()
+            victim = 1
+            while time.monotonic() - began < seconds and run.process.poll() is None:
+                time.sleep(every)
+                status = server.status()
+                if str(victim) in status["slices_down"]:
+                    continue  # still restarting from the last kill
+                os.kill(_pid(server, victim), signal.SIGKILL)
+                kills.append({"slice": victim, "at_s": time.monotonic() - began})
+                victim = 1 - victim
+            output = run.finish(timeout=600)
+            time.sleep(1.0)  # the last heartbeats
+            memory_after = _memory(server)
+            disturbed = run.records()
+        with LocalServer(devices=None, fleet=(2, 1, devices_per_host)) as server:
+            reference = Run(server, [*args[:-2], "--step-delay", "0"], folder)
+            reference.finish(timeout=600)
+            undisturbed = reference.records()
+    losses = {r["step"]: r["loss"] for r in disturbed if r["kind"] == "step"}
+    expected = {r["step"]: r["loss"] for r in undisturbed if r["kind"] == "step"}
+    worst = max(abs(losses[s] - expected[s]) / max(abs(expected[s]), 1e-12) for s in expected
+                if s in losses)
+    return {"steps": steps, "kills": kills, "steps_logged": len(losses),
+            "steps_run": sum(1 for r in disturbed if r["kind"] == "step"),
+            "attempts": sum(1 for r in disturbed if r["kind"] == "attempt"),
+            "worst_relative_loss_difference": worst, "losses": losses, "expected": expected,
+            "memory_mib_before": memory_before, "memory_mib_after": memory_after,
+            "tail": output[-1500:]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chaos", type=float, metavar="SECONDS",
+                        help="kill a worker every ~10 s for this long instead")
+    parser.add_argument("--rounds", type=int, default=3, help="recoveries to take medians of")
+    args = parser.parse_args()
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.chaos:
+        result = chaos(args.chaos)
+        print(f"{len(result['kills'])} kills in {args.chaos:g} s; {result['steps_run']} steps "
+              f"run for {result['steps']} in {result['attempts']} attempts; worst relative "
+              f"loss difference from an undisturbed run: "
+              f"{result['worst_relative_loss_difference']:.2e}")
+        print(f"{'memory (MiB RSS)':24}{'start':>10}{'end':>10}")
+        for name, before in result["memory_mib_before"].items():
+            print(f"{name:24}{before:10.0f}{result['memory_mib_after'].get(name, float('nan')):10.0f}")
+        (out / "chaos.json").write_text(json.dumps(result, indent=2, default=str))
+        return 0
+    rounds = [recovery() for _ in range(args.rounds)]
+    import statistics
+
+    print(f"elastic recovery on a 2 x 1 x 4 fleet (examples/elastic_train.py), seconds, "
+          f"median of {len(rounds)} (min - max):")
+    for phase in rounds[0]:
+        print(f"\n{phase}:")
+        for key in rounds[0][phase]:
+            values = [r[phase][key] for r in rounds]
+            print(f"  {key:38}{statistics.median(values):8.2f}   "
+                  f"({min(values):.2f} - {max(values):.2f})")
+    (out / "elastic.json").write_text(json.dumps(rounds, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
