@@ -28,7 +28,6 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -90,11 +89,6 @@ def _steps(rows: list[dict[str, Any]], slices: list[int], after: float) -> list[
             and r["time"] > after]
 
 
-def _pid(server: LocalServer, slice_index: int) -> int:
-    status = server.status()
-    slot = next(d["worker"] for d in status["devices"] if d["slice"] == slice_index)
-    return status["fleet"][str(slot)]["pid"]
-
 
 def log_times(text: str, pattern: str, after: float) -> list[float]:
     """Times (epoch seconds) of the server-log lines matching `pattern`, after `after`."""
@@ -129,7 +123,7 @@ def recovery(devices_per_host: int = 4, kill_at_step: int = 15, steps: int = 100
             run.wait_for(f"step {kill_at_step}", lambda rows: _steps(rows, [0, 1], 0)[
                 kill_at_step - 1:], 180)
             killed = time.time()
-            os.kill(_pid(server, 1), signal.SIGKILL)
+            server.kill_worker(1)
             first = run.wait_for("a step on slice 0 alone",
                                  lambda rows: _steps(rows, [0], killed), 40)[0]
             run.wait_for("5 more steps", lambda rows: _steps(rows, [0], killed)[4:], 60)
@@ -218,7 +212,7 @@ def chaos(seconds: float = 60.0, every: float = 10.0, devices_per_host: int = 2,
                 status = server.status()
                 if str(victim) in status["slices_down"]:
                     continue  # still restarting from the last kill
-                os.kill(_pid(server, victim), signal.SIGKILL)
+                server.kill_worker(victim)
                 kills.append({"slice": victim, "at_s": time.monotonic() - began})
                 victim = 1 - victim
             output = run.finish(timeout=600)

@@ -105,12 +105,52 @@ class LocalServer:
 
         return fetch_status(self.address)
 
+    # ---- fault injection -------------------------------------------------------------
+
+    def worker_pids(self, slice_index: int) -> list[int]:
+        """The pids of the live workers of a slice, by host."""
+        status = self.status()
+        slots = sorted({d["worker"] for d in status["devices"] if d["slice"] == slice_index})
+        return [status["fleet"][str(s)]["pid"] for s in slots if str(s) in status["fleet"]]
+
+    def slice_up(self, slice_index: int) -> bool:
+        return str(slice_index) not in self.status()["slices_down"]
+
+    def kill_worker(self, slice_index: int, host: int = 0,
+                    sig: int = signal.SIGKILL) -> int:
+        """Sends `sig` to a worker of a slice (SIGKILL: a lost host); returns its pid."""
+        pid = self.worker_pids(slice_index)[host]
+        os.kill(pid, sig)
+        return pid
+
     def __enter__(self) -> LocalServer:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def slice_pid(status: dict[str, Any], slice_index: int) -> int | None:
+    """The pid of the first live worker of a slice in a server status, or None."""
+    for slot in sorted({d["worker"] for d in status["devices"] if d["slice"] == slice_index}):
+        entry = status["fleet"].get(str(slot))
+        if entry:
+            return entry["pid"]
+    return None
+
+
+def process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def run_python(code: str, address: str | None, *, timeout: float = 120.0,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from isthmus.cli import child_environment
-from isthmus.testing import LocalServer
+from isthmus.testing import LocalServer, slice_pid
 
 pytest.importorskip("optax", reason="examples/elastic_train.py trains with optax")
 
@@ -26,14 +26,6 @@ SNAPSHOT_EVERY = 5
 TRAIN_ARGS = ["--steps", str(STEPS), "--snapshot-every", str(SNAPSHOT_EVERY),
               "--poll-interval", "0.5", "--print-every", "10"]
 
-
-def _slice_pid(status, slice_index):
-    """The pid of the worker serving `slice_index` (one host per slice), or None."""
-    for slot in sorted({d["worker"] for d in status["devices"] if d["slice"] == slice_index}):
-        entry = status["fleet"].get(str(slot))
-        if entry:
-            return entry["pid"]
-    return None
 
 
 def _records(path):
@@ -91,7 +83,7 @@ class _Run:
                 return records
             if watch_slice1 and self.slice1_up_at is None:
                 status = self.server.status()
-                if "1" not in status["slices_down"] and _slice_pid(status, 1) is not None:
+                if "1" not in status["slices_down"] and slice_pid(status, 1) is not None:
                     self.slice1_up_at = time.time()
             if self.client.poll() is not None:
                 records = _records(self.log_path)
@@ -134,7 +126,7 @@ def test_training_survives_a_lost_slice_and_scales_back_up(tmp_path):
             # minute; the reference run needs none: its losses depend on the step only.
             client = _start_client(server, log_path, out_path, ["--step-delay", "0.1"])
             run = _Run(server, client, log_path, out_path, worker_out)
-            victim = _slice_pid(server.status(), 1)
+            victim = slice_pid(server.status(), 1)
             assert victim is not None, server.status()
             killed_at = _kill_between_steps(run, victim, after=8)
             run.wait_for(lambda r: _steps(r, [0]), 45, "step on slice 0 alone")
@@ -236,7 +228,7 @@ def test_a_slice_lost_in_the_middle_of_a_step(tmp_path):
                 run = _Run(server, client, log_path, out_path)
                 run.wait_for(lambda r: len(_steps(r)) >= 8, 60, "8 steps on 2 slices")
                 killed_at = time.time()
-                os.kill(_slice_pid(server.status(), 1), signal.SIGKILL)
+                os.kill(slice_pid(server.status(), 1), signal.SIGKILL)
                 records = run.wait_for(lambda r: _steps(r, [0]), 30, "step on slice 0 alone")
             finally:
                 _stop(client)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from isthmus.testing import LocalServer
+from isthmus.testing import LocalServer, process_alive
 from tests.integration.harness import compare, run_snippet
 
 
@@ -135,18 +135,8 @@ def small_fleet():
         yield s
 
 
-def _worker_pid(server, slice_index):
-    status = server.status()
-    slots = {d["worker"] for d in status["devices"] if d["slice"] == slice_index}
-    for slot in sorted(slots):
-        entry = status["fleet"].get(str(slot))
-        if entry:
-            return entry["pid"]
-    raise AssertionError(f"no worker for slice {slice_index}: {status['fleet']}")
-
-
 def test_a_killed_worker_fails_its_slice_only_and_its_slice_comes_back(small_fleet):
-    pid = _worker_pid(small_fleet, 1)
+    pid = small_fleet.worker_pids(1)[0]
     address = small_fleet.address
     out = run_snippet(f"""
         import jax, jax.numpy as jnp, os, signal, subprocess, sys, time
@@ -212,9 +202,9 @@ def test_default_fleet_starts_and_stops_without_orphans():
     finally:
         assert server.stop() == 0
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(process_alive(p) for p in pids):
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "workers outlived the controller"
+    assert not any(process_alive(p) for p in pids), "workers outlived the controller"
 
 
 def test_a_worker_can_join_a_running_fleet(small_fleet):
@@ -240,17 +230,6 @@ def test_a_worker_can_join_a_running_fleet(small_fleet):
         worker.terminate()
         worker.wait(30)
 
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 

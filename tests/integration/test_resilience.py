@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -31,15 +30,6 @@ def _wait(predicate, timeout, what):
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
-
-def _slice_pids(server, slice_index):
-    status = server.status()
-    slots = sorted({d["worker"] for d in status["devices"] if d["slice"] == slice_index})
-    return [status["fleet"][str(s)]["pid"] for s in slots if str(s) in status["fleet"]]
-
-
-def _slice_up(server, slice_index):
-    return str(slice_index) not in server.status()["slices_down"]
 
 
 # Slice 1 of a 2x2x2 fleet (devices 4..7, hosts 2 and 3) stays busy with every kind of
@@ -90,18 +80,18 @@ def test_killing_workers_of_one_slice_never_touches_another_busy_slice(tmp_path)
             time.sleep(3.0)  # the client is under way
             for kill in range(KILLS):
                 assert client.poll() is None, f"the client died:\n{client.communicate()}"
-                victim = _slice_pids(server, 0)[kill % 2]
+                victim = server.worker_pids(0)[kill % 2]
                 os.kill(victim, signal.SIGKILL)
-                _wait(lambda: not _slice_up(server, 0), 15, "slice 0 to go down")
+                _wait(lambda: not server.slice_up(0), 15, "slice 0 to go down")
                 replacements.append(subprocess.Popen(
                     [sys.executable, "-m", "isthmus.cli", "worker", "--controller", target,
                      "--slice", "0", "--devices", "2"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-                _wait(lambda: _slice_up(server, 0) and victim not in _slice_pids(server, 0),
+                _wait(lambda: server.slice_up(0) and victim not in server.worker_pids(0),
                       60, f"slice 0 to come back after kill {kill + 1}")
             stop_file.write_text("")
             out, err = client.communicate(timeout=120)
-            assert _slice_up(server, 1) and _slice_up(server, 0)
+            assert server.slice_up(1) and server.slice_up(0)
         finally:
             stop_file.write_text("")
             if client.poll() is None:

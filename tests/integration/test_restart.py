@@ -8,18 +8,10 @@ import time
 
 import numpy as np
 
-from isthmus.testing import LocalServer, run_python
+from isthmus.testing import LocalServer, run_python, slice_pid
 
 FLEET = (2, 1, 2)  # 2 slices x 1 host x 2 devices: slice 1 is devices 2 and 3
 
-
-def _slice_pid(status, slice_index):
-    """The pid of the worker serving `slice_index` (one host per slice), or None."""
-    for slot in sorted({d["worker"] for d in status["devices"] if d["slice"] == slice_index}):
-        entry = status["fleet"].get(str(slot))
-        if entry:
-            return entry["pid"]
-    return None
 
 
 def _wait(server, condition, timeout, what):
@@ -47,10 +39,10 @@ print(json.dumps({"y": np.asarray(y).tolist(), "devices": sorted(d.id for d in y
 
 def test_a_killed_worker_is_restarted_and_its_slice_works_again():
     with LocalServer(devices=None, fleet=FLEET) as server:
-        before = _slice_pid(server.status(), 1)
+        before = slice_pid(server.status(), 1)
         assert before is not None
         os.kill(before, signal.SIGKILL)
-        _wait(server, lambda s: _slice_pid(s, 1) not in (None, before)
+        _wait(server, lambda s: slice_pid(s, 1) not in (None, before)
               and "1" not in s["slices_down"], 60, "slice 1 did not come back")
         result = run_python(PROGRAM, server.address, timeout=60)
         assert result.returncode == 0, result.stderr[-5000:]
@@ -66,15 +58,15 @@ def test_a_killed_worker_is_restarted_and_its_slice_works_again():
 
 def test_with_no_restart_a_killed_worker_stays_dead():
     with LocalServer(devices=None, fleet=FLEET, args=["--no-restart"]) as server:
-        before = _slice_pid(server.status(), 1)
+        before = slice_pid(server.status(), 1)
         assert before is not None
         os.kill(before, signal.SIGKILL)
         _wait(server, lambda s: "1" in s["slices_down"], 30, "slice 1 was not marked down")
         deadline = time.monotonic() + 3.0  # time enough for several restarts, were they on
         while time.monotonic() < deadline:
             status = server.status()
-            assert "1" in status["slices_down"] and _slice_pid(status, 1) is None, status
+            assert "1" in status["slices_down"] and slice_pid(status, 1) is None, status
             time.sleep(0.2)
-        assert _slice_pid(status, 0) is not None and "0" not in status["slices_down"]
+        assert slice_pid(status, 0) is not None and "0" not in status["slices_down"]
         assert "restarting it" not in server.log()
         assert server.alive()

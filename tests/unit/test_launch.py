@@ -11,6 +11,7 @@ import pytest
 
 from isthmus.cli import _head_config, build_parser
 from isthmus.launch import LocalLauncher, RestartPolicy, describe_exit
+from isthmus.testing import process_alive
 
 # Each start appends "<monotonic time> <pid>" to the file named by its first argument.
 RECORD = ("import os, sys, time\n"
@@ -53,17 +54,6 @@ def wait_for(condition, timeout=10.0, what="the condition"):
             raise AssertionError(f"{what} did not happen within {timeout} s")
         time.sleep(0.02)
 
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -156,7 +146,7 @@ def test_a_killed_worker_is_replaced_and_stop_leaves_no_process(tmp_path, launch
     assert "(slice 1, host " in warning and "attempt 1 of 10" in warning, warning
     pids = [pid for s in (0, 1) for _, pid in launcher.starts(s)]
     launcher.stop(timeout=2.0)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
     time.sleep(0.2)  # ten polls: no restart after stop
     assert len(launcher.starts(0)) + len(launcher.starts(1)) == 5
     assert launcher.processes == []
@@ -171,7 +161,7 @@ def test_stop_kills_a_worker_that_ignores_sigterm(tmp_path, launched):
     began = time.monotonic()
     launcher.stop(timeout=0.5)
     assert 0.5 <= time.monotonic() - began < 5.0
-    assert not alive(pid)
+    assert not process_alive(pid)
     assert len(launcher.starts()) == 1
 
 
