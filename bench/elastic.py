@@ -79,6 +79,8 @@ class Run:
 
     def finish(self, timeout: float) -> str:
         out, _ = self.process.communicate(timeout=timeout)
+        with open(self.log_path.replace(".jsonl", ".out"), "w") as f:
+            f.write(out)  # kept beside the JSON log
         if self.process.returncode:
             raise RuntimeError(f"the client failed ({self.process.returncode}):\n{out[-4000:]}")
         return out

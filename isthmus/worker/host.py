@@ -447,15 +447,17 @@ class DeviceHost:
             for base in results:
                 for p in positions:
                     self._spans[BufferId(base + p)] = loaded.span
-        if len(loaded.devices) > 1:
+        if len(positions) > 1:
             self._last_collective = [s for shards in per_output for s in shards]
 
     def is_collective(self, executable_id: ExecutableId) -> bool:
+        """The program runs on several devices of this host (and may meet them in XLA's
+        in-process rendezvous)."""
         loaded = self._executables.get(executable_id)
-        return isinstance(loaded, _Loaded) and len(loaded.devices) > 1
+        return isinstance(loaded, _Loaded) and len(loaded.positions) > 1
 
     async def collective_settled(self, superseded: asyncio.Event | None = None) -> None:
-        """Waits until the last program over several devices has finished.
+        """Waits until the last program over several devices of this host has finished.
 
         XLA:CPU runs the devices of a program on a shared thread pool and meets them in an
         in-process rendezvous for collectives; with many such programs in flight on few
