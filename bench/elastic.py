@@ -217,7 +217,11 @@ def chaos(seconds: float = 60.0, every: float = 10.0, devices_per_host: int = 2,
                 server.kill_worker(victim)
                 kills.append({"slice": victim, "at_s": time.monotonic() - began})
                 victim = 1 - victim
-            output = run.finish(timeout=600)
+            try:
+                output = run.finish(timeout=600)
+            finally:
+                with open(run.log_path.replace(".jsonl", ".server.log"), "w") as f:
+                    f.write(server.log())
             time.sleep(1.0)  # the last heartbeats
             memory_after = _memory(server)
             disturbed = run.records()
