@@ -29,6 +29,7 @@ from isthmus.hostmem import aligned_empty, byte_view, map_file, write_file
 from isthmus.transport import messages as m
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.worker.host import DeviceHost, make_cpu_client
+from isthmus.worker.process import STOP_SIGNALS, exit_now, preload
 from isthmus.worker.programs import CompileRequest
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class WorkerAgent:
         loop = asyncio.get_running_loop()
         # Heavy imports now, before registering: later they would hold the GIL and silence
         # the heartbeats.
-        await loop.run_in_executor(None, _preload)
+        await loop.run_in_executor(None, preload)
         port = await self._data.start(self.config.listen)
         advertise = self.config.advertise or self.config.listen
         register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, self.config.devices,
@@ -174,7 +175,7 @@ class WorkerAgent:
         logger.info("stopping: %s", reason)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.stop)
-        timer = threading.Timer(STOP_GRACE, _exit_now, (EXIT_SHUTDOWN,))
+        timer = threading.Timer(STOP_GRACE, exit_now, (EXIT_SHUTDOWN,))
         timer.daemon = True
         timer.start()
 
@@ -193,7 +194,7 @@ class WorkerAgent:
         for handler in logging.getLogger().handlers:
             handler.flush()
         if not self.config.argv:
-            _exit_now(EXIT_DROPPED)
+            exit_now(EXIT_DROPPED)
         os.execv(self.config.argv[0], list(self.config.argv))
 
     async def _heartbeat(self, interval: float) -> None:
@@ -478,40 +479,6 @@ def _produced(command: Any) -> list[int]:
         if hasattr(command, field) and not isinstance(command, (m.Fetch, m.Fail)):
             return [getattr(command, field)]
     return []
-
-
-def _preload() -> None:
-    import jax  # noqa: F401
-    import jax._src.interpreters.mlir  # noqa: F401 - reading program signatures
-    from jax._src.lax import linalg  # noqa: F401
-    from jaxlib.mlir.dialects import stablehlo  # noqa: F401
-
-
-def exit_with_parent() -> None:
-    """Dies with the parent process (Linux): a local fleet leaves no orphans."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _exit_now(code: int) -> None:
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    os._exit(code)
-
-
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-def block_stop_signals() -> None:
-    """Call first thing in the worker process, before any thread starts: SIGINT and SIGTERM
-    are then taken by `run_worker`'s signal thread, so they work even while the event loop
-    sits inside jaxlib."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 async def run_worker(config: WorkerConfig) -> int:

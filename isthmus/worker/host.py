@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -24,84 +23,12 @@ import numpy as np
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.worker import programs
+from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
+                                  _settle_quietly, _Unloadable, make_cpu_client)
+
+__all__ = ["DeviceHost", "make_cpu_client"]
 
 logger = logging.getLogger(__name__)
-
-
-def make_cpu_client(num_devices: int, **distributed: Any) -> Any:
-    """A jaxlib CPU client on which every custom call jax lowers to is registered.
-
-    jax registers its CPU custom calls (LAPACK, sparse kernels) lazily, when a CPU client is
-    made through `xla_client.make_cpu_client`; importing the modules that own them first
-    queues their registrations.
-    """
-    import jax  # noqa: F401 - registers LAPACK and friends
-    from jax._src.lax import linalg
-    from jax._src.lib import xla_client
-
-    # LAPACK kernels find their functions (scipy's) at initialisation, which jax does while
-    # lowering; a server that only runs programs must do it itself or call null pointers.
-    linalg.initialize_lapack()
-    try:
-        import jax.experimental.sparse  # noqa: F401 - registers the CPU sparse kernels
-    except ImportError:  # pragma: no cover - an optional part of jax
-        pass
-    return xla_client.make_cpu_client(asynchronous=True, num_devices=num_devices, **distributed)
-
-
-class _Failed:
-    """A buffer slot that holds the error which prevented its creation."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: errors.IsthmusError) -> None:
-        self.error = error
-
-
-class _HostArray:
-    """A string array: IFRT keeps these as host objects; no program can take them."""
-
-    __slots__ = ("value", "_deleted")
-
-    def __init__(self, value: np.ndarray) -> None:
-        self.value = value
-        self._deleted = False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(x) for x in self.value.flat)
-
-    def is_ready(self) -> bool:
-        return True
-
-    def block_until_ready(self) -> _HostArray:
-        return self
-
-    def is_deleted(self) -> bool:
-        return self._deleted
-
-    def delete(self) -> None:
-        self._deleted = True
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return self.value
-
-
-@dataclasses.dataclass(slots=True)
-class _Loaded:
-    executable: Any  # jaxlib LoadedExecutable
-    info: programs.CompiledInfo
-    devices: tuple[Any, ...]  # jaxlib devices of the whole program, in its order
-    arg_shardings: tuple[Any, ...]  # per parameter: a jax sharding to wrap shards with
-    positions: tuple[int, ...]  # positions (in the program's device list) held here
-    # Global ids of the program's devices when some are on other hosts (None: all here).
-    span: frozenset[int] | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class _Unloadable:
-    error: errors.IsthmusError  # why the program could not be compiled here
-    positions: tuple[int, ...]  # its positions held here, whose outputs get the error
 
 
 class DeviceHost:
@@ -540,26 +467,3 @@ class DeviceHost:
     async def close(self) -> None:
         self.free(list(self._buffers))
         self._executables.clear()
-
-
-async def _failed(error: errors.IsthmusError) -> Any:
-    raise error
-
-
-async def _done() -> None:
-    return None
-
-
-def _settle_quietly(value: Any) -> None:
-    try:
-        value.block_until_ready()
-    except Exception:  # noqa: BLE001 - the caller reads the error from the value
-        pass
-
-
-def _block_all(values: list[Any]) -> None:
-    for value in values:
-        try:
-            value.block_until_ready()
-        except Exception:  # noqa: BLE001 - reported by the caller's second pass
-            return
