@@ -285,10 +285,12 @@ class FleetManager:
             self.fleet.flush()
             waits = []
             reason, self._losses = " ".join(self._losses), []
+            slots = {c.slot for c in members}
+            gone = tuple(d.id for d in self.fleet.devices if d.worker not in slots)
             for node, channel in enumerate(members):
                 number, future = channel.request()
                 channel.send_now(m.FormGroup(number, generation, address, node, len(members),
-                                             reason))
+                                             reason, gone))
                 channel.hold()
                 channel.forming = True
                 waits.append(future)

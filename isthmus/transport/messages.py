@@ -159,6 +159,7 @@ class FormGroup:
     node_id: int
     num_nodes: int
     reason: str = ""  # why the group re-forms (the losses since the last one), for errors
+    gone: tuple[int, ...] = ()  # global ids of the devices that will not be in the group
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -82,6 +82,8 @@ class WorkerAgent:
         # Set when a FormGroup has arrived behind the commands being applied: the current
         # group is on its way out, and nothing waits for its computations any more.
         self._superseded = asyncio.Event()
+        self._gone: frozenset[int] = frozenset()  # devices the coming group will not have
+        self._pending_reason = ""  # why it re-forms
         self._link = ControllerLink(config.controller)
         self._peers = PeerClient()
         self._data = PeerDataServer(self._serve_buffer)
@@ -211,6 +213,8 @@ class WorkerAgent:
         try:
             async for message in messages:
                 if isinstance(message, m.FormGroup):
+                    self._gone = frozenset(message.gone)
+                    self._pending_reason = message.reason
                     self._superseded.set()
                 queue.put_nowait(message)
             queue.put_nowait(None)
@@ -221,6 +225,9 @@ class WorkerAgent:
             logger.warning("the stream to the controller ended: %s", e)
         finally:
             applier.cancel()
+
+    def _form_reason_pending(self) -> str:
+        return self._pending_reason or "a peer left the collective group"
 
     async def _apply_in_order(self, queue: asyncio.Queue[Any]) -> None:
         while (message := await queue.get()) is not None:
@@ -234,7 +241,18 @@ class WorkerAgent:
                 if isinstance(command, m.Execute):
                     await self._load(command.executable)
                     if self.host is not None and self.host.is_collective(command.executable):
-                        await self.host.collective_settled(self._superseded)
+                        await self.host.collective_settled(command.executable,
+                                                           self._superseded)
+                        if self._superseded.is_set() and self.host.spans_any(
+                                command.executable, self._gone):
+                            # It would wait for a lost peer on a broken communicator.
+                            self.host.fail_outputs(command.executable, command.results,
+                                                   errors.WorkerLost(
+                                f"the program spanned a worker that was lost "
+                                f"({self._form_reason_pending()}); run it again on the slices "
+                                "that are up."))
+                            self._applied += m.weight(command)
+                            continue
                 try:
                     self._apply(command)
                 except Exception as e:  # noqa: BLE001

@@ -374,36 +374,69 @@ class DeviceHost:
             for base in results:
                 for p in positions:
                     self._spans[BufferId(base + p)] = loaded.span
-        if len(positions) > 1:
+        if len(positions) > 1 or loaded.span is not None:
             self._last_collective = [s for shards in per_output for s in shards]
 
-    def is_collective(self, executable_id: ExecutableId) -> bool:
-        """The program runs on several devices of this host (and may meet them in XLA's
-        in-process rendezvous)."""
+    def spans_any(self, executable_id: ExecutableId, device_ids: frozenset[int]) -> bool:
+        """The program runs on some of these devices of other hosts."""
         loaded = self._executables.get(executable_id)
-        return isinstance(loaded, _Loaded) and len(loaded.positions) > 1
+        return (isinstance(loaded, _Loaded) and loaded.span is not None
+                and not loaded.span.isdisjoint(device_ids))
 
-    async def collective_settled(self, superseded: asyncio.Event | None = None) -> None:
-        """Waits until the last program over several devices of this host has finished.
+    def fail_outputs(self, executable_id: ExecutableId, results: Sequence[int],
+                     error: errors.IsthmusError) -> None:
+        """Makes this host's outputs of one run of a program error buffers."""
+        loaded = self._executables.get(executable_id)
+        for base in results:
+            for p in loaded.positions if loaded is not None else ():
+                self.fail(BufferId(base + p), error)
 
-        XLA:CPU runs the devices of a program on a shared thread pool and meets them in an
-        in-process rendezvous for collectives; with many such programs in flight on few
-        cores, the pool fills with devices of later steps waiting for devices that cannot
-        get a thread, and every step hangs. One program over several devices in flight at
-        a time (other work keeps flowing) rules that out; the worker's backlog then slows
-        the client through flow control instead. Once `superseded` is set (the group is
-        being replaced; the computation may wait for a lost peer forever) it waits no more.
+    def is_collective(self, executable_id: ExecutableId) -> bool:
+        """The program runs on several devices of this host, or on devices of other hosts
+        too: it may meet them in collectives."""
+        loaded = self._executables.get(executable_id)
+        return isinstance(loaded, _Loaded) and (
+            len(loaded.positions) > 1 or loaded.span is not None)
+
+    async def collective_settled(self, executable_id: ExecutableId,
+                                 superseded: asyncio.Event) -> None:
+        """Called before dispatching a collective program: waits for the last one, when
+        that is needed, and holds back after one that failed.
+
+        *One at a time over several local devices.* XLA:CPU runs the devices of a program
+        on a shared thread pool and meets them in an in-process rendezvous for collectives;
+        with many such programs in flight on few cores, the pool fills with devices of
+        later steps waiting for devices that cannot get a thread, and every step hangs. So
+        before a program over several devices of this host, the last collective program
+        must have finished; the worker's backlog then slows the client through flow
+        control instead.
+
+        *Nothing new on a broken communicator.* When the last collective program failed
+        (a peer died mid-step), the peer's half-consumed messages still sit in gloo's
+        sockets, and a new collective on the same communicator would read them as its own
+        and abort the process. So after a failure this waits for the group to re-form
+        (`superseded`), for at most HOLD_AFTER_FAILURE seconds (a program's own runtime
+        error must not stall the worker for long).
+
+        Once `superseded` is set (the group is being replaced; a computation may wait for
+        a lost peer forever) nothing waits.
         """
-        pending = [v for v in self._last_collective if not v.is_ready()]
-        self._last_collective = []
-        if not pending or (superseded is not None and superseded.is_set()):
+        values, self._last_collective = self._last_collective, []
+        if not values or superseded.is_set():
             return
-        waits = [asyncio.get_running_loop().run_in_executor(self._pool, _block_all, pending)]
-        if superseded is not None:
-            waits.append(asyncio.ensure_future(superseded.wait()))
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for wait in waits[1:]:
-            wait.cancel()
+        loaded = self._executables.get(executable_id)
+        local = isinstance(loaded, _Loaded) and len(loaded.positions) > 1
+        pending = [v for v in values if not v.is_ready()]
+        if pending and local:
+            await _first(superseded, asyncio.get_running_loop().run_in_executor(
+                self._pool, _block_all, pending))
+            pending = [v for v in values if not v.is_ready()]
+        if not pending and not superseded.is_set() and _any_failed(values):
+            logger.info("a collective program failed; waiting up to %.0f s for the group "
+                        "to re-form before the next one", self.HOLD_AFTER_FAILURE)
+            await _first(superseded, asyncio.sleep(self.HOLD_AFTER_FAILURE))
+
+    HOLD_AFTER_FAILURE = 3.0  # seconds: the controller re-forms within ~0.5 s of a loss
 
     def deliver(self, commands: Any) -> None:
         """Commands shared with other workers (`transport.base.Commands`)."""
@@ -467,3 +500,20 @@ class DeviceHost:
     async def close(self) -> None:
         self.free(list(self._buffers))
         self._executables.clear()
+
+
+async def _first(event: asyncio.Event, other: Any) -> None:
+    """Waits for `other` or for `event`, whichever comes first."""
+    waits = [asyncio.ensure_future(other), asyncio.ensure_future(event.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    waits[1].cancel()
+
+
+def _any_failed(values: list[Any]) -> bool:
+    """Some of these computed arrays hold an error (call only when all are ready)."""
+    for value in values:
+        try:
+            value.block_until_ready()
+        except Exception:  # noqa: BLE001 - the error itself is reported where it is used
+            return True
+    return False
