@@ -127,6 +127,7 @@ class DeviceHost:
                 self._buffers[dst] = _HostArray(value.value)
                 return
             self._buffers[dst] = jax.device_put(value, target, may_alias=False)
+            self._inherit(dst, (src,))
         except Exception as e:  # noqa: BLE001
             self.fail(dst, errors.from_runtime_error(
                 e, errors.ExecutionError, "copying an array between devices failed"))
@@ -158,6 +159,7 @@ class DeviceHost:
                 if memory_kind is not None:
                     result = jax.device_put(result, target)
             self._buffers[dst] = result
+            self._inherit(dst, [src for src, _, _ in parts])
         except Exception as e:  # noqa: BLE001
             self.fail(dst, errors.from_runtime_error(
                 e, errors.ExecutionError, "resharding the array failed"))
@@ -175,9 +177,17 @@ class DeviceHost:
                     "which isthmus does not support; bitcast between same-size dtypes.")
             converted = jax.lax.bitcast_convert_type(value, dtype)
             self._buffers[dst] = converted.reshape(shape)
+            self._inherit(dst, (src,))
         except Exception as e:  # noqa: BLE001
             self.fail(dst, errors.from_runtime_error(
                 e, errors.InvalidRequest, "bitcasting the array failed"))
+
+    def _inherit(self, dst: BufferId, sources: Sequence[BufferId]) -> None:
+        """`dst` is computed from `sources`: it waits for whatever peers they wait for."""
+        if self._spans:
+            spans = [self._spans[s] for s in sources if s in self._spans]
+            if spans:
+                self._spans[dst] = frozenset().union(*spans)
 
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
         # Dropping the reference frees the memory once no in-flight work uses it. An explicit
@@ -370,12 +380,23 @@ class DeviceHost:
         for base, shards in zip(results, per_output):
             for p, shard in zip(positions, shards):
                 self._buffers[BufferId(base + p)] = shard
-        if loaded.span is not None:
+        span = loaded.span
+        if self._spans:  # outputs wait for whatever peers their inputs wait for
+            inputs = [s for ref in args for s in self._spans_of(ref, positions)]
+            if inputs:
+                span = frozenset().union(span or (), *inputs)
+        if span is not None:
             for base in results:
                 for p in positions:
-                    self._spans[BufferId(base + p)] = loaded.span
+                    self._spans[BufferId(base + p)] = span
         if len(positions) > 1 or loaded.span is not None:
             self._last_collective = [s for shards in per_output for s in shards]
+
+    def _spans_of(self, ref: int | Sequence[BufferId], positions: Sequence[int]
+                  ) -> list[frozenset[int]]:
+        ids = ([BufferId(ref + p) for p in positions] if isinstance(ref, int)
+               else [ref[p] for p in positions])
+        return [self._spans[b] for b in ids if b in self._spans]
 
     def spans_any(self, executable_id: ExecutableId, device_ids: frozenset[int]) -> bool:
         """The program runs on some of these devices of other hosts."""
