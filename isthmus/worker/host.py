@@ -185,9 +185,15 @@ class DeviceHost:
     def _inherit(self, dst: BufferId, sources: Sequence[BufferId]) -> None:
         """`dst` is computed from `sources`: it waits for whatever peers they wait for."""
         if self._spans:
-            spans = [self._spans[s] for s in sources if s in self._spans]
+            spans = [self._spans[s] for s in sources if s in self._spans and self._waits(s)]
             if spans:
                 self._spans[dst] = frozenset().union(*spans)
+
+    def _waits(self, buffer_id: BufferId) -> bool:
+        """The buffer is still being computed (a finished one waits for no peer)."""
+        value = self._buffers.get(buffer_id)
+        return value is not None and not isinstance(value, (_Failed, _HostArray)) and (
+            not value.is_ready())
 
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
         # Dropping the reference frees the memory once no in-flight work uses it. An explicit
@@ -396,7 +402,7 @@ class DeviceHost:
                   ) -> list[frozenset[int]]:
         ids = ([BufferId(ref + p) for p in positions] if isinstance(ref, int)
                else [ref[p] for p in positions])
-        return [self._spans[b] for b in ids if b in self._spans]
+        return [self._spans[b] for b in ids if b in self._spans and self._waits(b)]
 
     def spans_any(self, executable_id: ExecutableId, device_ids: frozenset[int]) -> bool:
         """The program runs on some of these devices of other hosts."""
@@ -482,14 +488,22 @@ class DeviceHost:
         moved = 0
         device_ids = {d: g for g, d in old.devices.items()}
         deadline = time.monotonic() + wait
-        for buffer_id, value in list(old._buffers.items()):
+        items = list(old._buffers.items())
+        # A device whose queue holds a computation stuck on a lost peer runs nothing after
+        # it: everything unfinished there is stuck too.
+        stuck_devices = set()
+        for buffer_id, value in items:
+            span = old._spans.get(buffer_id)
+            if (span is not None and not span <= self.devices.keys()
+                    and not isinstance(value, (_Failed, _HostArray)) and not value.is_ready()):
+                stuck_devices.update(value.devices())
+        for buffer_id, value in items:
             if isinstance(value, (_Failed, _HostArray)):
                 self._buffers[buffer_id] = value
                 continue
             try:
-                span = old._spans.get(buffer_id)
-                if span is not None and not span <= self.devices.keys() and (
-                        not value.is_ready()):
+                if stuck_devices and not value.is_ready() and (
+                        not stuck_devices.isdisjoint(value.devices())):
                     self._buffers[buffer_id] = _Failed(errors.WorkerLost(
                         f"the computation of this array spanned a worker that was lost "
                         f"({reason or 'a peer left the collective group'}); recreate it, "
