@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ from isthmus.transport import messages as m
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.worker.host import DeviceHost, make_cpu_client
 from isthmus.worker.process import STOP_SIGNALS, exit_now, preload
+from isthmus.worker.commands import _Incoming, _produced, _reads, _request, _unpack
 from isthmus.worker.programs import CompileRequest
 
 logger = logging.getLogger(__name__)
@@ -53,15 +53,6 @@ class WorkerConfig:
     # The command line that starts this worker afresh (a worker the controller declared
     # lost while it was alive replaces itself with it); empty: it exits instead.
     argv: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(slots=True)
-class _Incoming:
-    buffer: np.ndarray
-    device: int
-    memory_kind: str | None
-    dtype: Any
-    shape: tuple[int, ...]
 
 
 class WorkerAgent:
@@ -465,38 +456,6 @@ class WorkerAgent:
                 task.cancel()
                 self._apply(command)
         self._superseded.clear()
-
-
-def _reads(path: str, token: str) -> bool:
-    """The controller's probe file is here with its contents: we share its machine."""
-    try:
-        with open(path) as f:
-            return f.read() == token
-    except OSError:
-        return False
-
-
-def _request(c: m.Compile | m.Load) -> CompileRequest:
-    return CompileRequest(c.module, c.compile_options, c.device_ids, c.replicas)
-
-
-def _unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
-    """The commands of a batch, with those shared by several workers decoded in place."""
-    for command in commands:
-        if isinstance(command, m.Shared):
-            yield from m.decode(command.data)
-        else:
-            yield command
-
-
-def _produced(command: Any) -> list[int]:
-    """The buffers a command would have made (an Execute fails its own outputs)."""
-    if isinstance(command, m.Execute):
-        return []
-    for field in ("dst", "buffer"):
-        if hasattr(command, field) and not isinstance(command, (m.Fetch, m.Fail)):
-            return [getattr(command, field)]
-    return []
 
 
 async def run_worker(config: WorkerConfig) -> int:

@@ -23,8 +23,8 @@ import numpy as np
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.worker import programs
-from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
-                                  _settle_quietly, _Unloadable, make_cpu_client)
+from isthmus.worker.slots import (_any_failed, _block_all, _done, _failed, _Failed, _first,
+                                  _HostArray, _Loaded, _Unloadable, make_cpu_client)
 
 __all__ = ["DeviceHost", "make_cpu_client"]
 
@@ -471,84 +471,12 @@ class DeviceHost:
 
 
     def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
-        """Moves `old`'s buffers into this host's client (a new collective group).
+        """Moves `old`'s buffers into this host's client (a new collective group); see
+        `isthmus.worker.regroup.adopt`. Blocking; run it in a thread."""
+        from isthmus.worker.regroup import adopt
 
-        Blocking; run it in a thread. A buffer still being computed by a program over a
-        device that is not in the new group waits for a lost peer and never finishes: it
-        becomes an error buffer at once, with `reason` (why the group re-formed). Any other
-        buffer not computed within `wait` seconds becomes an error too. Returns how many
-        moved.
-        """
-        import threading
-        import time
-
-        import jax
-        from jax.sharding import SingleDeviceSharding
-
-        moved = 0
-        device_ids = {d: g for g, d in old.devices.items()}
-        deadline = time.monotonic() + wait
-        items = list(old._buffers.items())
-        # A device whose queue holds a computation stuck on a lost peer runs nothing after
-        # it: everything unfinished there is stuck too.
-        stuck_devices = set()
-        for buffer_id, value in items:
-            span = old._spans.get(buffer_id)
-            if (span is not None and not span <= self.devices.keys()
-                    and not isinstance(value, (_Failed, _HostArray)) and not value.is_ready()):
-                stuck_devices.update(value.devices())
-        for buffer_id, value in items:
-            if isinstance(value, (_Failed, _HostArray)):
-                self._buffers[buffer_id] = value
-                continue
-            try:
-                if stuck_devices and not value.is_ready() and (
-                        not stuck_devices.isdisjoint(value.devices())):
-                    self._buffers[buffer_id] = _Failed(errors.WorkerLost(
-                        f"the computation of this array spanned a worker that was lost "
-                        f"({reason or 'a peer left the collective group'}); recreate it, "
-                        "or continue on the slices that are up."))
-                    continue
-                if not value.is_ready():
-                    # Wait for it in a thread that may be abandoned, up to one deadline for
-                    # all buffers.
-                    waiter = threading.Thread(target=_settle_quietly, args=(value,),
-                                              daemon=True)
-                    waiter.start()
-                    waiter.join(max(0.0, deadline - time.monotonic()))
-                    if not value.is_ready():
-                        raise TimeoutError("still being computed")
-                global_id = device_ids[next(iter(value.devices()))]
-                self._buffers[buffer_id] = jax.device_put(
-                    np.asarray(value), SingleDeviceSharding(
-                        self.devices[global_id], memory_kind=value.sharding.memory_kind))
-                moved += 1
-            except Exception as e:  # noqa: BLE001 - includes the timeout
-                self._buffers[buffer_id] = _Failed(errors.WorkerLost(
-                    f"buffer {buffer_id} could not be moved into the re-formed collective "
-                    f"group ({type(e).__name__}: {e}); recreate the array."))
-        old._buffers.clear()
-        old._executables.clear()
-        old._spans.clear()
-        return moved
+        return adopt(self, old, reason, wait)
 
     async def close(self) -> None:
         self.free(list(self._buffers))
         self._executables.clear()
-
-
-async def _first(event: asyncio.Event, other: Any) -> None:
-    """Waits for `other` or for `event`, whichever comes first."""
-    waits = [asyncio.ensure_future(other), asyncio.ensure_future(event.wait())]
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    waits[1].cancel()
-
-
-def _any_failed(values: list[Any]) -> bool:
-    """Some of these computed arrays hold an error (call only when all are ready)."""
-    for value in values:
-        try:
-            value.block_until_ready()
-        except Exception:  # noqa: BLE001 - the error itself is reported where it is used
-            return True
-    return False

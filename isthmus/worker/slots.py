@@ -7,6 +7,7 @@ A buffer slot holds a jax array, a `_HostArray` (IFRT string arrays stay host ob
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -113,3 +114,20 @@ def _block_all(values: list[Any]) -> None:
             value.block_until_ready()
         except Exception:  # noqa: BLE001 - reported by the caller's second pass
             return
+
+
+async def _first(event: asyncio.Event, other: Any) -> None:
+    """Waits for `other` or for `event`, whichever comes first."""
+    waits = [asyncio.ensure_future(other), asyncio.ensure_future(event.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    waits[1].cancel()
+
+
+def _any_failed(values: list[Any]) -> bool:
+    """Some of these computed arrays hold an error (call only when all are ready)."""
+    for value in values:
+        try:
+            value.block_until_ready()
+        except Exception:  # noqa: BLE001 - the error itself is reported where it is used
+            return True
+    return False

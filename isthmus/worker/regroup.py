@@ -1,0 +1,78 @@
+"""Moving a host's buffers into the jaxlib client of a re-formed collective group.
+
+When the group re-forms, each worker builds a new client and its buffers move across through
+host memory. What was still being computed when the group broke is sorted here: work that
+waits for a peer that is gone never finishes and becomes an error at once; other work is
+given time to finish.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.worker.host import DeviceHost
+from isthmus.worker.slots import _Failed, _HostArray, _settle_quietly
+
+
+def adopt(new: DeviceHost, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
+    """Moves `old`'s buffers into `new`'s client (a new collective group).
+
+    Blocking; run it in a thread. A buffer still being computed by a program over a
+    device that is not in the new group waits for a lost peer and never finishes: it
+    becomes an error buffer at once, with `reason` (why the group re-formed). Any other
+    buffer not computed within `wait` seconds becomes an error too. Returns how many
+    moved.
+    """
+    import threading
+    import time
+
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    moved = 0
+    device_ids = {d: g for g, d in old.devices.items()}
+    deadline = time.monotonic() + wait
+    items = list(old._buffers.items())
+    # A device whose queue holds a computation stuck on a lost peer runs nothing after
+    # it: everything unfinished there is stuck too.
+    stuck_devices = set()
+    for buffer_id, value in items:
+        span = old._spans.get(buffer_id)
+        if (span is not None and not span <= new.devices.keys()
+                and not isinstance(value, (_Failed, _HostArray)) and not value.is_ready()):
+            stuck_devices.update(value.devices())
+    for buffer_id, value in items:
+        if isinstance(value, (_Failed, _HostArray)):
+            new._buffers[buffer_id] = value
+            continue
+        try:
+            if stuck_devices and not value.is_ready() and (
+                    not stuck_devices.isdisjoint(value.devices())):
+                new._buffers[buffer_id] = _Failed(errors.WorkerLost(
+                    f"the computation of this array spanned a worker that was lost "
+                    f"({reason or 'a peer left the collective group'}); recreate it, "
+                    "or continue on the slices that are up."))
+                continue
+            if not value.is_ready():
+                # Wait for it in a thread that may be abandoned, up to one deadline for
+                # all buffers.
+                waiter = threading.Thread(target=_settle_quietly, args=(value,),
+                                          daemon=True)
+                waiter.start()
+                waiter.join(max(0.0, deadline - time.monotonic()))
+                if not value.is_ready():
+                    raise TimeoutError("still being computed")
+            global_id = device_ids[next(iter(value.devices()))]
+            new._buffers[buffer_id] = jax.device_put(
+                np.asarray(value), SingleDeviceSharding(
+                    new.devices[global_id], memory_kind=value.sharding.memory_kind))
+            moved += 1
+        except Exception as e:  # noqa: BLE001 - includes the timeout
+            new._buffers[buffer_id] = _Failed(errors.WorkerLost(
+                f"buffer {buffer_id} could not be moved into the re-formed collective "
+                f"group ({type(e).__name__}: {e}); recreate the array."))
+    old._buffers.clear()
+    old._executables.clear()
+    old._spans.clear()
+    return moved
