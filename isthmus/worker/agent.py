@@ -74,14 +74,13 @@ class WorkerAgent:
         # group is on its way out, and nothing waits for its computations any more.
         self._superseded = asyncio.Event()
         self._gone: frozenset[int] = frozenset()  # devices the coming group will not have
-        self._pending_reason = ""  # why it re-forms
+        self._pending_reason = ""  # why it re-forms (FormGroup.reason)
         self._link = ControllerLink(config.controller)
         self._peers = PeerClient()
         self._data = PeerDataServer(self._serve_buffer)
         self._stop = asyncio.Event()
         self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
-        self._form_reason = ""  # why the group being formed re-forms
         self._loop: asyncio.AbstractEventLoop | None = None
         self._applied = 0  # weight of the commands applied in this membership
         self._acked = 0  # ... of which the controller has been told (`Applied`)
@@ -217,9 +216,6 @@ class WorkerAgent:
         finally:
             applier.cancel()
 
-    def _form_reason_pending(self) -> str:
-        return self._pending_reason or "a peer left the collective group"
-
     async def _apply_in_order(self, queue: asyncio.Queue[Any]) -> None:
         while (message := await queue.get()) is not None:
             await self._handle(message)
@@ -240,7 +236,7 @@ class WorkerAgent:
                             self.host.fail_outputs(command.executable, command.results,
                                                    errors.WorkerLost(
                                 f"the program spanned a worker that was lost "
-                                f"({self._form_reason_pending()}); run it again on the slices "
+                                f"({self._pending_reason or 'a peer left the collective group'}); run it again on the slices "
                                 "that are up."))
                             self._applied += m.weight(command)
                             continue
@@ -439,7 +435,6 @@ class WorkerAgent:
             return
         self._keep.append(distributed)
         self._next_client = client
-        self._form_reason = message.reason
         self._reply(message.request, [d.id for d in client.local_devices()])
 
     async def _activate(self, mapping: dict[int, int]) -> None:
@@ -448,7 +443,7 @@ class WorkerAgent:
         if old is not None:
             await old.settle_writes()  # host data still being placed lands in `old` first
             moved = await asyncio.get_running_loop().run_in_executor(
-                None, new.adopt, old, self._form_reason)
+                None, new.adopt, old, self._pending_reason)
             logger.info("moved %s buffers into the new collective group", moved)
             # Waits still pending are on computations the old group never finished: ask
             # them again here, where such buffers now hold their error.
