@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 
 READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
+# The user's own C++ log level, read before jax is imported (importing jax sets it to 1).
+_USER_LOG_LEVEL = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
 
 logger = logging.getLogger("isthmus.cli")
 
@@ -25,14 +27,16 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0,
                         help="port to listen on; 0 picks a free one (default: 0)")
     parser.add_argument("--devices", type=int, default=None,
-                        help="serve N CPU devices from the server process itself (the "
-                             "embedded backend) instead of a fleet of workers")
+                        help="serve N devices from the server process itself (the embedded "
+                             "backend) instead of a fleet of workers (CPU: default 8 when "
+                             "--devices is not given with a fleet option; CUDA: N GPUs)")
     parser.add_argument("--slices", type=int, default=None,
-                        help="slices of the fleet (default: 2)")
+                        help="slices of the fleet (default: 1)")
     parser.add_argument("--hosts-per-slice", type=int, default=None,
-                        help="worker processes (hosts) per slice (default: 1)")
+                        help="worker processes (hosts) per slice (default: 2)")
     parser.add_argument("--devices-per-host", type=int, default=None,
-                        help="CPU devices per worker (default: 4)")
+                        help="devices per worker (default: 4 CPU devices, or 1 GPU)")
+    _platform_arguments(parser)
     parser.add_argument("--no-launch", action="store_true",
                         help="do not start the workers here; wait for `isthmus worker` "
                              "processes started elsewhere to register")
@@ -61,6 +65,31 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="logging level of the server (default: WARNING)")
 
 
+def _platform_arguments(parser: argparse.ArgumentParser) -> None:
+    from isthmus.worker.platforms import DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS
+
+    parser.add_argument("--platform", choices=PLATFORMS, default="cpu",
+                        help="devices to serve: cpu, cuda (NVIDIA GPUs through jax's CUDA "
+                             "plugin), or auto (cuda where a GPU and the plugin are present, "
+                             "else cpu) (default: cpu)")
+    parser.add_argument("--gpus", default=None,
+                        help="GPUs to use, e.g. 0,1 (default: CUDA_VISIBLE_DEVICES, or all)")
+    parser.add_argument("--gpu-memory-fraction", type=float,
+                        default=DEFAULT_GPU_MEMORY_FRACTION,
+                        help="the share of each GPU a device client may use; a local fleet "
+                             "divides it among the workers that share a GPU (default: "
+                             f"{DEFAULT_GPU_MEMORY_FRACTION})")
+
+
+def _platform(args: argparse.Namespace) -> object:
+    from isthmus.worker.platforms import Platform, parse_gpus
+
+    try:
+        return Platform(args.platform, parse_gpus(args.gpus), args.gpu_memory_fraction)
+    except ValueError as e:
+        raise SystemExit(f"isthmus: {e}")
+
+
 def _head_config(args: argparse.Namespace) -> object:
     from isthmus.controller.controller import ControllerConfig
     from isthmus.controller.manager import FleetSpec
@@ -71,14 +100,23 @@ def _head_config(args: argparse.Namespace) -> object:
     if args.devices is not None and any(f is not None for f in fleet_flags):
         raise SystemExit("isthmus: --devices (embedded backend) and the fleet options "
                          "(--slices, --hosts-per-slice, --devices-per-host) exclude each other")
+    from isthmus.worker.platforms import check_local_cuda, resolve
+
+    platform = _platform(args)
     fleet = None
     if args.devices is None:
         defaults = FleetSpec()
+        # Workers started elsewhere resolve `auto` themselves; the first to register decides.
+        name = platform.name if args.no_launch else resolve(platform.name)  # type: ignore
+        if name == "cuda" and not args.no_launch:
+            check_local_cuda()
+        per_host = defaults.devices_per_host if name == "cpu" else 1
         fleet = FleetSpec(slices=args.slices or defaults.slices,
                           hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
-                          devices_per_host=args.devices_per_host or defaults.devices_per_host)
+                          devices_per_host=args.devices_per_host or per_host, platform=name)
     return HeadConfig(
         host=args.host, port=args.port, devices=args.devices or 8, fleet=fleet,
+        platform=_embedded_platform(args) if args.devices is not None else platform,
         launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         restart=RestartPolicy(enabled=not args.no_restart),
@@ -90,11 +128,28 @@ def _head_config(args: argparse.Namespace) -> object:
 
 
 def _prepare_server_process(args: argparse.Namespace) -> None:
+    from isthmus.worker.platforms import Platform, prepare_process
+
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The server's own jax must never try to reach a proxy (itself).
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.pop("JAX_BACKEND_TARGET", None)
+    # The server's own jax must never try to reach a proxy (itself); an embedded backend
+    # on GPUs makes its CUDA client by hand, with the GPU settings of the options.
+    prepare_process(_embedded_platform(args) if args.devices is not None else Platform())
+
+
+def _embedded_platform(args: argparse.Namespace) -> object:
+    """The embedded backend's platform, `auto` resolved; `--devices N` on CUDA without
+    --gpus or CUDA_VISIBLE_DEVICES takes GPUs 0 to N-1."""
+    import dataclasses
+
+    from isthmus.worker.platforms import resolve
+
+    platform = _platform(args)
+    name = resolve(platform.name)  # type: ignore[attr-defined]
+    gpus = platform.gpus  # type: ignore[attr-defined]
+    if name == "cuda" and gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        gpus = tuple(range(args.devices))
+    return dataclasses.replace(platform, name=name, gpus=gpus)  # type: ignore[type-var]
 
 
 def _stop_event() -> asyncio.Event:
@@ -144,7 +199,8 @@ def child_environment(address: str, base: dict[str, str] | None = None,
     env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
     # Quiet the stock client's C++ warnings (insecure credentials, and a "disconnected:
     # CANCELLED" stack trace at exit that reads like a crash) unless the user set a level.
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    level = env.get("TF_CPP_MIN_LOG_LEVEL") if base is not None else _USER_LOG_LEVEL
+    env["TF_CPP_MIN_LOG_LEVEL"] = level or "2"
     folder = os.path.dirname(bootstrap.__file__)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (folder, env.get("PYTHONPATH", "")) if p)
@@ -188,12 +244,15 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     block_stop_signals()  # before any thread starts
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.pop("JAX_BACKEND_TARGET", None)
+    from isthmus.worker.platforms import prepare_process
+
+    platform = _platform(args)
+    prepare_process(platform)  # before jax is imported: GPUs owned, memory settings
     if args.exit_with_parent:
         exit_with_parent()
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
-                          devices=args.devices, listen=args.listen, advertise=args.advertise,
+                          devices=args.devices, platform=platform,  # type: ignore[arg-type]
+                          listen=args.listen, advertise=args.advertise,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv))
     try:
         return asyncio.run(run_worker(config))
@@ -233,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--controller", required=True, help="HOST:PORT of the controller")
     worker.add_argument("--slice", type=int, default=-1,
                         help="the slice to join (default: any slice with a free host slot)")
-    worker.add_argument("--devices", type=int, default=4, help="CPU devices (default: 4)")
+    worker.add_argument("--devices", type=int, default=4,
+                        help="CPU devices (default: 4); a CUDA worker serves its GPUs")
+    _platform_arguments(worker)
     worker.add_argument("--listen", default="127.0.0.1",
                         help="address for the peer data server (default: 127.0.0.1)")
     worker.add_argument("--advertise", default=None,
@@ -251,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    from isthmus.worker.platforms import PlatformUnavailable
+
     if args.subcommand == "status":
         return _status(args)
     if args.subcommand == "worker":
@@ -262,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:
         return 0
-    except (OSError, TimeoutError) as e:
+    except (OSError, TimeoutError, PlatformUnavailable) as e:
         print(f"isthmus {args.subcommand}: {e}", file=sys.stderr)
         return 1
 

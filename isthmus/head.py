@@ -17,6 +17,7 @@ from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.launch import RestartPolicy
+from isthmus.worker.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class HeadConfig:
     port: int = 0  # 0: pick a free port
     devices: int = 8  # CPU devices of the embedded backend (when fleet is None)
     fleet: FleetSpec | None = None  # serve a fleet of worker processes instead
+    # The embedded backend's devices, or (GPUs, memory share) what launched workers get.
+    platform: Platform = Platform()
     launch_workers: bool = True  # start the fleet's workers on this machine
     restart: RestartPolicy = RestartPolicy()  # restarting launched workers that die
     fleet_timeout: float = 180.0  # seconds to wait for the fleet to be complete
@@ -44,17 +47,20 @@ class HeadConfig:
     shared_dir: str | None = "auto"
 
 
-def embedded_fleet(num_devices: int) -> tuple[Fleet, Any]:
-    """One in-process worker with `num_devices` jaxlib CPU devices."""
-    from isthmus.worker.host import DeviceHost, make_cpu_client
+def embedded_fleet(num_devices: int, platform: str = "cpu") -> tuple[Fleet, Any]:
+    """One in-process worker with `num_devices` jaxlib CPU devices, or the GPUs it sees."""
+    from isthmus.worker.host import DeviceHost
+    from isthmus.worker.platforms import describe_client, make_client
 
     if num_devices < 1:
         raise ValueError(f"--devices must be at least 1, not {num_devices}")
-    client = make_cpu_client(num_devices)
+    client = make_client(platform, num_devices)
     host = DeviceHost(client)
     worker = WorkerId(0)
-    devices = [Device(DeviceId(d.id), worker, d.id, "cpu", d.device_kind, SliceId(0), 0)
-               for d in client.devices()]
+    described = describe_client(platform, client)
+    devices = [Device(DeviceId(d.id), worker, local, platform, described.device_kind,
+                      SliceId(0), 0, described.memory_kinds)
+               for local, d in enumerate(client.local_devices())]
     return Fleet(devices, {worker: host}), host
 
 
@@ -90,7 +96,7 @@ class Head:
         extra_handlers: list[Any] = []
         self.shared_dir = self._make_shared_dir()
         if config.fleet is None:
-            fleet, host = embedded_fleet(config.devices)
+            fleet, host = embedded_fleet(config.devices, config.platform.name)
             self._hosts.append(host)
             controller = Controller(fleet, config.controller)
         else:
@@ -121,7 +127,9 @@ class Head:
 
                 self.launcher = LocalLauncher(self.address.removeprefix("grpc://"),
                                               spec.slices, spec.hosts_per_slice,
-                                              spec.devices_per_host, restart=config.restart)
+                                              spec.devices_per_host, restart=config.restart,
+                                              platform=dataclasses.replace(
+                                                  config.platform, name=spec.platform))
             try:
                 if self.launcher is not None:
                     self.launcher.start()

@@ -24,6 +24,8 @@ import tempfile
 import threading
 import time
 
+from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
+
 logger = logging.getLogger(__name__)
 
 # Inherited settings that would point a worker's jax somewhere other than its own devices.
@@ -85,6 +87,14 @@ class WorkerSlot:
     restart_at: float | None = None  # time.monotonic() of the next start, when one is due
 
 
+def _last_line(path: pathlib.Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return f"(see {path})"
+    return lines[-1] if lines else f"(see {path})"
+
+
 def describe_exit(code: int) -> str:
     """`exit code 3` or `signal SIGKILL`, from a Popen return code."""
     if code >= 0:
@@ -104,8 +114,10 @@ class LocalLauncher:
 
     def __init__(self, controller: str, slices: int, hosts_per_slice: int,
                  devices_per_host: int, log_dir: str | None = None,
-                 restart: RestartPolicy = RestartPolicy()) -> None:
+                 restart: RestartPolicy = RestartPolicy(),
+                 platform: Platform = Platform()) -> None:
         self.controller = controller
+        self.platform = platform
         self.slices = slices
         self.hosts_per_slice = hosts_per_slice
         self.devices_per_host = devices_per_host
@@ -118,11 +130,29 @@ class LocalLauncher:
         self._done = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def command(self, slice_index: int) -> list[str]:
-        """The command line of a worker for `slice_index` (tests override it)."""
+    def command(self, slice_index: int, host: int = 0) -> list[str]:
+        """The command line of the worker of `slice_index`, `host` (tests override it)."""
         return [sys.executable, "-m", "isthmus.cli", "worker", "--controller", self.controller,
                 "--slice", str(slice_index), "--devices", str(self.devices_per_host),
-                "--exit-with-parent"]
+                "--exit-with-parent", *self.platform_options(slice_index, host)]
+
+    def platform_options(self, slice_index: int, host: int) -> list[str]:
+        """`--platform cuda --gpus ...` for a CUDA worker: worker w of the fleet takes GPUs
+        w*D .. w*D+D-1 (D devices per host), wrapping round when there are fewer GPUs than
+        devices, so that workers share GPUs (and divide the memory share) in tests."""
+        if self.platform.name == "cpu":
+            return []
+        gpus = self.platform.gpus or visible_gpus() or (0,)
+        per_host = self.devices_per_host
+        if per_host > len(gpus):
+            raise ValueError(f"{per_host} GPUs per host asked for, {len(gpus)} available "
+                             f"({','.join(map(str, gpus))})")
+        workers = self.slices * self.hosts_per_slice
+        sharing = -(-workers * per_host // len(gpus))  # workers on the busiest GPU
+        first = (slice_index * self.hosts_per_slice + host) * per_host
+        mine = [gpus[(first + k) % len(gpus)] for k in range(per_host)]
+        return ["--platform", self.platform.name, "--gpus", ",".join(map(str, mine)),
+                "--gpu-memory-fraction", f"{self.platform.memory_fraction / sharing:.4g}"]
 
     @property
     def processes(self) -> list[subprocess.Popen[bytes]]:
@@ -203,6 +233,11 @@ class LocalLauncher:
             code = slot.process.poll()
             if code is not None:
                 pid, slot.process = slot.process.pid, None
+                if code == EXIT_PLATFORM_UNAVAILABLE:  # its host cannot serve: no restart
+                    logger.error("worker %s cannot serve %s devices here (slice %s, host %s), "
+                                 "and is not restarted: %s", pid, self.platform.name,
+                                 slot.slice_index, slot.host, _last_line(slot.log_path))
+                    return
                 self._exited(slot, now, f"worker {pid} ended with {describe_exit(code)} "
                                         f"after {now - slot.started_at:.1f} s")
         elif slot.restart_at is not None and now >= slot.restart_at:
@@ -235,8 +270,8 @@ class LocalLauncher:
             slot.started_at = time.monotonic()
             try:
                 slot.process = subprocess.Popen(
-                    self.command(slot.slice_index), stdout=log, stderr=subprocess.STDOUT,
-                    env=self._env)
+                    self.command(slot.slice_index, slot.host), stdout=log,
+                    stderr=subprocess.STDOUT, env=self._env)
             except OSError as e:
                 if not self._restarting:  # the first start: the caller hears of it
                     raise

@@ -65,23 +65,26 @@ class Frontend:
         self._version_response = schema["xla.ifrt.proxy.GrpcGetVersionResponse"]
         self._session_metadata = schema["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]
         self._store_metadata = schema["xla.ifrt.proxy.GrpcHostBufferStoreMetadata"]
-        fleet = controller.fleet
-        self.platform = {
-            "name": fleet.platform,
-            "version": self.config.platform_version,
-            "id": _platform_id(fleet.platform),
-            "runtime_type": "proxy/isthmus",
-        }
+
+    @property
+    def platform(self) -> dict[str, Any]:
+        """The platform sessions report; a fleet's is known once its first worker registered."""
+        name = self.controller.fleet.platform
+        return {"name": name, "version": self.config.platform_version,
+                "id": _platform_id(name), "runtime_type": "proxy/isthmus"}
 
     @staticmethod
     def implemented_requests() -> list[str]:
         return sorted(HANDLERS)
 
     def get_version(self, request: Any) -> Any:
+        low, high = request.min_version, request.max_version
         version = versions.negotiate(
-            request.min_version.protocol_version, request.max_version.protocol_version,
-            request.max_version.ifrt_serdes_version_number,
-            request.min_version.ifrt_serdes_version_number)
+            low.protocol_version, high.protocol_version, high.ifrt_serdes_version_number,
+            low.ifrt_serdes_version_number)
+        logger.info("a client of %s connects (protocol %s..%s)", versions.client_jaxlib(
+            low.ifrt_serdes_version_number, high.ifrt_serdes_version_number),
+            low.protocol_version, high.protocol_version)
         response = self._version_response()
         response.version.protocol_version = version.protocol
         response.version.ifrt_serdes_version_number = version.serdes
@@ -157,6 +160,7 @@ class Frontend:
         fleet = self.controller.fleet
         return {
             "platform": self.platform,
+            "server_jax": _jax_version(),
             "shared_dir": self.config.shared_dir,
             "generation": fleet.generation,
             "flow": {"open": fleet.flow.is_open, "closed_count": fleet.flow.closed_count},
@@ -174,6 +178,12 @@ class Frontend:
     async def close(self) -> None:
         for session in list(self.sessions.values()):
             await session.close()
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
 
 
 def _platform_id(name: str) -> int:

@@ -15,7 +15,7 @@ import dataclasses
 import pickle
 from typing import Any
 
-PROTOCOL_VERSION = 3  # bump when a message changes shape
+PROTOCOL_VERSION = 4  # bump when a message changes shape
 PIECE_BYTES = 8 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
@@ -62,6 +62,7 @@ class Register:
     data_address: str  # HOST:PORT of its peer data server
     hostname: str
     pid: int
+    memory_kinds: tuple[str, ...] = ("device", "pinned_host", "unpinned_host")  # default 1st
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

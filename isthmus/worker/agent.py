@@ -27,7 +27,9 @@ from isthmus import errors
 from isthmus.hostmem import aligned_empty, byte_view, map_file, write_file
 from isthmus.transport import messages as m
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
-from isthmus.worker.host import DeviceHost, make_cpu_client
+from isthmus.worker.host import DeviceHost
+from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
+                                     PlatformUnavailable, describe, make_client)
 from isthmus.worker.process import STOP_SIGNALS, exit_now, preload
 from isthmus.worker.commands import _Incoming, _produced, _reads, _request, _unpack
 from isthmus.worker.programs import CompileRequest
@@ -45,7 +47,8 @@ STOP_GRACE = 5.0  # seconds a signalled worker may take to stop before it just e
 class WorkerConfig:
     controller: str  # HOST:PORT of the controller
     slice_index: int = -1  # -1: any slice with a free host slot
-    devices: int = 4
+    devices: int = 4  # CPU devices (a CUDA worker serves the GPUs it sees)
+    platform: Platform = Platform()
     listen: str = "127.0.0.1"  # address of the peer data server
     advertise: str | None = None  # how peers reach it (default: `listen`)
     connect_timeout: float = 60.0
@@ -82,6 +85,7 @@ class WorkerAgent:
         self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._described: Description | None = None  # read off a client at start
         self._applied = 0  # weight of the commands applied in this membership
         self._acked = 0  # ... of which the controller has been told (`Applied`)
 
@@ -92,11 +96,18 @@ class WorkerAgent:
         # Heavy imports now, before registering: later they would hold the GIL and silence
         # the heartbeats.
         await loop.run_in_executor(None, preload)
+        try:
+            described = await loop.run_in_executor(
+                None, describe, self.config.platform, self.config.devices)
+        except PlatformUnavailable as e:
+            logger.error("%s", e)
+            return EXIT_PLATFORM_UNAVAILABLE
+        self._described = described
         port = await self._data.start(self.config.listen)
         advertise = self.config.advertise or self.config.listen
-        register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, self.config.devices,
-                              "cpu", "cpu", f"{advertise}:{port}", socket.gethostname(),
-                              os.getpid())
+        register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, described.devices,
+                              described.platform, described.device_kind, f"{advertise}:{port}",
+                              socket.gethostname(), os.getpid(), described.memory_kinds)
         while not self._stop.is_set():
             code = await self._serve(register)
             if self._stop.is_set() or code != EXIT_CONTROLLER_LOST:
@@ -414,7 +425,8 @@ class WorkerAgent:
     async def _form(self, message: m.FormGroup) -> None:
         from jax._src.lib import _jax
 
-        devices = self.config.devices
+        assert self._described is not None
+        platform, devices = self._described.platform, self._described.devices
         timeout = self.config.group_timeout
 
         def build() -> tuple[Any, Any]:
@@ -422,10 +434,13 @@ class WorkerAgent:
                 message.address, message.node_id, init_timeout=timeout,
                 shutdown_on_destruction=False)
             client.connect()
-            collectives = _jax.make_gloo_tcp_collectives(client)
-            cpu = make_cpu_client(devices, distributed_client=client, node_id=message.node_id,
-                                  num_nodes=message.num_nodes, collectives=collectives)
-            return client, cpu
+            # CPU collectives cross processes through gloo; CUDA ones through NCCL, which
+            # the GPU client sets up itself over the same distributed runtime.
+            collectives = _jax.make_gloo_tcp_collectives(client) if platform == "cpu" else None
+            made = make_client(platform, devices, distributed_client=client,
+                               node_id=message.node_id, num_nodes=message.num_nodes,
+                               collectives=collectives)
+            return client, made
 
         try:
             distributed, client = await asyncio.get_running_loop().run_in_executor(None, build)

@@ -1,6 +1,7 @@
 """The resource manager and the remote channel, driven without sockets or workers."""
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -142,4 +143,38 @@ def test_shared_memory_only_for_a_worker_that_reads_the_probe(tmp_path):
         near.on_message(m.SharedDir(str(tmp_path)))
         assert near.shared_dir == str(tmp_path) and far.shared_dir is None
         assert not os.path.exists(path)  # the probe is removed once answered
+    run(main())
+
+
+def test_the_first_worker_describes_the_devices_and_others_must_match():
+    async def main():
+        manager, fleet, _ = _manager(FleetSpec(slices=2, hosts_per_slice=1, devices_per_host=1,
+                                               platform="auto"))
+        gpu = m.Register(m.PROTOCOL_VERSION, 0, 1, "cuda", "NVIDIA H200", "127.0.0.1:1", "host",
+                         1, ("device", "pinned_host"))
+        manager.register(gpu, [].append, "peer")
+        assert {(d.platform, d.kind, d.memory_kinds) for d in fleet.devices} == {
+            ("cuda", "NVIDIA H200", ("device", "pinned_host"))}
+        assert fleet.platform == "cuda"
+        cpu = m.Register(m.PROTOCOL_VERSION, 1, 1, "cpu", "cpu", "127.0.0.1:2", "host", 2)
+        with pytest.raises(errors.InvalidRequest, match="--platform cuda"):
+            manager.register(cpu, [].append, "peer")
+        other = dataclasses.replace(gpu, slice_index=1, device_kind="NVIDIA A100", pid=3)
+        with pytest.raises(errors.InvalidRequest, match="same kind of device"):
+            manager.register(other, [].append, "peer")
+        two = dataclasses.replace(gpu, slice_index=1, devices=2, pid=4)
+        with pytest.raises(errors.InvalidRequest, match="1 GPUs"):
+            manager.register(two, [].append, "peer")
+        manager.register(dataclasses.replace(gpu, slice_index=1, pid=5), [].append, "peer")
+        assert fleet.device(1).kind == "NVIDIA H200"
+    run(main())
+
+
+def test_a_cpu_fleet_refuses_a_gpu_worker():
+    async def main():
+        manager, _, _ = _manager()
+        gpu = m.Register(m.PROTOCOL_VERSION, 0, 2, "cuda", "NVIDIA H200", "127.0.0.1:1", "host",
+                         1, ("device", "pinned_host"))
+        with pytest.raises(errors.InvalidRequest, match="serves cpu"):
+            manager.register(gpu, [].append, "peer")
     run(main())

@@ -35,7 +35,7 @@ class FakeLauncher(LocalLauncher):
     def record(self, slice_index):
         return self.tmp_path / f"starts-{slice_index}"
 
-    def command(self, slice_index):
+    def command(self, slice_index, host=0):
         return [sys.executable, "-S", "-c", self.script, str(self.record(slice_index))]
 
     def starts(self, slice_index=0):

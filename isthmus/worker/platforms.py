@@ -1,0 +1,216 @@
+"""The device clients isthmus serves: jaxlib's CPU client, or CUDA through jax's plugin.
+
+A worker (and the embedded backend) makes its client here, once per collective group. The
+process is prepared first (`prepare_process`, before jax touches a GPU): the GPUs a worker is
+given become its CUDA_VISIBLE_DEVICES, and XLA's allocator settings come from the options.
+
+jax's own backends stay CPU-only in these processes (JAX_PLATFORMS=cpu): the CUDA client is
+made here, by hand, so that it can join a collective group (NCCL through the distributed
+runtime) and be replaced when the group re-forms. Two clients of one process live side by
+side for a moment then, which is why GPU memory is not preallocated by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from isthmus import errors
+
+PLATFORMS = ("cpu", "cuda", "auto")
+CPU_MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+# A worker's exit code when its host cannot serve the platform: restarting will not help.
+EXIT_PLATFORM_UNAVAILABLE = 5
+# XLA's own default share of GPU memory per client; see `Platform.memory_fraction`.
+DEFAULT_GPU_MEMORY_FRACTION = 0.75
+
+
+class PlatformUnavailable(errors.IsthmusError):
+    """The platform asked for cannot be served by this process (one line for the user)."""
+
+    code = errors.Code.FAILED_PRECONDITION
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Platform:
+    """What a worker serves: the platform and, for CUDA, which GPUs and how much of them."""
+
+    name: str = "cpu"  # "cpu", "cuda" or "auto" (CUDA when jax's plugin finds a GPU)
+    gpus: tuple[int, ...] | None = None  # GPUs to own (None: CUDA_VISIBLE_DEVICES, or all)
+    # Cap of each client's memory pool, as a share of each GPU. Two workers sharing a GPU
+    # need less than half each; a re-formation briefly holds an old and a new client.
+    memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION
+    preallocate: bool = False  # reserve the whole share up front (XLA's default is True)
+
+    def __post_init__(self) -> None:
+        if self.name not in PLATFORMS:
+            raise ValueError(f"--platform must be one of {', '.join(PLATFORMS)}, not "
+                             f"{self.name!r}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 1], not "
+                             f"{self.memory_fraction}")
+
+
+def parse_gpus(text: str | None) -> tuple[int, ...] | None:
+    """`"0,1"` -> (0, 1); None or "" -> None."""
+    if not text:
+        return None
+    try:
+        gpus = tuple(int(g) for g in text.split(","))
+    except ValueError:
+        raise ValueError(f"--gpus takes GPU numbers separated by commas (0,1), not {text!r}")
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus takes distinct GPU numbers, not {text!r}")
+    return gpus
+
+
+def visible_gpus(environ: Any = os.environ) -> tuple[int, ...]:
+    """The GPUs this machine shows a new process, without touching CUDA (which would claim
+    memory): CUDA_VISIBLE_DEVICES when set, else the NVIDIA driver's list."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        names = [g for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+        return tuple(range(len(names)))  # numbered as the process will see them
+    try:
+        return tuple(range(len(os.listdir("/proc/driver/nvidia/gpus"))))
+    except OSError:
+        return ()
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether jax's CUDA plugin is importable (without importing or initialising it)."""
+    import importlib.util
+
+    for version in (12, 13):
+        try:
+            if importlib.util.find_spec(f"jax_plugins.xla_cuda{version}") is not None:
+                return True
+        except ImportError:  # no jax_plugins package at all
+            return False
+    return False
+
+
+def resolve(name: str) -> str:
+    """`auto` -> `cuda` where a GPU and jax's CUDA plugin are present, else `cpu`."""
+    if name != "auto":
+        return name
+    return "cuda" if visible_gpus() and cuda_plugin_installed() else "cpu"
+
+
+def check_local_cuda() -> None:
+    """Raises PlatformUnavailable, without touching CUDA, where local CUDA workers would
+    fail: no CUDA plugin in this Python, or no GPU."""
+    if not cuda_plugin_installed():
+        raise _no_cuda("jax's CUDA plugin is not installed in this Python")
+    if not visible_gpus():
+        raise _no_cuda("this machine shows no GPU (none in /proc/driver/nvidia/gpus, or "
+                       "CUDA_VISIBLE_DEVICES is empty)")
+
+
+def prepare_process(platform: Platform, environ: Any = os.environ) -> None:
+    """Sets what jax and XLA read at start-up. Call before any client is made."""
+    # jax's own default backends stay on the CPU: the accelerator client is ours.
+    environ["JAX_PLATFORMS"] = "cpu"
+    environ.pop("JAX_BACKEND_TARGET", None)
+    if platform.name == "cpu":
+        return
+    if platform.gpus is not None:
+        environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in platform.gpus)
+    if "XLA_CLIENT_MEM_FRACTION" not in environ:
+        environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{platform.memory_fraction:g}"
+    environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE",
+                       "true" if platform.preallocate else "false")
+
+
+def _cuda_plugin_registered() -> bool:
+    from jax._src import xla_bridge
+
+    xla_bridge._discover_and_register_pjrt_plugins()  # imports jax_plugins.xla_cuda1x
+    return "cuda" in xla_bridge._backend_factories
+
+
+def _no_cuda(reason: str) -> PlatformUnavailable:
+    return PlatformUnavailable(
+        f"CUDA was asked for but {reason}; install jax's CUDA plugin (pip install "
+        "'isthmus[cuda12]' or 'isthmus[cuda13]', matching the driver) on a machine with an "
+        "NVIDIA GPU, or use --platform cpu.")
+
+
+def make_cuda_client(distributed_client: Any = None, node_id: int = 0,
+                     num_nodes: int = 1) -> Any:
+    """A client over the GPUs this process may see; NCCL collectives when distributed."""
+    if not _cuda_plugin_registered():
+        raise _no_cuda("jax's CUDA plugin is not installed in this Python")
+    from jax._src.lib import xla_client
+
+    try:
+        if not xla_client.pjrt_plugin_initialized("cuda"):
+            xla_client.initialize_pjrt_plugin("cuda")
+        options = dict(xla_client.generate_pjrt_gpu_plugin_options())
+        if distributed_client is not None:
+            options.update(node_id=node_id, num_nodes=num_nodes)
+        client = xla_client.make_c_api_client("cuda", options, distributed_client)
+    except PlatformUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001 - the plugin reports missing GPUs its own way
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _no_cuda(f"the CUDA plugin found no usable GPU ({first})") from None
+    if not client.local_devices():
+        raise _no_cuda("the CUDA plugin found no GPU")
+    return client
+
+
+def make_client(platform: str, num_devices: int, distributed_client: Any = None,
+                node_id: int = 0, num_nodes: int = 1, collectives: Any = None) -> Any:
+    """The client a worker serves: `num_devices` CPU devices, or its GPUs (all it sees)."""
+    if platform == "cuda":
+        client = make_cuda_client(distributed_client, node_id, num_nodes)
+        if len(client.local_devices()) != num_devices:
+            raise PlatformUnavailable(
+                f"this worker sees {len(client.local_devices())} GPUs but serves "
+                f"{num_devices}; give it exactly that many (--gpus, or CUDA_VISIBLE_DEVICES).")
+        return client
+    from isthmus.worker.slots import make_cpu_client
+
+    extra: dict[str, Any] = {}
+    if distributed_client is not None:
+        extra = dict(distributed_client=distributed_client, node_id=node_id,
+                     num_nodes=num_nodes, collectives=collectives)
+    return make_cpu_client(num_devices, **extra)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Description:
+    """What a worker tells the controller about its devices (from a client of its own)."""
+
+    platform: str
+    devices: int
+    device_kind: str
+    memory_kinds: tuple[str, ...]  # the default first
+
+
+def describe(platform: Platform, cpu_devices: int) -> Description:
+    """Resolves `auto` and reads the device kind and memory kinds off a real client."""
+    name = platform.name
+    if name == "auto":
+        try:
+            client = make_cuda_client()
+        except PlatformUnavailable:
+            name = "cpu"
+        else:
+            return describe_client("cuda", client)
+    if name == "cpu":
+        return Description("cpu", cpu_devices, "cpu", CPU_MEMORY_KINDS)
+    return describe_client("cuda", make_cuda_client())
+
+
+def describe_client(name: str, client: Any) -> Description:
+    devices = client.local_devices()
+    first = devices[0]
+    default = first.default_memory().kind
+    kinds = [m.kind for m in first.addressable_memories()]
+    kinds = tuple([default] + [k for k in kinds if k != default])
+    description = Description(name, len(devices), first.device_kind, kinds)
+    del devices, first
+    return description

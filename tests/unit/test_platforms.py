@@ -1,0 +1,70 @@
+"""Platforms: what a worker serves, and how a local fleet hands out GPUs (no GPU needed)."""
+
+import pytest
+
+from isthmus.launch import LocalLauncher
+from isthmus.worker import platforms
+from isthmus.worker.platforms import Platform
+
+
+def test_options_are_checked():
+    assert platforms.parse_gpus("0,2") == (0, 2)
+    assert platforms.parse_gpus("") is None
+    with pytest.raises(ValueError, match="distinct"):
+        platforms.parse_gpus("1,1")
+    with pytest.raises(ValueError, match="commas"):
+        platforms.parse_gpus("a")
+    with pytest.raises(ValueError, match="--platform"):
+        Platform("gpu")
+    with pytest.raises(ValueError, match="memory-fraction"):
+        Platform("cuda", memory_fraction=0)
+
+
+def test_prepare_process_gives_a_cuda_worker_its_gpus_and_a_memory_share():
+    env = {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "x"}
+    platforms.prepare_process(Platform("cuda", (2, 3), 0.4), env)
+    assert env == {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "2,3",
+                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4",
+                   "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    mine = {"XLA_CLIENT_MEM_FRACTION": "0.2", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+    platforms.prepare_process(Platform("cuda"), mine)  # the user's own settings win
+    assert mine["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in mine
+    cpu = {}
+    platforms.prepare_process(Platform("cpu"), cpu)
+    assert cpu == {"JAX_PLATFORMS": "cpu"}
+
+
+def test_visible_gpus_never_touch_cuda():
+    assert platforms.visible_gpus({"CUDA_VISIBLE_DEVICES": "3,5"}) == (0, 1)
+    assert platforms.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == ()
+    assert platforms.visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == ()
+
+
+def test_without_the_plugin_cuda_is_one_clear_error_and_auto_is_cpu():
+    if platforms.cuda_plugin_installed():
+        pytest.skip("jax's CUDA plugin is installed here")
+    with pytest.raises(platforms.PlatformUnavailable, match="isthmus\\[cuda12\\]"):
+        platforms.make_cuda_client()
+    with pytest.raises(platforms.PlatformUnavailable, match="--platform cpu"):
+        platforms.check_local_cuda()
+    assert platforms.resolve("auto") == "cpu"
+    described = platforms.describe(Platform("auto"), 3)
+    assert described == platforms.Description("cpu", 3, "cpu", platforms.CPU_MEMORY_KINDS)
+
+
+def _options(slices, hosts, per_host, platform):
+    launcher = LocalLauncher("127.0.0.1:1", slices, hosts, per_host, platform=platform)
+    return [launcher.platform_options(s, h) for s in range(slices) for h in range(hosts)]
+
+
+def test_a_local_cuda_fleet_shares_out_its_gpus():
+    # Two workers of one GPU each on a machine with one GPU: both on GPU 0, half the share.
+    assert _options(2, 1, 1, Platform("cuda", (0,), 0.8)) == [
+        ["--platform", "cuda", "--gpus", "0", "--gpu-memory-fraction", "0.4"]] * 2
+    # Four GPUs, two hosts of two: each worker owns two, all of their share.
+    got = _options(1, 2, 2, Platform("cuda", (0, 1, 2, 3), 0.75))
+    assert [o[3] for o in got] == ["0,1", "2,3"] and {o[5] for o in got} == {"0.75"}
+    with pytest.raises(ValueError, match="2 GPUs per host"):
+        _options(1, 1, 2, Platform("cuda", (0,)))
+    assert _options(1, 2, 4, Platform("cpu")) == [[], []]
