@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from isthmus import errors
-from isthmus.controller.fleet import CPU_MEMORY_KINDS, Device, Fleet
+from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.remote import RemoteWorker
@@ -41,10 +41,12 @@ logger = logging.getLogger(__name__)
 class FleetSpec:
     """The shape of a fleet."""
 
-    slices: int = 2
-    hosts_per_slice: int = 1
+    # One slice of two hosts: a plain JAX program (jax.make_mesh refuses several slices)
+    # still crosses processes in its collectives.
+    slices: int = 1
+    hosts_per_slice: int = 2
     devices_per_host: int = 4
-    platform: str = "cpu"
+    platform: str = "cpu"  # "cpu", "cuda", or "auto": the first worker to register decides
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +82,9 @@ class FleetManager:
         self._formed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        # The first worker to register describes the devices (platform, kind, memory
+        # kinds); until then the fleet's devices carry the spec's platform and CPU kinds.
+        self._model: m.Register | None = None
         for slice_index in range(spec.slices):
             self._ensure_slice(SliceId(slice_index))
 
@@ -113,10 +118,18 @@ class FleetManager:
         for host in range(spec.hosts_per_slice):
             slot = self.slot(slice_index, host)
             for local in range(spec.devices_per_host):
-                devices.append(Device(
-                    DeviceId(slot * spec.devices_per_host + local), slot, local, spec.platform,
-                    spec.platform, slice_index, host, CPU_MEMORY_KINDS))
+                devices.append(self._describe(Device(
+                    DeviceId(slot * spec.devices_per_host + local), slot, local,
+                    "cpu" if spec.platform == "auto" else spec.platform, "cpu", slice_index,
+                    host)))
         self.fleet.add_devices(devices)
+
+    def _describe(self, device: Device) -> Device:
+        model = self._model
+        if model is None:
+            return device
+        return dataclasses.replace(device, platform=model.platform, kind=model.device_kind,
+                                   memory_kinds=tuple(model.memory_kinds))
 
     def slices(self) -> list[SliceId]:
         return sorted({d.slice_index for d in self.fleet.devices})
@@ -126,6 +139,27 @@ class FleetManager:
 
     # ---- registration --------------------------------------------------------------------
 
+    def _check_devices(self, message: m.Register) -> None:
+        """Refuses a worker whose devices differ from the fleet's (platform, kind, count)."""
+        spec, model = self.spec, self._model
+        platform = model.platform if model is not None else (
+            None if spec.platform == "auto" else spec.platform)
+        brings = f"{message.devices} {message.platform} devices ({message.device_kind})"
+        if platform is not None and message.platform != platform:
+            raise errors.InvalidRequest(
+                f"the worker brings {brings}; this fleet serves {platform}. Start it with "
+                f"--platform {platform}.")
+        if model is not None and message.device_kind != model.device_kind:
+            raise errors.InvalidRequest(
+                f"the worker brings {brings}; this fleet's devices are {model.device_kind}: "
+                "every host of a fleet must have the same kind of device.")
+        if message.devices != spec.devices_per_host:
+            how = (f"--devices {spec.devices_per_host}" if message.platform == "cpu" else
+                   f"{spec.devices_per_host} GPUs (--gpus or CUDA_VISIBLE_DEVICES)")
+            raise errors.InvalidRequest(
+                f"the worker brings {brings}; this fleet has {spec.devices_per_host} per "
+                f"host. Start it with {how}.")
+
     def register(self, message: m.Register, send: Callable[[bytes], None], peer: str,
                  close: Callable[[], None] = lambda: None) -> RemoteWorker:
         """Takes a worker into a free slot; raises RequestError when it cannot be."""
@@ -134,11 +168,10 @@ class FleetManager:
             raise errors.VersionMismatch(
                 f"the worker speaks fleet protocol {message.version}, the controller "
                 f"{m.PROTOCOL_VERSION}; run the same isthmus version everywhere.")
-        if message.platform != spec.platform or message.devices != spec.devices_per_host:
-            raise errors.InvalidRequest(
-                f"the worker brings {message.devices} {message.platform} devices; this fleet "
-                f"has {spec.devices_per_host} {spec.platform} devices per host. Start it "
-                f"with --devices {spec.devices_per_host}.")
+        self._check_devices(message)
+        if self._model is None:
+            self._model = message
+            self.fleet.add_devices([self._describe(d) for d in self.fleet.devices])
         slice_index = message.slice_index
         if slice_index < 0:
             slice_index = next((s for s in self.slices() if self._free_host(s) is not None),
