@@ -32,10 +32,14 @@ class LocalServer:
 
     def __init__(self, *, devices: int | None = 8, args: Sequence[str] = (),
                  start_timeout: float = 120.0, env: dict[str, str] | None = None,
-                 fleet: tuple[int, int, int] | None = None) -> None:
+                 fleet: tuple[int, int, int] | None = None, python: str | None = None
+                 ) -> None:
         """`devices`: the embedded backend with that many devices; `fleet`: (slices,
         hosts_per_slice, devices_per_host) worker processes instead; neither: the default
-        fleet of `isthmus up`."""
+        fleet of `isthmus up`. `python`: the interpreter that runs the server (default: this
+        one, or $ISTHMUS_TEST_SERVER_PYTHON, which runs a whole suite against a server on
+        another jax)."""
+        self.python = python or os.environ.get("ISTHMUS_TEST_SERVER_PYTHON") or sys.executable
         self.devices = devices
         self.fleet = fleet
         self.args = list(args)
@@ -55,7 +59,7 @@ class LocalServer:
             shape = ["--devices", str(self.devices)]
         else:
             shape = []  # the default fleet
-        command = [sys.executable, "-m", "isthmus.cli", "up", "--port", "0", *shape, *self.args]
+        command = [self.python, "-m", "isthmus.cli", "up", "--port", "0", *shape, *self.args]
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.process = subprocess.Popen(

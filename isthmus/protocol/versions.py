@@ -22,6 +22,28 @@ MAX_SERDES_VERSION = 3
 VERSION_COST_ANALYSIS = 18  # LoadedExecutableCostAnalysis / HumanReadableProgramText
 
 
+# What the stock client of each jaxlib offers in its GetVersion request, measured: IFRT
+# SerDes (min, max) -> jaxlib (min 0: the field is not sent). Protocol versions are 16..25
+# for all three.
+CLIENT_SERDES = {(0, 3): "0.10", (0, 6): "0.11", (2, 6): "0.12"}
+
+
+def client_jaxlib(serdes_min: int, serdes_max: int) -> str:
+    """The jaxlib a stock client's version request identifies, as words for messages."""
+    known = CLIENT_SERDES.get((serdes_min, serdes_max))
+    if known is not None:
+        return f"jaxlib {known}.x"
+    if serdes_max > max(high for _, high in CLIENT_SERDES):
+        return f"a jaxlib newer than 0.12 (IFRT SerDes {serdes_min}..{serdes_max})"
+    return f"a jaxlib isthmus does not know (IFRT SerDes {serdes_min}..{serdes_max})"
+
+
+def server_jaxlib() -> str:
+    import jaxlib.version
+
+    return jaxlib.version.__version__
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Version:
     protocol: int
@@ -38,16 +60,14 @@ def negotiate(client_min: int, client_max: int, client_serdes: int,
             f"{MAX_PROTOCOL_VERSION}).")
     low = max(client_min, MIN_PROTOCOL_VERSION)
     high = min(client_max, MAX_PROTOCOL_VERSION)
-    if low > high:
-        raise errors.VersionMismatch(
-            f"the client speaks IFRT proxy protocol versions {client_min}..{client_max}, "
-            f"isthmus speaks {MIN_PROTOCOL_VERSION}..{MAX_PROTOCOL_VERSION}: no common "
-            "version. Install a jax/jaxlib in the supported range (see the README).")
     serdes_high = min(client_serdes or MAX_SERDES_VERSION, MAX_SERDES_VERSION)
     serdes_low = max(client_serdes_min or 0, MIN_SERDES_VERSION)
-    if serdes_low > serdes_high:
+    if low > high or serdes_low > serdes_high:
+        client = client_jaxlib(client_serdes_min or 0, client_serdes)
         raise errors.VersionMismatch(
-            f"the client uses IFRT SerDes version {client_serdes}, isthmus supports "
-            f"{MIN_SERDES_VERSION}..{MAX_SERDES_VERSION}; install a jax/jaxlib in the "
-            "supported range (see the README).")
+            f"the client ({client}; IFRT proxy protocol {client_min}..{client_max}, SerDes "
+            f"{client_serdes_min or 0}..{client_serdes}) cannot work with this isthmus server "
+            f"(jaxlib {server_jaxlib()}; protocol {MIN_PROTOCOL_VERSION}.."
+            f"{MAX_PROTOCOL_VERSION}, SerDes {MIN_SERDES_VERSION}..{MAX_SERDES_VERSION}). "
+            "Use a client jax between 0.10 and 0.12 (see 'Supported versions' in the README).")
     return Version(high, serdes_high)

@@ -21,3 +21,16 @@ def test_no_common_version_is_refused(low, high):
 def test_serdes_too_old():
     with pytest.raises(errors.VersionMismatch):
         versions.negotiate(16, 25, 2, 0)
+
+
+def test_the_refusal_names_the_client_and_server_jaxlib():
+    import jaxlib.version
+
+    assert versions.client_jaxlib(0, 3) == "jaxlib 0.10.x"
+    assert versions.client_jaxlib(2, 6) == "jaxlib 0.12.x"
+    assert "newer than 0.12" in versions.client_jaxlib(4, 8)
+    with pytest.raises(errors.VersionMismatch) as info:
+        versions.negotiate(26, 30, 8, 4)
+    message = str(info.value)
+    assert "a jaxlib newer than 0.12" in message
+    assert f"jaxlib {jaxlib.version.__version__}" in message
