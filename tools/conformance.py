@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per file and run")
     parser.add_argument("--out", default=str(ROOT / ".conformance"))
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument("--fleet", default=None, metavar="S,H,D",
+                        help="run through a local fleet of S slices x H hosts x D devices "
+                             "(S*H*D must be 8) instead of the embedded backend; 'default' "
+                             "for the default fleet")
     args = parser.parse_args(argv)
 
     from isthmus.cli import child_environment
@@ -114,7 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     local_env = {**base, "JAX_PLATFORMS": "cpu",
                  "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     results = {}
-    with LocalServer(devices=8) as server:
+    if args.fleet is None:
+        server = LocalServer(devices=8)
+    elif args.fleet == "default":
+        server = LocalServer(devices=None)
+    else:
+        shape = tuple(int(n) for n in args.fleet.split(","))
+        server = LocalServer(devices=None, fleet=shape)  # type: ignore[arg-type]
+    with server:
         remote_env = child_environment(server.address, base)
         # The proxy is the default backend; a local "cpu" backend is there too, for the tests
         # that move data to the host's own CPU on purpose (jax.devices("cpu")).
