@@ -5,6 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 
+def _device_memory(account: dict[str, Any]) -> str:
+    """`  device memory: 1.0 GiB in use (peak 2.0 GiB) of 60.0 GiB`, where the worker's client
+    keeps such figures (GPUs)."""
+    if "device_bytes_in_use" not in account:
+        return ""
+    text = f"  device memory: {_bytes(account['device_bytes_in_use'])} in use"
+    if "device_peak_bytes_in_use" in account:
+        text += f" (peak {_bytes(account['device_peak_bytes_in_use'])})"
+    if "device_bytes_limit" in account:
+        text += f" of {_bytes(account['device_bytes_limit'])}"
+    return text
+
+
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -38,7 +51,7 @@ def render(status: dict[str, Any]) -> str:
             lines.append(
                 f"  host {host} ({who}): devices {devices[0]['id']}..{devices[-1]['id']}  "
                 f"arrays: {account.get('buffers', 0)} buffers, "
-                f"{_bytes(account.get('bytes', 0))}")
+                f"{_bytes(account.get('bytes', 0))}" + _device_memory(account))
     for sid, s in sorted(status["sessions"].items()):
         lines.append(f"session {sid} from {s['peer']}: {s['arrays']} array handles, "
                      f"{s['requests']} requests, {_bytes(s['host_buffer_bytes'])} host data "

@@ -239,5 +239,6 @@ class Controller:
             workers[str(worker)] = {
                 **account, "worker_buffers": reported.get("buffers", 0),
                 "worker_bytes": reported.get("bytes", 0),
-                "worker_executables": reported.get("executables", 0)}
+                "worker_executables": reported.get("executables", 0),
+                **{k: v for k, v in reported.items() if k.startswith("device_")}}
         return {"workers": workers, "executables": len(self._executables)}

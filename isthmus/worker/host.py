@@ -211,7 +211,24 @@ class DeviceHost:
         live = [v for v in self._buffers.values()
                 if not isinstance(v, _Failed) and not v.is_deleted()]
         return {"buffers": len(live), "bytes": sum(v.nbytes for v in live),
-                "executables": sum(isinstance(e, _Loaded) for e in self._executables.values())}
+                "executables": sum(isinstance(e, _Loaded) for e in self._executables.values()),
+                **self.device_memory()}
+
+    def device_memory(self) -> dict[str, int]:
+        """The client's own memory figures, summed over its devices (GPU clients keep them;
+        jaxlib's CPU client does not, and then there are none)."""
+        totals: dict[str, int] = {}
+        for device in self.client.local_devices():
+            try:
+                stats = device.memory_stats()
+            except Exception:  # noqa: BLE001 - a client without statistics
+                return {}
+            if not stats:
+                return {}
+            for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
+                if key in stats:
+                    totals[f"device_{key}"] = totals.get(f"device_{key}", 0) + int(stats[key])
+        return totals
 
     def _missing(self, buffer_id: BufferId) -> errors.IsthmusError:
         return errors.InternalError(

@@ -68,3 +68,39 @@ def test_a_local_cuda_fleet_shares_out_its_gpus():
     with pytest.raises(ValueError, match="2 GPUs per host"):
         _options(1, 1, 2, Platform("cuda", (0,)))
     assert _options(1, 2, 4, Platform("cpu")) == [[], []]
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+class _Client:
+    def __init__(self, *stats):
+        self.devices = [_Device(s) for s in stats]
+
+    def local_devices(self):
+        return self.devices
+
+
+def test_device_memory_comes_from_the_workers_client_and_shows_in_status():
+    from types import SimpleNamespace
+
+    from isthmus.status import render
+    from isthmus.worker.host import DeviceHost
+
+    gib = 1 << 30
+    gpu = SimpleNamespace(client=_Client(
+        {"bytes_in_use": gib, "peak_bytes_in_use": 2 * gib, "bytes_limit": 60 * gib},
+        {"bytes_in_use": gib, "peak_bytes_in_use": gib, "bytes_limit": 60 * gib}))
+    memory = DeviceHost.device_memory(gpu)
+    assert memory == {"device_bytes_in_use": 2 * gib, "device_peak_bytes_in_use": 3 * gib,
+                      "device_bytes_limit": 120 * gib}
+    assert DeviceHost.device_memory(SimpleNamespace(client=_Client(None))) == {}  # CPU
+    status = {"platform": {"name": "cuda"}, "generation": 1, "sessions": {}, "executables": 0,
+              "devices": [{"id": 0, "worker": 0, "slice": 0, "host": 0, "kind": "H200"}],
+              "workers": {"0": {"buffers": 1, "bytes": 4, **memory}}}
+    assert "device memory: 2.0 GiB in use (peak 3.0 GiB) of 120.0 GiB" in render(status)
