@@ -132,6 +132,10 @@ def _prepare_server_process(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # XLA's C++ warnings (the coordination service's, at every group formation) read like
+    # trouble in a healthy server; errors still show. Workers inherit the level.
+    if _USER_LOG_LEVEL is None:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     # The server's own jax must never try to reach a proxy (itself); an embedded backend
     # on GPUs makes its CUDA client by hand, with the GPU settings of the options.
     prepare_process(_embedded_platform(args) if args.devices is not None else Platform())

@@ -267,3 +267,16 @@ def test_large_arrays_round_trip_through_workers_on_this_machine(server):
         assert len(workers) == 4 and all(w["shared_memory"] for w in workers), workers
     left = [f for f in os.listdir(status["shared_dir"]) if f.startswith(("put-", "fetch-"))]
     assert left == [], left
+
+
+def test_the_multislice_mesh_example(server):
+    from isthmus.cli import child_environment
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                          "multislice_mesh.py")
+    result = subprocess.run([sys.executable, script], env=child_environment(server.address),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    slices = "[[0], [1]]" if server.kind == "fleet" else "[[0]]"
+    assert f"row r holds slice r: {slices}" in result.stdout, result.stdout
+    assert "matches numpy: True" in result.stdout
