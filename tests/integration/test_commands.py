@@ -93,3 +93,30 @@ def test_pathwaysutils_initialize_with_environment_variables(server):
             assert pathwaysutils.is_pathways_backend_used()
         emit("x", jax.jit(lambda a: jnp.cumsum(a) * 2)(np.arange(10.0, dtype=np.float32)))
     """, server.address)
+
+
+def test_cuda_where_there_is_none_is_one_clear_line():
+    from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, cuda_plugin_installed
+
+    if cuda_plugin_installed():
+        pytest.skip("jax's CUDA plugin is installed here")
+    for args in (["up", "--devices", "2", "--platform", "cuda"],
+                 ["up", "--platform", "cuda"],
+                 ["run", "--platform", "cuda", "--", sys.executable, "-c", "pass"]):
+        result = _isthmus(*args, timeout=120)
+        assert result.returncode == 1, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "CUDA was asked for" in lines[0], (args, result.stderr)
+        assert "--platform cpu" in lines[0]
+    # A worker started by hand says it once and exits with the code launchers do not retry.
+    worker = _isthmus("worker", "--controller", "127.0.0.1:9", "--platform", "cuda",
+                      timeout=120)
+    assert worker.returncode == EXIT_PLATFORM_UNAVAILABLE, worker.stderr
+    lines = worker.stderr.strip().splitlines()
+    assert len(lines) == 1 and "isthmus[cuda12]" in lines[0], worker.stderr
+    # `auto` finds no GPU here and serves the CPU.
+    out = subprocess.run(
+        [sys.executable, "-m", "isthmus.cli", "run", "--platform", "auto", "--devices", "2",
+         "--", sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "cpu", out.stderr
