@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from isthmus.cli import child_environment
     from isthmus.testing import LocalServer
 
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out).resolve()
     source = extract(args.jax_repo, jax_tag(), out)
     extra = ["-k", args.keyword] if args.keyword else []
     base = {k: v for k, v in os.environ.items()
