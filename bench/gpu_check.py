@@ -137,7 +137,8 @@ def report(runs: dict[str, dict], results: dict) -> None:
         ref = float.fromhex(local["train_2"]["final_loss"])
         got = float.fromhex(fleet2["final_loss"])
         results["fleet_2_device_loss_rel_diff"] = abs(got - ref) / max(abs(ref), 1e-30)
-        print(f"training, data parallel over the fleet's 2 workers (NCCL): final loss "
+        via = "NCCL" if local["train_1"]["platform"] != "cpu" else "gloo"
+        print(f"training, data parallel over the fleet's 2 workers ({via}): final loss "
               f"{got:.6g} vs local jax {ref:.6g} (rel. diff "
               f"{results['fleet_2_device_loss_rel_diff']:.2e})")
     print("\ndispatch threshold (4 chained n x n matmuls per step, pipelined):")
