@@ -110,7 +110,7 @@ def _head_config(args: argparse.Namespace) -> object:
         name = platform.name if args.no_launch else resolve(platform.name)  # type: ignore
         if name == "cuda" and not args.no_launch:
             check_local_cuda()
-        per_host = defaults.devices_per_host if name == "cpu" else 1
+        per_host = 1 if name == "cuda" else defaults.devices_per_host
         fleet = FleetSpec(slices=args.slices or defaults.slices,
                           hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
                           devices_per_host=args.devices_per_host or per_host, platform=name)
