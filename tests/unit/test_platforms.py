@@ -104,3 +104,46 @@ def test_device_memory_comes_from_the_workers_client_and_shows_in_status():
               "devices": [{"id": 0, "worker": 0, "slice": 0, "host": 0, "kind": "H200"}],
               "workers": {"0": {"buffers": 1, "bytes": 4, **memory}}}
     assert "device memory: 2.0 GiB in use (peak 3.0 GiB) of 120.0 GiB" in render(status)
+
+
+def test_the_cuda_client_is_made_through_the_plugin_with_the_group(monkeypatch):
+    """The CUDA path without a GPU: the calls into jaxlib, with a stand-in plugin."""
+    from jax._src.lib import xla_client
+
+    calls = []
+
+    class Client:
+        def __init__(self, n):
+            self.n = n
+
+        def local_devices(self):
+            return [object()] * self.n
+
+    monkeypatch.setattr(platforms, "_cuda_plugin_registered", lambda: True)
+    monkeypatch.setattr(xla_client, "pjrt_plugin_initialized", lambda name: False)
+    monkeypatch.setattr(xla_client, "initialize_pjrt_plugin", lambda name: calls.append(name))
+    monkeypatch.setattr(xla_client, "generate_pjrt_gpu_plugin_options",
+                        lambda: {"platform_name": "cuda", "memory_fraction": 0.4})
+    made = []
+
+    def make(name, options, distributed):
+        made.append((name, dict(options), distributed))
+        return Client(2)
+
+    monkeypatch.setattr(xla_client, "make_c_api_client", make)
+    group = object()
+    client = platforms.make_client("cuda", 2, distributed_client=group, node_id=1,
+                                   num_nodes=3)
+    assert isinstance(client, Client) and calls == ["cuda"]
+    assert made == [("cuda", {"platform_name": "cuda", "memory_fraction": 0.4, "node_id": 1,
+                              "num_nodes": 3}, group)]
+    with pytest.raises(platforms.PlatformUnavailable, match="sees 2 GPUs but serves 4"):
+        platforms.make_client("cuda", 4)
+
+    def broken(name, options, distributed):
+        raise RuntimeError("INTERNAL: no CUDA-capable device is detected\nmore")
+
+    monkeypatch.setattr(xla_client, "make_c_api_client", broken)
+    with pytest.raises(platforms.PlatformUnavailable, match="no CUDA-capable device") as info:
+        platforms.make_cuda_client()
+    assert "\n" not in str(info.value)
