@@ -138,7 +138,10 @@ def _prepare_server_process(args: argparse.Namespace) -> None:
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     # The server's own jax must never try to reach a proxy (itself); an embedded backend
     # on GPUs makes its CUDA client by hand, with the GPU settings of the options.
-    prepare_process(_embedded_platform(args) if args.devices is not None else Platform())
+    try:
+        prepare_process(_embedded_platform(args) if args.devices is not None else Platform())
+    except ValueError as e:
+        raise SystemExit(f"isthmus: {e}")
 
 
 def _embedded_platform(args: argparse.Namespace) -> object:
@@ -251,7 +254,11 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from isthmus.worker.platforms import prepare_process
 
     platform = _platform(args)
-    prepare_process(platform)  # before jax is imported: GPUs owned, memory settings
+    try:
+        prepare_process(platform)  # before jax is imported: GPUs owned, memory settings
+    except ValueError as e:
+        print(f"isthmus worker: {e}", file=sys.stderr)
+        return 2
     if args.exit_with_parent:
         exit_with_parent()
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,

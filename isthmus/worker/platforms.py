@@ -116,7 +116,15 @@ def prepare_process(platform: Platform, environ: Any = os.environ) -> None:
     if platform.name == "cpu":
         return
     if platform.gpus is not None:
-        environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in platform.gpus)
+        # GPU numbers index CUDA_VISIBLE_DEVICES where it is set (as CUDA numbers them for
+        # this process), else the machine's GPUs.
+        listed = environ.get("CUDA_VISIBLE_DEVICES")
+        names = [g.strip() for g in listed.split(",")] if listed else None
+        if names is not None and any(g >= len(names) for g in platform.gpus):
+            raise ValueError(f"--gpus {','.join(map(str, platform.gpus))}: this process may "
+                             f"use {len(names)} GPUs (CUDA_VISIBLE_DEVICES={listed})")
+        environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+            names[g] if names is not None else str(g) for g in platform.gpus)
     if "XLA_CLIENT_MEM_FRACTION" not in environ:
         environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{platform.memory_fraction:g}"
     environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE",

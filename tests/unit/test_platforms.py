@@ -30,6 +30,12 @@ def test_prepare_process_gives_a_cuda_worker_its_gpus_and_a_memory_share():
     platforms.prepare_process(Platform("cuda"), mine)  # the user's own settings win
     assert mine["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in mine
+    # Under CUDA_VISIBLE_DEVICES (a scheduler's choice), GPU numbers index that list.
+    scheduled = {"CUDA_VISIBLE_DEVICES": "4,GPU-ab12,6"}
+    platforms.prepare_process(Platform("cuda", (1, 2)), scheduled)
+    assert scheduled["CUDA_VISIBLE_DEVICES"] == "GPU-ab12,6"
+    with pytest.raises(ValueError, match="may use 1 GPUs"):
+        platforms.prepare_process(Platform("cuda", (1,)), {"CUDA_VISIBLE_DEVICES": "3"})
     cpu = {}
     platforms.prepare_process(Platform("cpu"), cpu)
     assert cpu == {"JAX_PLATFORMS": "cpu"}
