@@ -1,0 +1,101 @@
+"""The data-parallel loop of issue 10, measured inside one client (local jax or isthmus).
+
+As users write it: a 3-layer MLP (16-64-64-1) with optax adam, a fresh numpy batch
+`device_put` with a batch sharding every step, the loss read every 10 steps, over all the
+devices jax sees. Prints one JSON object: steps per second (median of 3 windows) and the
+median time of the synchronous pieces of one step (put, step, global sum, sum + fetch).
+
+    python bench/dp_loop.py [STEPS]
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def main() -> None:
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("data",))
+    batch, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    rows = 32 * len(devices)
+    rng = np.random.default_rng(0)
+
+    def init(key):
+        keys, sizes = jax.random.split(key, 3), [(16, 64), (64, 64), (64, 1)]
+        return [{"w": jax.random.normal(k, s) * 0.1, "b": jnp.zeros(s[1])}
+                for k, s in zip(keys, sizes)]
+
+    def loss_fn(params, x, y):
+        h = x
+        for i, layer in enumerate(params):
+            h = h @ layer["w"] + layer["b"]
+            h = jax.nn.relu(h) if i < 2 else h
+        return jnp.mean((h - y) ** 2)
+
+    optimizer = optax.adam(1e-3)
+    params = jax.device_put(init(jax.random.key(0)), replicated)
+    state = jax.device_put(optimizer.init(params), replicated)
+
+    @jax.jit
+    def step(params, state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    def batches():
+        x = rng.standard_normal((rows, 16)).astype(np.float32)
+        return x, np.sin(x[:, :1] * 2)
+
+    loss = None
+    for _ in range(5):  # compile and warm up
+        x, y = batches()
+        params, state, loss = step(params, state, jax.device_put(x, batch),
+                                   jax.device_put(y, batch))
+    float(loss)
+    rates = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for i in range(steps // 3):
+            x, y = batches()
+            params, state, loss = step(params, state, jax.device_put(x, batch),
+                                       jax.device_put(y, batch))
+            if i % 10 == 9:
+                float(loss)
+        float(loss)
+        rates.append((steps // 3) / (time.perf_counter() - start))
+
+    x, _ = batches()
+    xs = jax.device_put(x, batch)
+    elementwise = jax.jit(lambda a: a * 2 + 1)
+    total = jax.jit(jnp.sum)
+    elementwise(xs).block_until_ready()
+    total(xs).block_until_ready()
+    pieces = {"put": [], "elementwise": [], "sum": [], "sum_fetch": []}
+    for _ in range(50):
+        t = time.perf_counter()
+        xs = jax.device_put(x, batch)
+        xs.block_until_ready()
+        pieces["put"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        elementwise(xs).block_until_ready()
+        pieces["elementwise"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        total(xs).block_until_ready()
+        pieces["sum"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        float(total(xs))
+        pieces["sum_fetch"].append(time.perf_counter() - t)
+    print(json.dumps({"devices": len(devices), "steps_per_s": statistics.median(rates),
+                      **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in pieces.items()}}))
+
+
+if __name__ == "__main__":
+    main()
