@@ -16,7 +16,7 @@ The batch of a step depends on the step index only, so a step redone after a res
 the same data, and the global batch size does not change with the number of slices: runs
 with different failures compute the same losses up to the order of float additions.
 
-    isthmus run --slices 2 --hosts-per-slice 1 --devices-per-host 2 -- \\
+    isthmus run --slices 2 --hosts-per-slice 1 --devices-per-host 1 -- \\
         python examples/elastic_train.py --steps 40
 
 With JAX_PLATFORMS unset, `--controller HOST:PORT` connects through `isthmus.connect`.

@@ -122,6 +122,21 @@ class WorkerLost(SystemFault):
     code = Code.DATA_LOSS
 
 
+class PeerFailure(WorkerLost):
+    """A collective's transport (gloo, NCCL) failed: a peer of the group went away. The worker
+    names the lost worker once the controller has said which (`FormGroup.reason`)."""
+
+
+# What XLA's collective transports say when a peer process vanished mid-collective.
+_PEER_FAILURE = re.compile(
+    r"Gloo [a-z-]+ failed|Connection reset by peer|Connection closed by peer|Broken pipe|"
+    r"[Rr]ead error|[Ww]rite error|NCCL (?:operation|error)|ncclRemoteError|ncclSystemError")
+
+
+def is_peer_failure(text: str) -> bool:
+    return _PEER_FAILURE.search(text) is not None
+
+
 class SessionClosed(SystemFault):
     code = Code.CANCELLED
 

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ EXIT_REFUSED = 2
 EXIT_CONTROLLER_LOST = 3
 EXIT_DROPPED = 4  # declared lost while alive, with no way to start afresh (no argv)
 STOP_GRACE = 5.0  # seconds a signalled worker may take to stop before it just exits
+# Seconds a request whose collective lost a peer waits for the controller to say which.
+LOSS_REASON_WAIT = 3.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +81,7 @@ class WorkerAgent:
         self._superseded = asyncio.Event()
         self._gone: frozenset[int] = frozenset()  # devices the coming group will not have
         self._pending_reason = ""  # why it re-forms (FormGroup.reason)
+        self._last_loss = ("", float("-inf"))  # the last FormGroup.reason, and when
         self._link = ControllerLink(config.controller)
         self._peers = PeerClient()
         self._data = PeerDataServer(self._serve_buffer)
@@ -216,6 +220,8 @@ class WorkerAgent:
                 if isinstance(message, m.FormGroup):
                     self._gone = frozenset(message.gone)
                     self._pending_reason = message.reason
+                    if message.reason:
+                        self._last_loss = (message.reason, time.monotonic())
                     self._superseded.set()
                 queue.put_nowait(message)
             queue.put_nowait(None)
@@ -293,6 +299,14 @@ class WorkerAgent:
         async def run() -> None:
             try:
                 value = await work
+            except errors.PeerFailure as e:
+                # The transport noticed the loss before the controller's FormGroup arrived:
+                # wait (briefly) to name the lost worker, as arrays of the lost slice do.
+                reason = await self._loss_reason()
+                self._reply(request, error=errors.WorkerLost(
+                    f"the computation producing this array spanned a worker that was lost "
+                    f"({reason}); recreate it, or continue on the slices that are up. "
+                    f"[{e.message}]" if reason else e.message))
             except errors.IsthmusError as e:
                 self._reply(request, error=e)
             except Exception as e:  # noqa: BLE001
@@ -309,6 +323,20 @@ class WorkerAgent:
         if command is not None:
             self._waits[request] = (command, task)
             task.add_done_callback(lambda _: self._waits.pop(request, None))
+
+    async def _loss_reason(self) -> str:
+        """Why the group is re-forming (the controller's words, naming the lost worker): now
+        if a FormGroup has come, else once one comes (at most LOSS_REASON_WAIT s), else the
+        last loss if it is recent; "" when there is none."""
+        if not self._superseded.is_set():
+            try:
+                await asyncio.wait_for(self._superseded.wait(), LOSS_REASON_WAIT)
+            except asyncio.TimeoutError:
+                pass
+        if self._superseded.is_set() and self._pending_reason:
+            return self._pending_reason
+        reason, at = self._last_loss
+        return reason if time.monotonic() - at < 2 * LOSS_REASON_WAIT else ""
 
     def _require_host(self) -> DeviceHost:
         if self.host is None:

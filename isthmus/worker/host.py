@@ -26,7 +26,22 @@ from isthmus.worker import programs
 from isthmus.worker.slots import (_any_failed, _block_all, _done, _failed, _Failed, _first,
                                   _HostArray, _Loaded, _Unloadable, make_cpu_client)
 
-__all__ = ["DeviceHost", "make_cpu_client"]
+__all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
+
+
+def computation_error(e: BaseException) -> errors.IsthmusError:
+    """The error of a failed computation, as the user should see it: a collective whose
+    transport lost a peer is that peer's loss (DATA_LOSS), not an execution error."""
+    if isinstance(e, errors.IsthmusError):
+        return e
+    text = str(e)
+    if errors.is_peer_failure(text):
+        detail = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        return errors.PeerFailure(
+            f"the computation producing this array lost a peer of its collective group "
+            f"({detail[:300]})")
+    return errors.from_runtime_error(
+        e, errors.ExecutionError, "the computation producing this array failed")
 
 logger = logging.getLogger(__name__)
 
@@ -282,8 +297,7 @@ class DeviceHost:
             for value in values:
                 value.block_until_ready()  # ready now: raises the stored error, if any
         except Exception as e:  # noqa: BLE001
-            raise errors.from_runtime_error(
-                e, errors.ExecutionError, "the computation producing this array failed") from None
+            raise computation_error(e) from None
 
     def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
         """Resolves to the host copy of one buffer, once it is computed (`nbytes`, the
@@ -303,8 +317,7 @@ class DeviceHost:
             return await asyncio.get_running_loop().run_in_executor(
                 self._pool, np.asarray, value)
         except Exception as e:  # noqa: BLE001
-            raise errors.from_runtime_error(
-                e, errors.ExecutionError, "the computation producing this array failed") from None
+            raise computation_error(e) from None
 
     # ---- programs ------------------------------------------------------------------------
 

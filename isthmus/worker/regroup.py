@@ -8,6 +8,8 @@ given time to finish.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from isthmus import errors
@@ -54,6 +56,12 @@ def adopt(new: DeviceHost, old: DeviceHost, reason: str = "", wait: float = 30.0
                     f"({reason or 'a peer left the collective group'}); recreate it, "
                     "or continue on the slices that are up."))
                 continue
+            if value.is_ready() and _lost_a_peer(value):
+                new._buffers[buffer_id] = _Failed(errors.WorkerLost(
+                    f"the computation of this array spanned a worker that was lost "
+                    f"({reason or 'a peer left the collective group'}); recreate it, "
+                    "or continue on the slices that are up."))
+                continue
             if not value.is_ready():
                 # Wait for it in a thread that may be abandoned, up to one deadline for
                 # all buffers.
@@ -76,3 +84,12 @@ def adopt(new: DeviceHost, old: DeviceHost, reason: str = "", wait: float = 30.0
     old._executables.clear()
     old._spans.clear()
     return moved
+
+
+def _lost_a_peer(value: Any) -> bool:
+    """A computed buffer whose computation failed because its collective lost a peer."""
+    try:
+        value.block_until_ready()
+    except Exception as e:  # noqa: BLE001 - its stored error
+        return errors.is_peer_failure(str(e))
+    return False

@@ -20,6 +20,10 @@ from isthmus.testing import LocalServer, slice_pid
 pytest.importorskip("optax", reason="examples/elastic_train.py trains with optax")
 
 FLEET = (2, 1, 2)  # 2 slices x 1 host x 2 devices: slice 1 is devices 2 and 3
+# Kills in the middle of a step: one device per worker, since with several XLA:CPU's gloo
+# sometimes aborts the survivor too, in plain multi-process JAX as well
+# (tools/gloo_peer_loss.py; docs/elastic.md, known issues).
+MID_STEP_FLEET = (2, 1, 1)
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py"
 STEPS = 120
 SNAPSHOT_EVERY = 5
@@ -222,7 +226,7 @@ def test_a_slice_lost_in_the_middle_of_a_step(tmp_path):
     for round_ in range(4):
         log_path, out_path = tmp_path / f"mid{round_}.jsonl", tmp_path / f"mid{round_}.out"
         client = None
-        with LocalServer(devices=None, fleet=FLEET, args=["--no-restart"]) as server:
+        with LocalServer(devices=None, fleet=MID_STEP_FLEET, args=["--no-restart"]) as server:
             try:
                 client = _start_client(server, log_path, out_path)
                 run = _Run(server, client, log_path, out_path)

@@ -21,3 +21,19 @@ def test_all_ready_only_for_present_computed_error_free_buffers():
         assert not host.all_ready([1])
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_collective_that_lost_a_peer_is_data_loss_not_an_execution_error():
+    from isthmus import errors
+    from isthmus.worker.host import computation_error
+
+    gloo = RuntimeError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/"
+                        "pair.cc:538] Read error [127.0.0.1]:31468: Connection reset by peer")
+    error = computation_error(gloo)
+    assert isinstance(error, errors.PeerFailure) and error.code == errors.Code.DATA_LOSS
+    assert "lost a peer of its collective group" in error.message
+    assert "Connection reset by peer" in error.message
+    other = computation_error(RuntimeError("INVALID_ARGUMENT: shapes do not match"))
+    assert type(other) is errors.ExecutionError and other.code == errors.Code.INVALID_ARGUMENT
+    assert errors.is_peer_failure("NCCL operation ncclAllReduce failed: remote process exited")
+    assert not errors.is_peer_failure("RESOURCE_EXHAUSTED: out of memory")
