@@ -245,8 +245,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from isthmus.worker.agent import WorkerConfig, run_worker
-    from isthmus.worker.process import block_stop_signals, exit_with_parent
+    from isthmus.worker.agent import WorkerConfig
+    from isthmus.worker.process import block_stop_signals, exit_with_parent, run_worker
 
     block_stop_signals()  # before any thread starts
     logging.basicConfig(level=args.log_level.upper(),

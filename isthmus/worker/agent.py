@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -31,7 +30,7 @@ from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, 
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
                                      PlatformUnavailable, describe, make_client)
-from isthmus.worker.process import STOP_SIGNALS, exit_now, preload
+from isthmus.worker.process import exit_now, preload
 from isthmus.worker.commands import _Incoming, _produced, _reads, _request, _unpack
 from isthmus.worker.programs import CompileRequest
 
@@ -494,18 +493,3 @@ class WorkerAgent:
                 task.cancel()
                 self._apply(command)
         self._superseded.clear()
-
-
-async def run_worker(config: WorkerConfig) -> int:
-    agent = WorkerAgent(config)
-    agent._loop = asyncio.get_running_loop()
-    if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set()):
-        def wait_for_signal() -> None:
-            received = signal.sigwait(STOP_SIGNALS)
-            agent.stop_soon(f"received {signal.Signals(received).name}")
-
-        threading.Thread(target=wait_for_signal, name="isthmus-signals", daemon=True).start()
-    else:
-        for sig in STOP_SIGNALS:
-            agent._loop.add_signal_handler(sig, agent.stop)
-    return await agent.run()

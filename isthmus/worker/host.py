@@ -24,24 +24,11 @@ from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.worker import programs
 from isthmus.worker.slots import (_any_failed, _block_all, _done, _failed, _Failed, _first,
-                                  _HostArray, _Loaded, _Unloadable, make_cpu_client)
+                                  _HostArray, _Loaded, _Unloadable, computation_error,
+                                  make_cpu_client)
 
 __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
 
-
-def computation_error(e: BaseException) -> errors.IsthmusError:
-    """The error of a failed computation, as the user should see it: a collective whose
-    transport lost a peer is that peer's loss (DATA_LOSS), not an execution error."""
-    if isinstance(e, errors.IsthmusError):
-        return e
-    text = str(e)
-    if errors.is_peer_failure(text):
-        detail = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        return errors.PeerFailure(
-            f"the computation producing this array lost a peer of its collective group "
-            f"({detail[:300]})")
-    return errors.from_runtime_error(
-        e, errors.ExecutionError, "the computation producing this array failed")
 
 logger = logging.getLogger(__name__)
 

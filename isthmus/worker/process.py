@@ -3,9 +3,12 @@ stop signals that work while the event loop sits inside jaxlib."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import threading
+from typing import Any
 
 
 def preload() -> None:
@@ -40,3 +43,21 @@ def block_stop_signals() -> None:
     are then taken by `run_worker`'s signal thread, so they work even while the event loop
     sits inside jaxlib."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+async def run_worker(config: Any) -> int:
+    """Runs a worker (`WorkerConfig`) until it stops; stop signals end it gracefully."""
+    from isthmus.worker.agent import WorkerAgent
+
+    agent = WorkerAgent(config)
+    agent._loop = asyncio.get_running_loop()
+    if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set()):
+        def wait_for_signal() -> None:
+            received = signal.sigwait(STOP_SIGNALS)
+            agent.stop_soon(f"received {signal.Signals(received).name}")
+
+        threading.Thread(target=wait_for_signal, name="isthmus-signals", daemon=True).start()
+    else:
+        for sig in STOP_SIGNALS:
+            agent._loop.add_signal_handler(sig, agent.stop)
+    return await agent.run()

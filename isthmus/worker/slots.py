@@ -38,6 +38,21 @@ def make_cpu_client(num_devices: int, **distributed: Any) -> Any:
     return xla_client.make_cpu_client(asynchronous=True, num_devices=num_devices, **distributed)
 
 
+def computation_error(e: BaseException) -> errors.IsthmusError:
+    """The error of a failed computation, as the user should see it: a collective whose
+    transport lost a peer is that peer's loss (DATA_LOSS), not an execution error."""
+    if isinstance(e, errors.IsthmusError):
+        return e
+    text = str(e)
+    if errors.is_peer_failure(text):
+        detail = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        return errors.PeerFailure(
+            f"the computation producing this array lost a peer of its collective group "
+            f"({detail[:300]})")
+    return errors.from_runtime_error(
+        e, errors.ExecutionError, "the computation producing this array failed")
+
+
 class _Failed:
     """A buffer slot that holds the error which prevented its creation."""
 
