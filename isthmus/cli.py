@@ -14,6 +14,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from isthmus.worker.platforms import (DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Platform,
+                                      PlatformUnavailable, check_local_cuda, parse_gpus,
+                                      prepare_process, resolve)
+
 READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
 # The user's own C++ log level, read before jax is imported (importing jax sets it to 1).
 _USER_LOG_LEVEL = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
@@ -28,8 +32,8 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port to listen on; 0 picks a free one (default: 0)")
     parser.add_argument("--devices", type=int, default=None,
                         help="serve N devices from the server process itself (the embedded "
-                             "backend) instead of a fleet of workers (CPU: default 8 when "
-                             "--devices is not given with a fleet option; CUDA: N GPUs)")
+                             "backend) instead of a fleet of workers: N CPU devices, or N "
+                             "GPUs with --platform cuda")
     parser.add_argument("--slices", type=int, default=None,
                         help="slices of the fleet (default: 1)")
     parser.add_argument("--hosts-per-slice", type=int, default=None,
@@ -66,8 +70,6 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _platform_arguments(parser: argparse.ArgumentParser) -> None:
-    from isthmus.worker.platforms import DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS
-
     parser.add_argument("--platform", choices=PLATFORMS, default="cpu",
                         help="devices to serve: cpu, cuda (NVIDIA GPUs through jax's CUDA "
                              "plugin), or auto (cuda where a GPU and the plugin are present, "
@@ -81,9 +83,7 @@ def _platform_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_GPU_MEMORY_FRACTION})")
 
 
-def _platform(args: argparse.Namespace) -> object:
-    from isthmus.worker.platforms import Platform, parse_gpus
-
+def _platform(args: argparse.Namespace) -> Platform:
     try:
         return Platform(args.platform, parse_gpus(args.gpus), args.gpu_memory_fraction)
     except ValueError as e:
@@ -100,14 +100,12 @@ def _head_config(args: argparse.Namespace) -> object:
     if args.devices is not None and any(f is not None for f in fleet_flags):
         raise SystemExit("isthmus: --devices (embedded backend) and the fleet options "
                          "(--slices, --hosts-per-slice, --devices-per-host) exclude each other")
-    from isthmus.worker.platforms import check_local_cuda, resolve
-
     platform = _platform(args)
     fleet = None
     if args.devices is None:
         defaults = FleetSpec()
         # Workers started elsewhere resolve `auto` themselves; the first to register decides.
-        name = platform.name if args.no_launch else resolve(platform.name)  # type: ignore
+        name = platform.name if args.no_launch else resolve(platform.name)
         if name == "cuda" and not args.no_launch:
             check_local_cuda()
         per_host = 1 if name == "cuda" else defaults.devices_per_host
@@ -128,8 +126,6 @@ def _head_config(args: argparse.Namespace) -> object:
 
 
 def _prepare_server_process(args: argparse.Namespace) -> None:
-    from isthmus.worker.platforms import Platform, prepare_process
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # XLA's C++ warnings (the coordination service's, at every group formation) read like
@@ -144,19 +140,17 @@ def _prepare_server_process(args: argparse.Namespace) -> None:
         raise SystemExit(f"isthmus: {e}")
 
 
-def _embedded_platform(args: argparse.Namespace) -> object:
+def _embedded_platform(args: argparse.Namespace) -> Platform:
     """The embedded backend's platform, `auto` resolved; `--devices N` on CUDA without
     --gpus or CUDA_VISIBLE_DEVICES takes GPUs 0 to N-1."""
     import dataclasses
 
-    from isthmus.worker.platforms import resolve
-
     platform = _platform(args)
-    name = resolve(platform.name)  # type: ignore[attr-defined]
-    gpus = platform.gpus  # type: ignore[attr-defined]
+    name = resolve(platform.name)
+    gpus = platform.gpus
     if name == "cuda" and gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         gpus = tuple(range(args.devices))
-    return dataclasses.replace(platform, name=name, gpus=gpus)  # type: ignore[type-var]
+    return dataclasses.replace(platform, name=name, gpus=gpus)
 
 
 def _stop_event() -> asyncio.Event:
@@ -251,8 +245,6 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     block_stop_signals()  # before any thread starts
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
-    from isthmus.worker.platforms import prepare_process
-
     platform = _platform(args)
     try:
         prepare_process(platform)  # before jax is imported: GPUs owned, memory settings
@@ -262,7 +254,7 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.exit_with_parent:
         exit_with_parent()
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
-                          devices=args.devices, platform=platform,  # type: ignore[arg-type]
+                          devices=args.devices, platform=platform,
                           listen=args.listen, advertise=args.advertise,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv))
     try:
@@ -323,8 +315,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from isthmus.worker.platforms import PlatformUnavailable
-
     if args.subcommand == "status":
         return _status(args)
     if args.subcommand == "worker":
