@@ -162,6 +162,8 @@ def make_cuda_client(distributed_client: Any = None, node_id: int = 0,
     except PlatformUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - the plugin reports missing GPUs its own way
+        if distributed_client is not None:
+            raise  # joining a group failed: the caller says so, with this error
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise _no_cuda(f"the CUDA plugin found no usable GPU ({first})") from None
     if not client.local_devices():
