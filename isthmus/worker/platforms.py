@@ -221,6 +221,4 @@ def describe_client(name: str, client: Any) -> Description:
     default = first.default_memory().kind
     kinds = [m.kind for m in first.addressable_memories()]
     kinds = tuple([default] + [k for k in kinds if k != default])
-    description = Description(name, len(devices), first.device_kind, kinds)
-    del devices, first
-    return description
+    return Description(name, len(devices), first.device_kind, kinds)
