@@ -78,6 +78,25 @@ def paired_curves(local: Callable[[], dict], mine: Callable[[], dict], rounds: i
     return reference, [statistics.median(r[i] for r in ratios) for i in range(len(ratios[0]))]
 
 
+# The simulated accelerator's rate per device (FLOP/s), and the sizes that give steps of
+# about 0.02 to 9 ms on it (4 chained n x n matmuls: 8 n^3 FLOPs per step and device).
+SIMULATED_FLOPS = 1e12
+SIMULATED_SIZES = "128,256,320,400,512,640,800,1024"
+
+
+def simulated_curve(server: LocalServer, sizes: str, seconds: str, devices: int,
+                    rate: float, rounds: int) -> tuple[dict, list[float]]:
+    """The threshold curve on simulated accelerators (`--simulate-flops rate`): the
+    reference is the device time itself, a step every FLOPs/rate seconds, which is what
+    local jax on such a device would reach at best; so the ratio measures dispatch alone."""
+    runs = [_run("threshold.py", _through(server), [sizes, "4", seconds, str(devices)])
+            for _ in range(rounds)]
+    step_ms = [4 * 2 * n ** 3 / devices / rate * 1e3 for n in runs[0]["sizes"]]
+    ratios = [statistics.median(ideal / run["step_ms"][i] for run in runs)
+              for i, ideal in enumerate(step_ms)]
+    return {"sizes": runs[0]["sizes"], "step_ms": step_ms}, ratios
+
+
 def threshold(step_ms: list[float], ratios: list[float], level: float = 0.95) -> float | None:
     """The smallest step (local ms) from which on isthmus keeps at least `level` of local
     jax's throughput at every larger measured step; None when it never does."""
@@ -102,7 +121,7 @@ def plot(curves: dict[str, tuple[list[float], list[float]]], path: pathlib.Path)
         ax.plot(step_ms, ratios, marker="o", label=name)
     ax.axhline(0.95, color="grey", linestyle="--", linewidth=1, label="95% of local jax")
     ax.set_xscale("log")
-    ax.set_xlabel("compute per step on local jax (ms)")
+    ax.set_xlabel("compute per step on local jax, or device time when simulated (ms)")
     ax.set_ylabel("isthmus throughput / local throughput")
     ax.set_ylim(0, 1.2)
     ax.set_title("Dispatch threshold: pipelined jitted steps of growing size")
@@ -147,6 +166,16 @@ def main() -> int:
             lambda: _run("threshold.py", _local(4), [sizes, "4", seconds, "4"]),
             lambda: _run("threshold.py", _through(server), [sizes, "4", seconds, "4"]), rounds)
     compile_times["local"] = _run("compile_cache.py", _local(), [])
+    # The same loop on simulated accelerators: no compute on the CPU (see simulated_curve).
+    simulated: dict[str, tuple[dict, list[float]]] = {}
+    rate = f"--simulate-flops={SIMULATED_FLOPS:g}"
+    with LocalServer(devices=1, args=[rate]) as server:
+        simulated["isthmus embedded"] = simulated_curve(
+            server, SIMULATED_SIZES, seconds, 1, SIMULATED_FLOPS, rounds)
+    with LocalServer(devices=None, fleet=(2, 2, 1),
+                     args=[f"--simulate-flops={SIMULATED_FLOPS / 4:g}"]) as server:
+        simulated["isthmus fleet 2x2"] = simulated_curve(
+            server, SIMULATED_SIZES, seconds, 4, SIMULATED_FLOPS / 4, rounds)
 
     from bench.scaling import run as scaling
 
@@ -179,6 +208,21 @@ def main() -> int:
         text = f"{found:.3f} ms of compute per step" if found else "not reached in this range"
         print(f"  {name}: keeps >= 95% of local jax from {text}")
 
+    print(f"\ndispatch threshold on simulated accelerators (the same steps; each device "
+          f"runs {SIMULATED_FLOPS:.0e} FLOP/s\nwithout CPU, so the reference is the device "
+          f"time itself; median of {rounds} rounds):")
+    print(f"{'n':>6}{'device ms':>10}" + "".join(f"{name + ' / device':>30}"
+                                                  for name in simulated))
+    first = next(iter(simulated.values()))[0]
+    for i, n in enumerate(first["sizes"]):
+        print(f"{n:6d}{first['step_ms'][i]:10.3f}" + "".join(
+            f"{ratios[i]:30.2f}" for _, ratios in simulated.values()))
+    for name, (local, ratios) in simulated.items():
+        found = threshold(local["step_ms"], ratios)
+        thresholds[f"{name}, simulated accelerator"] = found
+        text = f"{found:.3f} ms of device time per step" if found else "not reached"
+        print(f"  {name}: keeps >= 95% of the device busy from {text}")
+
     print("\ncontroller scaling (in-process, stand-in workers, one program over all hosts):")
     for n in hosts:
         print(f"  {n:5d} hosts: {scale[n]:9.0f} programs/s  ({scale[n] / scale[hosts[0]]:.1%} "
@@ -193,10 +237,16 @@ def main() -> int:
                                                 "local_step_ms": local["step_ms"],
                                                 "ratio_to_local": ratios}
                                          for name, (local, ratios) in curves.items()},
+                    "simulated_threshold_curves": {
+                        name: {"sizes": local["sizes"], "device_step_ms": local["step_ms"],
+                               "ratio_to_device": ratios}
+                        for name, (local, ratios) in simulated.items()},
                     "threshold_ms": thresholds, "scaling_programs_per_s": scale,
                     "compile_ms": {k: v["compile_ms"] for k, v in compile_times.items()}})
     (OUT / "results.json").write_text(json.dumps(results, indent=2))
-    png = plot({name: (local["step_ms"], ratios) for name, (local, ratios) in curves.items()},
+    png = plot({**{name: (local["step_ms"], ratios) for name, (local, ratios) in curves.items()},
+                **{f"{name}, simulated accelerator": (local["step_ms"], ratios)
+                   for name, (local, ratios) in simulated.items()}},
                OUT / "dispatch_threshold.png")
     print("\nseconds per stage: " + ", ".join(f"{w} {t:.0f}" for w, t in STAGES),
           file=sys.stderr)

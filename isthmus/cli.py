@@ -81,11 +81,19 @@ def _platform_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the share of each GPU a device client may use; a local fleet "
                              "divides it among the workers that share a GPU (default: "
                              f"{DEFAULT_GPU_MEMORY_FRACTION})")
+    parser.add_argument("--simulate-flops", type=float, default=0.0, metavar="RATE",
+                        help="benchmarks only: simulated accelerators of RATE FLOP/s per "
+                             "device; each program runs for real once, then takes its FLOPs / "
+                             "RATE of wall time and no CPU, with wrong results (CPU only)")
 
 
 def _platform(args: argparse.Namespace) -> Platform:
     try:
-        return Platform(args.platform, parse_gpus(args.gpus), args.gpu_memory_fraction)
+        if args.simulate_flops and args.platform != "cpu":
+            raise ValueError("--simulate-flops simulates accelerators on the CPU; drop "
+                             f"--platform {args.platform}")
+        return Platform(args.platform, parse_gpus(args.gpus), args.gpu_memory_fraction,
+                        simulate_flops=args.simulate_flops)
     except ValueError as e:
         raise SystemExit(f"isthmus: {e}")
 

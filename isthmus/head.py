@@ -47,15 +47,17 @@ class HeadConfig:
     shared_dir: str | None = "auto"
 
 
-def embedded_fleet(num_devices: int, platform: str = "cpu") -> tuple[Fleet, Any]:
-    """One in-process worker with `num_devices` jaxlib CPU devices, or the GPUs it sees."""
-    from isthmus.worker.host import DeviceHost
+def embedded_fleet(num_devices: int, platform: str = "cpu",
+                   simulate_flops: float = 0.0) -> tuple[Fleet, Any]:
+    """One in-process worker with `num_devices` jaxlib CPU devices, or the GPUs it sees
+    (simulated accelerators at `simulate_flops` FLOP/s each, when that is set)."""
     from isthmus.worker.platforms import describe_client, make_client
+    from isthmus.worker.simulated import make_host
 
     if num_devices < 1:
         raise ValueError(f"--devices must be at least 1, not {num_devices}")
     client = make_client(platform, num_devices)
-    host = DeviceHost(client)
+    host = make_host(client, simulate_flops=simulate_flops)
     worker = WorkerId(0)
     described = describe_client(platform, client)
     devices = [Device(DeviceId(d.id), worker, local, platform, described.device_kind,
@@ -96,7 +98,8 @@ class Head:
         extra_handlers: list[Any] = []
         self.shared_dir = self._make_shared_dir()
         if config.fleet is None:
-            fleet, host = embedded_fleet(config.devices, config.platform.name)
+            fleet, host = embedded_fleet(config.devices, config.platform.name,
+                                         config.platform.simulate_flops)
             self._hosts.append(host)
             controller = Controller(fleet, config.controller)
         else:

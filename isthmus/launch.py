@@ -140,6 +140,8 @@ class LocalLauncher:
         """`--platform cuda --gpus ...` for a CUDA worker: worker w of the fleet takes GPUs
         w*D .. w*D+D-1 (D devices per host), wrapping round when there are fewer GPUs than
         devices, so that workers share GPUs (and divide the memory share) in tests."""
+        if self.platform.simulate_flops:
+            return ["--simulate-flops", f"{self.platform.simulate_flops:g}"]
         if self.platform.name == "cpu":
             return []
         gpus = self.platform.gpus or visible_gpus() or (0,)

@@ -33,6 +33,7 @@ from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Pl
 from isthmus.worker.process import exit_now, preload
 from isthmus.worker.commands import _Incoming, _produced, _reads, _request, _unpack
 from isthmus.worker.programs import CompileRequest
+from isthmus.worker.simulated import make_host
 
 logger = logging.getLogger(__name__)
 
@@ -480,7 +481,7 @@ class WorkerAgent:
         self._reply(message.request, [d.id for d in client.local_devices()])
 
     async def _activate(self, mapping: dict[int, int]) -> None:
-        new = DeviceHost(self._next_client, device_map=mapping)
+        new = make_host(self._next_client, mapping, self.config.platform.simulate_flops)
         old, self.host = self.host, new
         if old is not None:
             await old.settle_writes()  # host data still being placed lands in `old` first

@@ -55,6 +55,9 @@ class DeviceHost:
             device_map = {i: i for i in by_id}
         self.devices = {g: by_id[j] for g, j in device_map.items() if j in by_id}
         self._local = {d.id for d in client.local_devices()}
+        # XLA:CPU meets a program's local devices in an in-process rendezvous on a shared
+        # thread pool (see `collective_settled`); GPU devices each have their own stream.
+        self._shared_pool = getattr(client, "platform", "cpu") == "cpu"
         self._buffers: dict[BufferId, Any] = {}
         self._executables: dict[ExecutableId, _Loaded | _Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
@@ -447,13 +450,14 @@ class DeviceHost:
         """Called before dispatching a collective program: waits for the last one, when
         that is needed, and holds back after one that failed.
 
-        *One at a time over several local devices.* XLA:CPU runs the devices of a program
+        *One at a time over several local devices (CPU).* XLA:CPU runs the devices of a program
         on a shared thread pool and meets them in an in-process rendezvous for collectives;
         with many such programs in flight on few cores, the pool fills with devices of
         later steps waiting for devices that cannot get a thread, and every step hangs. So
         before a program over several devices of this host, the last collective program
         must have finished; the worker's backlog then slows the client through flow
-        control instead.
+        control instead. GPU devices run on streams of their own and keep many steps in
+        flight.
 
         *Nothing new on a broken communicator.* When the last collective program failed
         (a peer died mid-step), the peer's half-consumed messages still sit in gloo's
@@ -469,7 +473,8 @@ class DeviceHost:
         if not values or superseded.is_set():
             return
         loaded = self._executables.get(executable_id)
-        local = isinstance(loaded, _Loaded) and len(loaded.positions) > 1
+        local = (self._shared_pool and isinstance(loaded, _Loaded)
+                 and len(loaded.positions) > 1)
         pending = [v for v in values if not v.is_ready()]
         if pending and local:
             await _first(superseded, asyncio.get_running_loop().run_in_executor(

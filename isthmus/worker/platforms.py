@@ -42,11 +42,16 @@ class Platform:
     # need less than half each; a re-formation briefly holds an old and a new client.
     memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION
     preallocate: bool = False  # reserve the whole share up front (XLA's default is True)
+    # FLOP/s of each device of a simulated accelerator (`isthmus.worker.simulated`): programs
+    # take wall time but no CPU after their first call, and their results are wrong. 0: off.
+    simulate_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name not in PLATFORMS:
             raise ValueError(f"--platform must be one of {', '.join(PLATFORMS)}, not "
                              f"{self.name!r}")
+        if self.simulate_flops < 0:
+            raise ValueError(f"--simulate-flops must be positive, not {self.simulate_flops:g}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], not "
                              f"{self.memory_fraction}")

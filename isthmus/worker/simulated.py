@@ -1,0 +1,206 @@
+"""A simulated accelerator: programs take wall time on their devices, but no CPU.
+
+On a small CPU machine the dispatch threshold (the smallest step at which isthmus keeps up
+with local jax) measures contention: XLA's CPU compute, the client, the controller and the
+workers share the cores. A `SimulatedHost` takes the compute out. Each program runs for real
+once (its first call, which also gives its outputs' shapes, shardings and memory kinds);
+every later call is not computed at all: its outputs are the first call's buffers again,
+counted as computed only once the call's simulated run is over. A run lasts the program's
+FLOPs per device (XLA's cost analysis) divided by the simulated rate, and starts when its
+devices are free and its inputs are computed, so the devices behave like accelerators
+running one stream each, in the background.
+
+Results after the first call are therefore wrong by design: this is for benchmarks
+(`isthmus up --simulate-flops`, `python -m bench`), never for training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.ids import BufferId, ExecutableId
+from isthmus.worker.host import DeviceHost
+from isthmus.worker.slots import _Failed, _Loaded
+
+__all__ = ["SimulatedHost", "make_host"]
+
+
+def make_host(client: Any, device_map: dict[int, int] | None = None,
+              simulate_flops: float = 0.0) -> DeviceHost:
+    """The host of a client: a `SimulatedHost` at `simulate_flops` FLOP/s per device when
+    that is set, else a `DeviceHost`."""
+    if simulate_flops:
+        return SimulatedHost(client, device_map, flops_per_s=simulate_flops)
+    return DeviceHost(client, device_map)
+
+
+def _real(value: Any) -> Any:
+    return value.value if isinstance(value, _Pending) else value
+
+
+class _Pending:
+    """An output of a simulated run: a real buffer that counts as computed from `ready_at`
+    (monotonic seconds) on. It answers what a `DeviceHost` asks of a jax array."""
+
+    __slots__ = ("value", "ready_at")
+
+    def __init__(self, value: Any, ready_at: float) -> None:
+        self.value = value
+        self.ready_at = ready_at
+
+    def is_ready(self) -> bool:
+        return time.monotonic() >= self.ready_at and self.value.is_ready()
+
+    def block_until_ready(self) -> _Pending:
+        delay = self.ready_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        self.value.block_until_ready()
+        return self
+
+    def is_deleted(self) -> bool:
+        return self.value.is_deleted()
+
+    def devices(self) -> Any:
+        return self.value.devices()
+
+    @property
+    def sharding(self) -> Any:
+        return self.value.sharding
+
+    @property
+    def dtype(self) -> Any:
+        return self.value.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.nbytes
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        self.block_until_ready()
+        value = np.asarray(self.value)
+        return value if dtype is None else value.astype(dtype)
+
+
+class SimulatedHost(DeviceHost):
+    """A `DeviceHost` whose programs are simulated after their first call (see the module
+    docstring); `flops_per_s` is the simulated rate of each device."""
+
+    def __init__(self, client: Any, device_map: dict[int, int] | None = None, *,
+                 flops_per_s: float, **kwargs: Any) -> None:
+        if flops_per_s <= 0:
+            raise ValueError(f"the simulated rate must be positive, not {flops_per_s}")
+        super().__init__(client, device_map, **kwargs)
+        self.flops_per_s = flops_per_s
+        # Invariant: a device runs one simulated program at a time; it is busy until then.
+        self._busy: dict[int, float] = {}
+        # Per program that ran once for real: (seconds per run, its outputs' shards).
+        self._templates: dict[ExecutableId, tuple[float, list[list[Any]]]] = {}
+
+    def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+                results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
+        loaded = self._executables.get(executable_id)
+        template = self._templates.get(executable_id)
+        if template is None or not isinstance(loaded, _Loaded):
+            self._first_run(executable_id, args, results, loaded)
+            return
+        seconds, outputs = template
+        positions = loaded.positions
+        start = time.monotonic()
+        for position in positions:
+            start = max(start, self._busy.get(loaded.devices[position].id, 0.0))
+        try:
+            for buffer_id in self._ids(args, positions):
+                value = self._get(buffer_id)
+                if isinstance(value, _Pending):
+                    start = max(start, value.ready_at)
+        except Exception as e:  # noqa: BLE001 - a failed or missing input fails the outputs
+            error = errors.from_runtime_error(e, errors.ExecutionError, "execution failed")
+            for base in results:
+                for p in positions:
+                    self.fail(BufferId(base + p), error)
+            return
+        end = start + seconds
+        for position in positions:
+            self._busy[loaded.devices[position].id] = end
+        for base, shards in zip(results, outputs):
+            for p, shard in zip(positions, shards):
+                self._buffers[BufferId(base + p)] = _Pending(shard, end)
+
+    def _first_run(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+                   results: Sequence[int], loaded: Any) -> None:
+        """Runs the program for real and keeps its outputs as the template of later runs.
+        No argument is donated (its buffer may be a template of another program)."""
+        positions = loaded.positions if isinstance(loaded, _Loaded) else ()
+        made = [BufferId(base + p) for base in results for p in positions]
+        with self._settled(self._ids(args, positions), made):
+            super().execute(executable_id, args, results, frozenset(range(len(args))))
+        self._last_collective = []  # no XLA rendezvous waits behind a simulated run
+        if not isinstance(loaded, _Loaded):
+            return
+        outputs = [[_real(self._buffers.get(BufferId(base + p))) for p in loaded.positions]
+                   for base in results]
+        if any(isinstance(s, _Failed) or s is None for shards in outputs for s in shards):
+            return  # a failed run is no template; the next call runs for real again
+        flops = float(loaded.info.cost_analysis.get("flops", 0.0) or 0.0)
+        self._templates[executable_id] = (max(flops, 0.0) / self.flops_per_s, outputs)
+
+    @staticmethod
+    def _ids(args: Sequence[int | Sequence[BufferId]], positions: Sequence[int]
+             ) -> list[BufferId]:
+        return [BufferId(ref + p) if isinstance(ref, int) else ref[p]
+                for ref in args for p in positions]
+
+    def drop_executable(self, executable_id: ExecutableId) -> None:
+        self._templates.pop(executable_id, None)
+        super().drop_executable(executable_id)
+
+    # Operations that read buffers with jax see the real buffer; what they make from a
+    # simulated output is computed no earlier than that output.
+
+    def copy(self, src: BufferId, dst: BufferId, device_id: int,
+             memory_kind: str | None = None) -> None:
+        with self._settled([src], [dst]):
+            super().copy(src, dst, device_id, memory_kind)
+
+    def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
+                 dtype: np.dtype, shape: tuple[int, ...],
+                 parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
+        with self._settled([src for src, _, _ in parts], [dst]):
+            super().assemble(dst, device_id, memory_kind, dtype, shape, parts)
+
+    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype,
+                shape: tuple[int, ...]) -> None:
+        with self._settled([src], [dst]):
+            super().bitcast(src, dst, dtype, shape)
+
+    @contextlib.contextmanager
+    def _settled(self, sources: Sequence[BufferId], made: Sequence[BufferId] = ()
+                 ) -> Iterator[None]:
+        """Within: `sources` hold their real buffers. After: `made` count as computed no
+        earlier than the latest simulated source."""
+        pending = {b: v for b in sources if isinstance(v := self._buffers.get(b), _Pending)}
+        for buffer_id, value in pending.items():
+            self._buffers[buffer_id] = value.value
+        try:
+            yield
+        finally:
+            for buffer_id, value in pending.items():
+                if self._buffers.get(buffer_id) is value.value:
+                    self._buffers[buffer_id] = value
+            if pending:
+                ready_at = max(v.ready_at for v in pending.values())
+                for buffer_id in made:
+                    value = self._buffers.get(buffer_id)
+                    if value is not None and not isinstance(value, (_Failed, _Pending)):
+                        self._buffers[buffer_id] = _Pending(value, ready_at)
