@@ -79,6 +79,7 @@ class Head:
         self.shared_dir: str | None = None
         self._own_shared_dir = False
         self._hosts: list[Any] = []
+        self.fleet_service: Any = None  # the workers' control streams (a fleet only)
 
     @property
     def address(self) -> str:
@@ -114,7 +115,9 @@ class Head:
                 ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir,
                               heartbeat_timeout=config.heartbeat_timeout),
                 on_slice_down=controller.poison_slice)
-            extra_handlers = FleetServicer(self.manager).handlers()
+            self.fleet_service = FleetServicer(self.manager)
+            await self.fleet_service.start(config.host)
+            extra_handlers = self.fleet_service.handlers()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
             max_host_buffer_bytes=config.max_host_buffer_bytes, shared_dir=self.shared_dir))
         if self.manager is not None:
@@ -171,6 +174,9 @@ class Head:
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
+        if self.fleet_service is not None:
+            await self.fleet_service.stop()
+            self.fleet_service = None
         if self.frontend is not None:
             await self.frontend.close()
         if self.launcher is not None:

@@ -1,4 +1,5 @@
-"""The worker's network links: its stream to the controller and its peer data server.
+"""The worker's network links: its control stream to the controller, its pulse, and its
+peer data server.
 
 Peers move shard bytes worker to worker (`isthmus.WorkerData/Fetch`), never through the
 controller. A fetched buffer travels as one pickled header followed by raw byte pieces.
@@ -19,6 +20,8 @@ import numpy as np
 from isthmus import errors
 from isthmus.hostmem import byte_view
 from isthmus.transport import messages as m
+from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
+                                      write_frame)
 
 logger = logging.getLogger(__name__)
 
@@ -32,43 +35,46 @@ CHANNEL_OPTIONS = (
 
 
 class ControllerLink:
-    """The worker's bidirectional stream to the controller."""
+    """The worker's control stream to the controller (`transport/frames.py`)."""
 
     def __init__(self, address: str) -> None:
         self.address = address.removeprefix("grpc://")
-        self._outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._channel: grpc.aio.Channel | None = None
-        self._call: Any = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader: asyncio.StreamReader | None = None
 
     async def open(self, first: Any, timeout: float) -> AsyncIterator[Any]:
-        """Sends `first`, then yields the controller's messages until the stream ends."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        await asyncio.wait_for(self._channel.channel_ready(), timeout)
-        stream = self._channel.stream_stream("/isthmus.Fleet/Connect")
+        """Sends `first`, then yields the controller's messages until the stream ends.
+        Waits up to `timeout` for the controller to be up."""
+        host = self.address.rpartition(":")[0].strip("[]")
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+            endpoint = channel.unary_unary("/isthmus.Fleet/Endpoint")
+            port = int(await endpoint(b"", timeout=timeout, wait_for_ready=True))
+        self._reader, self._writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=READ_LIMIT), timeout)
+        keep_alive(self._writer)
         self.send(first)
-        self._call = stream(self._frames())
         return self._messages()
 
-    async def _frames(self) -> AsyncIterator[bytes]:
-        while True:
-            frame = await self._outgoing.get()
-            if frame is None:
-                return
-            yield frame
-
     async def _messages(self) -> AsyncIterator[Any]:
-        async for frame in self._call:
+        assert self._reader is not None
+        while True:
+            try:
+                frame = await read_frame(self._reader)
+            except StreamClosed:
+                return
             yield m.decode(frame)
 
     def send(self, message: Any) -> None:
-        self._outgoing.put_nowait(m.encode(message))
+        if self._writer is not None:
+            write_frame(self._writer, m.encode(message))
 
     async def close(self) -> None:
-        self._outgoing.put_nowait(None)
-        if self._call is not None:
-            self._call.cancel()
-        if self._channel is not None:
-            await self._channel.close()
+        if self._writer is not None:
+            self._writer.close()
+            try:
+                await asyncio.wait_for(self._writer.wait_closed(), 2.0)
+            except (asyncio.TimeoutError, ConnectionError, OSError):
+                pass
 
 
 class PeerDataServer:

@@ -1,16 +1,18 @@
-"""The gRPC service workers connect to: `isthmus.Fleet/Connect`, one stream per worker.
+"""Where workers connect: one control stream per worker, and two gRPC calls.
 
-The worker sends `Register` first; the controller answers `Welcome` (or `Refused`) and from
-then on sends command batches while the worker sends heartbeats, replies and data. A stream
-that ends, for whatever reason, is the loss of that worker. `Alive` is the worker's pulse,
-sent from a thread of its own so that a busy worker still proves itself alive.
+A worker asks `isthmus.Fleet/Endpoint` (on the controller's gRPC port, the address it was
+given) for the port of the control streams, then opens a TCP stream there
+(`transport/frames.py`). It sends `Register` first; the controller answers `Welcome` (or
+`Refused`) and from then on sends command batches while the worker sends heartbeats,
+replies and data. A stream that ends, for whatever reason, is the loss of that worker.
+`Alive` is the worker's pulse, sent from a thread of its own so that a busy worker still
+proves itself alive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -19,55 +21,86 @@ import grpc.aio
 from isthmus import errors
 from isthmus.controller.manager import FleetManager
 from isthmus.transport import messages as m
-from isthmus.wire.streams import END, drain
+from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
+                                      write_frame)
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "isthmus.Fleet"
+REGISTER_TIMEOUT = 30.0  # seconds a new stream may take to send its Register
 
 
 class FleetServicer:
     def __init__(self, manager: FleetManager) -> None:
         self.manager = manager
+        self.port = 0  # of the control streams, once started
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
-    async def connect(self, frames: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[bytes]:
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+    async def start(self, host: str) -> int:
+        """Listens for control streams on `host` (a free port); returns the port."""
+        self._server = await asyncio.start_server(self._connected, host, 0, limit=READ_LIMIT)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in list(self._writers):
+            writer.close()
+
+    async def _connected(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        keep_alive(writer)
+        self._writers.add(writer)
         try:
-            first = m.decode(await frames.__anext__())
-        except (StopAsyncIteration, Exception):  # noqa: BLE001 - anything but a Register
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "a worker stream must start with Register")
-            return
-        if not isinstance(first, m.Register):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "a worker stream must start with Register")
-            return
-        try:
-            channel = self.manager.register(first, queue.put_nowait, context.peer(),
-                                            close=lambda: queue.put_nowait(END))
-        except errors.IsthmusError as e:
-            yield m.encode(m.Refused(e.message))
-            return
-        yield m.encode(self.manager.welcome(channel))
-        reader = asyncio.get_running_loop().create_task(self._read(frames, channel, queue))
-        try:
-            async for item in drain(queue):
-                yield item
+            await self._serve(reader, writer)
         finally:
-            reader.cancel()
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            first = m.decode(await asyncio.wait_for(read_frame(reader), REGISTER_TIMEOUT))
+        except Exception:  # noqa: BLE001 - silence, a broken stream, or not our encoding
+            first = None
+        if not isinstance(first, m.Register):
+            write_frame(writer, m.encode(m.Refused("a worker stream must start with Register")))
+            return
+        # What the channel sends while it is being registered goes after the Welcome.
+        early: list[bytes] | None = []
+
+        def send(frame: bytes) -> None:
+            if early is not None:
+                early.append(frame)
+            else:
+                write_frame(writer, frame)
+
+        host, port = _peer(writer)
+        try:
+            channel = self.manager.register(first, send, f"ipv4:{host}:{port}",
+                                            close=writer.close)
+        except errors.IsthmusError as e:
+            write_frame(writer, m.encode(m.Refused(e.message)))
+            return
+        write_frame(writer, m.encode(self.manager.welcome(channel)))
+        for frame in early:
+            write_frame(writer, frame)
+        early = None
+        try:
+            while True:
+                channel.on_message(m.decode(await read_frame(reader)))
+        except StreamClosed as e:
+            logger.info("worker %s stream ended: %s", channel.slot, e)
+        except Exception:  # noqa: BLE001 - a frame that does not decode: drop the worker
+            logger.exception("worker %s sent a frame that does not decode", channel.slot)
+        finally:
             self.manager.lost(channel, "its connection to the controller closed")
 
-    async def _read(self, frames: AsyncIterator[bytes], channel: Any,
-                    queue: asyncio.Queue[Any]) -> None:
-        try:
-            async for frame in frames:
-                channel.on_message(m.decode(frame))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a broken stream is a lost worker
-            logger.info("worker %s stream ended: %s", channel.slot, e)
-        queue.put_nowait(END)
+    async def endpoint(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """The port of the control streams (on the host the worker reached us at)."""
+        return str(self.port).encode()
 
     async def alive(self, token: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """A worker's pulse (from its own thread, apart from its stream)."""
@@ -75,6 +108,11 @@ class FleetServicer:
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         return [grpc.method_handlers_generic_handler(SERVICE, {
-            "Connect": grpc.stream_stream_rpc_method_handler(self.connect),
+            "Endpoint": grpc.unary_unary_rpc_method_handler(self.endpoint),
             "Alive": grpc.unary_unary_rpc_method_handler(self.alive),
         })]
+
+
+def _peer(writer: asyncio.StreamWriter) -> tuple[Any, Any]:
+    address = writer.get_extra_info("peername") or ("?", 0)
+    return address[0], address[1]

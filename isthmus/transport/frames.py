@@ -1,0 +1,60 @@
+"""The fleet's control stream: length-prefixed frames over a plain TCP connection.
+
+A worker's commands, replies and data travel on one asyncio stream to the controller, each
+frame an 8-byte little-endian length and an encoded message (`messages.encode`). It carries
+what a gRPC stream carried before, for a tenth of the CPU per message (measured: about 6 µs
+a side for a small frame, against 60-75 µs through grpc.aio), which is what a program over
+several hosts costs: one frame to each of them. gRPC stays for the unary calls (where the
+stream is, and the worker's pulse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+
+_LENGTH = struct.Struct("<Q")
+# Bytes the stream reader buffers before it pauses the socket: above the 8 MiB data pieces,
+# so that a piece arrives without pausing and resuming the transport per 64 KiB.
+READ_LIMIT = 16 << 20
+SMALL_FRAME = 64 << 10  # frames below this go out in one write with their length
+
+
+class StreamClosed(ConnectionError):
+    """The other end closed the stream (or it broke)."""
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """The next frame's payload; raises StreamClosed at the end of the stream."""
+    try:
+        header = await reader.readexactly(_LENGTH.size)
+        return await reader.readexactly(_LENGTH.unpack(header)[0])
+    except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+        raise StreamClosed(str(e) or type(e).__name__) from None
+
+
+def write_frame(writer: asyncio.StreamWriter, payload: bytes) -> None:
+    """Queues one frame on `writer` (dropped once the stream is closing)."""
+    if writer.is_closing():
+        return
+    if len(payload) < SMALL_FRAME:  # one send: copying a small frame costs less
+        writer.write(_LENGTH.pack(len(payload)) + payload)
+    else:
+        writer.write(_LENGTH.pack(len(payload)))
+        writer.write(payload)
+
+
+def keep_alive(writer: asyncio.StreamWriter, idle: int = 10, interval: int = 5,
+               count: int = 3) -> None:
+    """TCP keepalive on the stream's socket, so that an end whose machine vanished (no FIN
+    ever comes) is noticed within about idle + interval * count seconds."""
+    sock: Any = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),
+                        ("TCP_KEEPCNT", count)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
