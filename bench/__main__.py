@@ -55,6 +55,9 @@ def _local(devices: int = 1) -> dict[str, str]:
 def _through(server: LocalServer, shared: bool = False) -> dict[str, str]:
     env = child_environment(server.address, _base())
     env["ISTHMUS_BENCH_SERVER_PID"] = str(server.process.pid)  # type: ignore[union-attr]
+    fleet = server.status().get("fleet") or {}
+    env["ISTHMUS_BENCH_WORKER_PIDS"] = ",".join(str(w["pid"]) for w in fleet.values()
+                                                if w.get("pid"))
     if shared:
         env[SHARED_ENV[0]] = server.status()["shared_dir"]
         env[SHARED_ENV[1]] = str(1 << 20)

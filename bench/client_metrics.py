@@ -59,6 +59,7 @@ def main(quick: bool) -> None:
     y.block_until_ready()
     rate = n / (time.perf_counter() - t)
     cpu_after = cpu_seconds(server) if server else None
+    spread = spread_program(n) if len(jax.devices()) >= 4 else {}
     size = (64 if quick else 256) << 20
     data = np.ones(size // 4, np.float32)
     puts, gets = [], []
@@ -79,9 +80,39 @@ def main(quick: bool) -> None:
         "pipelined_calls_per_s": rate,
         "controller_cpu_us_per_call": (None if cpu_before is None else
                                         (cpu_after - cpu_before) / n * 1e6),
+        **spread,
         f"put_{size >> 20}MiB_GBps": size / statistics.median(puts) / 1e9,
         f"fetch_{size >> 20}MiB_GBps": size / statistics.median(gets) / 1e9,
     }))
+
+
+def spread_program(n: int) -> dict:
+    """Pipelined calls of a program over 4 devices (on the 2x2 fleet: over its 4 workers),
+    with the CPU each call costs the controller and, on average, each worker."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    f = jax.jit(lambda a: a + 1)
+    y = jax.device_put(np.zeros((4, 8), np.float32), NamedSharding(mesh, P("d")))
+    for _ in range(20):
+        y = f(y)
+    y.block_until_ready()
+    server = os.environ.get("ISTHMUS_BENCH_SERVER_PID")
+    workers = [p for p in os.environ.get("ISTHMUS_BENCH_WORKER_PIDS", "").split(",") if p]
+    before = [cpu_seconds(p) for p in [server, *workers] if p]
+    t = time.perf_counter()
+    for _ in range(n):
+        y = f(y)
+    y.block_until_ready()
+    rate = n / (time.perf_counter() - t)
+    after = [cpu_seconds(p) for p in [server, *workers] if p]
+    result = {"pipelined_4dev_calls_per_s": rate}
+    if server and None not in before + after:
+        result["controller_cpu_us_per_4dev_call"] = (after[0] - before[0]) / n * 1e6
+        if workers:
+            result["worker_cpu_us_per_4dev_call"] = statistics.mean(
+                a - b for a, b in zip(after[1:], before[1:])) / n * 1e6
+    return result
 
 
 if __name__ == "__main__":
