@@ -44,6 +44,7 @@ EXIT_DROPPED = 4  # declared lost while alive, with no way to start afresh (no a
 STOP_GRACE = 5.0  # seconds a signalled worker may take to stop before it just exits
 # Seconds a request whose collective lost a peer waits for the controller to say which.
 LOSS_REASON_WAIT = 3.0
+SMALL_FETCH_BYTES = 64 << 10  # a fetched buffer this small travels inside its Reply
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -424,8 +425,8 @@ class WorkerAgent:
 
     async def _send_buffer(self, request: int, fetched: Any) -> Any:
         value = await fetched
-        if value.dtype == object:
-            return value
+        if value.dtype == object or value.nbytes <= SMALL_FETCH_BYTES:
+            return value  # in the Reply itself: one frame
         flat = byte_view(value)
         self._link.send(m.FetchHeader(request, m.dtype_name(value.dtype), value.shape,
                                       flat.nbytes))
