@@ -50,6 +50,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                              "times in a row)")
     parser.add_argument("--advertise-host", default=None,
                         help="the address workers use to reach this server (default: --host)")
+    parser.add_argument("--fleet-port", type=int, default=0,
+                        help="port of the workers' control streams (workers learn it from "
+                             "--port); 0 picks a free one (default: 0)")
     parser.add_argument("--fleet-timeout", type=float, default=180.0,
                         help="seconds to wait for every worker to register (default: 180)")
     parser.add_argument("--heartbeat-timeout", type=float, default=4.0,
@@ -126,7 +129,7 @@ def _head_config(args: argparse.Namespace) -> object:
         launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         restart=RestartPolicy(enabled=not args.no_restart),
-        advertise_host=args.advertise_host,
+        advertise_host=args.advertise_host, fleet_port=args.fleet_port,
         shared_dir=None if args.shared_dir == "none" else args.shared_dir,
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes),

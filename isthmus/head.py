@@ -40,6 +40,7 @@ class HeadConfig:
     fleet_timeout: float = 180.0  # seconds to wait for the fleet to be complete
     heartbeat_timeout: float = 4.0  # seconds of silence after which a worker is lost
     advertise_host: str | None = None  # where workers reach this process (default: host)
+    fleet_port: int = 0  # of the workers' control streams (0: a free one)
     controller: ControllerConfig = ControllerConfig()
     max_host_buffer_bytes: int = 1 << 40
     # Directory for clients on this machine to hand over large host buffers through shared
@@ -116,7 +117,7 @@ class Head:
                               heartbeat_timeout=config.heartbeat_timeout),
                 on_slice_down=controller.poison_slice)
             self.fleet_service = FleetServicer(self.manager)
-            await self.fleet_service.start(config.host)
+            await self.fleet_service.start(config.host, config.fleet_port)
             extra_handlers = self.fleet_service.handlers()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
             max_host_buffer_bytes=config.max_host_buffer_bytes, shared_dir=self.shared_dir))

@@ -37,9 +37,10 @@ class FleetServicer:
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
-    async def start(self, host: str) -> int:
-        """Listens for control streams on `host` (a free port); returns the port."""
-        self._server = await asyncio.start_server(self._connected, host, 0, limit=READ_LIMIT)
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listens for control streams on `host`, `port` (0: a free one); returns the port."""
+        self._server = await asyncio.start_server(self._connected, host, port,
+                                                  limit=READ_LIMIT)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 

@@ -120,3 +120,23 @@ def test_cuda_where_there_is_none_is_one_clear_line():
          "--", sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "cpu", out.stderr
+
+
+def test_workers_find_a_fixed_fleet_port_through_the_controller_port():
+    import socket
+
+    with socket.socket() as probe:  # a port that is free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with LocalServer(devices=None, fleet=(1, 1, 1), args=["--fleet-port", str(port)]) as server:
+        # The ready line came after the worker registered, on that port.
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        assert server.worker_pids(0), server.status()
+        from isthmus.testing import run_python
+
+        result = run_python("import jax, numpy as np\n"
+                            "print(float(jax.jit(lambda x: x.sum())(np.arange(4.0))))",
+                            server.address)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1] == "6.0", result.stdout
