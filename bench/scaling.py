@@ -90,6 +90,8 @@ async def programs_per_second(hosts: int, seconds: float, per_turn: int = 1) -> 
         count += per_turn
         await asyncio.sleep(0)  # let batches go out, as the real loop would
     controller.fleet.flush()  # what is still waiting to go out counts too
+    for worker in workers.values():  # ... also in a channel (behind a free that waited)
+        worker.flush()
     rate = count / (time.perf_counter() - start)
     for worker in (workers[WorkerId(0)], workers[WorkerId(hosts - 1)]):
         if worker.executes() < count:
