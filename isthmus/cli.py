@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.worker.platforms import (DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Platform,
                                       PlatformUnavailable, check_local_cuda, parse_gpus,
                                       prepare_process, resolve)
@@ -50,6 +52,11 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                              "times in a row)")
     parser.add_argument("--advertise-host", default=None,
                         help="the address workers use to reach this server (default: --host)")
+    parser.add_argument("--token-file", default=None, metavar="PATH",
+                        help="file holding the fleet's shared secret, which workers must "
+                             f"prove they know (default: ${TOKEN_ENVIRONMENT}; with "
+                             "neither, any worker that reaches the controller may join); "
+                             "launched workers get it")
     parser.add_argument("--fleet-port", type=int, default=0,
                         help="port of the workers' control streams (workers learn it from "
                              "--port); 0 picks a free one (default: 0)")
@@ -70,6 +77,12 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                              "'none' turns it off (default: auto)")
     parser.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"),
                         help="logging level of the server (default: WARNING)")
+
+
+def _refuse(message: str) -> NoReturn:
+    """A bad option or environment: one line naming it and the fix, exit code 2."""
+    print(f"isthmus: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _platform_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +111,7 @@ def _platform(args: argparse.Namespace) -> Platform:
         return Platform(args.platform, parse_gpus(args.gpus), args.gpu_memory_fraction,
                         simulate_flops=args.simulate_flops)
     except ValueError as e:
-        raise SystemExit(f"isthmus: {e}")
+        _refuse(str(e))
 
 
 def _head_config(args: argparse.Namespace) -> object:
@@ -109,8 +122,13 @@ def _head_config(args: argparse.Namespace) -> object:
 
     fleet_flags = (args.slices, args.hosts_per_slice, args.devices_per_host)
     if args.devices is not None and any(f is not None for f in fleet_flags):
-        raise SystemExit("isthmus: --devices (embedded backend) and the fleet options "
-                         "(--slices, --hosts-per-slice, --devices-per-host) exclude each other")
+        _refuse("--devices (embedded backend) and the fleet options "
+                "(--slices, --hosts-per-slice, --devices-per-host) exclude each other")
+    for flag, value in (("--devices", args.devices), ("--slices", args.slices),
+                        ("--hosts-per-slice", args.hosts_per_slice),
+                        ("--devices-per-host", args.devices_per_host)):
+        if value is not None and value < 1:
+            _refuse(f"{flag} must be at least 1, not {value}")
     platform = _platform(args)
     fleet = None
     if args.devices is None:
@@ -123,6 +141,11 @@ def _head_config(args: argparse.Namespace) -> object:
         fleet = FleetSpec(slices=args.slices or defaults.slices,
                           hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
                           devices_per_host=args.devices_per_host or per_host, platform=name)
+    token = _fleet_token(args)
+    if fleet is not None and not token and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"isthmus: listening on {args.host} without a fleet token: any process that "
+              "reaches the controller can join as a worker; give the controller and every "
+              f"worker the same --token-file (or ${TOKEN_ENVIRONMENT})", file=sys.stderr)
     return HeadConfig(
         host=args.host, port=args.port, devices=args.devices or 8, fleet=fleet,
         platform=_embedded_platform(args) if args.devices is not None else platform,
@@ -130,10 +153,27 @@ def _head_config(args: argparse.Namespace) -> object:
         heartbeat_timeout=args.heartbeat_timeout,
         restart=RestartPolicy(enabled=not args.no_restart),
         advertise_host=args.advertise_host, fleet_port=args.fleet_port,
+        fleet_token=token,
         shared_dir=None if args.shared_dir == "none" else args.shared_dir,
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes),
         max_host_buffer_bytes=args.max_array_bytes)
+
+
+def _fleet_token(args: argparse.Namespace) -> str:
+    """The fleet's shared secret: --token-file, else $ISTHMUS_FLEET_TOKEN, else none (any
+    worker that reaches the controller may join: a network the fleet trusts)."""
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            _refuse(f"--token-file {args.token_file}: {e.strerror}")
+        if not token:
+            _refuse(f"--token-file {args.token_file} is empty; put a "
+                    "secret in it (e.g. `openssl rand -hex 32 > FILE`)")
+        return token
+    return os.environ.get(TOKEN_ENVIRONMENT, "").strip()
 
 
 def _prepare_server_process(args: argparse.Namespace) -> None:
@@ -148,7 +188,7 @@ def _prepare_server_process(args: argparse.Namespace) -> None:
     try:
         prepare_process(_embedded_platform(args) if args.devices is not None else Platform())
     except ValueError as e:
-        raise SystemExit(f"isthmus: {e}")
+        _refuse(str(e))
 
 
 def _embedded_platform(args: argparse.Namespace) -> Platform:
@@ -264,8 +304,9 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     if args.exit_with_parent:
         exit_with_parent()
+    token = _fleet_token(args)
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
-                          devices=args.devices, platform=platform,
+                          devices=args.devices, platform=platform, token=token,
                           listen=args.listen, advertise=args.advertise,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv))
     try:
@@ -313,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address for the peer data server (default: 127.0.0.1)")
     worker.add_argument("--advertise", default=None,
                         help="address peers use to reach this worker (default: --listen)")
+    worker.add_argument("--token-file", default=None, metavar="PATH",
+                        help="file holding the fleet's shared secret (default: "
+                             f"${TOKEN_ENVIRONMENT}; none: a controller without one)")
     worker.add_argument("--exit-with-parent", action="store_true",
                         help="exit when the parent process exits (used by local fleets)")
     worker.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"))

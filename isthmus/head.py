@@ -41,6 +41,9 @@ class HeadConfig:
     heartbeat_timeout: float = 4.0  # seconds of silence after which a worker is lost
     advertise_host: str | None = None  # where workers reach this process (default: host)
     fleet_port: int = 0  # of the workers' control streams (0: a free one)
+    # The fleet's shared secret: workers must prove they know it ("": any worker may join,
+    # on a network the fleet trusts). Launched workers get it in ISTHMUS_FLEET_TOKEN.
+    fleet_token: str = ""
     controller: ControllerConfig = ControllerConfig()
     max_host_buffer_bytes: int = 1 << 40
     # Directory for clients on this machine to hand over large host buffers through shared
@@ -116,7 +119,7 @@ class Head:
                 ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir,
                               heartbeat_timeout=config.heartbeat_timeout),
                 on_slice_down=controller.poison_slice)
-            self.fleet_service = FleetServicer(self.manager)
+            self.fleet_service = FleetServicer(self.manager, config.fleet_token)
             await self.fleet_service.start(config.host, config.fleet_port)
             extra_handlers = self.fleet_service.handlers()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
@@ -135,6 +138,7 @@ class Head:
                 self.launcher = LocalLauncher(self.address.removeprefix("grpc://"),
                                               spec.slices, spec.hosts_per_slice,
                                               spec.devices_per_host, restart=config.restart,
+                                              token=config.fleet_token,
                                               platform=dataclasses.replace(
                                                   config.platform, name=spec.platform))
             try:

@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 
+from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
 
 logger = logging.getLogger(__name__)
@@ -115,8 +116,9 @@ class LocalLauncher:
     def __init__(self, controller: str, slices: int, hosts_per_slice: int,
                  devices_per_host: int, log_dir: str | None = None,
                  restart: RestartPolicy = RestartPolicy(),
-                 platform: Platform = Platform()) -> None:
+                 platform: Platform = Platform(), token: str = "") -> None:
         self.controller = controller
+        self.token = token  # the fleet's, handed to each worker in its environment
         self.platform = platform
         self.slices = slices
         self.hosts_per_slice = hosts_per_slice
@@ -167,6 +169,7 @@ class LocalLauncher:
             raise RuntimeError("this launcher has started its workers already; make a new one")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENVIRONMENT}
+        self._env[TOKEN_ENVIRONMENT] = self.token
         with self._lock:
             for slice_index in range(self.slices):
                 for host in range(self.hosts_per_slice):

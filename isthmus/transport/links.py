@@ -19,6 +19,7 @@ import numpy as np
 
 from isthmus import errors
 from isthmus.hostmem import byte_view
+from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
                                       write_frame)
@@ -26,6 +27,7 @@ from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read
 logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 4 << 20
+MAC_KEY = "isthmus-mac-bin"  # gRPC metadata of a peer data request (binary: "-bin")
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -37,14 +39,16 @@ CHANNEL_OPTIONS = (
 class ControllerLink:
     """The worker's control stream to the controller (`transport/frames.py`)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str = "") -> None:
         self.address = address.removeprefix("grpc://")
+        self.token = token  # the fleet's (`transport/auth.py`)
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.StreamReader | None = None
 
     async def open(self, first: Any, timeout: float) -> AsyncIterator[Any]:
-        """Sends `first`, then yields the controller's messages until the stream ends.
-        Waits up to `timeout` for the controller to be up."""
+        """Proves this worker to the controller (and the controller to it), sends `first`,
+        then yields the controller's messages until the stream ends. Waits up to `timeout`
+        for the controller to be up; raises `auth.Unauthenticated` on a token mismatch."""
         host = self.address.rpartition(":")[0].strip("[]")
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             endpoint = channel.unary_unary("/isthmus.Fleet/Endpoint")
@@ -52,6 +56,7 @@ class ControllerLink:
         self._reader, self._writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, limit=READ_LIMIT), timeout)
         keep_alive(self._writer)
+        await auth.prove_worker(self._reader, self._writer, self.token)
         self.send(first)
         return self._messages()
 
@@ -80,8 +85,9 @@ class ControllerLink:
 class PeerDataServer:
     """Serves this worker's buffers to its peers."""
 
-    def __init__(self, fetch: Callable[[int], Awaitable[np.ndarray]]) -> None:
+    def __init__(self, fetch: Callable[[int], Awaitable[np.ndarray]], token: str = "") -> None:
         self._fetch = fetch
+        self._token = token
         self._server: grpc.aio.Server | None = None
 
     async def start(self, host: str) -> int:
@@ -95,6 +101,13 @@ class PeerDataServer:
     async def _serve(self, request: bytes, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[bytes]:
         buffer_id = int(request.decode())
+        mac = dict(context.invocation_metadata()).get(MAC_KEY)
+        if not isinstance(mac, bytes) or not auth.fetch_allowed(self._token, buffer_id, mac):
+            logger.warning("refused a buffer request from %s: wrong or missing fleet token",
+                           context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "wrong or missing fleet token")
+            return
         try:
             value = await self._fetch(buffer_id)
         except errors.IsthmusError as e:
@@ -117,7 +130,8 @@ class PeerDataServer:
 class PeerClient:
     """Fetches buffers from other workers' data servers."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str = "") -> None:
+        self._token = token
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def fetch(self, peer: str, buffer_id: int, timeout: float = 600.0) -> np.ndarray:
@@ -126,7 +140,8 @@ class PeerClient:
             channel = grpc.aio.insecure_channel(peer, options=CHANNEL_OPTIONS)
             self._channels[peer] = channel
         call = channel.unary_stream("/isthmus.WorkerData/Fetch")(
-            str(buffer_id).encode(), timeout=timeout)
+            str(buffer_id).encode(), timeout=timeout,
+            metadata=((MAC_KEY, auth.fetch_mac(self._token, buffer_id)),))
         try:
             header = m.decode(await call.read())
             if "error" in header:

@@ -2,7 +2,8 @@
 
 A worker asks `isthmus.Fleet/Endpoint` (on the controller's gRPC port, the address it was
 given) for the port of the control streams, then opens a TCP stream there
-(`transport/frames.py`). It sends `Register` first; the controller answers `Welcome` (or
+(`transport/frames.py`), proves that it knows the fleet's token (`transport/auth.py`), and
+sends `Register` first; the controller answers `Welcome` (or
 `Refused`) and from then on sends command batches while the worker sends heartbeats,
 replies and data. A stream that ends, for whatever reason, is the loss of that worker.
 `Alive` is the worker's pulse, sent from a thread of its own so that a busy worker still
@@ -20,6 +21,7 @@ import grpc.aio
 
 from isthmus import errors
 from isthmus.controller.manager import FleetManager
+from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
                                       write_frame)
@@ -31,8 +33,9 @@ REGISTER_TIMEOUT = 30.0  # seconds a new stream may take to send its Register
 
 
 class FleetServicer:
-    def __init__(self, manager: FleetManager) -> None:
+    def __init__(self, manager: FleetManager, token: str = "") -> None:
         self.manager = manager
+        self._token = token  # the fleet's: a stream must prove it first (`transport/auth.py`)
         self.port = 0  # of the control streams, once started
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -62,6 +65,12 @@ class FleetServicer:
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = _peer(writer)
+        try:
+            await auth.check_worker(reader, writer, self._token)
+        except auth.Unauthenticated as e:
+            logger.warning("refused a worker stream from %s:%s: %s", host, port, e)
+            return
         try:
             first = m.decode(await asyncio.wait_for(read_frame(reader), REGISTER_TIMEOUT))
         except Exception:  # noqa: BLE001 - silence, a broken stream, or not our encoding
@@ -78,7 +87,6 @@ class FleetServicer:
             else:
                 write_frame(writer, frame)
 
-        host, port = _peer(writer)
         try:
             channel = self.manager.register(first, send, f"ipv4:{host}:{port}",
                                             close=writer.close)

@@ -26,6 +26,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.hostmem import aligned_empty, byte_view, map_file, write_file
 from isthmus.transport import messages as m
+from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
@@ -57,6 +58,7 @@ class WorkerConfig:
     advertise: str | None = None  # how peers reach it (default: `listen`)
     connect_timeout: float = 60.0
     group_timeout: int = 60  # seconds to join a collective group
+    token: str = ""  # the fleet's shared secret ("": a fleet on a network it trusts)
     # The command line that starts this worker afresh (a worker the controller declared
     # lost while it was alive replaces itself with it); empty: it exits instead.
     argv: tuple[str, ...] = ()
@@ -83,9 +85,9 @@ class WorkerAgent:
         self._gone: frozenset[int] = frozenset()  # devices the coming group will not have
         self._pending_reason = ""  # why it re-forms (FormGroup.reason)
         self._last_loss = ("", float("-inf"))  # the last FormGroup.reason, and when
-        self._link = ControllerLink(config.controller)
-        self._peers = PeerClient()
-        self._data = PeerDataServer(self._serve_buffer)
+        self._link = ControllerLink(config.controller, config.token)
+        self._peers = PeerClient(config.token)
+        self._data = PeerDataServer(self._serve_buffer, config.token)
         self._stop = asyncio.Event()
         self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
@@ -130,10 +132,15 @@ class WorkerAgent:
 
     async def _serve(self, register: m.Register) -> int:
         """One membership: register, obey, until the stream ends. Returns an exit code."""
-        self._link = ControllerLink(self.config.controller)
+        self._link = ControllerLink(self.config.controller, self.config.token)
         try:
             messages = await self._link.open(register, self.config.connect_timeout)
             welcome = await messages.__anext__()
+        except Unauthenticated as e:
+            logger.error("the controller at %s refused this worker: %s", self.config.controller,
+                         e)
+            await self._link.close()
+            return EXIT_REFUSED
         except (asyncio.TimeoutError, StopAsyncIteration, Exception) as e:  # noqa: BLE001
             logger.error("cannot reach the controller at %s: %s", self.config.controller, e)
             await self._link.close()

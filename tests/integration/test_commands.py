@@ -140,3 +140,11 @@ def test_workers_find_a_fixed_fleet_port_through_the_controller_port():
                             server.address)
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip().splitlines()[-1] == "6.0", result.stdout
+
+
+def test_counts_below_one_are_one_line():
+    for flag in ("--slices", "--hosts-per-slice", "--devices-per-host", "--devices"):
+        result = _isthmus("up", flag, "0", timeout=60)
+        assert result.returncode == 2, (flag, result.stderr)
+        assert result.stderr.strip().splitlines() == [
+            f"isthmus: {flag} must be at least 1, not 0"], result.stderr

@@ -1,13 +1,18 @@
-"""The workers' control stream (transport/frames.py, wire/fleet_service.py) over a real
-socket on 127.0.0.1: frames keep their boundaries whatever their size, a stream that does
-not start with Register is refused with a reason, a refused worker hears why, and a worker
-whose stream closes is lost."""
+"""The workers' control stream (transport/frames.py, transport/auth.py,
+wire/fleet_service.py) over a real socket on 127.0.0.1: frames keep their boundaries whatever
+their size; a stream that does not prove the fleet's token is dropped before anything of it
+is decoded, and a worker learns when the controller does not know its token; a stream that
+does not start with Register is refused with a reason, a refused worker hears why, and a
+worker whose stream closes is lost."""
 
 import asyncio
+
+import pytest
 
 from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec
+from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import StreamClosed, read_frame, write_frame
 from isthmus.wire.fleet_service import FleetServicer
@@ -22,14 +27,24 @@ def register(slice_index=0, devices=2, pid=1):
                       "host", pid)
 
 
-async def _service():
+TOKEN = "the fleet's secret"
+
+
+async def _service(token=TOKEN):
     fleet = Fleet([], {})
     controller = Controller(fleet)
     manager = FleetManager(FleetSpec(slices=1, hosts_per_slice=1, devices_per_host=2), fleet,
                            on_slice_down=controller.poison_slice)
-    service = FleetServicer(manager)
+    service = FleetServicer(manager, token)
     port = await service.start("127.0.0.1")
     return service, manager, fleet, port
+
+
+async def _connect(port, token=TOKEN):
+    """A worker's stream, past the handshake."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await auth.prove_worker(reader, writer, token)
+    return reader, writer
 
 
 def test_frames_keep_their_boundaries_and_the_end_is_stream_closed():
@@ -63,19 +78,19 @@ def test_frames_keep_their_boundaries_and_the_end_is_stream_closed():
 def test_a_stream_that_does_not_register_is_refused_and_a_registered_one_is_welcomed():
     async def main():
         service, manager, fleet, port = await _service()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await _connect(port)
         write_frame(writer, b"not a message")
         answer = m.decode(await read_frame(reader))
         assert isinstance(answer, m.Refused) and "must start with Register" in answer.reason
         writer.close()
 
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await _connect(port)
         write_frame(writer, m.encode(register(devices=3)))  # the fleet has 2 per host
         answer = m.decode(await read_frame(reader))
         assert isinstance(answer, m.Refused) and "--devices 2" in answer.reason
         writer.close()
 
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await _connect(port)
         write_frame(writer, m.encode(register()))
         welcome = m.decode(await read_frame(reader))
         assert isinstance(welcome, m.Welcome) and welcome.worker == 0
@@ -89,3 +104,45 @@ def test_a_stream_that_does_not_register_is_refused_and_a_registered_one_is_welc
         assert fleet.slice_error(0) is not None
         await service.stop()
     run(main())
+
+
+def test_a_stream_without_the_token_is_dropped_before_anything_is_decoded(caplog):
+    async def main():
+        service, manager, fleet, port = await _service()
+        # No handshake at all: a pickle straight away is never decoded.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        write_frame(writer, m.encode(register()))
+        with pytest.raises(StreamClosed):
+            await read_frame(reader)
+        writer.close()
+        # The handshake with another token: the worker learns the controller does not know
+        # its token, and the controller drops the stream.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        with pytest.raises(auth.Unauthenticated, match="does not know this worker's"):
+            await auth.prove_worker(reader, writer, "another secret")
+        writer.close()
+        for _ in range(100):
+            if any("refused a worker stream" in r.message for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        assert fleet.workers == {}
+        assert any("refused a worker stream" in r.message for r in caplog.records)
+        await service.stop()
+    run(main())
+
+
+def test_a_fleet_without_a_token_takes_workers_without_one():
+    async def main():
+        service, manager, fleet, port = await _service(token="")
+        reader, writer = await _connect(port, token="")
+        write_frame(writer, m.encode(register()))
+        assert isinstance(m.decode(await read_frame(reader)), m.Welcome)
+        writer.close()
+        await service.stop()
+    run(main())
+
+
+def test_peer_data_requests_carry_a_mac_of_their_buffer():
+    assert auth.fetch_allowed(TOKEN, 7, auth.fetch_mac(TOKEN, 7))
+    assert not auth.fetch_allowed(TOKEN, 8, auth.fetch_mac(TOKEN, 7))
+    assert not auth.fetch_allowed(TOKEN, 7, auth.fetch_mac("another secret", 7))
