@@ -305,8 +305,11 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.exit_with_parent:
         exit_with_parent()
     token = _fleet_token(args)
+    if args.connect_timeout <= 0:
+        _refuse(f"--connect-timeout must be positive, not {args.connect_timeout:g}")
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
                           devices=args.devices, platform=platform, token=token,
+                          connect_timeout=args.connect_timeout,
                           listen=args.listen, advertise=args.advertise,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv))
     try:
@@ -354,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address for the peer data server (default: 127.0.0.1)")
     worker.add_argument("--advertise", default=None,
                         help="address peers use to reach this worker (default: --listen)")
+    worker.add_argument("--connect-timeout", type=float, default=180.0,
+                        help="seconds to wait for the controller, at start and after it went "
+                             "away (it may start later, or restart); then exit (default: 180)")
     worker.add_argument("--token-file", default=None, metavar="PATH",
                         help="file holding the fleet's shared secret (default: "
                              f"${TOKEN_ENVIRONMENT}; none: a controller without one)")

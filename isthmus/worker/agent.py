@@ -56,7 +56,7 @@ class WorkerConfig:
     platform: Platform = Platform()
     listen: str = "127.0.0.1"  # address of the peer data server
     advertise: str | None = None  # how peers reach it (default: `listen`)
-    connect_timeout: float = 60.0
+    connect_timeout: float = 180.0  # seconds to wait for the controller (at start, or back)
     group_timeout: int = 60  # seconds to join a collective group
     token: str = ""  # the fleet's shared secret ("": a fleet on a network it trusts)
     # The command line that starts this worker afresh (a worker the controller declared
@@ -142,7 +142,11 @@ class WorkerAgent:
             await self._link.close()
             return EXIT_REFUSED
         except (asyncio.TimeoutError, StopAsyncIteration, Exception) as e:  # noqa: BLE001
-            logger.error("cannot reach the controller at %s: %s", self.config.controller, e)
+            code = getattr(e, "code", None)
+            why = code().name if callable(code) else (str(e) or type(e).__name__)
+            logger.error("cannot reach the controller at %s within %g s (%s); check that it "
+                         "runs and that --controller is its address", self.config.controller,
+                         self.config.connect_timeout, why)
             await self._link.close()
             self.stop(EXIT_CONTROLLER_LOST)
             return EXIT_CONTROLLER_LOST

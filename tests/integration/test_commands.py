@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -148,3 +149,61 @@ def test_counts_below_one_are_one_line():
         assert result.returncode == 2, (flag, result.stderr)
         assert result.stderr.strip().splitlines() == [
             f"isthmus: {flag} must be at least 1, not 0"], result.stderr
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_worker_waits_for_its_controller_then_says_why_it_gives_up():
+    import time
+
+    began = time.monotonic()
+    result = _isthmus("worker", "--controller", f"127.0.0.1:{_free_port()}", "--devices", "1",
+                      "--connect-timeout", "2", timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert time.monotonic() - began >= 2
+    lines = [line for line in result.stderr.splitlines() if "cannot reach" in line]
+    assert len(lines) == 1 and "within 2 s" in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_worker_started_first_waits_for_its_controller():
+    import time
+
+    port = _free_port()
+    log = tempfile.TemporaryFile(mode="w+")
+    worker = subprocess.Popen([sys.executable, "-m", "isthmus.cli", "worker", "--controller",
+                               f"127.0.0.1:{port}", "--devices", "1", "--connect-timeout", "60",
+                               "--log-level", "INFO"],
+                              stdout=subprocess.DEVNULL, stderr=log, text=True)
+    try:
+        time.sleep(3)  # the worker is up (and refused) before the controller listens
+        with LocalServer(devices=None, fleet=(1, 1, 1), args=["--no-launch", "--port", str(port)],
+                         start_timeout=120) as server:
+            # Its ready line means the worker registered with it.
+            result = subprocess.run(
+                [sys.executable, "-c", "import jax, numpy as np; "
+                 "print(float(jax.jit(lambda x: x.sum())(np.arange(3.0))))"],
+                env={**os.environ, **_client_env(server.address)}, capture_output=True,
+                text=True, timeout=120)
+            assert result.stdout.strip().splitlines()[-1] == "3.0", result.stderr[-2000:]
+        assert worker.wait(30) == 0  # told to shut down by its controller
+    except BaseException:
+        log.seek(0)
+        print("worker log:", log.read()[-4000:])
+        raise
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
+def _client_env(address):
+    from isthmus.cli import child_environment
+
+    return child_environment(address, {k: v for k, v in os.environ.items()
+                                       if k not in ("JAX_PLATFORMS", "XLA_FLAGS")})
