@@ -388,8 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     except (OSError, TimeoutError, PlatformUnavailable) as e:
+        from isthmus.wire.servicer import CannotListen
+
         print(f"isthmus {args.subcommand}: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, CannotListen) else 1
 
 
 if __name__ == "__main__":

@@ -42,8 +42,15 @@ class FleetServicer:
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listens for control streams on `host`, `port` (0: a free one); returns the port."""
-        self._server = await asyncio.start_server(self._connected, host, port,
-                                                  limit=READ_LIMIT)
+        try:
+            self._server = await asyncio.start_server(self._connected, host, port,
+                                                      limit=READ_LIMIT)
+        except OSError as e:
+            from isthmus.wire.servicer import CannotListen
+
+            raise CannotListen(f"cannot listen on {host}:{port} for the workers' control "
+                               f"streams ({e.strerror}); pick another --fleet-port (0: a "
+                               "free one)") from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 

@@ -233,6 +233,26 @@ class IfrtProxyServicer:
         return [ifrt, admin]
 
 
+def _probe(host: str, port: int) -> bool:
+    """False when `port` (not 0) on `host` cannot be bound now."""
+    import socket
+
+    if port == 0:
+        return True
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
+
+
+class CannotListen(OSError):
+    """A server port could not be bound (a bad option or environment: the user picks another)."""
+
+
 async def start_server(frontend: Frontend, host: str, port: int,
                        extra_handlers: list[grpc.GenericRpcHandler] | None = None
                        ) -> tuple[grpc.aio.Server, int]:
@@ -242,9 +262,15 @@ async def start_server(frontend: Frontend, host: str, port: int,
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers(IfrtProxyServicer(frontend).handlers()
                                     + list(extra_handlers or ()))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        # A port that is taken fails here, before gRPC logs its own error line about it.
+        bound = _probe(host, port) and server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.6x raises where older ones returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not listen on {host}:{port}; is the port in use?")
+        raise CannotListen(f"cannot listen on {host}:{port}: the port is in use or the address "
+                           "is not this machine's; pick another --port (0: a free one) or "
+                           "--host")
     await server.start()
     return server, bound
 

@@ -207,3 +207,19 @@ def _client_env(address):
 
     return child_environment(address, {k: v for k, v in os.environ.items()
                                        if k not in ("JAX_PLATFORMS", "XLA_FLAGS")})
+
+
+def test_a_port_in_use_is_one_line():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, flag in ((["--devices", "1", "--port", str(port)], "--port"),
+                           (["--slices", "1", "--hosts-per-slice", "1", "--devices-per-host",
+                             "1", "--fleet-port", str(port)], "--fleet-port")):
+            result = _isthmus("up", *args, timeout=60)
+            assert result.returncode == 2, (args, result.stderr[-2000:])
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and f"pick another {flag}" in lines[0], result.stderr
