@@ -11,6 +11,7 @@ from isthmus.frontend.registry import handles
 # Attributes every device carries (read by users and by pathwaysutils).
 SLICE_INDEX = "slice_index"
 HOST_INDEX = "host_index"
+COLOCATION_ID = "colocation_id"
 
 
 def memory_id(device_position: int, kind_position: int, kinds_per_device: int) -> int:
@@ -46,6 +47,10 @@ def init(session: Any, request: Any, response: Any) -> None:
         d.memory_ids.extend(ids)
         _attribute(d.attributes, SLICE_INDEX, device.slice_index)
         _attribute(d.attributes, HOST_INDEX, device.host_index)
+        if device.platform == "cpu":
+            # jax's colocated_cpu_devices() matches CPU devices by this: on a CPU fleet each
+            # device is its own colocated CPU device.
+            _attribute(d.attributes, COLOCATION_ID, device.id)
         for k, (kind, mid) in enumerate(zip(kinds, ids)):
             label = f"{kind.upper()}_{mid}" if device.platform != "cpu" else (
                 f"{'CPU_DEVICE' if k == 0 else kind.upper()}_{mid}")

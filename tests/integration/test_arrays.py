@@ -38,6 +38,23 @@ def test_slice_and_host_attributes(server):
         assert out["host"].tolist() == [0] * 8
 
 
+def test_a_cpu_device_is_its_own_colocated_cpu_device(server):
+    # jax's docstring: "If an input device is already a CPU device, it is returned as-is".
+    from tests.integration.harness import run_snippet
+
+    out = run_snippet("""
+        import jax
+        from jax.experimental.colocated_python import colocated_cpu_devices
+        devices = jax.devices()
+        emit("ids", [d.id for d in colocated_cpu_devices(devices[4:6])])
+        emit("all", [d.id for d in colocated_cpu_devices(devices)])
+        emit("colocation", [d.colocation_id for d in devices])
+    """, server.address)
+    assert out["ids"].tolist() == [4, 5]
+    assert out["all"].tolist() == list(range(8))
+    assert out["colocation"].tolist() == list(range(8))
+
+
 def test_round_trip_every_dtype(server):
     compare("""
         import jax, jax.numpy as jnp, ml_dtypes
