@@ -1,5 +1,6 @@
 """python -m bench.frames: what one small frame costs on a grpc.aio stream and on the plain
-asyncio TCP stream the fleet's control plane uses (`isthmus/transport/frames.py`).
+asyncio TCP stream the fleet's control plane uses (`isthmus/transport/frames.py`), and what
+encoding and decoding a message costs in the fleet's codec and in pickle.
 
 A sender process writes N frames of 200 bytes (a few per event-loop turn, as the controller
 does) to a receiver process; each side's CPU time per frame is read from getrusage. Prints
@@ -117,6 +118,25 @@ def _measure(kind: str) -> dict:
         receiver.wait(10)
 
 
+def codec_rows(repeat: int = 20_000) -> dict[str, dict[str, float]]:
+    """µs to encode and decode a typical command batch: the fleet's codec against pickle."""
+    import pickle
+    import timeit
+
+    from isthmus.transport import messages as m
+
+    batch = m.Batch((m.Execute(3, (7, (8, 9)), (10,), frozenset()), m.Free(range(4, 8))))
+    shared = m.Batch((m.Shared(m.encode((m.Execute(3, (7,), (10,), frozenset()),))),))
+    rows = {}
+    for name, value in (("a batch of Execute + Free", batch), ("a shared frame", shared)):
+        rows[name] = {
+            "codec_us": timeit.timeit(lambda v=value: m.decode(m.encode(v)),
+                                      number=repeat) / repeat * 1e6,
+            "pickle_us": timeit.timeit(lambda v=value: pickle.loads(pickle.dumps(v, 5)),
+                                       number=repeat) / repeat * 1e6}
+    return rows
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--receive":
         asyncio.run(_grpc_receiver() if sys.argv[2] == "grpc.aio" else _tcp_receiver())
@@ -126,6 +146,10 @@ def main() -> int:
     print(f"{'stream':14}{'sender µs':>12}{'receiver µs':>14}{'wall µs':>10}")
     for kind, r in results.items():
         print(f"{kind:14}{r['sender_us']:12.1f}{r['receiver_us']:14.1f}{r['wall_us']:10.1f}")
+    print("\nencode + decode of one message, µs:")
+    print(f"{'message':28}{'fleet codec':>12}{'pickle':>10}")
+    for name, r in codec_rows().items():
+        print(f"{name:28}{r['codec_us']:12.1f}{r['pickle_us']:10.1f}")
     return 0
 
 

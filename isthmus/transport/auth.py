@@ -1,7 +1,7 @@
 """Workers and controller prove to each other that they know the fleet's token.
 
 Every control stream starts with a handshake, before either end decodes a single message
-(messages are pickles: decoding one from a stranger would run its code). Both ends send a
+(a stranger is never even parsed; the codec could not run its code anyway). Both ends send a
 fresh random nonce; each answers with an HMAC-SHA256, keyed by the token, of both nonces and
 its role, and checks the other's answer in constant time. A worker learns that the controller
 knows the token before it trusts anything the controller says, and the controller learns the

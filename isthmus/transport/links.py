@@ -2,7 +2,7 @@
 peer data server.
 
 Peers move shard bytes worker to worker (`isthmus.WorkerData/Fetch`), never through the
-controller. A fetched buffer travels as one pickled header followed by raw byte pieces.
+controller. A fetched buffer travels as one encoded header followed by raw byte pieces.
 """
 
 from __future__ import annotations

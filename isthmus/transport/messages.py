@@ -1,9 +1,9 @@
 """Control-plane messages between the controller and its workers.
 
-Both ends are isthmus processes of the same version (checked at registration), so messages
-are frozen dataclasses carried by pickle (protocol 5, which copies bulk `bytes` once). The
-fleet trusts its members: run controller and workers on a private network, as any cluster
-runtime.
+Both ends are isthmus processes of the same version (checked at registration); messages are
+frozen dataclasses in the fleet's codec (`codec.py`: msgpack, whose decoding builds only
+registered records and values, never runs code), sent only after both ends proved that they
+know the fleet's token (`auth.py`).
 
 Commands flow controller -> worker in batches (`Batch`) and take effect in order. Requests
 that expect an answer carry a `request` number; the worker answers with `Reply`.
@@ -12,8 +12,9 @@ that expect an answer carry a `request` number; the worker answers with `Reply`.
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from typing import Any
+
+from isthmus.transport.codec import Codec, register_errors
 
 PROTOCOL_VERSION = 5  # bump when a message changes shape
 PIECE_BYTES = 8 << 20  # bulk data on a worker's stream travels in pieces of this size
@@ -26,25 +27,21 @@ ALIVE_DROPPED = b"dropped"  # not (or no longer) a member: start afresh, never a
 ALIVE_STOP = b"stop"  # the controller is stopping: exit
 
 
+CODEC = Codec()  # every message record registers itself; so do the records replies carry
+register_errors(CODEC)
+
+
 def _message(cls: type) -> Any:
-    """A frozen, slotted dataclass that pickles as its constructor call: much cheaper per
-    message than the dataclass default (which looks the fields up at every load)."""
-    made: Any = dataclasses.dataclass(frozen=True, slots=True)(cls)
-    names = tuple(f.name for f in dataclasses.fields(made))
-
-    def __reduce__(self: Any) -> tuple[Any, tuple[Any, ...]]:
-        return made, tuple([getattr(self, name) for name in names])
-
-    made.__reduce__ = __reduce__
-    return made
+    """A frozen, slotted dataclass that travels in the fleet's codec."""
+    return CODEC.record(dataclasses.dataclass(frozen=True, slots=True)(cls))
 
 
 def encode(message: Any) -> bytes:
-    return pickle.dumps(message, protocol=5)
+    return CODEC.encode(message)
 
 
 def decode(data: bytes) -> Any:
-    return pickle.loads(data)
+    return CODEC.decode(data)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -153,7 +150,7 @@ class Batch:
 
 @_message
 class Shared:
-    """Commands encoded once for many workers (a tuple of commands, pickled); applied in
+    """Commands encoded once for many workers (a tuple of commands, encoded); applied in
     order, in the place of the batch where they stand."""
 
     data: bytes

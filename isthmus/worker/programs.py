@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from isthmus import dtypes, errors
+from isthmus.transport.messages import CODEC
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class CompileRequest:
     replicas: int = 1  # the device assignment is device_ids as [replicas, computations]
 
 
+@CODEC.record  # travels in compile replies
 @dataclasses.dataclass(frozen=True, slots=True)
 class Aval:
     """Global type of one program input or output."""
@@ -38,6 +40,7 @@ class Aval:
     shape: tuple[int, ...]
 
 
+@CODEC.record  # travels in compile replies
 @dataclasses.dataclass(frozen=True, slots=True)
 class CompiledInfo:
     """Everything the controller and the client may ask about an executable."""

@@ -1,0 +1,154 @@
+"""The fleet's wire format: msgpack, with an extension per type the fleet carries.
+
+Decoding builds only what is registered here: message records (`messages`), the records a
+reply may carry (compiled-program descriptions, dtypes), isthmus's errors, numpy arrays,
+slices, ranges and frozensets. Nothing in a frame can name a class or a function to call, so
+decoding a frame from a stranger cannot run its code (pickle could). Tuples and lists both
+arrive as tuples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from isthmus import dtypes, errors
+
+_RECORD, _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE = range(1, 9)
+
+
+class CodecError(ValueError):
+    """A value of a type the fleet does not carry, or a frame that does not decode."""
+
+
+class _Tag:
+    """What an extension marker decodes to: it heads the array that carries the value."""
+
+    __slots__ = ("code", "name")
+
+    def __init__(self, code: int, name: str) -> None:
+        self.code = code
+        self.name = name
+
+
+class Codec:
+    """Encodes and decodes the registered records and the values listed above.
+
+    A value of an extended type travels as a msgpack array headed by a small extension
+    marker (`[marker, *fields]`), so the fields are packed and unpacked by msgpack's own C
+    code; the marker says what to build from them.
+    """
+
+    def __init__(self) -> None:
+        # Records travel under their class name (both ends may register in another order).
+        self._records: dict[str, type] = {}
+        self._fields: dict[type, tuple[msgpack.ExtType, tuple[str, ...]]] = {}
+        self._errors: dict[str, type[errors.IsthmusError]] = {}
+        self._tags: dict[tuple[int, bytes], _Tag] = {}
+        self._packer = msgpack.Packer(default=self._default, use_bin_type=True)
+        self._markers = {code: msgpack.ExtType(code, b"") for code in (
+            _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE)}
+
+    def record(self, cls: type) -> type:
+        """Registers a dataclass (a decorator); its fields travel in declaration order."""
+        name = cls.__name__
+        if self._records.get(name, cls) is not cls:
+            raise ValueError(f"two records named {name} in the fleet's codec")
+        self._records[name] = cls
+        self._fields[cls] = (msgpack.ExtType(_RECORD, name.encode()),
+                             tuple(f.name for f in dataclasses.fields(cls)))
+        return cls
+
+    def error(self, cls: type[errors.IsthmusError]) -> None:
+        self._errors[cls.__name__] = cls
+
+    def encode(self, value: Any) -> bytes:
+        return self._packer.pack(value)
+
+    def decode(self, data: bytes) -> Any:
+        try:
+            return msgpack.unpackb(data, ext_hook=self._ext, list_hook=self._build,
+                                   use_list=False, raw=False, strict_map_key=False)
+        except CodecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - msgpack's own errors, a short frame
+            raise CodecError(f"the frame does not decode ({type(e).__name__}: {e})") from None
+
+    def _default(self, value: Any) -> Any:
+        kind = type(value)
+        described = self._fields.get(kind)
+        if described is not None:
+            marker, fields = described
+            return (marker, *[getattr(value, field) for field in fields])
+        markers = self._markers
+        if isinstance(value, np.ndarray):
+            if value.dtype == object:
+                return (markers[_OBJECTS], value.shape, value.ravel().tolist())
+            return (markers[_ARRAY], value.dtype.name, value.shape,
+                    np.ascontiguousarray(value).tobytes())
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, (frozenset, set)):
+            return (markers[_FROZENSET], *value)
+        if isinstance(value, range):
+            return (markers[_RANGE], value.start, value.stop, value.step)
+        if isinstance(value, slice):
+            return (markers[_SLICE], value.start, value.stop, value.step)
+        if isinstance(value, errors.IsthmusError):
+            return (markers[_ERROR], type(value).__name__, value.message, int(value.code))
+        if isinstance(value, dtypes.DType):
+            return (markers[_DTYPE], value.kind)
+        raise CodecError(f"the fleet does not carry values of type {kind.__qualname__}")
+
+    def _ext(self, code: int, data: bytes) -> _Tag:
+        tag = self._tags.get((code, data))
+        if tag is None:
+            if code == _RECORD and data.decode() not in self._records:
+                raise CodecError(f"a frame names {data.decode()!r}, which is no record of "
+                                 "the fleet")
+            if not _RECORD <= code <= _DTYPE:
+                raise CodecError(f"unknown extension {code} in a frame")
+            tag = self._tags[(code, data)] = _Tag(code, data.decode())
+        return tag
+
+    def _build(self, items: Any) -> Any:
+        if not items or type(items[0]) is not _Tag:
+            return items
+        code, rest = items[0].code, items[1:]
+        if code == _RECORD:
+            return self._records[items[0].name](*rest)
+        if code == _FROZENSET:
+            return frozenset(rest)
+        if code == _RANGE:
+            return range(*rest)
+        if code == _SLICE:
+            return slice(*rest)
+        if code == _ARRAY:
+            import ml_dtypes  # noqa: F401 - bfloat16 and friends, by name
+
+            dtype, shape, raw = rest
+            kind = np.dtype(getattr(ml_dtypes, dtype, dtype))
+            return np.frombuffer(raw, kind).reshape(shape).copy()
+        if code == _OBJECTS:
+            shape, values = rest
+            out = np.empty(len(values), dtype=object)
+            out[:] = list(values)
+            return out.reshape(shape)
+        if code == _ERROR:
+            name, message, status = rest
+            error = self._errors.get(name, errors.IsthmusError)(message)
+            if int(error.code) != status:
+                error.code = errors.Code(status)
+            return error
+        return dtypes.BY_KIND[rest[0]]  # _DTYPE
+
+
+def register_errors(codec: Codec, module: Any = errors) -> None:
+    """Registers every IsthmusError class of `module` (others arrive as IsthmusError, with
+    their message and status code)."""
+    for value in vars(module).values():
+        if isinstance(value, type) and issubclass(value, errors.IsthmusError):
+            codec.error(value)

@@ -1,0 +1,73 @@
+"""The fleet's codec: every record and value the fleet carries round-trips (tuples stay
+tuples, errors keep their class and status code, arrays their dtype), and a frame can only
+build registered records: an unknown record name, an unknown extension or a value of
+another type is a CodecError, never code run."""
+
+import msgpack
+import ml_dtypes
+import numpy as np
+import pytest
+
+from isthmus import dtypes, errors
+from isthmus.transport import messages as m
+from isthmus.transport.codec import CodecError
+from isthmus.worker import programs
+
+
+def roundtrip(value):
+    return m.decode(m.encode(value))
+
+
+def test_records_and_values_round_trip():
+    f32 = dtypes.BY_KIND["KIND_F32"]
+    info = programs.CompiledInfo(
+        "step", (programs.Aval(f32, (2, 3)),), (programs.Aval(f32, ()),), (b"\x08\x01",),
+        None, ("{1,0}",), ("{}",), ("device",), (0,), b"fp", {"flops": 12.0, "n": 3}, "hlo",
+        {"temp_size_in_bytes": 4}, 10)
+    values = [
+        m.Batch((m.Execute(3, (7, (8, 9)), (10,), frozenset({1})), m.Free(range(4, 8)),
+                 m.Shared(m.encode((m.Free((1, 2)),))))),
+        m.Assemble(1, 0, "pinned_host", "float32", (2, 3),
+                   ((5, (slice(0, 2), slice(None)), (slice(0, 2), slice(1, 3, 1))),)),
+        m.DeviceMap({0: 5, 7: 12}),
+        m.Heartbeat({"buffers": 3, "bytes": 1 << 40}, 9),
+        m.Reply(4, info),
+        m.Reply(5, ("float32", (4, 4))),
+        m.Welcome(1, 0, 1, 0.5, ("/dev/shm/x", "probe"), "token"),
+        m.PutData(1, 2, 0, b"\x00" * 1000, True),
+    ]
+    for value in values:
+        assert roundtrip(value) == value
+    assert roundtrip(m.Reply(4, info)).value.params[0].dtype is f32
+
+
+def test_arrays_errors_and_objects():
+    for value in (np.arange(6, dtype=np.int64).reshape(2, 3),
+                  np.ones((2,), ml_dtypes.bfloat16), np.zeros((0, 4), np.uint8),
+                  np.array(True)):
+        back = roundtrip(m.Reply(1, value)).value
+        assert back.dtype == value.dtype and back.shape == value.shape
+        np.testing.assert_array_equal(back, value)
+        assert back.flags.writeable
+    strings = np.array([["a", "bc"], ["", "d"]], dtype=object)
+    back = roundtrip(m.PutObjects(1, 2, 0, strings)).value
+    assert back.dtype == object and back.tolist() == strings.tolist()
+    error = roundtrip(m.Reply(1, None, errors.WorkerLost("worker 3 is gone"))).error
+    assert type(error) is errors.WorkerLost and error.message == "worker 3 is gone"
+    assert error.code == errors.Code.DATA_LOSS
+    custom = errors.InvalidRequest("bad", code=errors.Code.NOT_FOUND)
+    assert roundtrip(m.Fail(1, custom)).error.code == errors.Code.NOT_FOUND
+    assert roundtrip(m.Reply(1, [1, 2])).value == (1, 2)  # lists arrive as tuples
+    assert roundtrip(m.Reply(1, np.int64(7))).value == 7
+
+
+def test_a_frame_builds_nothing_that_is_not_registered():
+    with pytest.raises(CodecError, match="does not carry values of type"):
+        m.encode(m.Reply(1, object()))
+    forged = msgpack.packb([msgpack.ExtType(1, b"os.system"), "echo owned"])
+    with pytest.raises(CodecError, match="no record of the fleet"):
+        m.decode(forged)
+    with pytest.raises(CodecError, match="unknown extension"):
+        m.decode(msgpack.packb([msgpack.ExtType(99, b"")]))
+    with pytest.raises(CodecError, match="does not decode"):
+        m.decode(b"\xc1garbage")
