@@ -24,15 +24,16 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import aligned_empty, byte_view, map_file, write_file
+from isthmus.hostmem import aligned_empty, byte_view, map_file
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
-                                     PlatformUnavailable, describe, make_client)
+                                     PlatformUnavailable, describe, join_group)
 from isthmus.worker.process import exit_now, preload
-from isthmus.worker.commands import _Incoming, _produced, _reads, _request, _unpack
+from isthmus.worker.commands import (_Incoming, _produced, _reads, _request, _unpack,
+                                     write_fetched)
 from isthmus.worker.programs import CompileRequest
 from isthmus.worker.simulated import make_host
 
@@ -403,7 +404,7 @@ class WorkerAgent:
             value = map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
             self._spawn(c.request, host.put(c.buffer, c.device, value, c.memory_kind))
         elif isinstance(c, m.FetchFile):
-            self._spawn(c.request, self._write_buffer(host.fetch(c.buffer), c.path), c)
+            self._spawn(c.request, write_fetched(host.fetch(c.buffer), c.path), c)
         elif isinstance(c, m.Pull):
             self._spawn(c.request, self._pull(host, c))
         else:
@@ -424,15 +425,6 @@ class WorkerAgent:
             await host.compile(executable, request)
         except Exception:  # noqa: BLE001 - the host keeps the error for the Execute
             logger.warning("compiling program %s again failed", executable, exc_info=True)
-
-    async def _write_buffer(self, fetched: Any, path: str) -> tuple[str, tuple[int, ...]]:
-        """Writes a fetched buffer into a file of the controller's shared directory."""
-        value = await fetched
-        if value.dtype == object:
-            raise errors.InternalError("string arrays do not travel through files; this is a "
-                                       "bug in isthmus: please report it.")
-        await asyncio.get_running_loop().run_in_executor(None, write_file, path, value)
-        return m.dtype_name(value.dtype), tuple(value.shape)
 
     async def _send_buffer(self, request: int, fetched: Any) -> Any:
         value = await fetched
@@ -463,27 +455,11 @@ class WorkerAgent:
     # ---- collective groups ---------------------------------------------------------------
 
     async def _form(self, message: m.FormGroup) -> None:
-        from jax._src.lib import _jax
-
         assert self._described is not None
-        platform, devices = self._described.platform, self._described.devices
-        timeout = self.config.group_timeout
-
-        def build() -> tuple[Any, Any]:
-            client = _jax.get_distributed_runtime_client(
-                message.address, message.node_id, init_timeout=timeout,
-                shutdown_on_destruction=False)
-            client.connect()
-            # CPU collectives cross processes through gloo; CUDA ones through NCCL, which
-            # the GPU client sets up itself over the same distributed runtime.
-            collectives = _jax.make_gloo_tcp_collectives(client) if platform == "cpu" else None
-            made = make_client(platform, devices, distributed_client=client,
-                               node_id=message.node_id, num_nodes=message.num_nodes,
-                               collectives=collectives)
-            return client, made
-
         try:
-            distributed, client = await asyncio.get_running_loop().run_in_executor(None, build)
+            distributed, client = await asyncio.get_running_loop().run_in_executor(
+                None, join_group, message.address, message.node_id, message.num_nodes,
+                self._described.platform, self._described.devices, self.config.group_timeout)
         except Exception as e:  # noqa: BLE001
             self._reply(message.request, error=errors.WorkerLost(
                 f"joining collective group {message.generation} failed: {e}"))

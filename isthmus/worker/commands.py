@@ -1,14 +1,18 @@
 """Reading the controller's commands on a worker: shared commands unpacked in place, the
-buffers a command makes, pieces of an incoming put, and the shared-directory probe."""
+buffers a command makes, pieces of an incoming put, the shared-directory probe, and a fetched
+buffer written into that directory."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import numpy as np
 
+from isthmus import errors
+from isthmus.hostmem import write_file
 from isthmus.transport import messages as m
 from isthmus.worker.programs import CompileRequest
 
@@ -52,3 +56,14 @@ def _produced(command: Any) -> list[int]:
         if hasattr(command, field) and not isinstance(command, (m.Fetch, m.Fail)):
             return [getattr(command, field)]
     return []
+
+
+async def write_fetched(fetched: Awaitable[np.ndarray], path: str) -> tuple[str, tuple[int, ...]]:
+    """Writes a fetched buffer into a file of the controller's shared directory; answers
+    (dtype name, shape)."""
+    value = await fetched
+    if value.dtype == object:
+        raise errors.InternalError("string arrays do not travel through files; this is a "
+                                   "bug in isthmus: please report it.")
+    await asyncio.get_running_loop().run_in_executor(None, write_file, path, value)
+    return m.dtype_name(value.dtype), tuple(value.shape)

@@ -195,6 +195,23 @@ def make_client(platform: str, num_devices: int, distributed_client: Any = None,
     return make_cpu_client(num_devices, **extra)
 
 
+def join_group(address: str, node_id: int, num_nodes: int, platform: str, devices: int,
+               timeout: int) -> tuple[Any, Any]:
+    """Joins the collective group whose coordinator is at `address` (blocking): returns the
+    distributed-runtime client (keep it alive) and the device client made in the group."""
+    from jax._src.lib import _jax
+
+    distributed = _jax.get_distributed_runtime_client(
+        address, node_id, init_timeout=timeout, shutdown_on_destruction=False)
+    distributed.connect()
+    # CPU collectives cross processes through gloo; CUDA ones through NCCL, which the GPU
+    # client sets up itself over the same distributed runtime.
+    collectives = _jax.make_gloo_tcp_collectives(distributed) if platform == "cpu" else None
+    return distributed, make_client(platform, devices, distributed_client=distributed,
+                                    node_id=node_id, num_nodes=num_nodes,
+                                    collectives=collectives)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Description:
     """What a worker tells the controller about its devices (from a client of its own)."""
