@@ -47,7 +47,9 @@ class Codec:
         self._records: dict[str, type] = {}
         self._fields: dict[type, tuple[msgpack.ExtType, tuple[str, ...]]] = {}
         self._errors: dict[str, type[errors.IsthmusError]] = {}
-        self._tags: dict[tuple[int, bytes], _Tag] = {}
+        # What each marker decodes to: one per record, one per other extension.
+        self._tags: dict[tuple[int, bytes], _Tag] = {
+            (code, b""): _Tag(code, "") for code in range(_FROZENSET, _DTYPE + 1)}
         self._packer = msgpack.Packer(default=self._default, use_bin_type=True)
         self._markers = {code: msgpack.ExtType(code, b"") for code in (
             _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE)}
@@ -60,6 +62,7 @@ class Codec:
         self._records[name] = cls
         self._fields[cls] = (msgpack.ExtType(_RECORD, name.encode()),
                              tuple(f.name for f in dataclasses.fields(cls)))
+        self._tags[(_RECORD, name.encode())] = _Tag(_RECORD, name)
         return cls
 
     def error(self, cls: type[errors.IsthmusError]) -> None:
@@ -105,14 +108,12 @@ class Codec:
 
     def _ext(self, code: int, data: bytes) -> _Tag:
         tag = self._tags.get((code, data))
-        if tag is None:
-            if code == _RECORD and data.decode() not in self._records:
-                raise CodecError(f"a frame names {data.decode()!r}, which is no record of "
-                                 "the fleet")
-            if not _RECORD <= code <= _DTYPE:
-                raise CodecError(f"unknown extension {code} in a frame")
-            tag = self._tags[(code, data)] = _Tag(code, data.decode())
-        return tag
+        if tag is not None:
+            return tag
+        if code == _RECORD:
+            raise CodecError(f"a frame names {data.decode(errors='replace')!r}, which is no "
+                             "record of the fleet")
+        raise CodecError(f"unknown extension {code} in a frame")
 
     def _build(self, items: Any) -> Any:
         if not items or type(items[0]) is not _Tag:

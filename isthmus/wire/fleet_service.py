@@ -25,6 +25,7 @@ from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
                                       write_frame)
+from isthmus.wire.servicer import CannotListen
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ class FleetServicer:
             self._server = await asyncio.start_server(self._connected, host, port,
                                                       limit=READ_LIMIT)
         except OSError as e:
-            from isthmus.wire.servicer import CannotListen
-
             raise CannotListen(f"cannot listen on {host}:{port} for the workers' control "
                                f"streams ({e.strerror}); pick another --fleet-port (0: a "
                                "free one)") from None
