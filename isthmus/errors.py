@@ -112,6 +112,12 @@ class ExecutionError(ProgramError):
     code = Code.INTERNAL
 
 
+class UserCodeError(ProgramError):
+    """User Python code (a colocated Python function) raised an exception."""
+
+    code = Code.UNKNOWN
+
+
 class SystemFault(IsthmusError):
     """isthmus or its fleet failed; the user's program may be fine."""
 

@@ -18,6 +18,7 @@ from isthmus import errors
 from isthmus.controller.arrays import Buffer, BufferGroup
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
+from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.programs import CompiledInfo, CompileRequest
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class Executable:
 
     __slots__ = ("id", "key", "devices", "device_ids", "positions", "parts", "workers",
                  "compiled", "info", "refs", "error", "request", "epoch", "holders",
-                 "output_specs")
+                 "output_specs", "input_specs")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
                  request: CompileRequest) -> None:
@@ -59,6 +60,7 @@ class Executable:
         self.parts = {w: tuple(p) for w, p in parts.items()}
         self.workers = tuple(self.parts)  # where its commands go (the controller interns it)
         self.output_specs: list | None = None  # per output, worked out at the first Execute
+        self.input_specs: list | None = None  # per input of a colocated Python program
         self.compiled: asyncio.Future[CompiledInfo] | None = None
         self.info: CompiledInfo | None = None
         self.error: errors.IsthmusError | None = None
@@ -73,6 +75,7 @@ class Controller:
         self.config = config or ControllerConfig()
         self._next_buffer_id = 1
         self._executable_ids = itertools.count(1)
+        self._private_keys = itertools.count(1)
         self._live: dict[BufferId, BufferGroup] = {}  # by base id
         self._executables: dict[bytes, Executable] = {}
         self._idle: dict[bytes, Executable] = {}  # released executables, oldest first
@@ -165,10 +168,18 @@ class Controller:
 
     # ---- programs ------------------------------------------------------------------------
 
-    def executable(self, request: CompileRequest, devices: tuple[Device, ...]) -> Executable:
-        """The executable for a program on devices: cached, or compiling from now on."""
-        key = hashlib.sha256(request.module).digest() + hashlib.sha256(
-            request.compile_options).digest() + repr([d.id for d in devices]).encode()
+    def executable(self, request: CompileRequest | ColocatedProgram,
+                   devices: tuple[Device, ...], info: CompiledInfo | None = None) -> Executable:
+        """The executable for a program on devices: cached, or compiling from now on.
+
+        A colocated Python program is never shared: it belongs to the session that sent it
+        (its code runs for that session's arrays only), and it is unloaded as soon as that
+        session releases it. `info` describes it (its hosts only unpickle it)."""
+        if isinstance(request, ColocatedProgram):
+            key = b"python:%d" % next(self._private_keys)
+        else:
+            key = hashlib.sha256(request.module).digest() + hashlib.sha256(
+                request.compile_options).digest() + repr([d.id for d in devices]).encode()
         executable = self._executables.get(key)
         if executable is not None and executable.error is None:
             self._idle.pop(key, None)
@@ -180,6 +191,7 @@ class Controller:
         executable = Executable(ExecutableId(next(self._executable_ids)), key, devices, request)
         executable.workers = self.fleet.worker_set(executable.parts)
         executable.refs = 1
+        executable.info = info
         self._executables[key] = executable
         executable.compiled = asyncio.get_running_loop().create_task(
             self._compile(executable, request))
@@ -215,12 +227,18 @@ class Controller:
             executable.error = error
             self._executables.pop(executable.key, None)
             raise error from None
-        executable.info = infos[0]
-        return infos[0]
+        if executable.info is None:
+            executable.info = infos[0]
+        return executable.info
 
     def release_executable(self, executable: Executable) -> None:
         executable.refs -= 1
         if executable.refs > 0 or executable.error is not None:
+            return
+        if isinstance(executable.request, ColocatedProgram):
+            self._executables.pop(executable.key, None)
+            for worker in executable.parts:
+                self.fleet.channel(worker).drop_executable(executable.id)
             return
         self._idle[executable.key] = executable
         while len(self._idle) > self.config.compile_cache_size:

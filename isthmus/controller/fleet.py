@@ -243,6 +243,9 @@ class LostChannel:
     def pull(self, *args: Any, **kwargs: Any) -> Any:
         return self._fail()
 
+    def call_python(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
     def stats(self) -> dict[str, int]:
         return {}
 

@@ -6,8 +6,8 @@ or an awaitable the caller may wait on. Nothing here waits for device work.
 
 The session's parts live beside this module, one mixin each over `SessionCore`
 (session_core.py, the shared state): creating and freeing arrays (session_arrays.py), arrays
-over existing buffers (session_sharing.py), moving data (session_moves.py), and programs
-(session_programs.py).
+over existing buffers (session_sharing.py), moving data (session_moves.py), programs
+(session_programs.py) and colocated Python (session_python.py).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import asyncio
 import logging
 
 from isthmus.controller.session_moves import SessionMoves
-from isthmus.controller.session_programs import SessionPrograms
+from isthmus.controller.session_python import SessionPython
 from isthmus.controller.session_sharing import SessionSharing
 
 logger = logging.getLogger(__name__)
 
 
-class Session(SessionSharing, SessionMoves, SessionPrograms):
+class Session(SessionSharing, SessionMoves, SessionPython):
     """Arrays and executables of one client session."""
 
     # ---- lifecycle -----------------------------------------------------------------------

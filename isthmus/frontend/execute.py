@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from isthmus import errors
+from isthmus.frontend.colocated import is_python
 from isthmus.frontend.registry import handles
 
 
@@ -25,8 +26,13 @@ def execute(session: Any, request: Any, response: Any) -> None:
                 f" on devices {requested} is not supported; compile it for those devices.")
     args = [session.array(h) for h in body.args_handles]
     options = body.execute_options
-    non_donatable = frozenset(int(i) for i in options.non_donatable_input_indices)
-    outputs, status = session.ctl.execute(executable, args, non_donatable)
+    if is_python(executable):
+        # Calls from one client thread (its execution stream) run in order on the hosts.
+        outputs, status = session.ctl.call_python(
+            executable, args, (int(session.id), int(options.execution_stream_id)))
+    else:
+        non_donatable = frozenset(int(i) for i in options.non_donatable_input_indices)
+        outputs, status = session.ctl.execute(executable, args, non_donatable)
     out = response.loaded_executable_execute_response
     if body.result_array_handle:
         if len(body.result_array_handle) != len(outputs):

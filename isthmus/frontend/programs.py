@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from isthmus import errors
+from isthmus.frontend.colocated import compile_custom_call
 from isthmus.frontend.registry import handles
 from isthmus.worker.programs import CompileRequest
 
@@ -152,14 +153,17 @@ def _override_error(debug: Any, key: str, value: Any) -> errors.IsthmusError | N
 def compile_program(session: Any, request: Any, response: Any) -> Any:
     body = request.compile_request
     program = body.program
-    if program.type_name in (CUSTOM_CALL_PROGRAM, PLUGIN_PROGRAM):
+    if program.type_name == CUSTOM_CALL_PROGRAM:
+        executable, name = compile_custom_call(session, program)
+        return _answer(session, executable, response.compile_response, name)
+    if program.type_name == PLUGIN_PROGRAM:
         raise errors.Unimplemented(
-            f"{program.type_name} programs (colocated Python, pathwaysutils plugins) are not "
-            "supported by this isthmus server yet; run that code in your own process.")
+            f"{program.type_name} programs (pathwaysutils plugins) are not supported by this "
+            "isthmus server yet; run that code in your own process.")
     if program.type_name != XLA_PROGRAM:
         raise errors.Unimplemented(
             f"program type {program.type_name!r} is not supported; isthmus compiles "
-            f"{XLA_PROGRAM} (StableHLO from jax).")
+            f"{XLA_PROGRAM} (StableHLO from jax) and {CUSTOM_CALL_PROGRAM} (colocated Python).")
     if body.host_callbacks:
         raise errors.Unimplemented(
             "programs with host callbacks (jax.debug.print, pure_callback, io_callback) are not "
@@ -168,33 +172,33 @@ def compile_program(session: Any, request: Any, response: Any) -> Any:
         body.compile_options, [d.id for d in session.fleet.devices])
     executable = session.ctl.compile(
         CompileRequest(bytes(program.data), options, device_ids, replicas))
-    out = response.compile_response
+    return _answer(session, executable, response.compile_response)
 
-    async def finish() -> None:
-        try:
-            info = await executable.compiled
-        except errors.IsthmusError:
-            session.ctl.release_executable(executable)
-            raise
-        handle = session.new_handle()
-        session.executables[handle] = executable
-        out.loaded_executable_handle = handle
-        out.name = info.name
-        out.num_devices = len(executable.devices)
-        out.device_ids.extend(d.id for d in executable.devices)
-        out.addressable_device_ids.extend(d.id for d in executable.devices)
-        if info.fingerprint is not None:
-            out.fingerprint_value = info.fingerprint
-        else:
-            out.fingerprint_error.code = int(errors.Code.UNIMPLEMENTED)
-            out.fingerprint_error.message = "no fingerprint for this executable"
 
-        async def ready() -> None:
-            return None
+async def _answer(session: Any, executable: Any, out: Any, name: str | None = None) -> None:
+    """Fills a CompileResponse once the executable is loaded on its hosts."""
+    try:
+        info = await executable.compiled
+    except errors.IsthmusError:
+        session.ctl.release_executable(executable)
+        raise
+    handle = session.new_handle()
+    session.executables[handle] = executable
+    out.loaded_executable_handle = handle
+    out.name = name or info.name
+    out.num_devices = len(executable.devices)
+    out.device_ids.extend(d.id for d in executable.devices)
+    out.addressable_device_ids.extend(d.id for d in executable.devices)
+    if info.fingerprint is not None:
+        out.fingerprint_value = info.fingerprint
+    else:
+        out.fingerprint_error.code = int(errors.Code.UNIMPLEMENTED)
+        out.fingerprint_error.message = "no fingerprint for this executable"
 
-        out.ready_future_handle = session.add_future(None, ready)
+    async def ready() -> None:
+        return None
 
-    return finish()
+    out.ready_future_handle = session.add_future(None, ready)
 
 
 def _layouts(text_layouts: tuple[str, ...], out: Any) -> None:

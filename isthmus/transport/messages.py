@@ -308,6 +308,34 @@ class Load:
 
 
 @_message
+class CompilePython:
+    """A colocated Python program (`worker.colocated.ColocatedProgram`) to unpickle."""
+
+    request: int
+    executable: int
+    program: Any
+
+
+@_message
+class LoadPython:
+    """A colocated Python program the worker unpickles when it is first called."""
+
+    executable: int
+    program: Any
+
+
+@_message
+class CallPython:
+    """Runs a colocated Python program on the worker's shards; answered when it is done."""
+
+    request: int
+    executable: int
+    args: tuple[int | tuple[int, ...], ...]  # per input: group base, or an id per position
+    results: tuple[int, ...]  # per output: the base of its group
+    stream: tuple[int, ...]  # calls of one stream run in order, others concurrently
+
+
+@_message
 class DropExecutable:
     executable: int
 

@@ -25,6 +25,7 @@ from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
 from isthmus.transport.flow import FlowGate
+from isthmus.worker.programs import CompileRequest
 
 logger = logging.getLogger(__name__)
 
@@ -255,11 +256,17 @@ class RemoteWorker:
 
     def compile(self, executable_id: ExecutableId, request: Any) -> Awaitable[Any]:
         number, future = self._request()
+        if not isinstance(request, CompileRequest):  # a colocated Python program
+            self._command(m.CompilePython(number, executable_id, request))
+            return future
         self._command(m.Compile(number, executable_id, request.module, request.compile_options,
                                 tuple(request.device_ids), request.replicas))
         return future
 
     def load(self, executable_id: ExecutableId, request: Any) -> None:
+        if not isinstance(request, CompileRequest):
+            self._command(m.LoadPython(executable_id, request))
+            return
         self._command(m.Load(executable_id, request.module, request.compile_options,
                              tuple(request.device_ids), request.replicas))
 
@@ -269,6 +276,14 @@ class RemoteWorker:
     def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
         self._command(_execute(executable_id, args, results, copy_first))
+
+    def call_python(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+                    results: Sequence[int], stream: tuple[int, ...] = ()) -> Awaitable[None]:
+        number, future = self._request()
+        self._command(m.CallPython(number, executable_id,
+                                   tuple(a if isinstance(a, int) else tuple(a) for a in args),
+                                   tuple(results), tuple(stream)))
+        return future
 
     def deliver(self, commands: Commands) -> None:
         """Shared commands are encoded once for all their workers; a worker with nothing

@@ -255,7 +255,9 @@ class WorkerAgent:
     async def _handle(self, message: Any) -> None:
         if isinstance(message, m.Batch):
             for command in _unpack(message.commands):
-                if isinstance(command, m.Execute):
+                if isinstance(command, m.CallPython):
+                    await self._load(command.executable)
+                elif isinstance(command, m.Execute):
                     await self._load(command.executable)
                     if self.host is not None and self.host.is_collective(command.executable):
                         await self.host.collective_settled(command.executable,
@@ -390,6 +392,13 @@ class WorkerAgent:
             self._spawn(c.request, self._compile(host, c))
         elif isinstance(c, m.Load):
             self._programs[c.executable] = _request(c)
+        elif isinstance(c, m.CallPython):
+            self._spawn(c.request, host.call_python(c.executable, c.args, c.results, c.stream))
+        elif isinstance(c, m.CompilePython):
+            self._programs[c.executable] = c.program
+            self._spawn(c.request, host.compile(c.executable, c.program))
+        elif isinstance(c, m.LoadPython):
+            self._programs[c.executable] = c.program
         elif isinstance(c, m.DropExecutable):
             self._programs.pop(c.executable, None)
             host.drop_executable(c.executable)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
+from isthmus.worker.colocated import Pending
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.slots import _Failed, _HostArray, _settle_quietly
 
@@ -47,6 +48,12 @@ def adopt(new: DeviceHost, old: DeviceHost, reason: str = "", wait: float = 30.0
     for buffer_id, value in items:
         if isinstance(value, (_Failed, _HostArray)):
             new._buffers[buffer_id] = value
+            continue
+        if isinstance(value, Pending):
+            new._buffers[buffer_id] = _Failed(errors.WorkerLost(
+                "a colocated Python call was still making this array when the collective "
+                f"group re-formed ({reason or 'a peer left the collective group'}); call it "
+                "again."))
             continue
         try:
             if stuck_devices and not value.is_ready() and (

@@ -1,0 +1,148 @@
+"""Colocated Python programs of a session: compiling (their hosts unpickle them) and calling.
+
+A call runs on every worker that holds one of its devices (`worker/colocated.py`). Its
+outputs are new arrays, one buffer group each over the devices of its output spec, which stay
+*undefined* until every worker has finished its part: operations that read them wait in the
+session's dispatch queue, as they wait for host data. A failed call (the function raised, a
+worker was lost) leaves its error in the outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable, Sequence
+
+from isthmus import dtypes, errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
+from isthmus.controller.controller import Executable
+from isthmus.controller.session_programs import SessionPrograms
+from isthmus.ids import BufferId
+from isthmus.worker.colocated import ColocatedProgram
+from isthmus.worker.programs import Aval, CompiledInfo
+
+Spec = tuple[dtypes.DType, tuple[int, ...], sh.Sharding]  # dtype, shape, sharding
+
+
+class SessionPython(SessionPrograms):
+    """Colocated Python functions of one session."""
+
+    def compile_python(self, name: str, text: bytes, device_ids: Sequence[int],
+                       inputs: Sequence[Spec], outputs: Sequence[Spec]) -> Executable:
+        devices = self.fleet.devices_of(device_ids)
+        if len(set(device_ids)) != len(device_ids):
+            raise errors.InvalidRequest("the colocated function names a device twice.")
+        call_devices = set(device_ids)
+        for kind, specs in (("input", inputs), ("output", outputs)):
+            for index, (_, _, sharding) in enumerate(specs):
+                if not set(sharding.devices) <= call_devices:
+                    raise errors.InvalidRequest(
+                        f"{kind} {index} of the colocated function lives on devices "
+                        f"{list(sharding.devices)}, not all of which are the call's devices "
+                        f"{list(device_ids)}; use the same devices for inputs, outputs and "
+                        "the call.")
+        for device in devices:
+            if device.kind != "cpu" and device.platform != "cpu":
+                raise errors.InvalidRequest(
+                    f"device {device.id} is a {device.kind} device; colocated Python runs on "
+                    "CPU devices: pass colocated_python.colocated_cpu_devices(...) instead.")
+        program = ColocatedProgram(
+            name, text, tuple(device_ids),
+            tuple(tuple(s.devices) for _, _, s in inputs),
+            tuple(tuple(s.devices) for _, _, s in outputs),
+            tuple(("string" if d.is_string else d.numpy.name, tuple(shape))  # type: ignore[union-attr]
+                  for d, shape, _ in outputs))
+        info = CompiledInfo(
+            name=name, params=tuple(Aval(d, tuple(shape)) for d, shape, _ in inputs),
+            outputs=tuple(Aval(d, tuple(shape)) for d, shape, _ in outputs),
+            param_shardings=None, output_shardings=None,
+            param_layouts=tuple(_default_layout(shape) for _, shape, _ in inputs),
+            output_layouts=tuple(_default_layout(shape) for _, shape, _ in outputs),
+            output_memory_kinds=tuple(s.memory_kind or "" for _, _, s in outputs),
+            donated_inputs=(), fingerprint=hashlib.sha256(text).digest(), cost_analysis={}, hlo_text="",
+            memory_stats={}, generated_code_bytes=0)
+        executable = self.controller.executable(program, devices, info)
+        executable.output_specs = [
+            (Aval(d, tuple(shape)), s, sh.shard_nbytes(s, tuple(shape), d.itemsize))
+            for d, shape, s in outputs]
+        executable.input_specs = list(inputs)
+        self._executables.append(executable)
+        return executable
+
+    def call_python(self, executable: Executable, args: Sequence[Array],
+                    stream: tuple[int, ...]) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
+        """Runs a colocated function; returns its outputs and a way to wait for the call."""
+        specs = executable.input_specs
+        if len(args) != len(specs):
+            raise errors.InvalidRequest(
+                f"the colocated function takes {len(specs)} arrays but {len(args)} were given.")
+        refs: list[int | tuple[BufferId, ...]] = []
+        for index, (array, (dtype, shape, sharding)) in enumerate(zip(args, specs)):
+            if array.dtype != dtype or array.shape != shape:
+                raise errors.InvalidRequest(
+                    f"argument {index} is {array.dtype.kind}{list(array.shape)} but the "
+                    f"function expects {dtype.kind}{list(shape)}.")
+            if tuple(array.sharding.devices) != tuple(sharding.devices):
+                raise errors.InvalidRequest(
+                    f"argument {index} lives on devices {list(array.sharding.devices)} but the "
+                    f"function's input spec names {list(sharding.devices)}; pass arrays with "
+                    "the sharding the function was specialized for.")
+            group = array.group
+            refs.append(group.base if group is not None else tuple(b.id for b in array.shards))
+        outputs = []
+        for aval, sharding, nbytes in executable.output_specs:  # type: ignore[union-attr]
+            group = self.controller.new_group(self.fleet.devices_of(sharding.devices), nbytes,
+                                              sharding.memory_kind)
+            group.expect()
+            outputs.append(self._own(aval.dtype, aval.shape, sharding, group))
+        results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
+        out_groups = [out.group for out in outputs]
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            error = first_error(args) or self.fleet.unavailable(executable.devices)
+            if error is not None:
+                _finish(out_groups, done, error)
+                return
+            self.controller.ensure_loaded(executable)
+            waits = [self.fleet.channel(w).call_python(executable.id, refs, results, stream)
+                     for w in executable.workers]
+            self._spawn(_settle(out_groups, done, waits))
+
+        self.dispatcher.submit(groups_of(args), run)
+
+        async def status() -> None:
+            await asyncio.shield(done)
+
+        return outputs, status
+
+
+def _default_layout(shape: Sequence[int]) -> str:
+    """A dense row-major layout, as XLA writes it (minor to major)."""
+    return "{" + ",".join(str(d) for d in reversed(range(len(shape)))) + "}"
+
+
+async def _settle(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
+                  waits: Sequence[Awaitable[None]]) -> None:
+    outcomes = await asyncio.gather(*waits, return_exceptions=True)
+    error = next((e for e in outcomes if isinstance(e, BaseException)), None)
+    if error is not None and not isinstance(error, errors.IsthmusError):
+        error = errors.InternalError(f"a colocated call failed unexpectedly ({error!r}); this "
+                                     "is a bug in isthmus: please report it.")
+    _finish(groups, done, error)  # type: ignore[arg-type]
+
+
+def _finish(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
+            error: errors.IsthmusError | None) -> None:
+    for group in groups:
+        assert group is not None
+        if error is not None and group.error is None:
+            group.error = error
+        group.settle()
+    if not done.done():
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+            done.exception()  # retrieved: the status or the outputs report it

@@ -1,0 +1,42 @@
+"""Colocated Python programs: jax's `colocated_python` sends each function as a
+`CustomCallProgram` of type `jax_colocated_python_v0.0.1` (cloudpickled code, the devices,
+and the input and output specs). The front end reads the specs and hands the code, unread,
+to the session; the hosts of the call unpickle it (`worker/colocated.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from isthmus import errors
+from isthmus.worker.colocated import PROGRAM_TYPE
+
+
+def compile_custom_call(session: Any, program: Any) -> tuple[Any, str]:
+    """Starts a Compile of a CustomCallProgram: (the executable, its name). Its hosts
+    unpickle it; the executable's `compiled` resolves when they have."""
+    proto = session.schema["xla.ifrt.CustomCallProgramProto"]
+    try:
+        custom = proto.FromString(program.data)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError
+        raise errors.InvalidRequest("the CustomCallProgram does not parse.") from None
+    if custom.type != PROGRAM_TYPE:
+        raise errors.Unimplemented(
+            f"custom call programs of type {custom.type!r} are not supported; isthmus runs "
+            f"{PROGRAM_TYPE!r} (jax.experimental.colocated_python).")
+    serdes = session.serdes
+    inputs = [serdes.array_spec(s) for s in custom.input_specs]
+    outputs = [serdes.array_spec(s) for s in custom.output_specs]
+    device_ids = [int(d) for d in custom.devices.device_ids]
+    if not device_ids:
+        raise errors.InvalidRequest("the colocated function names no devices; specialize it "
+                                    "with devices=... or pass it arrays.")
+    executable = session.ctl.compile_python(
+        custom.name, bytes(custom.serialized_program_text), device_ids,
+        [(s.dtype, s.shape, s.sharding) for s in inputs],
+        [(s.dtype, s.shape, s.sharding) for s in outputs])
+    return executable, custom.name
+
+
+def is_python(executable: Any) -> bool:
+    return executable.input_specs is not None

@@ -1,0 +1,289 @@
+"""Colocated Python on a host: jax's `colocated_python` calls, run next to their shards.
+
+The stock client sends a colocated function as a `CustomCallProgram`: cloudpickled code (the
+function and its input and output specs) with the devices it runs on. The controller never
+unpickles it; each host of the call does, here, and runs the function on its own shards:
+
+- *Devices by global id.* jax's pickles name devices by id. While a host unpickles (and while
+  the function pickles specs back for the client), `serialization`'s device lookups are
+  pointed at this host's devices by their global (fleet-wide) ids, so a `Mesh` or a sharding
+  in the code becomes the same devices here, addressable or not (a worker's client spans the
+  whole collective group), and specs pickled here name the ids the client knows.
+- *Arrays without copies.* Inputs are jax arrays built over the host's own shard buffers;
+  a call over several hosts sees global arrays whose addressable shards are the local ones,
+  as a multi-process jax program does.
+- *Order.* Calls from one client thread (one IFRT execution stream) run one after another,
+  in program order; calls from different threads run concurrently, each on a thread of the
+  host's Python pool.
+
+Outputs are placeholders (`Pending`) until the call finishes; the controller dispatches
+nothing that reads them before it hears that the call is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.transport.messages import CODEC
+
+PROGRAM_TYPE = "jax_colocated_python_v0.0.1"
+MAX_TRACEBACK_CHARS = 6000
+
+
+@CODEC.record  # travels in compile and load commands
+@dataclasses.dataclass(frozen=True, slots=True)
+class ColocatedProgram:
+    """A colocated Python function as a host needs it."""
+
+    name: str
+    text: bytes  # the client's cloudpickle of (fun, in tree, in specs, out tree, out specs, devices)
+    device_ids: tuple[int, ...]  # global ids of the call's devices
+    inputs: tuple[tuple[int, ...], ...]  # per input: global device ids, in its sharding's order
+    outputs: tuple[tuple[int, ...], ...]  # per output: likewise
+    output_types: tuple[tuple[str, tuple[int, ...]], ...]  # per output: (dtype name, shape)
+
+
+class Pending:
+    """An output of a colocated call still running: ready once the call has stored it."""
+
+    __slots__ = ("_event", "value")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.value: Any = None
+
+    def resolve(self, value: Any) -> None:
+        self.value = value
+        self._event.set()
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def is_ready(self) -> bool:
+        return self._event.is_set() and self.value.is_ready()
+
+    def is_deleted(self) -> bool:
+        return False
+
+    def block_until_ready(self) -> Any:
+        self._event.wait()
+        if hasattr(self.value, "error"):
+            raise self.value.error
+        return self.value.block_until_ready()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        self.block_until_ready()
+        return np.asarray(self.value)
+
+
+# ---- device lookups by global id -----------------------------------------------------------
+
+_current: dict[str, Any] = {"by_id": {}, "ids": {}}
+_patch_lock = threading.Lock()
+
+
+def use_devices(devices: dict[int, Any]) -> None:
+    """Points jax's colocated-Python (de)serialization at these devices, by global id."""
+    from jax.experimental.colocated_python import serialization as s
+
+    _current["by_id"] = dict(devices)
+    _current["ids"] = {d: g for g, d in devices.items()}
+    with _patch_lock:
+        if getattr(s, "_isthmus_patched", False):
+            return
+        s._get_cpu_device_map = lambda: _current["by_id"]
+        wrap = s._make_reduce_func_with_common_obj
+
+        def global_id(device: Any) -> int:
+            found = _current["ids"].get(device)
+            if found is None:
+                raise ValueError(f"device {device} is not one of this host's devices")
+            return found
+
+        @wrap
+        def reduce_mesh(mesh: Any) -> tuple[Callable[..., Any], Any]:
+            ids = np.vectorize(global_id, otypes=[int])(mesh.devices)
+            return s._unreduce_mesh, (ids, mesh.axis_names, mesh.axis_types)
+
+        @wrap
+        def reduce_device_list(device_list: Any) -> tuple[Callable[..., Any], Any]:
+            return s._unreduce_device_list, ([global_id(d) for d in device_list],)
+
+        @wrap
+        def reduce_single_device_sharding(sharding: Any) -> tuple[Callable[..., Any], Any]:
+            (device,) = sharding.device_set
+            return s._unreduce_single_device_sharding, (global_id(device), sharding.memory_kind)
+
+        s._reduce_mesh = reduce_mesh
+        s._reduce_device_list = reduce_device_list
+        s._reduce_single_device_sharding = reduce_single_device_sharding
+        s._isthmus_patched = True
+
+
+@dataclasses.dataclass(slots=True)
+class PythonFunction:
+    """A colocated program unpickled on this host."""
+
+    program: ColocatedProgram
+    fun: Callable[..., Any]
+    in_tree: Any
+    in_specs: tuple[Any, ...]
+    local_in: tuple[tuple[int, ...], ...]  # per input: its positions held here
+    local_out: tuple[tuple[int, ...], ...]  # per output: likewise
+    local_devices: frozenset[Any]  # the call's devices held here (jaxlib devices)
+
+
+def user_error(name: str, e: BaseException) -> errors.IsthmusError:
+    """A Python exception raised by user code, with its type, message and traceback."""
+    if isinstance(e, errors.IsthmusError):
+        return e
+    for suffix in ("_output_specs_and_push_result", "_pop_result"):  # jax's helper programs
+        name = name.removesuffix(suffix)
+    frames = e.__traceback__.tb_next if e.__traceback__ is not None else None  # not ours
+    text = "".join(traceback.format_exception(type(e), e, frames))
+    if len(text) > MAX_TRACEBACK_CHARS:
+        text = "...\n" + text[-MAX_TRACEBACK_CHARS:]
+    return errors.UserCodeError(
+        f"the colocated Python function {name!r} raised {type(e).__name__}: {e}\n{text}")
+
+
+def load(program: ColocatedProgram, devices: dict[int, Any], local: set[int]) -> PythonFunction:
+    """Unpickles a program for this host's devices (blocking: it may import modules)."""
+    from jax.experimental.colocated_python import serialization
+
+    use_devices(devices)
+    try:
+        fun, in_tree, in_specs, _, _, _ = serialization._deserialize(program.text)
+    except Exception as e:  # noqa: BLE001 - a module missing here, a version skew, ...
+        raise errors.CompileError(
+            f"the colocated Python function {program.name!r} could not be unpickled on the "
+            f"worker ({type(e).__name__}: {e}); install the modules it uses on every worker, "
+            "with the same versions as the client.") from None
+
+    def held(ids: Sequence[int]) -> tuple[int, ...]:
+        return tuple(p for p, g in enumerate(ids) if g in devices and devices[g].id in local)
+
+    return PythonFunction(program, fun, in_tree, tuple(in_specs),
+                     tuple(held(ids) for ids in program.inputs),
+                     tuple(held(ids) for ids in program.outputs),
+                     frozenset(devices[program.device_ids[p]] for p in held(program.device_ids)))
+
+
+def run(function: PythonFunction, devices: dict[int, Any], inputs: Sequence[Sequence[Any]]
+        ) -> list[list[Any]]:
+    """Calls the function on this host's shards (blocking); returns, per output, the values
+    of its local positions."""
+    import jax
+    from jax._src import tree_util
+
+    program = function.program
+    use_devices(devices)
+    leaves = []
+    for index, (spec, shards) in enumerate(zip(function.in_specs, inputs)):
+        positions = function.local_in[index]
+        values = [_device_value(s, devices[program.inputs[index][p]])
+                  for s, p in zip(shards, positions)]
+        for value in values:
+            value.block_until_ready()
+        leaves.append(jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, values))
+    args, kwargs = tree_util.tree_unflatten(function.in_tree, leaves)
+    # Arrays the function makes without naming a device (jnp.array(0)) go to the call's first
+    # device here, not to a jax backend of this process that the fleet does not know.
+    local = [devices[g] for g in program.device_ids if devices[g] in function.local_devices]
+    try:
+        with jax.default_device(local[0] if local else None):
+            result = function.fun(*args, **kwargs)
+        outputs = tree_util.tree_leaves(result)
+        if len(outputs) != len(program.outputs):
+            raise ValueError(f"it returned {len(outputs)} arrays but its output specs list "
+                             f"{len(program.outputs)}")
+        per_output = []
+        for index, out in enumerate(outputs):
+            per_output.append(_local_shards(program, index, function.local_out[index], out,
+                                            devices))
+        return per_output
+    except Exception as e:  # noqa: BLE001 - the user's exception, reported to the client
+        raise user_error(program.name, e) from None
+
+
+def _device_value(value: Any, device: Any) -> Any:
+    """A shard as the user function sees it: string arrays become StringDType jax arrays."""
+    import jax
+
+    if hasattr(value, "value") and getattr(value.value, "dtype", None) == object:
+        strings = np.array([x.decode() if isinstance(x, bytes) else str(x)
+                            for x in value.value.flat], dtype=np.dtypes.StringDType())
+        return jax.device_put(strings.reshape(value.value.shape), device)
+    return value
+
+
+def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int], out: Any,
+                  devices: dict[int, Any]) -> list[Any]:
+    import jax
+
+    from isthmus.worker.slots import _HostArray
+
+    dtype_name, shape = program.output_types[index]
+    if not isinstance(out, jax.Array):
+        raise TypeError(f"output {index} is a {type(out).__name__}, not a jax.Array")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"output {index} has shape {list(out.shape)} but its spec says "
+                         f"{list(shape)}")
+    is_string = dtype_name == "string"
+    if not is_string and np.dtype(out.dtype).name != dtype_name:
+        raise ValueError(f"output {index} is {out.dtype} but its spec says {dtype_name}")
+    by_device = {shard.device: shard.data for shard in out.addressable_shards}
+    values = []
+    for p in positions:
+        device = devices[program.outputs[index][p]]
+        shard = by_device.get(device)
+        if shard is None:
+            raise ValueError(f"output {index} has no shard on {device}, which its spec names")
+        if is_string:
+            host = np.asarray(shard)
+            shard = _HostArray(np.array([str(x).encode() for x in host.flat],
+                                        dtype=object).reshape(host.shape))
+        values.append(shard)
+    return values
+
+
+class PythonRunner:
+    """Runs a host's colocated calls: in order within a stream, concurrently across them."""
+
+    THREADS = 32
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.THREADS, thread_name_prefix="isthmus-python")
+        self._tails: dict[Any, asyncio.Future[Any]] = {}
+
+    def submit(self, stream: Any, work: Callable[[], Any]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        previous = self._tails.get(stream)
+
+        async def after_previous() -> Any:
+            if previous is not None:
+                await asyncio.wait([previous])
+            return await loop.run_in_executor(self._pool, work)
+
+        task = loop.create_task(after_previous())
+        self._tails[stream] = task
+
+        def forget(t: asyncio.Future[Any]) -> None:
+            if self._tails.get(stream) is t:
+                del self._tails[stream]
+            if not t.cancelled():
+                t.exception()  # retrieved here; the caller reports it
+
+        task.add_done_callback(forget)
+        return task
