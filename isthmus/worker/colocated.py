@@ -266,6 +266,9 @@ class PythonRunner:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.THREADS, thread_name_prefix="isthmus-python")
         self._tails: dict[Any, asyncio.Future[Any]] = {}
+        self._running: set[asyncio.Future[Any]] = set()
+        self._kept: list[Any] = []
+        self._releasing: set[asyncio.Task[None]] = set()
 
     def submit(self, stream: Any, work: Callable[[], Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
@@ -278,8 +281,10 @@ class PythonRunner:
 
         task = loop.create_task(after_previous())
         self._tails[stream] = task
+        self._running.add(task)
 
         def forget(t: asyncio.Future[Any]) -> None:
+            self._running.discard(t)
             if self._tails.get(stream) is t:
                 del self._tails[stream]
             if not t.cancelled():
@@ -287,3 +292,18 @@ class PythonRunner:
 
         task.add_done_callback(forget)
         return task
+
+    def keep_while_busy(self, value: Any) -> None:
+        """Holds `value` until the calls submitted so far have finished."""
+        if not self._running:
+            return
+        running = list(self._running)
+        self._kept.append(value)
+
+        async def release() -> None:
+            await asyncio.wait(running)
+            self._kept.remove(value)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)

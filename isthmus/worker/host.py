@@ -374,7 +374,12 @@ class DeviceHost(CollectiveOrder):
         """In-process hosts never lose their programs: nothing to do."""
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
-        self._executables.pop(executable_id, None)
+        dropped = self._executables.pop(executable_id, None)
+        if isinstance(dropped, colocated.PythonFunction) and self._python is not None:
+            # Calls submitted before the drop may not have started yet, and they may need
+            # what this function holds (a colocated object's first method call finds the
+            # object through the function that made it): let them run first.
+            self._python.keep_while_busy(dropped)
 
     def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
