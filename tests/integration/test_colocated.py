@@ -3,6 +3,7 @@ processes that hold the shards (the workers of a fleet, the server of the embedd
 on those processes' own shards, and every result is compared with numpy."""
 
 import os
+import pathlib
 import signal
 
 from isthmus.testing import LocalServer, run_python
@@ -272,3 +273,23 @@ def test_a_worker_lost_during_a_call_fails_it_with_data_loss():
         assert "LOST DATA_LOSS True" in stdout, stdout
         assert "OK" in stdout
         assert server.alive(), server.log()
+
+
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
+
+
+def test_data_loader_example(server):
+    code = (EXAMPLES / "colocated_data_loader.py").read_text()
+    result = run_python(code, server.address, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "the same losses either way" in result.stdout, result.stdout
+
+
+def test_checkpoint_writer_example(server, tmp_path):
+    code = (EXAMPLES / "colocated_checkpoint_writer.py").read_text()
+    result = run_python(code, server.address, timeout=240, args=[str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "equal to the saved array" in result.stdout, result.stdout
+    expected = "by 1 process(es)" if server.kind == "embedded" else "by 4 process(es)"
+    assert f"{expected}; by this one: False" in result.stdout, result.stdout
+    assert len(list(tmp_path.glob("shard-*.npy"))) == 8
