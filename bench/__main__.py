@@ -151,10 +151,16 @@ def main() -> int:
         "quick": quick}}
 
     metrics = {"local jax": _run("client_metrics.py", _local(), metrics_args)}
+    # Colocated Python rows (bench/colocated.py): a 1 MiB call's round trip, and a training
+    # loop fed by a colocated loader against the same loop fed from the client.
+    colocated_args = ["--client", *metrics_args]
+    metrics["local jax"].update(_run("colocated.py", _local(), colocated_args))
     curves: dict[str, tuple[dict, list[float]]] = {}  # backend -> (local curve, ratios)
     compile_times = {}
     with LocalServer(devices=1) as server:
         metrics["isthmus embedded"] = _run("client_metrics.py", _through(server), metrics_args)
+        metrics["isthmus embedded"].update(_run("colocated.py", _through(server),
+                                                colocated_args))
         shared = _run("client_metrics.py", _through(server, shared=True), metrics_args)
         for key in [k for k in shared if k.startswith("put_")]:
             metrics["isthmus embedded"][key.replace("_GBps", "_shared_memory_GBps")] = shared[key]
@@ -165,6 +171,8 @@ def main() -> int:
         compile_times["embedded cached"] = _run("compile_cache.py", _through(server), [])
     with LocalServer(devices=None, fleet=(2, 2, 1)) as server:
         metrics["isthmus fleet 2x2"] = _run("client_metrics.py", _through(server), metrics_args)
+        metrics["isthmus fleet 2x2"].update(_run("colocated.py", _through(server),
+                                                 colocated_args))
         curves["isthmus fleet 2x2"] = paired_curves(
             lambda: _run("threshold.py", _local(4), [sizes, "4", seconds, "4"]),
             lambda: _run("threshold.py", _through(server), [sizes, "4", seconds, "4"]), rounds)
