@@ -28,6 +28,7 @@ from isthmus.hostmem import aligned_empty, byte_view, map_file
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
+from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
                                      PlatformUnavailable, describe, join_group)
@@ -74,7 +75,7 @@ class WorkerAgent:
         self._incoming: dict[int, _Incoming] = {}
         # Every program the controller gave this worker, by executable id. Kept across
         # collective groups: after a re-formation a program is compiled again on first use.
-        self._programs: dict[int, CompileRequest] = {}
+        self._programs: dict[int, CompileRequest | ColocatedProgram] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         # Requests that wait for computations (Ready, Fetch, FetchFile) and their tasks: when
         # the group re-forms, those still waiting are asked again of the new host, where a

@@ -11,7 +11,7 @@ import pytest
 from isthmus import dtypes, errors
 from isthmus.transport import messages as m
 from isthmus.transport.codec import CodecError
-from isthmus.worker import programs
+from isthmus.worker import colocated, programs
 
 
 def roundtrip(value):
@@ -35,9 +35,16 @@ def test_records_and_values_round_trip():
         m.Reply(5, ("float32", (4, 4))),
         m.Welcome(1, 0, 1, 0.5, ("/dev/shm/x", "probe"), "token"),
         m.PutData(1, 2, 0, b"\x00" * 1000, True),
+        m.CompilePython(6, 2, colocated.ColocatedProgram(
+            "f", b"\x80\x05pickle", (0, 1), ((0, 1),), ((1, 0), (0,)),
+            (("float32", (4,)), ("string", ())))),
+        m.CallPython(7, 2, (10, (12, 11)), (20, 22), (3, -2992125004297323123)),
     ]
     for value in values:
         assert roundtrip(value) == value
+    error = roundtrip(m.Reply(8, error=errors.UserCodeError("f raised ValueError"))).error
+    assert type(error) is errors.UserCodeError and error.code == errors.Code.UNKNOWN
+    assert error.message == "f raised ValueError"
     assert roundtrip(m.Reply(4, info)).value.params[0].dtype is f32
 
 
