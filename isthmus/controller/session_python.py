@@ -17,6 +17,7 @@ from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
+from isthmus.controller.session_core import _as_error
 from isthmus.controller.session_programs import SessionPrograms
 from isthmus.ids import BufferId
 from isthmus.worker.colocated import ColocatedProgram
@@ -105,9 +106,13 @@ class SessionPython(SessionPrograms):
             if error is not None:
                 _finish(out_groups, done, error)
                 return
-            self.controller.ensure_loaded(executable)
-            waits = [self.fleet.channel(w).call_python(executable.id, refs, results, stream)
-                     for w in executable.workers]
+            try:
+                self.controller.ensure_loaded(executable)
+                waits = [self.fleet.channel(w).call_python(executable.id, refs, results, stream)
+                         for w in executable.workers]
+            except Exception as e:  # noqa: BLE001 - the outputs must resolve, whatever happened
+                _finish(out_groups, done, _as_error(e, "dispatching a colocated call"))
+                raise
             self._spawn(_settle(out_groups, done, waits))
 
         self.dispatcher.submit(groups_of(args), run)

@@ -22,8 +22,6 @@ nothing that reads them before it hears that the call is done.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import threading
 import traceback
@@ -255,55 +253,3 @@ def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int
                                         dtype=object).reshape(host.shape))
         values.append(shard)
     return values
-
-
-class PythonRunner:
-    """Runs a host's colocated calls: in order within a stream, concurrently across them."""
-
-    THREADS = 32
-
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.THREADS, thread_name_prefix="isthmus-python")
-        self._tails: dict[Any, asyncio.Future[Any]] = {}
-        self._running: set[asyncio.Future[Any]] = set()
-        self._kept: list[Any] = []
-        self._releasing: set[asyncio.Task[None]] = set()
-
-    def submit(self, stream: Any, work: Callable[[], Any]) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        previous = self._tails.get(stream)
-
-        async def after_previous() -> Any:
-            if previous is not None:
-                await asyncio.wait([previous])
-            return await loop.run_in_executor(self._pool, work)
-
-        task = loop.create_task(after_previous())
-        self._tails[stream] = task
-        self._running.add(task)
-
-        def forget(t: asyncio.Future[Any]) -> None:
-            self._running.discard(t)
-            if self._tails.get(stream) is t:
-                del self._tails[stream]
-            if not t.cancelled():
-                t.exception()  # retrieved here; the caller reports it
-
-        task.add_done_callback(forget)
-        return task
-
-    def keep_while_busy(self, value: Any) -> None:
-        """Holds `value` until the calls submitted so far have finished."""
-        if not self._running:
-            return
-        running = list(self._running)
-        self._kept.append(value)
-
-        async def release() -> None:
-            await asyncio.wait(running)
-            self._kept.remove(value)
-
-        task = asyncio.get_running_loop().create_task(release())
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)

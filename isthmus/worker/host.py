@@ -24,6 +24,7 @@ from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.worker import colocated, programs
 from isthmus.worker.collectives import CollectiveOrder
+from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
                                   _Unloadable, computation_error, make_cpu_client)
 
@@ -33,7 +34,7 @@ __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
 logger = logging.getLogger(__name__)
 
 
-class DeviceHost(CollectiveOrder):
+class DeviceHost(CollectiveOrder, PythonCalls):
     """Buffers and executables of the local devices of one jaxlib client.
 
     Devices are named by their global (fleet-wide) ids; `device_map` turns them into the
@@ -69,7 +70,7 @@ class DeviceHost(CollectiveOrder):
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="isthmus-host"
         )
-        self._python: colocated.PythonRunner | None = None  # made at the first colocated call
+        self._python: PythonRunner | None = None  # made at the first colocated call
 
     # ---- buffers -------------------------------------------------------------------------
 
@@ -323,16 +324,6 @@ class DeviceHost(CollectiveOrder):
             self._pool, self._compile_blocking, request)
         return self._finish_compile(executable_id, request, work)
 
-    async def _load_python(self, executable_id: ExecutableId,
-                           program: colocated.ColocatedProgram) -> None:
-        try:
-            function = await asyncio.get_running_loop().run_in_executor(
-                self._pool, colocated.load, program, self.devices, self._local)
-        except errors.IsthmusError as e:
-            self._executables[executable_id] = _Unloadable(e, ())
-            raise
-        self._executables[executable_id] = function  # type: ignore[assignment]
-
     async def _finish_compile(self, executable_id: ExecutableId,
                               request: programs.CompileRequest,
                               work: Awaitable[_Loaded]) -> programs.CompiledInfo:
@@ -374,12 +365,7 @@ class DeviceHost(CollectiveOrder):
         """In-process hosts never lose their programs: nothing to do."""
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
-        dropped = self._executables.pop(executable_id, None)
-        if isinstance(dropped, colocated.PythonFunction) and self._python is not None:
-            # Calls submitted before the drop may not have started yet, and they may need
-            # what this function holds (a colocated object's first method call finds the
-            # object through the function that made it): let them run first.
-            self._python.keep_while_busy(dropped)
+        self._drop_python(self._executables.pop(executable_id, None))
 
     def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
@@ -437,58 +423,6 @@ class DeviceHost(CollectiveOrder):
                     self._spans[BufferId(base + p)] = span
         if len(positions) > 1 or loaded.span is not None:
             self._last_collective = [s for shards in per_output for s in shards]
-
-    def call_python(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
-                    results: Sequence[int], stream: Any = None) -> Awaitable[None]:
-        """Runs a colocated Python function on this host's shards (`colocated.py`).
-
-        `args[i]` names input i's shards in the order of its own devices (a group base or one
-        id per position), `results[j]` is output j's group base. Resolves when the outputs
-        are stored, or fails with the function's error (which the outputs then hold)."""
-        function = self._executables.get(executable_id)
-        if not isinstance(function, colocated.PythonFunction):
-            error = (function.error if isinstance(function, _Unloadable) else
-                     errors.InternalError(f"colocated program {executable_id} is not loaded on "
-                                          "this host; this is a bug in isthmus: please report "
-                                          "it."))
-            return _failed(error)
-        pending = [[colocated.Pending() for _ in positions]
-                   for positions in function.local_out]
-        slots = [[BufferId(base + p) for p in positions]
-                 for base, positions in zip(results, function.local_out)]
-        try:
-            inputs = [[self._get(BufferId(ref + p) if isinstance(ref, int) else ref[p])
-                       for p in positions] for ref, positions in zip(args, function.local_in)]
-        except errors.IsthmusError as e:
-            for ids in slots:
-                for buffer_id in ids:
-                    self.fail(buffer_id, e)
-            return _failed(e)
-        for ids, values in zip(slots, pending):
-            for buffer_id, value in zip(ids, values):
-                self._buffers[buffer_id] = value
-        if self._python is None:
-            self._python = colocated.PythonRunner()
-        work = self._python.submit(stream, lambda: colocated.run(function, self.devices, inputs))
-        return self._store_python(work, slots, pending)
-
-    async def _store_python(self, work: Awaitable[list[list[Any]]],
-                            slots: list[list[BufferId]], pending: list[list[Any]]) -> None:
-        try:
-            outputs = await work
-        except Exception as e:  # noqa: BLE001
-            error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
-                f"a colocated call failed unexpectedly ({type(e).__name__}: {e}); this is a bug "
-                "in isthmus: please report it with the worker log.")
-            outputs = None
-        for index, (ids, placeholders) in enumerate(zip(slots, pending)):
-            for position, (buffer_id, placeholder) in enumerate(zip(ids, placeholders)):
-                value = _Failed(error) if outputs is None else outputs[index][position]
-                placeholder.resolve(value)
-                if self._buffers.get(buffer_id) is placeholder:  # not freed meanwhile
-                    self._buffers[buffer_id] = value
-        if outputs is None:
-            raise error
 
     def _spans_of(self, ref: int | Sequence[BufferId], positions: Sequence[int]
                   ) -> list[frozenset[int]]:

@@ -1,0 +1,149 @@
+"""Colocated Python calls on a `DeviceHost`: loading programs, running calls in order per
+stream and concurrently across streams, and storing their outputs (`colocated.py` has the
+model)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from isthmus import errors
+from isthmus.ids import BufferId, ExecutableId
+from isthmus.worker import colocated
+from isthmus.worker.slots import _failed, _Failed, _Unloadable
+
+
+class PythonCalls:
+    """The colocated-Python part of `DeviceHost` (a mixin over its buffers and programs)."""
+
+    _buffers: dict[BufferId, Any]
+    _executables: dict[ExecutableId, Any]
+    _pool: concurrent.futures.Executor
+    _python: PythonRunner | None
+    _local: set[int]
+    devices: dict[int, Any]
+    _get: Callable[[BufferId], Any]
+    fail: Callable[[BufferId, errors.IsthmusError], None]
+
+    async def _load_python(self, executable_id: ExecutableId,
+                           program: colocated.ColocatedProgram) -> None:
+        try:
+            function = await asyncio.get_running_loop().run_in_executor(
+                self._pool, colocated.load, program, self.devices, self._local)
+        except errors.IsthmusError as e:
+            self._executables[executable_id] = _Unloadable(e, ())
+            raise
+        self._executables[executable_id] = function  # type: ignore[assignment]
+
+    def _drop_python(self, dropped: Any) -> None:
+        if isinstance(dropped, colocated.PythonFunction) and self._python is not None:
+            # Calls submitted before the drop may not have started yet, and they may need
+            # what this function holds (a colocated object's first method call finds the
+            # object through the function that made it): let them run first.
+            self._python.keep_while_busy(dropped)
+
+    def call_python(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+                    results: Sequence[int], stream: Any = None) -> Awaitable[None]:
+        """Runs a colocated Python function on this host's shards (`colocated.py`).
+
+        `args[i]` names input i's shards in the order of its own devices (a group base or one
+        id per position), `results[j]` is output j's group base. Resolves when the outputs
+        are stored, or fails with the function's error (which the outputs then hold)."""
+        function = self._executables.get(executable_id)
+        if not isinstance(function, colocated.PythonFunction):
+            error = (function.error if isinstance(function, _Unloadable) else
+                     errors.InternalError(f"colocated program {executable_id} is not loaded on "
+                                          "this host; this is a bug in isthmus: please report "
+                                          "it."))
+            return _failed(error)
+        pending = [[colocated.Pending() for _ in positions]
+                   for positions in function.local_out]
+        slots = [[BufferId(base + p) for p in positions]
+                 for base, positions in zip(results, function.local_out)]
+        try:
+            inputs = [[self._get(BufferId(ref + p) if isinstance(ref, int) else ref[p])
+                       for p in positions] for ref, positions in zip(args, function.local_in)]
+        except errors.IsthmusError as e:
+            for ids in slots:
+                for buffer_id in ids:
+                    self.fail(buffer_id, e)
+            return _failed(e)
+        for ids, values in zip(slots, pending):
+            for buffer_id, value in zip(ids, values):
+                self._buffers[buffer_id] = value
+        if self._python is None:
+            self._python = PythonRunner()
+        work = self._python.submit(stream, lambda: colocated.run(function, self.devices, inputs))
+        return self._store_python(work, slots, pending)
+
+    async def _store_python(self, work: Awaitable[list[list[Any]]],
+                            slots: list[list[BufferId]], pending: list[list[Any]]) -> None:
+        try:
+            outputs = await work
+        except Exception as e:  # noqa: BLE001
+            error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
+                f"a colocated call failed unexpectedly ({type(e).__name__}: {e}); this is a bug "
+                "in isthmus: please report it with the worker log.")
+            outputs = None
+        for index, (ids, placeholders) in enumerate(zip(slots, pending)):
+            for position, (buffer_id, placeholder) in enumerate(zip(ids, placeholders)):
+                value = _Failed(error) if outputs is None else outputs[index][position]
+                placeholder.resolve(value)
+                if self._buffers.get(buffer_id) is placeholder:  # not freed meanwhile
+                    self._buffers[buffer_id] = value
+        if outputs is None:
+            raise error
+
+
+class PythonRunner:
+    """Runs a host's colocated calls: in order within a stream, concurrently across them."""
+
+    THREADS = 32
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.THREADS, thread_name_prefix="isthmus-python")
+        self._tails: dict[Any, asyncio.Future[Any]] = {}
+        self._running: set[asyncio.Future[Any]] = set()
+        self._kept: list[Any] = []
+        self._releasing: set[asyncio.Task[None]] = set()
+
+    def submit(self, stream: Any, work: Callable[[], Any]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        previous = self._tails.get(stream)
+
+        async def after_previous() -> Any:
+            if previous is not None:
+                await asyncio.wait([previous])
+            return await loop.run_in_executor(self._pool, work)
+
+        task = loop.create_task(after_previous())
+        self._tails[stream] = task
+        self._running.add(task)
+
+        def forget(t: asyncio.Future[Any]) -> None:
+            self._running.discard(t)
+            if self._tails.get(stream) is t:
+                del self._tails[stream]
+            if not t.cancelled():
+                t.exception()  # retrieved here; the caller reports it
+
+        task.add_done_callback(forget)
+        return task
+
+    def keep_while_busy(self, value: Any) -> None:
+        """Holds `value` until the calls submitted so far have finished."""
+        if not self._running:
+            return
+        running = list(self._running)
+        self._kept.append(value)
+
+        async def release() -> None:
+            await asyncio.wait(running)
+            self._kept.remove(value)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
