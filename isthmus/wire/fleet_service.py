@@ -66,6 +66,11 @@ class FleetServicer:
         self._writers.add(writer)
         try:
             await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            # The loop is shutting down. Ending quietly matters: asyncio's stream server
+            # asks a cancelled handler for its exception in a done callback, which prints a
+            # CancelledError traceback at exit (seen on Python 3.11 and 3.12).
+            pass
         finally:
             self._writers.discard(writer)
             writer.close()
