@@ -15,6 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -177,6 +178,17 @@ def main() -> int:
             lambda: _run("threshold.py", _local(4), [sizes, "4", seconds, "4"]),
             lambda: _run("threshold.py", _through(server), [sizes, "4", seconds, "4"]), rounds)
     compile_times["local"] = _run("compile_cache.py", _local(), [])
+    # The persistent cache (--compile-cache): the same program in a fresh server process.
+    with tempfile.TemporaryDirectory(prefix="isthmus-bench-cache-") as cache:
+        for label in ("persistent cold", "after restart"):
+            with LocalServer(devices=1, args=["--compile-cache", cache]) as server:
+                compile_times[f"embedded {label}"] = _run("compile_cache.py",
+                                                          _through(server), [])
+        for label in ("persistent cold", "after restart"):
+            with LocalServer(devices=None, fleet=(2, 2, 1),
+                             args=["--compile-cache", cache + "/fleet"]) as server:
+                compile_times[f"fleet 2x2 {label}"] = _run("compile_cache.py",
+                                                           _through(server), [])
     # The same loop on simulated accelerators: no compute on the CPU (see simulated_curve).
     simulated: dict[str, tuple[dict, list[float]]] = {}
     rate = f"--simulate-flops={SIMULATED_FLOPS:g}"
@@ -241,7 +253,7 @@ def main() -> int:
 
     print("\ncompilation of one program (ms):")
     for name, value in compile_times.items():
-        print(f"  {name:18} {value['compile_ms']:9.1f}")
+        print(f"  {name:26} {value['compile_ms']:9.1f}")
 
     results.update({"client": metrics,
                     "threshold_curves": {name: {"sizes": local["sizes"],

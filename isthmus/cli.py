@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
+from isthmus.worker.compile_cache import CacheConfig, CompileCache, parse_size
 from isthmus.worker.platforms import (DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Platform,
                                       PlatformUnavailable, check_local_cuda, parse_gpus,
                                       prepare_process, resolve)
@@ -101,6 +102,17 @@ def _platform_arguments(parser: argparse.ArgumentParser) -> None:
                         help="benchmarks only: simulated accelerators of RATE FLOP/s per "
                              "device; each program runs for real once, then takes its FLOPs / "
                              "RATE of wall time and no CPU, with wrong results (CPU only)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR_OR_URL",
+                        help="keep compiled programs in this directory (or fsspec URL, e.g. "
+                             "gs://bucket/path with gcsfs installed), so that they are loaded, "
+                             "not compiled, after a restart; loading an entry runs its code, "
+                             "so let only trusted servers write there")
+    parser.add_argument("--compile-cache-namespace", default="default", metavar="NAME",
+                        help="the tenant's part of a shared --compile-cache (default: "
+                             "default)")
+    parser.add_argument("--compile-cache-size", default="4G", metavar="BYTES",
+                        help="least recently used programs leave the cache past this size, "
+                             "e.g. 512M, 4G (default: 4G)")
 
 
 def _platform(args: argparse.Namespace) -> Platform:
@@ -108,8 +120,17 @@ def _platform(args: argparse.Namespace) -> Platform:
         if args.simulate_flops and args.platform != "cpu":
             raise ValueError("--simulate-flops simulates accelerators on the CPU; drop "
                              f"--platform {args.platform}")
+        cache = None
+        if args.compile_cache:
+            cache = CacheConfig(args.compile_cache, args.compile_cache_namespace,
+                                parse_size(args.compile_cache_size, "--compile-cache-size"))
+            try:
+                CompileCache(cache)  # makes the directory: a bad location fails here
+            except OSError as e:
+                raise ValueError(f"--compile-cache {cache.location}: {e.strerror or e}; "
+                                 "give a directory this user can write") from None
         return Platform(args.platform, parse_gpus(args.gpus), args.gpu_memory_fraction,
-                        simulate_flops=args.simulate_flops)
+                        simulate_flops=args.simulate_flops, compile_cache=cache)
     except ValueError as e:
         _refuse(str(e))
 

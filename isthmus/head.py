@@ -52,16 +52,21 @@ class HeadConfig:
 
 
 def embedded_fleet(num_devices: int, platform: str = "cpu",
-                   simulate_flops: float = 0.0) -> tuple[Fleet, Any]:
+                   simulate_flops: float = 0.0, compile_cache: Any = None
+                   ) -> tuple[Fleet, Any]:
     """One in-process worker with `num_devices` jaxlib CPU devices, or the GPUs it sees
-    (simulated accelerators at `simulate_flops` FLOP/s each, when that is set)."""
+    (simulated accelerators at `simulate_flops` FLOP/s each, when that is set; executables
+    kept in `compile_cache`, a `CacheConfig`, across restarts)."""
     from isthmus.worker.platforms import describe_client, make_client
     from isthmus.worker.simulated import make_host
 
     if num_devices < 1:
         raise ValueError(f"--devices must be at least 1, not {num_devices}")
     client = make_client(platform, num_devices)
-    host = make_host(client, simulate_flops=simulate_flops)
+    from isthmus.worker.compile_cache import CompileCache
+
+    cache = CompileCache(compile_cache) if compile_cache is not None else None
+    host = make_host(client, simulate_flops=simulate_flops, compile_cache=cache)
     worker = WorkerId(0)
     described = describe_client(platform, client)
     devices = [Device(DeviceId(d.id), worker, local, platform, described.device_kind,
@@ -104,7 +109,8 @@ class Head:
         self.shared_dir = self._make_shared_dir()
         if config.fleet is None:
             fleet, host = embedded_fleet(config.devices, config.platform.name,
-                                         config.platform.simulate_flops)
+                                         config.platform.simulate_flops,
+                                         config.platform.compile_cache)
             self._hosts.append(host)
             controller = Controller(fleet, config.controller)
         else:

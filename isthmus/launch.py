@@ -139,6 +139,14 @@ class LocalLauncher:
                 "--exit-with-parent", *self.platform_options(slice_index, host)]
 
     def platform_options(self, slice_index: int, host: int) -> list[str]:
+        """The worker's platform options, and the compilation cache it shares with us."""
+        cache = self.platform.compile_cache
+        shared = [] if cache is None else [
+            "--compile-cache", cache.location, "--compile-cache-namespace", cache.namespace,
+            "--compile-cache-size", str(cache.max_bytes)]
+        return self._device_options(slice_index, host) + shared
+
+    def _device_options(self, slice_index: int, host: int) -> list[str]:
         """`--platform cuda --gpus ...` for a CUDA worker: worker w of the fleet takes GPUs
         w*D .. w*D+D-1 (D devices per host), wrapping round when there are fewer GPUs than
         devices, so that workers share GPUs (and divide the memory share) in tests."""

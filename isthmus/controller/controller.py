@@ -258,5 +258,6 @@ class Controller:
                 **account, "worker_buffers": reported.get("buffers", 0),
                 "worker_bytes": reported.get("bytes", 0),
                 "worker_executables": reported.get("executables", 0),
-                **{k: v for k, v in reported.items() if k.startswith("device_")}}
+                **{k: v for k, v in reported.items()
+                   if k.startswith(("device_", "compile_cache_"))}}
         return {"workers": workers, "executables": len(self._executables)}

@@ -111,7 +111,8 @@ class CompileOptionsVetter:
         build.debug_options.CopyFrom(debug)
         self._vet_overrides(options)
         build.ClearField("fdo_profile")
-        return options.SerializeToString(), tuple(device_ids), replicas
+        # Deterministic bytes: they key the executable caches (maps otherwise vary).
+        return options.SerializeToString(deterministic=True), tuple(device_ids), replicas
 
 
 def _default_assignment(options: Any, fleet_devices: Sequence[int]) -> None:

@@ -29,6 +29,7 @@ from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.worker.colocated import ColocatedProgram
+from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
                                      PlatformUnavailable, describe, join_group)
@@ -76,6 +77,8 @@ class WorkerAgent:
         # Every program the controller gave this worker, by executable id. Kept across
         # collective groups: after a re-formation a program is compiled again on first use.
         self._programs: dict[int, CompileRequest | ColocatedProgram] = {}
+        cache = config.platform.compile_cache
+        self._compile_cache = CompileCache(cache) if cache is not None else None
         self._tasks: set[asyncio.Task[Any]] = set()
         # Requests that wait for computations (Ready, Fetch, FetchFile) and their tasks: when
         # the group re-forms, those still waiting are asked again of the new host, where a
@@ -479,7 +482,8 @@ class WorkerAgent:
         self._reply(message.request, [d.id for d in client.local_devices()])
 
     async def _activate(self, mapping: dict[int, int]) -> None:
-        new = make_host(self._next_client, mapping, self.config.platform.simulate_flops)
+        new = make_host(self._next_client, mapping, self.config.platform.simulate_flops,
+                        self._compile_cache)
         old, self.host = self.host, new
         if old is not None:
             await old.settle_writes()  # host data still being placed lands in `old` first

@@ -24,6 +24,7 @@ from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.worker import colocated, programs
 from isthmus.worker.collectives import CollectiveOrder
+from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
                                   _Unloadable, computation_error, make_cpu_client)
@@ -44,7 +45,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
     """
 
     def __init__(self, client: Any, device_map: dict[int, int] | None = None, *,
-                 pool: concurrent.futures.Executor | None = None) -> None:
+                 pool: concurrent.futures.Executor | None = None,
+                 compile_cache: CompileCache | None = None) -> None:
         import jax
 
         # Buffers must keep the client's dtypes: without x64, jax.device_put would turn
@@ -71,6 +73,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             max_workers=4, thread_name_prefix="isthmus-host"
         )
         self._python: PythonRunner | None = None  # made at the first colocated call
+        self.compile_cache = compile_cache  # executables that persist across restarts
 
     # ---- buffers -------------------------------------------------------------------------
 
@@ -217,9 +220,10 @@ class DeviceHost(CollectiveOrder, PythonCalls):
     def stats(self) -> dict[str, int]:
         live = [v for v in self._buffers.values()
                 if not isinstance(v, _Failed) and not v.is_deleted()]
+        cache = self.compile_cache.stats() if self.compile_cache is not None else {}
         return {"buffers": len(live), "bytes": sum(v.nbytes for v in live),
                 "executables": sum(isinstance(e, _Loaded) for e in self._executables.values()),
-                **self.device_memory()}
+                **cache, **self.device_memory()}
 
     def device_memory(self) -> dict[str, int]:
         """The client's own memory figures, summed over its devices (GPU clients keep them;
@@ -349,7 +353,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             raise errors.InternalError(
                 f"device {e} is not in this worker's group; the controller and worker "
                 "disagree, which is a bug in isthmus: please report it.") from None
-        executable, info = programs.compile_program(self.client, devices, request)
+        executable, info = programs.compile_program(self.client, devices, request,
+                                                    self.compile_cache)
         positions = self.local_positions(request.device_ids)
         span = (frozenset(request.device_ids) if len(positions) < len(request.device_ids)
                 else None)

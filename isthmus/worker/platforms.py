@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from isthmus import errors
+from isthmus.worker.compile_cache import CacheConfig
 
 PLATFORMS = ("cpu", "cuda", "auto")
 CPU_MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
@@ -45,6 +46,8 @@ class Platform:
     # FLOP/s of each device of a simulated accelerator (`isthmus.worker.simulated`): programs
     # take wall time but no CPU after their first call, and their results are wrong. 0: off.
     simulate_flops: float = 0.0
+    # Where compiled executables persist across restarts (`worker/compile_cache.py`).
+    compile_cache: CacheConfig | None = None
 
     def __post_init__(self) -> None:
         if self.name not in PLATFORMS:

@@ -66,6 +66,39 @@ class CompiledInfo:
         return len(self.outputs)
 
 
+def _parse(context: Any, module: bytes) -> Any:
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import stablehlo
+
+    try:
+        return stablehlo.deserialize_portable_artifact(context, module)
+    except Exception:  # noqa: BLE001 - not an artifact; maybe MLIR text or bytecode
+        try:
+            return ir.Module.parse(module)
+        except Exception as e:  # noqa: BLE001
+            raise errors.CompileError(
+                f"the program does not parse as StableHLO ({_first_line(e)}); send a "
+                "program lowered by jax.") from None
+
+
+def canonical_digest(module: bytes) -> bytes:
+    """SHA-256 of the program without its debug information (source locations), as jax's
+    own cache keys it: the same program from an edited or moved script is the same entry."""
+    import hashlib
+    import io
+
+    from jax._src.interpreters import mlir as jax_mlir
+    from jaxlib.mlir import passmanager
+
+    context = jax_mlir.make_ir_context()
+    with context:
+        parsed = _parse(context, module)
+        passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(parsed.operation)
+        out = io.BytesIO()
+        parsed.operation.write_bytecode(file=out)
+    return hashlib.sha256(out.getvalue()).digest()
+
+
 def _parse_signature(module: bytes) -> tuple[str, tuple[Aval, ...], tuple[Aval, ...],
                                                tuple[int, ...]]:
     from jax._src.interpreters import mlir as jax_mlir
@@ -74,15 +107,7 @@ def _parse_signature(module: bytes) -> tuple[str, tuple[Aval, ...], tuple[Aval, 
 
     context = jax_mlir.make_ir_context()
     with context:
-        try:
-            parsed = stablehlo.deserialize_portable_artifact(context, module)
-        except Exception:  # noqa: BLE001 - not an artifact; maybe MLIR text or bytecode
-            try:
-                parsed = ir.Module.parse(module)
-            except Exception as e:  # noqa: BLE001
-                raise errors.CompileError(
-                    f"the program does not parse as StableHLO ({_first_line(e)}); send a "
-                    "program lowered by jax.") from None
+        parsed = _parse(context, module)
         name = "main"
         if "sym_name" in parsed.operation.attributes:
             name = ir.StringAttr(parsed.operation.attributes["sym_name"]).value
@@ -132,9 +157,10 @@ def _first_line(e: BaseException) -> str:
     return text[0][:300] if text else type(e).__name__
 
 
-def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
-                    ) -> tuple[Any, CompiledInfo]:
-    """Compiles and loads `request` on `devices` (blocking)."""
+def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest,
+                    cache: Any = None) -> tuple[Any, CompiledInfo]:
+    """Compiles and loads `request` on `devices` (blocking); with a `CompileCache`, loads it
+    from there when it was compiled before (and stores it there when not)."""
     from jax._src import core
     from jax._src.lib import _jax
     from jax._src.lib import xla_client as xc
@@ -147,11 +173,20 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     # The client named devices by global id; the assignment must name this client's devices.
     options.executable_build_options.device_assignment = xc.DeviceAssignment.create(
         np.array([d.id for d in devices], dtype=np.int64).reshape(request.replicas, -1))
-    try:
-        executable = client.compile_and_load(
-            request.module, _jax.DeviceList(tuple(devices)), options)
-    except Exception as e:  # noqa: BLE001
-        raise errors.from_runtime_error(e, errors.CompileError, "compilation failed") from None
+    device_list = _jax.DeviceList(tuple(devices))
+    key = executable = None
+    if cache is not None:
+        key = cache.key(client, devices, canonical_digest(request.module),
+                        request.compile_options, request.device_ids, request.replicas)
+        executable = cache.load(key, client, device_list, options)
+    if executable is None:
+        try:
+            executable = client.compile_and_load(request.module, device_list, options)
+        except Exception as e:  # noqa: BLE001
+            raise errors.from_runtime_error(e, errors.CompileError,
+                                            "compilation failed") from None
+        if cache is not None:
+            cache.store(key, client, executable)
 
     def shardings(values: Any) -> tuple[bytes, ...] | None:
         return None if values is None else tuple(s.SerializeToString() for s in values)

@@ -32,12 +32,14 @@ __all__ = ["SimulatedHost", "make_host"]
 
 
 def make_host(client: Any, device_map: dict[int, int] | None = None,
-              simulate_flops: float = 0.0) -> DeviceHost:
+              simulate_flops: float = 0.0, compile_cache: Any = None) -> DeviceHost:
     """The host of a client: a `SimulatedHost` at `simulate_flops` FLOP/s per device when
-    that is set, else a `DeviceHost`."""
+    that is set, else a `DeviceHost`; `compile_cache` keeps its executables across
+    restarts."""
     if simulate_flops:
-        return SimulatedHost(client, device_map, flops_per_s=simulate_flops)
-    return DeviceHost(client, device_map)
+        return SimulatedHost(client, device_map, flops_per_s=simulate_flops,
+                             compile_cache=compile_cache)
+    return DeviceHost(client, device_map, compile_cache=compile_cache)
 
 
 def _real(value: Any) -> Any:
