@@ -13,12 +13,12 @@ import hashlib
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from isthmus import errors
 from isthmus.controller.arrays import Buffer, BufferGroup
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
-from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.programs import CompiledInfo, CompileRequest
 
 logger = logging.getLogger(__name__)
@@ -168,14 +168,15 @@ class Controller:
 
     # ---- programs ------------------------------------------------------------------------
 
-    def executable(self, request: CompileRequest | ColocatedProgram,
-                   devices: tuple[Device, ...], info: CompiledInfo | None = None) -> Executable:
+    def executable(self, request: Any, devices: tuple[Device, ...],
+                   info: CompiledInfo | None = None) -> Executable:
         """The executable for a program on devices: cached, or compiling from now on.
 
-        A colocated Python program is never shared: it belongs to the session that sent it
-        (its code runs for that session's arrays only), and it is unloaded as soon as that
-        session releases it. `info` describes it (its hosts only unpickle it)."""
-        if isinstance(request, ColocatedProgram):
+        A *private* program (colocated Python, a persistence plan) is never shared: it
+        belongs to the session that sent it (its code runs for that session's arrays only),
+        and it is unloaded as soon as that session releases it. `info` describes it (its
+        hosts only unpickle it, or have nothing to load)."""
+        if getattr(request, "private", False):
             key = b"python:%d" % next(self._private_keys)
         else:
             key = hashlib.sha256(request.module).digest() + hashlib.sha256(
@@ -193,8 +194,12 @@ class Controller:
         executable.refs = 1
         executable.info = info
         self._executables[key] = executable
-        executable.compiled = asyncio.get_running_loop().create_task(
-            self._compile(executable, request))
+        if getattr(request, "on_hosts", True):
+            executable.compiled = asyncio.get_running_loop().create_task(
+                self._compile(executable, request))
+        else:
+            executable.compiled = asyncio.get_running_loop().create_future()
+            executable.compiled.set_result(info)
         return executable
 
     def ensure_loaded(self, executable: Executable) -> None:
@@ -235,10 +240,11 @@ class Controller:
         executable.refs -= 1
         if executable.refs > 0 or executable.error is not None:
             return
-        if isinstance(executable.request, ColocatedProgram):
+        if getattr(executable.request, "private", False):
             self._executables.pop(executable.key, None)
-            for worker in executable.parts:
-                self.fleet.channel(worker).drop_executable(executable.id)
+            if getattr(executable.request, "on_hosts", True):
+                for worker in executable.parts:
+                    self.fleet.channel(worker).drop_executable(executable.id)
             return
         self._idle[executable.key] = executable
         while len(self._idle) > self.config.compile_cache_size:

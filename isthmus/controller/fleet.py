@@ -246,6 +246,15 @@ class LostChannel:
     def call_python(self, *args: Any, **kwargs: Any) -> Any:
         return self._fail()
 
+    def write_shards(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+    def write_meta(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+    def read_shards(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
     def stats(self) -> dict[str, int]:
         return {}
 

@@ -7,7 +7,8 @@ or an awaitable the caller may wait on. Nothing here waits for device work.
 The session's parts live beside this module, one mixin each over `SessionCore`
 (session_core.py, the shared state): creating and freeing arrays (session_arrays.py), arrays
 over existing buffers (session_sharing.py), moving data (session_moves.py), programs
-(session_programs.py) and colocated Python (session_python.py).
+(session_programs.py), colocated Python (session_python.py) and checkpoints written by the
+workers (session_persistence.py).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import asyncio
 import logging
 
 from isthmus.controller.session_moves import SessionMoves
-from isthmus.controller.session_python import SessionPython
+from isthmus.controller.session_persistence import SessionPersistence
 from isthmus.controller.session_sharing import SessionSharing
 
 logger = logging.getLogger(__name__)
 
 
-class Session(SessionSharing, SessionMoves, SessionPython):
+class Session(SessionSharing, SessionMoves, SessionPersistence):
     """Arrays and executables of one client session."""
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -6,6 +6,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.frontend.colocated import is_python
+from isthmus.frontend.persistence import is_persistence
 from isthmus.frontend.registry import handles
 
 
@@ -26,7 +27,9 @@ def execute(session: Any, request: Any, response: Any) -> None:
                 f" on devices {requested} is not supported; compile it for those devices.")
     args = [session.array(h) for h in body.args_handles]
     options = body.execute_options
-    if is_python(executable):
+    if is_persistence(executable):
+        outputs, status = session.ctl.run_persistence(executable, args)
+    elif is_python(executable):
         # Calls from one client thread (its execution stream) run in order on the hosts.
         outputs, status = session.ctl.call_python(
             executable, args, (int(session.id), int(options.execution_stream_id)))

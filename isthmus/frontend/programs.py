@@ -14,6 +14,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.frontend.colocated import compile_custom_call
+from isthmus.frontend.persistence import compile_plugin
 from isthmus.frontend.registry import handles
 from isthmus.worker.programs import CompileRequest
 
@@ -158,13 +159,13 @@ def compile_program(session: Any, request: Any, response: Any) -> Any:
         executable, name = compile_custom_call(session, program)
         return _answer(session, executable, response.compile_response, name)
     if program.type_name == PLUGIN_PROGRAM:
-        raise errors.Unimplemented(
-            f"{program.type_name} programs (pathwaysutils plugins) are not supported by this "
-            "isthmus server yet; run that code in your own process.")
+        executable = compile_plugin(session, program)
+        return _answer(session, executable, response.compile_response)
     if program.type_name != XLA_PROGRAM:
         raise errors.Unimplemented(
             f"program type {program.type_name!r} is not supported; isthmus compiles "
-            f"{XLA_PROGRAM} (StableHLO from jax) and {CUSTOM_CALL_PROGRAM} (colocated Python).")
+            f"{XLA_PROGRAM} (StableHLO from jax), {CUSTOM_CALL_PROGRAM} (colocated Python) and "
+            f"{PLUGIN_PROGRAM} (pathwaysutils' persistence).")
     if body.host_callbacks:
         raise errors.Unimplemented(
             "programs with host callbacks (jax.debug.print, pure_callback, io_callback) are not "

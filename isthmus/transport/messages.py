@@ -336,6 +336,37 @@ class CallPython:
 
 
 @_message
+class WriteShards:
+    """Writes buffers as checkpoint shards (`worker/persistence.py`); answers the bytes."""
+
+    request: int
+    location: str
+    items: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (buffer, box)
+
+
+@_message
+class WriteMeta:
+    """Writes a saved array's index, once all its shards are written."""
+
+    request: int
+    location: str
+    dtype: str
+    shape: tuple[int, ...]
+    boxes: tuple[tuple[tuple[int, int], ...], ...]
+
+
+@_message
+class ReadShards:
+    """Reads the boxes of a saved array into new buffers on the worker's devices."""
+
+    request: int
+    location: str
+    dtype: str
+    shape: tuple[int, ...]
+    items: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # (buffer, device, box)
+
+
+@_message
 class DropExecutable:
     executable: int
 

@@ -285,6 +285,24 @@ class RemoteWorker:
                                    tuple(results), tuple(stream)))
         return future
 
+    def write_shards(self, location: str, items: Sequence[tuple[BufferId, Any]]
+                     ) -> Awaitable[int]:
+        number, future = self._request()
+        self._command(m.WriteShards(number, location, tuple((b, tuple(box)) for b, box in items)))
+        return future
+
+    def write_meta(self, location: str, dtype: str, shape: Sequence[int],
+                   boxes: Sequence[Any]) -> Awaitable[None]:
+        number, future = self._request()
+        self._command(m.WriteMeta(number, location, dtype, tuple(shape), tuple(boxes)))
+        return future
+
+    def read_shards(self, location: str, dtype: str, shape: Sequence[int],
+                    items: Sequence[tuple[BufferId, int, Any]]) -> Awaitable[None]:
+        number, future = self._request()
+        self._command(m.ReadShards(number, location, dtype, tuple(shape), tuple(items)))
+        return future
+
     def deliver(self, commands: Commands) -> None:
         """Shared commands are encoded once for all their workers; a worker with nothing
         else queued gets the very same frame, sent at once."""

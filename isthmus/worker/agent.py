@@ -403,6 +403,12 @@ class WorkerAgent:
             self._spawn(c.request, host.compile(c.executable, c.program))
         elif isinstance(c, m.LoadPython):
             self._programs[c.executable] = c.program
+        elif isinstance(c, m.WriteShards):
+            self._spawn(c.request, host.write_shards(c.location, c.items))
+        elif isinstance(c, m.WriteMeta):
+            self._spawn(c.request, host.write_meta(c.location, c.dtype, c.shape, c.boxes))
+        elif isinstance(c, m.ReadShards):
+            self._spawn(c.request, host.read_shards(c.location, c.dtype, c.shape, c.items))
         elif isinstance(c, m.DropExecutable):
             self._programs.pop(c.executable, None)
             host.drop_executable(c.executable)

@@ -26,7 +26,7 @@ import dataclasses
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -48,6 +48,7 @@ class ColocatedProgram:
     inputs: tuple[tuple[int, ...], ...]  # per input: global device ids, in its sharding's order
     outputs: tuple[tuple[int, ...], ...]  # per output: likewise
     output_types: tuple[tuple[str, tuple[int, ...]], ...]  # per output: (dtype name, shape)
+    private: ClassVar[bool] = True  # the session's own executable (`Controller.executable`)
 
 
 class Pending:

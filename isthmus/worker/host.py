@@ -25,6 +25,7 @@ from isthmus.ids import BufferId, ExecutableId
 from isthmus.worker import colocated, programs
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
+from isthmus.worker.persistence import Persistence
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
                                   _Unloadable, computation_error, make_cpu_client)
@@ -35,7 +36,7 @@ __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
 logger = logging.getLogger(__name__)
 
 
-class DeviceHost(CollectiveOrder, PythonCalls):
+class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
     """Buffers and executables of the local devices of one jaxlib client.
 
     Devices are named by their global (fleet-wide) ids; `device_map` turns them into the

@@ -1,0 +1,202 @@
+"""pathwaysutils' persistence: arrays saved and restored by the hosts that hold them.
+
+With `ENABLE_PATHWAYS_PERSISTENCE=1`, orbax saves through pathwaysutils, which sends a plugin
+program naming a location, an array name, its sharding and devices per array. Its "execute"
+here asks each host to write (or read) its own shards (`worker/persistence.py` has the
+format); the controller only plans who writes which box and never sees the bytes.
+
+A write is two phases: every distinct box is written by the host of the first device that
+holds it, then the host of the array's first device writes the index (`meta.json`), so an
+array directory with an index is complete. A host lost during a save fails it with
+DATA_LOSS; what was saved before (another directory) is untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import ClassVar
+
+from isthmus import dtypes, errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
+from isthmus.controller.controller import Executable
+from isthmus.controller.session_core import _as_error
+from isthmus.controller.session_python import SessionPython, _default_layout
+from isthmus.ids import BufferId, WorkerId
+from isthmus.worker.programs import Aval, CompiledInfo
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Saved:
+    """One array of a persistence program."""
+
+    location: str  # the array's directory: the request's location / name
+    dtype: dtypes.DType | None  # None for writes: the array given to the call decides
+    shape: tuple[int, ...]
+    sharding: sh.Sharding
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PersistencePlan:
+    """A write (the arrays are the call's arguments) or a read (its outputs)."""
+
+    write: bool
+    arrays: tuple[Saved, ...]
+    private: ClassVar[bool] = True  # the session's own executable (`Controller.executable`)
+    on_hosts: ClassVar[bool] = False  # nothing to load on the workers
+
+
+class SessionPersistence(SessionPython):
+    """Checkpoint writes and reads done by the workers."""
+
+    def compile_persistence(self, plan: PersistencePlan) -> Executable:
+        device_ids = tuple(dict.fromkeys(d for a in plan.arrays for d in a.sharding.devices))
+        devices = self.fleet.devices_of(device_ids)
+        outputs = () if plan.write else tuple(
+            Aval(a.dtype, a.shape) for a in plan.arrays)  # type: ignore[arg-type]
+        info = CompiledInfo(
+            name="persistence_write" if plan.write else "persistence_read",
+            params=(), outputs=outputs, param_shardings=None, output_shardings=None,
+            param_layouts=(), output_layouts=tuple(_default_layout(a.shape) for a in outputs),
+            output_memory_kinds=("",) * len(outputs),
+            donated_inputs=(), fingerprint=hashlib.sha256(repr(plan).encode()).digest(),
+            cost_analysis={}, hlo_text="",
+            memory_stats={}, generated_code_bytes=0)
+        executable = self.controller.executable(plan, devices, info)
+        self._executables.append(executable)
+        return executable
+
+    def run_persistence(self, executable: Executable, args: Sequence[Array]
+                        ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
+        plan: PersistencePlan = executable.request  # type: ignore[assignment]
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if plan.write:
+            outputs: list[Array] = []
+            self._plan_write(plan, args, done)
+        else:
+            if args:
+                raise errors.InvalidRequest("a persistence read takes no arrays.")
+            outputs = self._plan_read(plan, done)
+
+        async def status() -> None:
+            await asyncio.shield(done)
+
+        return outputs, status
+
+    # ---- writes --------------------------------------------------------------------------
+
+    def _plan_write(self, plan: PersistencePlan, args: Sequence[Array],
+                    done: asyncio.Future[None]) -> None:
+        if len(args) != len(plan.arrays):
+            raise errors.InvalidRequest(
+                f"the write names {len(plan.arrays)} arrays but {len(args)} were given.")
+        for index, (array, saved) in enumerate(zip(args, plan.arrays)):
+            if array.shape != saved.shape or set(array.sharding.devices) != set(
+                    saved.sharding.devices):
+                raise errors.InvalidRequest(
+                    f"array {index} is {list(array.shape)} on devices "
+                    f"{list(array.sharding.devices)}, not what the write request names "
+                    f"({list(saved.shape)} on {list(saved.sharding.devices)}).")
+
+        def run() -> None:
+            error = first_error(args)
+            if error is not None:
+                _resolve(done, error)
+                return
+            writes: dict[WorkerId, list[tuple[str, list[tuple[BufferId, sh.Box]]]]] = {}
+            metas = []
+            for array, saved in zip(args, plan.arrays):
+                boxes = sh.shard_boxes(array.sharding, array.shape)
+                seen: set[sh.Box] = set()
+                per_worker: dict[WorkerId, list[tuple[BufferId, sh.Box]]] = {}
+                for buffer, box in zip(array.shards, boxes):
+                    if box not in seen:
+                        seen.add(box)
+                        per_worker.setdefault(buffer.device.worker, []).append((buffer.id, box))
+                for worker, items in per_worker.items():
+                    writes.setdefault(worker, []).append((saved.location, items))
+                dtype = "string" if array.dtype.is_string else array.dtype.numpy.name  # type: ignore[union-attr]
+                metas.append((array.shards[0].device.worker, saved.location, dtype,
+                              array.shape, tuple(seen)))
+            waits = [self.fleet.channel(w).write_shards(location, items)
+                     for w, jobs in writes.items() for location, items in jobs]
+            self._spawn(self._finish_write(waits, metas, done))
+
+        self.dispatcher.submit(groups_of(args), run)
+
+    async def _finish_write(self, waits: Sequence[Awaitable[int]], metas: list,
+                            done: asyncio.Future[None]) -> None:
+        try:
+            await asyncio.gather(*waits)
+            await asyncio.gather(*(self.fleet.channel(w).write_meta(loc, dtype, shape, boxes)
+                                   for w, loc, dtype, shape, boxes in metas))
+        except Exception as e:  # noqa: BLE001
+            _resolve(done, _as_error(e, "saving the checkpoint"))
+            return
+        _resolve(done, None)
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def _plan_read(self, plan: PersistencePlan, done: asyncio.Future[None]) -> list[Array]:
+        outputs = []
+        for aval, sharding, nbytes in executable_specs(plan):
+            group = self.controller.new_group(self.fleet.devices_of(sharding.devices), nbytes)
+            group.expect()
+            outputs.append(self._own(aval.dtype, aval.shape, sharding, group))
+        groups = [out.group for out in outputs]
+
+        def run() -> None:
+            error = self.fleet.unavailable(d for g in groups for d in g.devices)  # type: ignore[union-attr]
+            if error is not None:
+                _settle(groups, done, error)
+                return
+            waits = []
+            for out, saved in zip(outputs, plan.arrays):
+                boxes = sh.shard_boxes(saved.sharding, saved.shape)
+                per_worker: dict[WorkerId, list[tuple[BufferId, int, sh.Box]]] = {}
+                for buffer, box in zip(out.shards, boxes):
+                    per_worker.setdefault(buffer.device.worker, []).append(
+                        (buffer.id, buffer.device.id, box))
+                dtype = "string" if saved.dtype.is_string else saved.dtype.numpy.name  # type: ignore[union-attr]
+                waits.extend(self.fleet.channel(w).read_shards(saved.location, dtype,
+                                                                saved.shape, items)
+                             for w, items in per_worker.items())
+            self._spawn(_read_done(groups, done, waits))
+
+        self.dispatcher.submit((), run)
+        return outputs
+
+
+def executable_specs(plan: PersistencePlan) -> list[tuple[Aval, sh.Sharding, tuple[int, ...]]]:
+    return [(Aval(a.dtype, a.shape), a.sharding,
+             sh.shard_nbytes(a.sharding, a.shape, a.dtype.itemsize)) for a in plan.arrays]
+
+
+async def _read_done(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
+                     waits: Sequence[Awaitable[None]]) -> None:
+    outcomes = await asyncio.gather(*waits, return_exceptions=True)
+    error = next((e for e in outcomes if isinstance(e, BaseException)), None)
+    _settle(groups, done, None if error is None else _as_error(error, "restoring"))
+
+
+def _settle(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
+            error: errors.IsthmusError | None) -> None:
+    for group in groups:
+        assert group is not None
+        if error is not None and group.error is None:
+            group.error = error
+        group.settle()
+    _resolve(done, error)
+
+
+def _resolve(done: asyncio.Future[None], error: errors.IsthmusError | None) -> None:
+    if done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
+        done.exception()  # retrieved: the status reports it

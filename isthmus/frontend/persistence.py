@@ -1,0 +1,109 @@
+"""pathwaysutils' persistence programs: JSON plugin programs that save or restore arrays.
+
+pathwaysutils (`pathwaysutils.persistence.helper`, used by orbax when
+`ENABLE_PATHWAYS_PERSISTENCE=1`) sends a `PluginProgram` whose data is
+`__serialized_plugin_program ` and a JSON object: `persistenceWriteRequest` or
+`persistenceReadRequest`, or their bulk forms `bulk_persistence_write_request.write_requests`
+and `bulk_persistence_read_request.read_requests`. Each names a base64 location and array
+name, a base64 `xla.OpSharding`, the shape (for reads with its XLA primitive type) and the
+device ids. The front end checks them and hands the session a `PersistencePlan`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any
+
+from isthmus import dtypes, errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.session_persistence import PersistencePlan, Saved
+from isthmus.ids import DeviceId
+
+PREFIX = b"__serialized_plugin_program "
+
+
+def plan_of(data: bytes) -> PersistencePlan:
+    """The plan of a plugin program's bytes; InvalidRequest/Unimplemented naming the field."""
+    if not data.startswith(PREFIX):
+        raise errors.InvalidRequest("the PluginProgram does not start with "
+                                    "'__serialized_plugin_program '; send one from jax.")
+    try:
+        request = json.loads(data[len(PREFIX):])
+    except ValueError as e:
+        raise errors.InvalidRequest(f"the plugin program is not JSON ({e}).") from None
+    if not isinstance(request, dict):
+        raise errors.InvalidRequest("the plugin program must be a JSON object.")
+    if "persistenceWriteRequest" in request:
+        return PersistencePlan(True, (_saved(request["persistenceWriteRequest"], True),))
+    if "bulk_persistence_write_request" in request:
+        items = _list(request["bulk_persistence_write_request"], "write_requests")
+        return PersistencePlan(True, tuple(_saved(r, True) for r in items))
+    if "persistenceReadRequest" in request:
+        return PersistencePlan(False, (_saved(request["persistenceReadRequest"], False),))
+    if "bulk_persistence_read_request" in request:
+        items = _list(request["bulk_persistence_read_request"], "read_requests")
+        return PersistencePlan(False, tuple(_saved(r, False) for r in items))
+    raise errors.Unimplemented(
+        f"plugin programs {sorted(request)[:4]} are not supported; isthmus serves "
+        "pathwaysutils' persistence requests (persistenceWriteRequest, persistenceReadRequest "
+        "and their bulk forms).")
+
+
+def _list(body: Any, field: str) -> list[Any]:
+    items = body.get(field) if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items:
+        raise errors.InvalidRequest(f"the bulk request needs a non-empty {field!r} list.")
+    return items
+
+
+def _text(body: dict[str, Any], field: str) -> str:
+    try:
+        return base64.b64decode(body[field], validate=True).decode("utf-8")
+    except (KeyError, TypeError, binascii.Error, UnicodeDecodeError):
+        raise errors.InvalidRequest(f"the request's {field!r} is missing or not base64 "
+                                    "UTF-8.") from None
+
+
+def _saved(body: Any, write: bool) -> Saved:
+    if not isinstance(body, dict):
+        raise errors.InvalidRequest("each persistence request must be a JSON object.")
+    location, name = _text(body, "b64_location"), _text(body, "b64_name")
+    if not location or not name or ".." in name.split("/"):
+        raise errors.InvalidRequest(f"the array name {name!r} at {location!r} is not a plain "
+                                    "name under its location.")
+    try:
+        op_sharding = base64.b64decode(body.get("b64_hlo_sharding_string", ""), validate=True)
+        device_ids = tuple(DeviceId(int(d)) for d in body["devices"]["device_ids"])
+        if write:
+            shape, dtype = tuple(int(d) for d in body["shape"]), None
+        else:
+            info = body["shape"]
+            shape = tuple(int(d) for d in info["dimensions"])
+            dtype = dtypes.BY_KIND.get("KIND_" + str(info["xla_primitive_type_str"]))
+            if dtype is None:
+                raise errors.InvalidRequest(
+                    f"dtype {info['xla_primitive_type_str']!r} is not supported for reads.")
+    except errors.IsthmusError:
+        raise
+    except (KeyError, TypeError, ValueError, binascii.Error) as e:
+        raise errors.InvalidRequest(f"a persistence request lacks a valid field ({e!r}); send "
+                                    "one made by pathwaysutils.") from None
+    if not device_ids or len(set(device_ids)) != len(device_ids):
+        raise errors.InvalidRequest("a persistence request must name each device once.")
+    sharding = (sh.Sharding.single(device_ids[0]) if len(device_ids) == 1 else
+                sh.Sharding(sh.ShardingKind.HLO, device_ids, None, op_sharding))
+    return Saved(f"{location.rstrip('/')}/{name}", dtype, shape, sharding)  # type: ignore[arg-type]
+
+
+def compile_plugin(session: Any, program: Any) -> Any:
+    """Starts a Compile of a PluginProgram: the session's executable for the plan."""
+    plan = plan_of(bytes(program.data))
+    for saved in plan.arrays:
+        session.fleet.devices_of(saved.sharding.devices)  # unknown ids: NOT_FOUND now
+    return session.ctl.compile_persistence(plan)
+
+
+def is_persistence(executable: Any) -> bool:
+    return isinstance(executable.request, PersistencePlan)

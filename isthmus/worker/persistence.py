@@ -1,0 +1,187 @@
+"""Checkpoint shards written and read by the hosts themselves (pathwaysutils' persistence).
+
+An array saved under `LOCATION/NAME` is a directory (on a local path or any fsspec URL):
+
+    meta.json                      {"format": 1, "dtype": "float32", "shape": [64, 32],
+                                    "boxes": [[[0, 32], [0, 32]], [[32, 64], [0, 32]]]}
+    shard-0-32_0-32.npy            one .npy per distinct box of the array's sharding
+    shard-32-64_0-32.npy
+
+Each distinct box is written once, by the host of the first device that holds it, under a
+temporary name and renamed into place; `meta.json` is written last, by the host of the
+array's first device, once the controller has heard that every shard is written, so a
+directory with a `meta.json` is complete. A read needs no particular sharding or fleet
+shape: each host finds, for every box it must hold, the saved boxes that overlap it and
+copies their overlaps (memory-mapped when the files are local). Bytes never pass through
+the controller or the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import secrets
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.ids import BufferId
+
+FORMAT = 1
+Box = tuple[tuple[int, int], ...]
+
+
+def shard_file(box: Box) -> str:
+    return "shard-" + "_".join(f"{a}-{b}" for a, b in box) + ".npy"
+
+
+def _filesystem(location: str) -> tuple[Any, str]:
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(location)
+    except (ImportError, ValueError) as e:
+        raise errors.InvalidRequest(f"cannot use the checkpoint location {location!r}: {e} "
+                                    "(install the fsspec backend for that URL)") from None
+
+
+def _write_atomically(fs: Any, path: str, data: bytes) -> None:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol not in ("file", "local"):
+        fs.pipe_file(path, data)  # one object write: whole or absent
+        return
+    temporary = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+def write_boxes(location: str, values: Sequence[tuple[np.ndarray, Box]]) -> int:
+    """Writes shards (blocking); returns the bytes written."""
+    fs, root = _filesystem(location)
+    fs.makedirs(root, exist_ok=True)
+    total = 0
+    for value, box in values:
+        out = io.BytesIO()
+        np.save(out, np.ascontiguousarray(value), allow_pickle=False)
+        _write_atomically(fs, f"{root}/{shard_file(box)}", out.getvalue())
+        total += value.nbytes
+    return total
+
+
+def write_meta(location: str, dtype: str, shape: Sequence[int], boxes: Sequence[Box]) -> None:
+    fs, root = _filesystem(location)
+    fs.makedirs(root, exist_ok=True)
+    meta = {"format": FORMAT, "dtype": dtype, "shape": list(shape),
+            "boxes": [[list(r) for r in box] for box in dict.fromkeys(boxes)]}
+    _write_atomically(fs, f"{root}/meta.json", json.dumps(meta).encode())
+
+
+def read_box(location: str, dtype: np.dtype, shape: Sequence[int], box: Box) -> np.ndarray:
+    """The part `box` of a saved array, from the saved shards that overlap it (blocking)."""
+    fs, root = _filesystem(location)
+    try:
+        with fs.open(f"{root}/meta.json", "rb") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError:
+        raise errors.InvalidRequest(
+            f"no complete checkpoint array at {location} (meta.json is missing: it was never "
+            "saved there, or its save did not finish).") from None
+    if tuple(meta["shape"]) != tuple(shape) or meta["dtype"] != np.dtype(dtype).name:
+        raise errors.InvalidRequest(
+            f"the array at {location} is {meta['dtype']}{meta['shape']}, not "
+            f"{np.dtype(dtype).name}{list(shape)}; restore it with its own dtype and shape.")
+    out = np.empty(tuple(b - a for a, b in box), dtype)
+    covered = 0
+    local = (fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]) in ("file",
+                                                                                 "local")
+    for saved in meta["boxes"]:
+        overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, saved)]
+        if any(lo >= hi for lo, hi in overlap):
+            continue
+        path = f"{root}/{shard_file(tuple(tuple(r) for r in saved))}"
+        if local:
+            data = np.load(path, mmap_mode="r", allow_pickle=False)
+        else:
+            with fs.open(path, "rb") as f:
+                data = np.load(io.BytesIO(f.read()), allow_pickle=False)
+        source = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, saved))
+        target = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))
+        out[target] = data[source]
+        covered += int(np.prod([hi - lo for lo, hi in overlap]))
+    if covered < out.size:
+        raise errors.InvalidRequest(f"the shards at {location} do not cover the box {box}; "
+                                    "the checkpoint is damaged.")
+    return out
+
+
+class Persistence:
+    """Writing and reading checkpoint shards on a `DeviceHost` (a mixin)."""
+
+    _buffers: dict[BufferId, Any]
+    _pool: Any
+
+    def write_shards(self, location: str, items: Sequence[tuple[BufferId, Box]]
+                     ) -> Awaitable[int]:
+        """Writes these buffers' data as the shards of `location`; resolves to bytes."""
+        try:
+            values = [(self._get(b), box) for b, box in items]  # type: ignore[attr-defined]
+        except errors.IsthmusError as e:
+            return _failed(e)
+
+        def work() -> int:
+            return write_boxes(location, [(np.asarray(v), box) for v, box in values])
+
+        return _in_thread(self._pool, work, "writing checkpoint shards")
+
+    def write_meta(self, location: str, dtype: str, shape: Sequence[int],
+                   boxes: Sequence[Box]) -> Awaitable[None]:
+        return _in_thread(self._pool, lambda: write_meta(location, dtype, shape, boxes),
+                          "writing the checkpoint's index")
+
+    def read_shards(self, location: str, dtype: str, shape: Sequence[int],
+                    items: Sequence[tuple[BufferId, int, Box]]) -> Awaitable[None]:
+        """Makes each buffer the part `box` of the saved array, on its device."""
+        import jax
+
+        def work() -> None:
+            for buffer_id, device_id, box in items:
+                value = read_box(location, np.dtype(dtype), shape, box)
+                self._buffers[buffer_id] = jax.device_put(
+                    value, self.devices[device_id])  # type: ignore[attr-defined]
+
+        async def run() -> None:
+            try:
+                await _in_thread(self._pool, work, "reading checkpoint shards")
+            except errors.IsthmusError as e:
+                for buffer_id, _, _ in items:
+                    self.fail(buffer_id, e)  # type: ignore[attr-defined]
+                raise
+
+        return run()
+
+
+async def _failed(error: errors.IsthmusError) -> Any:
+    raise error
+
+
+async def _in_thread(pool: Any, work: Any, doing: str) -> Any:
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
+    except errors.IsthmusError:
+        raise
+    except OSError as e:
+        raise errors.InvalidRequest(f"{doing} failed: {e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise errors.from_runtime_error(e, errors.ExecutionError, f"{doing} failed") from None
