@@ -116,6 +116,8 @@ def read_box(location: str, dtype: np.dtype, shape: Sequence[int], box: Box) -> 
         else:
             with fs.open(path, "rb") as f:
                 data = np.load(io.BytesIO(f.read()), allow_pickle=False)
+        if data.dtype != dtype:  # .npy keeps ml_dtypes (bfloat16, float8) as raw bytes
+            data = data.view(dtype)
         source = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, saved))
         target = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))
         out[target] = data[source]
