@@ -88,7 +88,7 @@ class Pending:
 # ---- device lookups by global id -----------------------------------------------------------
 
 _current: dict[str, Any] = {"by_id": {}, "ids": {}}
-_patch_lock = threading.Lock()
+_patch_lock = threading.RLock()
 
 
 def use_devices(devices: dict[int, Any]) -> None:
@@ -162,7 +162,8 @@ def load(program: ColocatedProgram, devices: dict[int, Any], local: set[int]) ->
 
     use_devices(devices)
     try:
-        fun, in_tree, in_specs, _, _, _ = serialization._deserialize(program.text)
+        with _patch_lock:  # unpickling imports modules: one at a time (jax 0.12 does too)
+            fun, in_tree, in_specs, _, _, _ = serialization._deserialize(program.text)
     except Exception as e:  # noqa: BLE001 - a module missing here, a version skew, ...
         raise errors.CompileError(
             f"the colocated Python function {program.name!r} could not be unpickled on the "

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import secrets
+import threading
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -33,6 +34,9 @@ from isthmus.ids import BufferId
 
 FORMAT = 1
 Box = tuple[tuple[int, int], ...]
+# numpy parses .npy headers with `ast.literal_eval`, which CPython 3.11 cannot run in several
+# threads at once ("AST constructor recursion depth mismatch"): one parse at a time.
+_HEADERS = threading.Lock()
 
 
 def shard_file(box: Box) -> str:
@@ -112,10 +116,13 @@ def read_box(location: str, dtype: np.dtype, shape: Sequence[int], box: Box) -> 
             continue
         path = f"{root}/{shard_file(tuple(tuple(r) for r in saved))}"
         if local:
-            data = np.load(path, mmap_mode="r", allow_pickle=False)
+            with _HEADERS:
+                data = np.load(path, mmap_mode="r", allow_pickle=False)
         else:
             with fs.open(path, "rb") as f:
-                data = np.load(io.BytesIO(f.read()), allow_pickle=False)
+                raw = io.BytesIO(f.read())
+            with _HEADERS:
+                data = np.load(raw, allow_pickle=False)
         if data.dtype != dtype:  # .npy keeps ml_dtypes (bfloat16, float8) as raw bytes
             data = data.view(dtype)
         source = tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, saved))
