@@ -78,7 +78,7 @@ def write_boxes(location: str, values: Sequence[tuple[np.ndarray, Box]]) -> int:
     total = 0
     for value, box in values:
         out = io.BytesIO()
-        np.save(out, np.ascontiguousarray(value), allow_pickle=False)
+        np.save(out, np.asarray(value, order="C"), allow_pickle=False)  # keeps 0-d arrays
         _write_atomically(fs, f"{root}/{shard_file(box)}", out.getvalue())
         total += value.nbytes
     return total
@@ -115,6 +115,9 @@ def read_box(location: str, dtype: np.dtype, shape: Sequence[int], box: Box) -> 
         if any(lo >= hi for lo, hi in overlap):
             continue
         path = f"{root}/{shard_file(tuple(tuple(r) for r in saved))}"
+        if not fs.exists(path):
+            raise errors.InvalidRequest(f"the checkpoint at {location} is damaged: its shard "
+                                        f"{path.rsplit('/', 1)[-1]} is missing.")
         if local:
             with _HEADERS:
                 data = np.load(path, mmap_mode="r", allow_pickle=False)
