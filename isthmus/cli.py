@@ -356,6 +356,24 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _k8s(args: argparse.Namespace) -> int:
+    from isthmus.deploy.kubernetes import FleetShape, render, to_yaml
+
+    try:
+        shape = FleetShape(args.slices, args.hosts_per_slice, args.devices_per_host,
+                           args.platform, args.image, args.name, args.namespace,
+                           compile_cache=args.compile_cache)
+        text = to_yaml(render(shape, args.variant))
+    except ValueError as e:
+        _refuse(str(e))
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w") as f:
+            f.write(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="isthmus", description="An open single-controller runtime for JAX.")
@@ -387,6 +405,27 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--exit-with-parent", action="store_true",
                         help="exit when the parent process exits (used by local fleets)")
     worker.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"))
+    k8s = commands.add_parser("k8s", help="Kubernetes manifests for a fleet")
+    k8s_commands = k8s.add_subparsers(dest="k8s_command", required=True)
+    render = k8s_commands.add_parser(
+        "render", help="write the manifests of a fleet (a JobSet, or a Deployment and "
+                       "StatefulSets) to stdout or a file; see docs/kubernetes.md")
+    render.add_argument("--slices", type=int, default=1)
+    render.add_argument("--hosts-per-slice", type=int, default=2)
+    render.add_argument("--devices-per-host", type=int, default=4,
+                        help="CPU devices, or GPUs (nvidia.com/gpu) per worker pod")
+    render.add_argument("--platform", choices=("cpu", "cuda"), default="cpu")
+    render.add_argument("--image", default="python:3.12-slim",
+                        help="a container image with isthmus installed (and jax's CUDA "
+                             "plugin for --platform cuda)")
+    render.add_argument("--name", default="isthmus", help="prefix of every object's name")
+    render.add_argument("--namespace", default=None)
+    render.add_argument("--variant", choices=("jobset", "plain"), default="jobset",
+                        help="jobset: one JobSet (needs the JobSet controller); plain: a "
+                             "Deployment and a StatefulSet per slice (default: jobset)")
+    render.add_argument("--compile-cache", default=None, metavar="URL",
+                        help="a compilation cache every pod reaches (gs://..., s3://...)")
+    render.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
     status = commands.add_parser("status", help="print a running server's fleet and arrays")
     status.add_argument("--controller", required=True, help="HOST:PORT of the server")
     status.add_argument("--json", action="store_true", help="print raw JSON")
@@ -401,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _status(args)
     if args.subcommand == "worker":
         return _worker(args, argv)
+    if args.subcommand == "k8s":
+        return _k8s(args)
     _prepare_server_process(args)
     try:
         if args.subcommand == "up":
