@@ -31,18 +31,19 @@ rows, cols, rep = (NamedSharding(mesh, P("x")), NamedSharding(mesh, P(None, "x")
 ROUND_TRIP = PRELUDE + """
 state = {"w": jax.device_put(np.arange(64 * 16, dtype=np.float32).reshape(64, 16) / 3, rows),
          "b": jax.device_put(np.arange(16, dtype=np.int32), rep),
-         "h": jax.device_put((np.arange(8 * 8) % 7).astype(jnp.bfloat16).reshape(8, 8), cols)}
+         "h": jax.device_put((np.arange(8 * 8) % 7).astype(jnp.bfloat16).reshape(8, 8), cols),
+         "step": jax.device_put(np.array(7, np.int32), rep)}
 target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=cols),
           "b": jax.ShapeDtypeStruct((16,), np.int32, sharding=rows),
-          "h": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16, sharding=rep)}
+          "h": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16, sharding=rep),
+          "step": jax.ShapeDtypeStruct((), np.int32, sharding=rep)}
 ckptr = ocp.StandardCheckpointer()
 ckptr.save(os.path.join(path, "std"), state)
 ckptr.wait_until_finished()
 restored = ckptr.restore(os.path.join(path, "std"), target)
 for k in state:
     assert restored[k].dtype == state[k].dtype, k
-    assert np.array_equal(np.asarray(restored[k]).view(np.uint8),
-                          np.asarray(state[k]).view(np.uint8)), k
+    assert np.asarray(restored[k]).tobytes() == np.asarray(state[k]).tobytes(), k
     assert restored[k].sharding == target[k].sharding, k
 
 manager = ocp.CheckpointManager(os.path.join(path, "managed"))
