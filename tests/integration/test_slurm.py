@@ -1,0 +1,96 @@
+"""`isthmus slurm` under a real Slurm (tools/slurm-local: one node, CPUs oversubscribed):
+sbatch of examples/slurm/isthmus.sbatch runs a 2-slice fleet (two worker tasks through srun)
+with the client in the job, and again as a service that a client outside the job reaches
+through the address file; results are compared with numpy."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from isthmus.testing import run_python
+
+ROOT = pathlib.Path(__file__).parents[2]
+SBATCH = ROOT / "examples" / "slurm" / "isthmus.sbatch"
+
+CLIENT = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+devices = jax.devices()
+assert sorted({d.slice_index for d in devices}) == [0, 1], devices
+mesh = Mesh(np.array(devices), ("x",))
+x = jax.device_put(np.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
+out = jax.jit(lambda v: (v * 2).sum(axis=0), out_shardings=NamedSharding(mesh, P()))(x)
+np.testing.assert_allclose(np.asarray(out), (np.arange(32.0).reshape(8, 4) * 2).sum(0))
+print("CLIENT OK", len(devices))
+"""
+
+
+def slurm_up() -> bool:
+    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+        return False
+    result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                            timeout=20)
+    return result.returncode == 0 and any(s in result.stdout for s in ("idle", "mix"))
+
+
+pytestmark = pytest.mark.skipif(not slurm_up(), reason="no Slurm here (tools/slurm-local "
+                                "start, as root, sets up one)")
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "JAX_", "ISTHMUS_FLEET"))}
+    env.update(PYTHON=sys.executable, HOSTS_PER_SLICE="1", DEVICES_PER_HOST="2",
+               PYTHONPATH=str(ROOT))
+    return env
+
+
+def test_a_fleet_and_its_client_in_one_job(tmp_path):
+    client = tmp_path / "client.py"
+    client.write_text(CLIENT)
+    result = subprocess.run(["sbatch", "--wait", "--ntasks=2", "-o", str(tmp_path / "job.out"),
+                             str(SBATCH), sys.executable, str(client)], cwd=tmp_path,
+                            env=environment(), capture_output=True, text=True, timeout=300)
+    output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert result.returncode == 0, result.stdout + result.stderr + output[-4000:]
+    assert "2 workers in 2 slices" in output, output[-4000:]
+    assert "CLIENT OK 4" in output, output[-4000:]
+
+
+def test_a_client_outside_the_job(tmp_path):
+    submitted = subprocess.run(["sbatch", "--parsable", "--ntasks=2", "-o",
+                                str(tmp_path / "job.out"), str(SBATCH)], cwd=tmp_path,
+                               env=environment(), capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        address_file = tmp_path / f"isthmus-{job}.address"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not address_file.exists():
+            time.sleep(0.2)
+        assert address_file.exists(), (tmp_path / "job.out").read_text()[-3000:]
+        address = address_file.read_text().strip()
+        result = None
+        while time.monotonic() < deadline:  # the fleet serves once both workers joined
+            result = run_python(CLIENT, address, timeout=120)
+            if result.returncode == 0:
+                break
+            time.sleep(1.0)
+        assert result is not None and result.returncode == 0, (
+            result.stdout + result.stderr[-3000:] if result else "no attempt")
+        assert "CLIENT OK 4" in result.stdout
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True,
+                               timeout=20)
+        if not state.stdout.strip():
+            break
+        time.sleep(0.5)
+    assert not state.stdout.strip(), f"job {job} still running: {state.stdout}"
