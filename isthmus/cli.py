@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
+from isthmus.transport.tls import TlsConfig
+from isthmus.transport.tls import from_options as tls_from_options
 from isthmus.worker.compile_cache import CacheConfig, CompileCache, parse_size
 from isthmus.worker.platforms import (DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Platform,
                                       PlatformUnavailable, check_local_cuda, parse_gpus,
@@ -58,6 +60,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                              f"prove they know (default: ${TOKEN_ENVIRONMENT}; with "
                              "neither, any worker that reaches the controller may join); "
                              "launched workers get it")
+    _tls_arguments(parser)
     parser.add_argument("--fleet-port", type=int, default=0,
                         help="port of the workers' control streams (workers learn it from "
                              "--port); 0 picks a free one (default: 0)")
@@ -84,6 +87,24 @@ def _refuse(message: str) -> NoReturn:
     """A bad option or environment: one line naming it and the fix, exit code 2."""
     print(f"isthmus: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _tls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help="mutual TLS between the fleet's members: this member's "
+                             "certificate (signed by --tls-ca, with the name isthmus-fleet); "
+                             "launched workers get the same files")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="the fleet CA's certificate, which every member's must be "
+                             "signed by")
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    try:
+        return tls_from_options(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        _refuse(str(e))
 
 
 def _platform_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,7 +195,7 @@ def _head_config(args: argparse.Namespace) -> object:
         heartbeat_timeout=args.heartbeat_timeout,
         restart=RestartPolicy(enabled=not args.no_restart),
         advertise_host=args.advertise_host, fleet_port=args.fleet_port,
-        fleet_token=token,
+        fleet_token=token, tls=_tls(args),
         shared_dir=None if args.shared_dir == "none" else args.shared_dir,
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes),
@@ -330,7 +351,7 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         _refuse(f"--connect-timeout must be positive, not {args.connect_timeout:g}")
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
                           devices=args.devices, platform=platform, token=token,
-                          connect_timeout=args.connect_timeout,
+                          tls=_tls(args), connect_timeout=args.connect_timeout,
                           listen=args.listen, advertise=args.advertise,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv))
     try:
@@ -436,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--token-file", default=None, metavar="PATH",
                         help="file holding the fleet's shared secret (default: "
                              f"${TOKEN_ENVIRONMENT}; none: a controller without one)")
+    _tls_arguments(worker)
     worker.add_argument("--exit-with-parent", action="store_true",
                         help="exit when the parent process exits (used by local fleets)")
     worker.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"))

@@ -17,6 +17,7 @@ from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.launch import RestartPolicy
+from isthmus.transport.tls import TlsConfig
 from isthmus.worker.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class HeadConfig:
     # The fleet's shared secret: workers must prove they know it ("": any worker may join,
     # on a network the fleet trusts). Launched workers get it in ISTHMUS_FLEET_TOKEN.
     fleet_token: str = ""
+    tls: TlsConfig | None = None  # mutual TLS between the fleet's members (transport/tls.py)
     controller: ControllerConfig = ControllerConfig()
     max_host_buffer_bytes: int = 1 << 40
     # Directory for clients on this machine to hand over large host buffers through shared
@@ -125,7 +127,7 @@ class Head:
                 ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir,
                               heartbeat_timeout=config.heartbeat_timeout),
                 on_slice_down=controller.poison_slice)
-            self.fleet_service = FleetServicer(self.manager, config.fleet_token)
+            self.fleet_service = FleetServicer(self.manager, config.fleet_token, config.tls)
             await self.fleet_service.start(config.host, config.fleet_port)
             extra_handlers = self.fleet_service.handlers()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
@@ -144,7 +146,7 @@ class Head:
                 self.launcher = LocalLauncher(self.address.removeprefix("grpc://"),
                                               spec.slices, spec.hosts_per_slice,
                                               spec.devices_per_host, restart=config.restart,
-                                              token=config.fleet_token,
+                                              token=config.fleet_token, tls=config.tls,
                                               platform=dataclasses.replace(
                                                   config.platform, name=spec.platform))
             try:

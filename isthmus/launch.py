@@ -25,6 +25,7 @@ import threading
 import time
 
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
+from isthmus.transport.tls import TlsConfig
 from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
 
 logger = logging.getLogger(__name__)
@@ -116,9 +117,11 @@ class LocalLauncher:
     def __init__(self, controller: str, slices: int, hosts_per_slice: int,
                  devices_per_host: int, log_dir: str | None = None,
                  restart: RestartPolicy = RestartPolicy(),
-                 platform: Platform = Platform(), token: str = "") -> None:
+                 platform: Platform = Platform(), token: str = "",
+                 tls: TlsConfig | None = None) -> None:
         self.controller = controller
         self.token = token  # the fleet's, handed to each worker in its environment
+        self.tls = tls  # the controller's certificate, which local workers share
         self.platform = platform
         self.slices = slices
         self.hosts_per_slice = hosts_per_slice
@@ -144,7 +147,9 @@ class LocalLauncher:
         shared = [] if cache is None else [
             "--compile-cache", cache.location, "--compile-cache-namespace", cache.namespace,
             "--compile-cache-size", str(cache.max_bytes)]
-        return self._device_options(slice_index, host) + shared
+        tls = [] if self.tls is None else [
+            "--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--tls-ca", self.tls.ca]
+        return self._device_options(slice_index, host) + shared + tls
 
     def _device_options(self, slice_index: int, host: int) -> list[str]:
         """`--platform cuda --gpus ...` for a CUDA worker: worker w of the fleet takes GPUs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -23,6 +24,7 @@ from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
                                       write_frame)
+from isthmus.transport.tls import FLEET_NAME, GRPC_NAME_OPTION, TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +41,10 @@ CHANNEL_OPTIONS = (
 class ControllerLink:
     """The worker's control stream to the controller (`transport/frames.py`)."""
 
-    def __init__(self, address: str, token: str = "") -> None:
+    def __init__(self, address: str, token: str = "", tls: TlsConfig | None = None) -> None:
         self.address = address.removeprefix("grpc://")
         self.token = token  # the fleet's (`transport/auth.py`)
+        self.tls = tls  # mutual TLS on the stream (`transport/tls.py`), or None
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.StreamReader | None = None
 
@@ -53,10 +56,24 @@ class ControllerLink:
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             endpoint = channel.unary_unary("/isthmus.Fleet/Endpoint")
             port = int(await endpoint(b"", timeout=timeout, wait_for_ready=True))
-        self._reader, self._writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=READ_LIMIT), timeout)
+        secure = {} if self.tls is None else {"ssl": self.tls.client_context(),
+                                                "server_hostname": FLEET_NAME}
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, limit=READ_LIMIT, **secure), timeout)
+        except ssl.SSLError as e:
+            raise auth.Unauthenticated(
+                f"the TLS handshake with the controller failed ({e.reason or e}); give the "
+                "controller and the workers certificates of the same fleet CA") from None
         keep_alive(self._writer)
-        await auth.prove_worker(self._reader, self._writer, self.token)
+        try:
+            await auth.prove_worker(self._reader, self._writer, self.token)
+        except auth.Unauthenticated as e:
+            if self.tls is not None or "closed" not in str(e):
+                raise
+            raise auth.Unauthenticated(
+                f"{e}: a controller that requires TLS closes the stream of a worker "
+                "without it (give --tls-cert, --tls-key and --tls-ca)") from None
         self.send(first)
         return self._messages()
 
@@ -85,16 +102,22 @@ class ControllerLink:
 class PeerDataServer:
     """Serves this worker's buffers to its peers."""
 
-    def __init__(self, fetch: Callable[[int], Awaitable[np.ndarray]], token: str = "") -> None:
+    def __init__(self, fetch: Callable[[int], Awaitable[np.ndarray]], token: str = "",
+                 tls: TlsConfig | None = None) -> None:
         self._fetch = fetch
         self._token = token
+        self._tls = tls
         self._server: grpc.aio.Server | None = None
 
     async def start(self, host: str) -> int:
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
             "isthmus.WorkerData", {"Fetch": grpc.unary_stream_rpc_method_handler(self._serve)})])
-        port = self._server.add_insecure_port(f"{host}:0")
+        if self._tls is not None:
+            port = self._server.add_secure_port(f"{host}:0",
+                                                self._tls.grpc_server_credentials())
+        else:
+            port = self._server.add_insecure_port(f"{host}:0")
         await self._server.start()
         return port
 
@@ -130,14 +153,18 @@ class PeerDataServer:
 class PeerClient:
     """Fetches buffers from other workers' data servers."""
 
-    def __init__(self, token: str = "") -> None:
+    def __init__(self, token: str = "", tls: TlsConfig | None = None) -> None:
         self._token = token
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def fetch(self, peer: str, buffer_id: int, timeout: float = 600.0) -> np.ndarray:
         channel = self._channels.get(peer)
         if channel is None:
-            channel = grpc.aio.insecure_channel(peer, options=CHANNEL_OPTIONS)
+            channel = (grpc.aio.insecure_channel(peer, options=CHANNEL_OPTIONS)
+                       if self._tls is None else grpc.aio.secure_channel(
+                           peer, self._tls.grpc_channel_credentials(),
+                           options=CHANNEL_OPTIONS + GRPC_NAME_OPTION))
             self._channels[peer] = channel
         call = channel.unary_stream("/isthmus.WorkerData/Fetch")(
             str(buffer_id).encode(), timeout=timeout,

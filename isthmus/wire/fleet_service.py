@@ -13,6 +13,7 @@ proves itself alive.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import logging
 from typing import Any
 
@@ -25,6 +26,7 @@ from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
                                       write_frame)
+from isthmus.transport.tls import TlsConfig
 from isthmus.wire.servicer import CannotListen
 
 logger = logging.getLogger(__name__)
@@ -34,9 +36,11 @@ REGISTER_TIMEOUT = 30.0  # seconds a new stream may take to send its Register
 
 
 class FleetServicer:
-    def __init__(self, manager: FleetManager, token: str = "") -> None:
+    def __init__(self, manager: FleetManager, token: str = "",
+                 tls: TlsConfig | None = None) -> None:
         self.manager = manager
         self._token = token  # the fleet's: a stream must prove it first (`transport/auth.py`)
+        self._tls = tls  # mutual TLS on every control stream (`transport/tls.py`), or None
         self.port = 0  # of the control streams, once started
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -77,6 +81,21 @@ class FleetServicer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = _peer(writer)
+        if self._tls is not None:
+            # The handshake is ours (not the server's), so that a refusal is one log line.
+            try:
+                await asyncio.wait_for(writer.start_tls(self._tls.server_context()),
+                                       auth.HANDSHAKE_TIMEOUT)
+            except (ssl.SSLError, asyncio.TimeoutError, ConnectionError, OSError) as e:
+                if isinstance(e, asyncio.TimeoutError):
+                    reason = "it did not start TLS: a worker without --tls-cert/--tls-key/--tls-ca?"
+                elif isinstance(e, ssl.SSLError):
+                    reason = f"{e.reason or e}: a certificate of another fleet CA?"
+                else:
+                    reason = "the worker gave up: it does not trust this controller's certificate"
+                logger.warning("refused a worker stream from %s:%s: TLS handshake failed (%s)",
+                               host, port, reason)
+                return
         try:
             await auth.check_worker(reader, writer, self._token)
         except auth.Unauthenticated as e:

@@ -27,6 +27,7 @@ from isthmus import errors
 from isthmus.hostmem import aligned_empty, byte_view, map_file
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
+from isthmus.transport.tls import TlsConfig
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.compile_cache import CompileCache
@@ -62,6 +63,7 @@ class WorkerConfig:
     connect_timeout: float = 180.0  # seconds to wait for the controller (at start, or back)
     group_timeout: int = 60  # seconds to join a collective group
     token: str = ""  # the fleet's shared secret ("": a fleet on a network it trusts)
+    tls: TlsConfig | None = None  # mutual TLS with the controller and peers
     # The command line that starts this worker afresh (a worker the controller declared
     # lost while it was alive replaces itself with it); empty: it exits instead.
     argv: tuple[str, ...] = ()
@@ -90,9 +92,9 @@ class WorkerAgent:
         self._gone: frozenset[int] = frozenset()  # devices the coming group will not have
         self._pending_reason = ""  # why it re-forms (FormGroup.reason)
         self._last_loss = ("", float("-inf"))  # the last FormGroup.reason, and when
-        self._link = ControllerLink(config.controller, config.token)
-        self._peers = PeerClient(config.token)
-        self._data = PeerDataServer(self._serve_buffer, config.token)
+        self._link = ControllerLink(config.controller, config.token, config.tls)
+        self._peers = PeerClient(config.token, config.tls)
+        self._data = PeerDataServer(self._serve_buffer, config.token, config.tls)
         self._stop = asyncio.Event()
         self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
@@ -137,7 +139,8 @@ class WorkerAgent:
 
     async def _serve(self, register: m.Register) -> int:
         """One membership: register, obey, until the stream ends. Returns an exit code."""
-        self._link = ControllerLink(self.config.controller, self.config.token)
+        self._link = ControllerLink(self.config.controller, self.config.token,
+                                    self.config.tls)
         try:
             messages = await self._link.open(register, self.config.connect_timeout)
             welcome = await messages.__anext__()

@@ -5,6 +5,7 @@ equal to numpy; bad options are one line and exit code 2."""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,7 +41,12 @@ def test_programs_survive_a_restart(shape, tmp_path):
     with LocalServer(**shape, args=args) as server:
         result = run_python(CLIENT, server.address, timeout=180)
         assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-        found = hits(server)
+        deadline = time.monotonic() + 20  # workers report their figures with heartbeats
+        while True:
+            found = hits(server)
+            if (found and all(v >= 1 for v in found.values())) or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         assert found and all(v >= 1 for v in found.values()), found  # every host loaded it
         assert server.alive(), server.log()
     assert sorted(p.name for p in (tmp_path / "default").iterdir()) == stored
