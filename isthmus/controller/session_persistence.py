@@ -24,7 +24,7 @@ from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
 from isthmus.controller.session_core import _as_error
-from isthmus.controller.session_python import SessionPython, _default_layout
+from isthmus.controller.session_python import SessionPython, _default_layout, dtype_name
 from isthmus.ids import BufferId, WorkerId
 from isthmus.worker.programs import Aval, CompiledInfo
 
@@ -118,7 +118,7 @@ class SessionPersistence(SessionPython):
                         per_worker.setdefault(buffer.device.worker, []).append((buffer.id, box))
                 for worker, items in per_worker.items():
                     writes.setdefault(worker, []).append((saved.location, items))
-                dtype = "string" if array.dtype.is_string else array.dtype.numpy.name  # type: ignore[union-attr]
+                dtype = dtype_name(array.dtype)
                 metas.append((array.shards[0].device.worker, saved.location, dtype,
                               array.shape, tuple(seen)))
             waits = [self.fleet.channel(w).write_shards(location, items)
@@ -149,7 +149,8 @@ class SessionPersistence(SessionPython):
         groups = [out.group for out in outputs]
 
         def run() -> None:
-            error = self.fleet.unavailable(d for g in groups for d in g.devices)  # type: ignore[union-attr]
+            error = self.fleet.unavailable(
+                d for g in groups for d in g.devices)  # type: ignore[union-attr]
             if error is not None:
                 _settle(groups, done, error)
                 return
@@ -160,7 +161,7 @@ class SessionPersistence(SessionPython):
                 for buffer, box in zip(out.shards, boxes):
                     per_worker.setdefault(buffer.device.worker, []).append(
                         (buffer.id, buffer.device.id, box))
-                dtype = "string" if saved.dtype.is_string else saved.dtype.numpy.name  # type: ignore[union-attr]
+                dtype = dtype_name(saved.dtype)  # type: ignore[arg-type]
                 waits.extend(self.fleet.channel(w).read_shards(saved.location, dtype,
                                                                 saved.shape, items)
                              for w, items in per_worker.items())

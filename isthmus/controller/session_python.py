@@ -52,8 +52,7 @@ class SessionPython(SessionPrograms):
             name, text, tuple(device_ids),
             tuple(tuple(s.devices) for _, _, s in inputs),
             tuple(tuple(s.devices) for _, _, s in outputs),
-            tuple(("string" if d.is_string else d.numpy.name, tuple(shape))  # type: ignore[union-attr]
-                  for d, shape, _ in outputs))
+            tuple((dtype_name(d), tuple(shape)) for d, shape, _ in outputs))
         info = CompiledInfo(
             name=name, params=tuple(Aval(d, tuple(shape)) for d, shape, _ in inputs),
             outputs=tuple(Aval(d, tuple(shape)) for d, shape, _ in outputs),
@@ -61,7 +60,8 @@ class SessionPython(SessionPrograms):
             param_layouts=tuple(_default_layout(shape) for _, shape, _ in inputs),
             output_layouts=tuple(_default_layout(shape) for _, shape, _ in outputs),
             output_memory_kinds=tuple(s.memory_kind or "" for _, _, s in outputs),
-            donated_inputs=(), fingerprint=hashlib.sha256(text).digest(), cost_analysis={}, hlo_text="",
+            donated_inputs=(), fingerprint=hashlib.sha256(text).digest(), cost_analysis={},
+            hlo_text="",
             memory_stats={}, generated_code_bytes=0)
         executable = self.controller.executable(program, devices, info)
         executable.output_specs = [
@@ -121,6 +121,11 @@ class SessionPython(SessionPrograms):
             await asyncio.shield(done)
 
         return outputs, status
+
+
+def dtype_name(dtype: dtypes.DType) -> str:
+    """How hosts name a dtype: numpy's name, or "string"."""
+    return "string" if dtype.is_string else dtype.numpy.name  # type: ignore[union-attr]
 
 
 def _default_layout(shape: Sequence[int]) -> str:

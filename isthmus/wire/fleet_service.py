@@ -88,7 +88,8 @@ class FleetServicer:
                                        auth.HANDSHAKE_TIMEOUT)
             except (ssl.SSLError, asyncio.TimeoutError, ConnectionError, OSError) as e:
                 if isinstance(e, asyncio.TimeoutError):
-                    reason = "it did not start TLS: a worker without --tls-cert/--tls-key/--tls-ca?"
+                    reason = ("it did not start TLS: a worker without --tls-cert, --tls-key "
+                              "and --tls-ca?")
                 elif isinstance(e, ssl.SSLError):
                     reason = f"{e.reason or e}: a certificate of another fleet CA?"
                 else:

@@ -43,7 +43,7 @@ class ColocatedProgram:
     """A colocated Python function as a host needs it."""
 
     name: str
-    text: bytes  # the client's cloudpickle of (fun, in tree, in specs, out tree, out specs, devices)
+    text: bytes  # cloudpickle of (fun, in tree, in specs, out tree, out specs, devices)
     device_ids: tuple[int, ...]  # global ids of the call's devices
     inputs: tuple[tuple[int, ...], ...]  # per input: global device ids, in its sharding's order
     outputs: tuple[tuple[int, ...], ...]  # per output: likewise

@@ -53,15 +53,27 @@ def _filesystem(location: str) -> tuple[Any, str]:
                                     "(install the fsspec backend for that URL)") from None
 
 
-def _write_atomically(fs: Any, path: str, data: bytes) -> None:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if protocol not in ("file", "local"):
+def _is_local(fs: Any) -> bool:
+    return (fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]) in ("file",
+                                                                               "local")
+
+
+def _write_atomically(fs: Any, path: str, data: bytes | np.ndarray) -> None:
+    """Writes bytes, or an array as .npy, so that readers see the whole file or none."""
+    if not _is_local(fs):
+        if isinstance(data, np.ndarray):
+            out = io.BytesIO()
+            np.save(out, data, allow_pickle=False)
+            data = out.getvalue()
         fs.pipe_file(path, data)  # one object write: whole or absent
         return
     temporary = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(temporary, "wb") as f:
-            f.write(data)
+            if isinstance(data, np.ndarray):
+                np.save(f, data, allow_pickle=False)  # straight from the array
+            else:
+                f.write(data)
         os.replace(temporary, path)
     except BaseException:
         try:
@@ -77,10 +89,9 @@ def write_boxes(location: str, values: Sequence[tuple[np.ndarray, Box]]) -> int:
     fs.makedirs(root, exist_ok=True)
     total = 0
     for value, box in values:
-        out = io.BytesIO()
-        np.save(out, np.asarray(value, order="C"), allow_pickle=False)  # keeps 0-d arrays
-        _write_atomically(fs, f"{root}/{shard_file(box)}", out.getvalue())
-        total += value.nbytes
+        array = np.asarray(value, order="C")  # keeps 0-d arrays 0-d
+        _write_atomically(fs, f"{root}/{shard_file(box)}", array)
+        total += array.nbytes
     return total
 
 
@@ -108,8 +119,7 @@ def read_box(location: str, dtype: np.dtype, shape: Sequence[int], box: Box) -> 
             f"{np.dtype(dtype).name}{list(shape)}; restore it with its own dtype and shape.")
     out = np.empty(tuple(b - a for a, b in box), dtype)
     covered = 0
-    local = (fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]) in ("file",
-                                                                                 "local")
+    local = _is_local(fs)
     for saved in meta["boxes"]:
         overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, saved)]
         if any(lo >= hi for lo, hi in overlap):
