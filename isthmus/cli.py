@@ -332,9 +332,13 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from isthmus.worker import supervise
     from isthmus.worker.agent import WorkerConfig
     from isthmus.worker.process import block_stop_signals, exit_with_parent, run_worker
 
+    if not (args.exit_with_parent or args.no_supervise
+            or os.environ.get(supervise.ENVIRONMENT)):
+        return supervise.supervise(argv)  # rejoins a controller that crashed and came back
     block_stop_signals()  # before any thread starts
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
@@ -458,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="file holding the fleet's shared secret (default: "
                              f"${TOKEN_ENVIRONMENT}; none: a controller without one)")
     _tls_arguments(worker)
+    worker.add_argument("--no-supervise", action="store_true",
+                        help="run the worker in this process; by default a supervising "
+                             "process starts it again when it dies because its controller "
+                             "crashed, so that it rejoins the controller when that is back")
     worker.add_argument("--exit-with-parent", action="store_true",
                         help="exit when the parent process exits (used by local fleets)")
     worker.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"))

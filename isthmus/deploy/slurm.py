@@ -66,7 +66,7 @@ def worker_step(fleet: SlurmFleet, worker_options: Sequence[str]) -> list[str]:
     """The srun command line that starts every worker of the fleet."""
     worker = [sys.executable, "-m", "isthmus.cli", "worker", "--controller",
               f"{fleet.host}:{fleet.port}", "--devices", str(fleet.devices_per_host),
-              "--listen", "0.0.0.0", *worker_options]
+              "--listen", "0.0.0.0", "--no-supervise", *worker_options]
     # Each task computes its slice from its rank, and advertises its own node's name.
     script = (f'exec {shlex.join(worker)} --slice $((SLURM_PROCID / {fleet.hosts_per_slice}))'
               ' --advertise "$(hostname)"')
