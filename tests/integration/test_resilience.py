@@ -64,6 +64,7 @@ print("ROUNDS", rounds, flush=True)
 """
 
 
+@pytest.mark.slow  # 20 kills, about 85 s: in `scripts/test -m slow`, beside the chaos test
 def test_killing_workers_of_one_slice_never_touches_another_busy_slice(tmp_path):
     stop_file = tmp_path / "stop"
     with LocalServer(devices=None, fleet=(2, 2, 2), args=["--no-restart"]) as server:
