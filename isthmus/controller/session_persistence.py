@@ -21,10 +21,11 @@ from typing import ClassVar
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
+from isthmus.controller.arrays import Array, first_error, groups_of
 from isthmus.controller.controller import Executable
 from isthmus.controller.session_core import _as_error
-from isthmus.controller.session_python import SessionPython, _default_layout, dtype_name
+from isthmus.controller.session_python import (SessionPython, _default_layout, dtype_name,
+                                                finish, settle_after)
 from isthmus.ids import BufferId, WorkerId
 from isthmus.worker.programs import Aval, CompiledInfo
 
@@ -104,7 +105,7 @@ class SessionPersistence(SessionPython):
         def run() -> None:
             error = first_error(args)
             if error is not None:
-                _resolve(done, error)
+                finish((), done, error)
                 return
             writes: dict[WorkerId, list[tuple[str, list[tuple[BufferId, sh.Box]]]]] = {}
             metas = []
@@ -134,9 +135,9 @@ class SessionPersistence(SessionPython):
             await asyncio.gather(*(self.fleet.channel(w).write_meta(loc, dtype, shape, boxes)
                                    for w, loc, dtype, shape, boxes in metas))
         except Exception as e:  # noqa: BLE001
-            _resolve(done, _as_error(e, "saving the checkpoint"))
+            finish((), done, _as_error(e, "saving the checkpoint"))
             return
-        _resolve(done, None)
+        finish((), done, None)
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -152,7 +153,7 @@ class SessionPersistence(SessionPython):
             error = self.fleet.unavailable(
                 d for g in groups for d in g.devices)  # type: ignore[union-attr]
             if error is not None:
-                _settle(groups, done, error)
+                finish(groups, done, error)
                 return
             waits = []
             for out, saved in zip(outputs, plan.arrays):
@@ -165,7 +166,7 @@ class SessionPersistence(SessionPython):
                 waits.extend(self.fleet.channel(w).read_shards(saved.location, dtype,
                                                                 saved.shape, items)
                              for w, items in per_worker.items())
-            self._spawn(_read_done(groups, done, waits))
+            self._spawn(settle_after(groups, done, waits, "restoring the checkpoint"))
 
         self.dispatcher.submit((), run)
         return outputs
@@ -174,30 +175,3 @@ class SessionPersistence(SessionPython):
 def executable_specs(plan: PersistencePlan) -> list[tuple[Aval, sh.Sharding, tuple[int, ...]]]:
     return [(Aval(a.dtype, a.shape), a.sharding,
              sh.shard_nbytes(a.sharding, a.shape, a.dtype.itemsize)) for a in plan.arrays]
-
-
-async def _read_done(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
-                     waits: Sequence[Awaitable[None]]) -> None:
-    outcomes = await asyncio.gather(*waits, return_exceptions=True)
-    error = next((e for e in outcomes if isinstance(e, BaseException)), None)
-    _settle(groups, done, None if error is None else _as_error(error, "restoring"))
-
-
-def _settle(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
-            error: errors.IsthmusError | None) -> None:
-    for group in groups:
-        assert group is not None
-        if error is not None and group.error is None:
-            group.error = error
-        group.settle()
-    _resolve(done, error)
-
-
-def _resolve(done: asyncio.Future[None], error: errors.IsthmusError | None) -> None:
-    if done.done():
-        return
-    if error is None:
-        done.set_result(None)
-    else:
-        done.set_exception(error)
-        done.exception()  # retrieved: the status reports it

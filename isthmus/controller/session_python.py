@@ -104,16 +104,16 @@ class SessionPython(SessionPrograms):
         def run() -> None:
             error = first_error(args) or self.fleet.unavailable(executable.devices)
             if error is not None:
-                _finish(out_groups, done, error)
+                finish(out_groups, done, error)
                 return
             try:
                 self.controller.ensure_loaded(executable)
                 waits = [self.fleet.channel(w).call_python(executable.id, refs, results, stream)
                          for w in executable.workers]
             except Exception as e:  # noqa: BLE001 - the outputs must resolve, whatever happened
-                _finish(out_groups, done, _as_error(e, "dispatching a colocated call"))
+                finish(out_groups, done, _as_error(e, "dispatching a colocated call"))
                 raise
-            self._spawn(_settle(out_groups, done, waits))
+            self._spawn(settle_after(out_groups, done, waits, "a colocated call"))
 
         self.dispatcher.submit(groups_of(args), run)
 
@@ -133,18 +133,17 @@ def _default_layout(shape: Sequence[int]) -> str:
     return "{" + ",".join(str(d) for d in reversed(range(len(shape)))) + "}"
 
 
-async def _settle(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
-                  waits: Sequence[Awaitable[None]]) -> None:
+async def settle_after(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
+                       waits: Sequence[Awaitable[object]], doing: str) -> None:
+    """Finishes a call's outputs (`finish`) once every host has answered."""
     outcomes = await asyncio.gather(*waits, return_exceptions=True)
     error = next((e for e in outcomes if isinstance(e, BaseException)), None)
-    if error is not None and not isinstance(error, errors.IsthmusError):
-        error = errors.InternalError(f"a colocated call failed unexpectedly ({error!r}); this "
-                                     "is a bug in isthmus: please report it.")
-    _finish(groups, done, error)  # type: ignore[arg-type]
+    finish(groups, done, None if error is None else _as_error(error, doing))
 
 
-def _finish(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
-            error: errors.IsthmusError | None) -> None:
+def finish(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
+           error: errors.IsthmusError | None) -> None:
+    """The outputs become defined (holding `error`, if any) and `done` resolves."""
     for group in groups:
         assert group is not None
         if error is not None and group.error is None:
