@@ -1,0 +1,106 @@
+"""The `isthmus slurm` and `isthmus k8s` commands: their options, and what they run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def add_deploy_commands(commands: Any,
+                        platform_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Adds `slurm` and `k8s` to the command line's subcommands."""
+    slurm = commands.add_parser(
+        "slurm", help="run a fleet in this Slurm allocation (from a batch script), and a "
+                      "client command if given", usage="isthmus slurm [options] [-- CMD ...]")
+    slurm.add_argument("--hosts-per-slice", type=int, default=1,
+                       help="consecutive tasks that form one slice (default: 1)")
+    slurm.add_argument("--devices-per-host", type=int, default=4,
+                       help="CPU devices per worker, or GPUs per worker task (default: 4)")
+    platform_arguments(slurm)
+    slurm.add_argument("--port", type=int, default=0,
+                       help="the controller's port on the first node (default: a free one)")
+    slurm.add_argument("--address-file", default=None, metavar="PATH",
+                       help="write grpc://HOST:PORT here for clients outside the job")
+    slurm.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"))
+    slurm.add_argument("command", nargs=argparse.REMAINDER, help="the client to run")
+    k8s = commands.add_parser("k8s", help="Kubernetes manifests for a fleet")
+    k8s_commands = k8s.add_subparsers(dest="k8s_command", required=True)
+    render = k8s_commands.add_parser(
+        "render", help="write the manifests of a fleet (a JobSet, or a Deployment and "
+                       "StatefulSets) to stdout or a file; see docs/kubernetes.md")
+    render.add_argument("--slices", type=int, default=1)
+    render.add_argument("--hosts-per-slice", type=int, default=2)
+    render.add_argument("--devices-per-host", type=int, default=4,
+                        help="CPU devices, or GPUs (nvidia.com/gpu) per worker pod")
+    render.add_argument("--platform", choices=("cpu", "cuda"), default="cpu")
+    render.add_argument("--image", default="python:3.12-slim",
+                        help="a container image with isthmus installed (and jax's CUDA "
+                             "plugin for --platform cuda)")
+    render.add_argument("--name", default="isthmus", help="prefix of every object's name")
+    render.add_argument("--namespace", default=None)
+    render.add_argument("--variant", choices=("jobset", "plain"), default="jobset",
+                        help="jobset: one JobSet (needs the JobSet controller); plain: a "
+                             "Deployment and a StatefulSet per slice (default: jobset)")
+    render.add_argument("--compile-cache", default=None, metavar="URL",
+                        help="a compilation cache every pod reaches (gs://..., s3://...)")
+    render.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
+
+
+def slurm_command(args: argparse.Namespace) -> int:
+    """`isthmus slurm`: a fleet in this allocation (deploy/slurm.py)."""
+    from isthmus import cli
+    from isthmus.deploy import slurm
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    platform = ["--platform", args.platform, "--simulate-flops", f"{args.simulate_flops:g}"]
+    if args.gpus:
+        platform += ["--gpus", args.gpus]
+    if args.compile_cache:
+        platform += ["--compile-cache", args.compile_cache, "--compile-cache-namespace",
+                     args.compile_cache_namespace, "--compile-cache-size",
+                     args.compile_cache_size]
+    try:
+        cli._platform(args)  # refuses bad platform options before anything starts
+        fleet = slurm.plan(os.environ, args.hosts_per_slice, args.devices_per_host, args.port)
+    except ValueError as e:
+        cli._refuse(str(e))
+    server = cli.build_parser().parse_args(slurm.server_arguments(
+        fleet, [*platform, "--log-level", args.log_level], command))
+    cli._prepare_server_process(server)
+    step = slurm.start_workers(fleet, platform, os.environ)  # type: ignore[arg-type]
+    slurm.write_address(args.address_file, fleet)
+    print(f"isthmus slurm: job {fleet.job_id}, {fleet.workers} workers in {fleet.slices} "
+          f"slices; controller at grpc://{fleet.host}:{fleet.port}", file=sys.stderr,
+          flush=True)
+    try:
+        return asyncio.run(cli._run(server) if command else cli._up(server))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        slurm.stop_workers(step)
+
+
+def k8s_command(args: argparse.Namespace) -> int:
+    """`isthmus k8s render`: the manifests of a fleet (deploy/kubernetes.py)."""
+    from isthmus import cli
+    from isthmus.deploy.kubernetes import FleetShape, render, to_yaml
+
+    try:
+        shape = FleetShape(args.slices, args.hosts_per_slice, args.devices_per_host,
+                           args.platform, args.image, args.name, args.namespace,
+                           compile_cache=args.compile_cache)
+        text = to_yaml(render(shape, args.variant))
+    except ValueError as e:
+        cli._refuse(str(e))
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w") as f:
+            f.write(text)
+    return 0
