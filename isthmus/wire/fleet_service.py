@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "isthmus.Fleet"
 REGISTER_TIMEOUT = 30.0  # seconds a new stream may take to send its Register
+# What OpenSSL says when the first bytes of a stream are not a TLS ClientHello.
+NOT_TLS = ("WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "HTTP_REQUEST", "RECORD_LAYER_FAILURE")
 
 
 class FleetServicer:
@@ -44,6 +46,7 @@ class FleetServicer:
         self.port = 0  # of the control streams, once started
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listens for control streams on `host`, `port` (0: a free one); returns the port."""
@@ -64,8 +67,18 @@ class FleetServicer:
         for writer in list(self._writers):
             writer.close()
 
-    async def _connected(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
+    def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Runs inside the connection's `connection_made`, before any byte is read: with TLS,
+        # reading waits for `start_tls`, or the plain stream would swallow the ClientHello
+        # (the handshake then stalled until its timeout, 1 worker in 6 on loopback).
+        if self._tls is not None:
+            writer.transport.pause_reading()
+        task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _handle(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
         keep_alive(writer)
         self._writers.add(writer)
         try:
@@ -87,7 +100,8 @@ class FleetServicer:
                 await asyncio.wait_for(writer.start_tls(self._tls.server_context()),
                                        auth.HANDSHAKE_TIMEOUT)
             except (ssl.SSLError, asyncio.TimeoutError, ConnectionError, OSError) as e:
-                if isinstance(e, asyncio.TimeoutError):
+                if isinstance(e, asyncio.TimeoutError) or getattr(
+                        e, "reason", None) in NOT_TLS:
                     reason = ("it did not start TLS: a worker without --tls-cert, --tls-key "
                               "and --tls-ca?")
                 elif isinstance(e, ssl.SSLError):

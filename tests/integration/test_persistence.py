@@ -95,7 +95,7 @@ def test_the_client_never_holds_the_bytes(server, tmp_path):
 
 KILLED = PRELUDE + """
 import threading
-# 2 slices x 1 host x 2 devices: rows 0-4095 on slice 0's worker, in two 64 MiB shards.
+# 2 slices x 1 host x 2 devices: rows 0-4095 on slice 0's worker, in two 32 MiB shards.
 big = jax.jit(lambda: jnp.arange(8192 * 4096, dtype=jnp.float32).reshape(8192, 4096),
               out_shardings=NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x")))()
 small = jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4), rows)
@@ -131,16 +131,18 @@ def test_a_worker_killed_during_a_save_fails_it_and_the_last_checkpoint_restores
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert client.stdout.readline().startswith("SAVED1")
-            # Kill slice 0's worker once it has written its first shard of step 2 (its
-            # second one is still to come).
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                found = [p for p in tmp_path.rglob("shard-0-*_0-4096.npy") if "step2" in str(p)]
-                if found:
-                    break
-                time.sleep(0.002)
-            assert found, "the save never started"
+            # Freeze slice 0's worker while it writes its shards of step 2 (a temporary file
+            # of one is there), check that they are not both in place, then kill it.
+            mine = ("shard-0-2048_0-4096.npy", "shard-2048-4096_0-4096.npy")
+            deadline, writing = time.monotonic() + 120, []
+            while not writing and time.monotonic() < deadline:
+                writing = [p for name in mine for p in tmp_path.glob(f"step2*/big/{name}.tmp-*")]
+                time.sleep(0.001)
+            assert writing, "the save never started"
+            os.kill(victim, signal.SIGSTOP)
+            done = [p for name in mine for p in tmp_path.glob(f"step2*/big/{name}")]
             os.kill(victim, signal.SIGKILL)
+            assert len(done) < 2, "the worker had written its shards before it was stopped"
             stdout, stderr = client.communicate(timeout=180)
         finally:
             client.kill()
