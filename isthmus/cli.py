@@ -80,6 +80,12 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory where clients on this machine hand over large host "
                              "buffers through shared memory; 'auto' makes one under /dev/shm, "
                              "'none' turns it off (default: auto)")
+    parser.add_argument("--client-transport", choices=("auto", "h2", "grpc"),
+                        default=os.environ.get("ISTHMUS_CLIENT_TRANSPORT", "auto"),
+                        help="what serves the client port: h2 (HTTP/2 frames handled in "
+                             "Python with the h2 library: about a third of grpc.aio's CPU per "
+                             "request) or grpc (grpc.aio); auto: h2 when it is installed. "
+                             "Default: auto, or $ISTHMUS_CLIENT_TRANSPORT")
     parser.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"),
                         help="logging level of the server (default: WARNING)")
 
@@ -200,7 +206,7 @@ def _head_config(args: argparse.Namespace) -> object:
         shared_dir=None if args.shared_dir == "none" else args.shared_dir,
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes),
-        max_host_buffer_bytes=args.max_array_bytes)
+        max_host_buffer_bytes=args.max_array_bytes, client_transport=args.client_transport)
 
 
 def _fleet_token(args: argparse.Namespace) -> str:

@@ -51,6 +51,9 @@ class HeadConfig:
     # Directory for clients on this machine to hand over large host buffers through shared
     # memory (HostBufferReadFromDisk); "auto": a fresh one under /dev/shm; None: off.
     shared_dir: str | None = "auto"
+    # What serves the client port: "h2" (wire/h2server.py), "grpc" (grpc.aio), or "auto"
+    # (h2 when the h2 library is installed).
+    client_transport: str = "auto"
 
 
 def embedded_fleet(num_devices: int, platform: str = "cpu",
@@ -107,7 +110,7 @@ class Head:
         from isthmus.wire.servicer import start_server
 
         config = self.config
-        extra_handlers: list[Any] = []
+        extra_methods: dict[str, Any] = {}
         self.shared_dir = self._make_shared_dir()
         if config.fleet is None:
             fleet, host = embedded_fleet(config.devices, config.platform.name,
@@ -129,13 +132,13 @@ class Head:
                 on_slice_down=controller.poison_slice)
             self.fleet_service = FleetServicer(self.manager, config.fleet_token, config.tls)
             await self.fleet_service.start(config.host, config.fleet_port)
-            extra_handlers = self.fleet_service.handlers()
+            extra_methods = self.fleet_service.methods()
         self.frontend = Frontend(controller, schema(), FrontendConfig(
             max_host_buffer_bytes=config.max_host_buffer_bytes, shared_dir=self.shared_dir))
         if self.manager is not None:
             self.frontend.extra_status = self.manager.status
         self.server, self.port = await start_server(
-            self.frontend, config.host, config.port, extra_handlers)
+            self.frontend, config.host, config.port, extra_methods, config.client_transport)
         if self.manager is not None:
             self.manager.start()
             spec = config.fleet

@@ -27,6 +27,7 @@ from isthmus.transport import messages as m
 from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
                                       write_frame)
 from isthmus.transport.tls import TlsConfig
+from isthmus.wire.methods import Method
 from isthmus.wire.servicer import CannotListen
 
 logger = logging.getLogger(__name__)
@@ -160,11 +161,10 @@ class FleetServicer:
         """A worker's pulse (from its own thread, apart from its stream)."""
         return self.manager.alive(token.decode(errors="replace"))
 
-    def handlers(self) -> list[grpc.GenericRpcHandler]:
-        return [grpc.method_handlers_generic_handler(SERVICE, {
-            "Endpoint": grpc.unary_unary_rpc_method_handler(self.endpoint),
-            "Alive": grpc.unary_unary_rpc_method_handler(self.alive),
-        })]
+    def methods(self) -> dict[str, Method]:
+        """The fleet's methods on the client port (raw bytes in and out)."""
+        return {f"/{SERVICE}/Endpoint": Method("unary_unary", self.endpoint),
+                f"/{SERVICE}/Alive": Method("unary_unary", self.alive)}
 
 
 def _peer(writer: asyncio.StreamWriter) -> tuple[Any, Any]:

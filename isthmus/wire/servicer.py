@@ -20,6 +20,7 @@ from isthmus import errors
 from isthmus.frontend.service import Frontend
 from isthmus.hostmem import aligned_empty
 from isthmus.protocol.wireformat import bytes_field, bytes_message
+from isthmus.wire.methods import Method
 from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
@@ -198,39 +199,51 @@ class IfrtProxyServicer:
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return json.dumps(self.frontend.status(), sort_keys=True).encode()
 
-    def handlers(self) -> list[grpc.GenericRpcHandler]:
+    def methods(self) -> dict[str, Method]:
+        """Every method of the client port, by path (for either transport)."""
         s = self.schema
         p = "xla.ifrt.proxy."
 
-        def rpc(kind: Callable[..., Any], fn: Callable[..., Any], req: str, resp: str) -> Any:
-            return kind(fn, request_deserializer=s[p + req].FromString,
-                        response_serializer=s[p + resp].SerializeToString)
+        def rpc(kind: str, fn: Callable[..., Any], req: str | None, resp: str | None
+                ) -> Method:
+            return Method(kind, fn, s[p + req].FromString if req else None,
+                          s[p + resp].SerializeToString if resp else None)
 
         # Bulk data skips protobuf objects: chunks are parsed and framed by hand (one
         # field, `bytes data = 1`), which saves a copy of every byte each way.
-        ifrt = grpc.method_handlers_generic_handler(SERVICE, {
-            "GetVersion": rpc(grpc.unary_unary_rpc_method_handler, self.get_version,
-                              "GrpcGetVersionRequest", "GrpcGetVersionResponse"),
-            "IfrtSession": rpc(grpc.stream_stream_rpc_method_handler, self.ifrt_session,
-                               "IfrtRequest", "IfrtResponse"),
-            "HostBufferStore": grpc.stream_unary_rpc_method_handler(
-                self.host_buffer_store, request_deserializer=None,
-                response_serializer=s[p + "GrpcHostBufferStoreResponse"].SerializeToString),
-            "HostBufferLookup": grpc.unary_stream_rpc_method_handler(
-                self.host_buffer_lookup,
-                request_deserializer=s[p + "GrpcHostBufferLookupRequest"].FromString,
-                response_serializer=None),
-            "HostBufferDelete": rpc(grpc.unary_unary_rpc_method_handler,
-                                    self.host_buffer_delete, "GrpcHostBufferDeleteRequest",
+        ifrt = {
+            "GetVersion": rpc("unary_unary", self.get_version, "GrpcGetVersionRequest",
+                              "GrpcGetVersionResponse"),
+            "IfrtSession": rpc("stream_stream", self.ifrt_session, "IfrtRequest",
+                               "IfrtResponse"),
+            "HostBufferStore": rpc("stream_unary", self.host_buffer_store, None,
+                                   "GrpcHostBufferStoreResponse"),
+            "HostBufferLookup": rpc("unary_stream", self.host_buffer_lookup,
+                                    "GrpcHostBufferLookupRequest", None),
+            "HostBufferDelete": rpc("unary_unary", self.host_buffer_delete,
+                                    "GrpcHostBufferDeleteRequest",
                                     "GrpcHostBufferDeleteResponse"),
-            "HostBufferReadFromDisk": rpc(
-                grpc.unary_unary_rpc_method_handler, self.host_buffer_read_from_disk,
-                "GrpcHostBufferReadFromDiskRequest", "GrpcHostBufferReadFromDiskResponse"),
-        })
-        admin = grpc.method_handlers_generic_handler(ADMIN_SERVICE, {
-            "Status": grpc.unary_unary_rpc_method_handler(self.status),
-        })
-        return [ifrt, admin]
+            "HostBufferReadFromDisk": rpc("unary_unary", self.host_buffer_read_from_disk,
+                                          "GrpcHostBufferReadFromDiskRequest",
+                                          "GrpcHostBufferReadFromDiskResponse"),
+        }
+        return {**{f"/{SERVICE}/{name}": m for name, m in ifrt.items()},
+                f"/{ADMIN_SERVICE}/Status": Method("unary_unary", self.status)}
+
+
+def grpc_handlers(methods: dict[str, Method]) -> list[grpc.GenericRpcHandler]:
+    """`Method`s as grpcio generic handlers, one per service."""
+    kinds = {"unary_unary": grpc.unary_unary_rpc_method_handler,
+             "unary_stream": grpc.unary_stream_rpc_method_handler,
+             "stream_unary": grpc.stream_unary_rpc_method_handler,
+             "stream_stream": grpc.stream_stream_rpc_method_handler}
+    services: dict[str, dict[str, Any]] = {}
+    for path, m in methods.items():
+        service, _, name = path.lstrip("/").partition("/")
+        services.setdefault(service, {})[name] = kinds[m.kind](
+            m.fn, request_deserializer=m.deserialize, response_serializer=m.serialize)
+    return [grpc.method_handlers_generic_handler(service, table)
+            for service, table in services.items()]
 
 
 def _probe(host: str, port: int) -> bool:
@@ -254,23 +267,42 @@ class CannotListen(OSError):
 
 
 async def start_server(frontend: Frontend, host: str, port: int,
-                       extra_handlers: list[grpc.GenericRpcHandler] | None = None
-                       ) -> tuple[grpc.aio.Server, int]:
+                       extra_methods: dict[str, Method] | None = None,
+                       transport: str = "grpc") -> tuple[Any, int]:
     """Starts serving; returns the server and the port it bound (for port 0, a free one).
 
-    `extra_handlers` (the fleet service workers connect to) share the port."""
+    `extra_methods` (the fleet service workers connect to) share the port. `transport`:
+    "h2" (`wire/h2server.py`), "grpc" (grpc.aio) or "auto" (h2 when it is installed)."""
+    methods = {**IfrtProxyServicer(frontend).methods(), **(extra_methods or {})}
+    if transport == "auto":
+        try:
+            import h2  # noqa: F401
+        except ImportError:
+            logger.info("the h2 library is not installed: the client port is served by "
+                        "grpc.aio (pip install h2 for less CPU per request)")
+            transport = "grpc"
+        else:
+            transport = "h2"
+    cannot = CannotListen(f"cannot listen on {host}:{port}: the port is in use or the address "
+                          "is not this machine's; pick another --port (0: a free one) or "
+                          "--host")
+    if transport == "h2":
+        from isthmus.wire.h2server import H2Server
+
+        h2_server = H2Server(methods)
+        try:
+            return h2_server, await h2_server.start(host, port)
+        except OSError:
+            raise cannot from None
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    server.add_generic_rpc_handlers(IfrtProxyServicer(frontend).handlers()
-                                    + list(extra_handlers or ()))
+    server.add_generic_rpc_handlers(grpc_handlers(methods))
     try:
         # A port that is taken fails here, before gRPC logs its own error line about it.
         bound = _probe(host, port) and server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:  # grpcio >= 1.6x raises where older ones returned 0
         bound = 0
     if bound == 0:
-        raise CannotListen(f"cannot listen on {host}:{port}: the port is in use or the address "
-                           "is not this machine's; pick another --port (0: a free one) or "
-                           "--host")
+        raise cannot
     await server.start()
     return server, bound
 

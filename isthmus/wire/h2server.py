@@ -1,0 +1,411 @@
+"""The client port over HTTP/2 handled by `h2` on asyncio, instead of grpc.aio (opt-in:
+`--client-transport h2`).
+
+grpc.aio costs the server 110-130 µs of CPU per request and response before any isthmus code
+runs (bench/RESULTS.md); the client's session stream is thousands of small messages a
+second. Here the same gRPC methods (`Method` records, from the servicers) are served by a
+small gRPC-over-HTTP/2 layer: h2 (python-hyper) keeps the HTTP/2 state, this module frames
+gRPC messages (a 5-byte prefix each), maps metadata and statuses, and writes each event-loop
+turn's frames to the socket at once. Only what the stock IFRT proxy client and isthmus's own
+workers use is served: identity encoding, no compression.
+
+Flow control: a stream's received bytes are handed back to the client only when its handler
+takes the next message (or at once while no whole message waits, so that a message larger
+than the window completes), so a session that is not read blocks the client's writes (as
+the grpc.aio server's small lookahead does); the connection window is large, so one stalled
+stream never stalls the host-buffer uploads beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+import hyperframe.frame
+
+from isthmus.transport.frames import keep_alive
+from isthmus.wire.methods import Method
+
+logger = logging.getLogger(__name__)
+
+# h2 formats every received frame for its trace log, logging on or off (h2 4.x:
+# `logger.trace("Received frame: %s", repr(frame))`), and a DATA frame's repr hex-encodes its
+# whole body: a fifth of the server's time during uploads. Its repr here names the size.
+hyperframe.frame.DataFrame._body_repr = (  # type: ignore[method-assign]
+    lambda self: f"data=<{len(self.data)} bytes>")
+
+STREAM_WINDOW = 1 << 16  # bytes a client may send ahead on a stream that is not read
+UPLOAD_WINDOW = 8 << 20  # ... on a stream whose handler reads as it goes (uploads)
+CONNECTION_WINDOW = (1 << 31) - 1 - 65535  # the most HTTP/2 allows, beyond the initial one
+MAX_FRAME = (1 << 24) - 1  # the largest DATA frame a client may send us
+SMALL = 1 << 16  # messages up to this size are joined to their prefix; larger frames go out at once
+WRITE_HIGH = 8 << 20
+MAX_STREAMS = 1 << 20  # bytes queued on the socket at which a sender waits
+RESERVED = {b"content-type", b"te", b"user-agent", b"grpc-timeout", b"grpc-encoding",
+            b"grpc-accept-encoding", b"accept-encoding"}
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class Context:
+    """What a handler sees of its call (the part of grpc.aio's ServicerContext used)."""
+
+    def __init__(self, metadata: tuple[tuple[str, Any], ...], peer: str) -> None:
+        self._metadata, self._peer = metadata, peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Abort(code, details)
+
+
+class _Stream:
+    """One call: the messages received so far, and whether the client is done sending."""
+
+    def __init__(self, owner: _Connection, stream_id: int, method: Method) -> None:
+        self.owner, self.id, self.method = owner, stream_id, method
+        self.prefix = bytearray()  # of the message being received
+        self.need: int | None = None  # its size, once its prefix is in
+        self.pieces: list[memoryview] = []  # its bytes so far
+        self.items: collections.deque[memoryview] = collections.deque()
+        self.ended = False
+        self.unacked = 0  # flow-controlled bytes not yet handed back
+        self.waiter: asyncio.Future[None] | None = None
+        self.headers_sent = False
+        self.task: asyncio.Task[None] | None = None
+
+    def feed(self, data: bytes, flow: int) -> None:
+        """Takes a DATA frame's bytes; whole messages become items (views of the frames'
+        bytes: a message in one frame is never copied, one across frames once)."""
+        self.unacked += flow
+        view = memoryview(data)
+        while len(view):
+            if self.need is None:  # reading a 5-byte prefix
+                take = min(5 - len(self.prefix), len(view))
+                self.prefix += view[:take]
+                view = view[take:]
+                if len(self.prefix) < 5:
+                    break
+                if self.prefix[0]:
+                    raise _Abort(grpc.StatusCode.UNIMPLEMENTED,
+                                 "compressed gRPC messages are not supported; send identity")
+                self.need = int.from_bytes(self.prefix[1:5], "big")
+                self.prefix = bytearray()
+            have = sum(len(p) for p in self.pieces)
+            take = min(self.need - have, len(view))
+            self.pieces.append(view[:take])
+            view = view[take:]
+            if have + take == self.need:
+                pieces, self.pieces, self.need = self.pieces, [], None
+                self.items.append(pieces[0] if len(pieces) == 1 else
+                                  memoryview(b"".join(pieces)))
+        if not self.items and self.unacked:
+            # Only part of a message is here: the client gets room for the rest at once
+            # (a message larger than the window would otherwise never complete).
+            self.owner.acknowledge(self.id, self.unacked)
+            self.unacked = 0
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next(self) -> memoryview | None:
+        """The next message (None once the client has sent its last)."""
+        while not self.items:
+            if self.ended:
+                return None
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        if self.unacked:
+            self.owner.acknowledge(self.id, self.unacked)
+            self.unacked = 0
+        return self.items.popleft()
+
+    async def messages(self) -> AsyncIterator[Any]:
+        decode = self.method.deserialize
+        while (item := await self.next()) is not None:
+            yield decode(bytes(item)) if decode is not None else item
+
+
+class _Connection:
+    """One client connection: HTTP/2 events in, handler tasks, frames out."""
+
+    def __init__(self, methods: dict[str, Method], reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.methods = methods
+        self.reader, self.writer = reader, writer
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=False, header_encoding=None, validate_inbound_headers=False))
+        self.streams: dict[int, _Stream] = {}
+        self.window_waiters: list[asyncio.Future[None]] = []
+        self._flush_scheduled = False
+        host, port = (writer.get_extra_info("peername") or ("?", 0))[:2]
+        self.peer = f"ipv6:[{host}]:{port}" if ":" in str(host) else f"ipv4:{host}:{port}"
+
+    async def run(self) -> None:
+        # Our settings hold from the first byte, not only once the client acknowledges
+        # them: grpc's client may send frames of the new size before its acknowledgement.
+        h2c = self.h2
+        h2c.local_settings = h2.settings.Settings(client=False, initial_values={
+            h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            # The client uploads every shard of a put on a stream of its own, thousands at
+            # once for a pmap over many arguments.
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: h2c.DEFAULT_MAX_HEADER_LIST_SIZE})
+        h2c.max_inbound_frame_size = MAX_FRAME
+        h2c.initiate_connection()
+        self.h2.increment_flow_control_window(CONNECTION_WINDOW)
+        self.flush()
+        try:
+            while data := await self.reader.read(1 << 20):
+                try:
+                    events = self.h2.receive_data(data)
+                except h2.exceptions.ProtocolError as e:
+                    logger.info("client %s broke the HTTP/2 protocol: %s", self.peer, e)
+                    break
+                for event in events:
+                    self._on(event)
+                self.flush()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for stream in list(self.streams.values()):
+                if stream.task is not None:
+                    stream.task.cancel()
+            self._wake_senders()
+            self.writer.close()
+
+    def _on(self, event: Any) -> None:
+        if isinstance(event, h2.events.RequestReceived):
+            self._start(event.stream_id, event.headers)
+        elif isinstance(event, h2.events.DataReceived):
+            stream = self.streams.get(event.stream_id)
+            if stream is None or stream.task is None or stream.task.done():
+                self.acknowledge(event.stream_id, event.flow_controlled_length)
+                return
+            try:
+                stream.feed(event.data, event.flow_controlled_length)
+            except _Abort as e:
+                stream.task.cancel()
+                self._trailers(stream, e.code, e.message)
+        elif isinstance(event, h2.events.StreamEnded):
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:
+                stream.end()
+        elif isinstance(event, h2.events.StreamReset):
+            stream = self.streams.pop(event.stream_id, None)
+            if stream is not None and stream.task is not None:
+                stream.task.cancel()
+            self._wake_senders()
+        elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
+            self._wake_senders()
+
+    def _start(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+        path = next((v for k, v in headers if k == b":path"), b"").decode(errors="replace")
+        method = self.methods.get(path)
+        stream = _Stream(self, stream_id, method or Method("unary_unary", _unknown))
+        self.streams[stream_id] = stream
+        if method is None:
+            self._trailers(stream, grpc.StatusCode.UNIMPLEMENTED,
+                           f"method {path} is not served here")
+            return
+        if method.kind == "stream_unary":  # an upload: its handler reads as the bytes come
+            self.h2.increment_flow_control_window(UPLOAD_WINDOW - STREAM_WINDOW, stream_id)
+        context = Context(_metadata(headers), self.peer)
+        stream.task = asyncio.get_running_loop().create_task(self._serve(stream, context))
+
+    async def _serve(self, stream: _Stream, context: Context) -> None:
+        method = stream.method
+        try:
+            if method.kind.startswith("unary"):
+                first = await stream.next()
+                if first is None:
+                    raise _Abort(grpc.StatusCode.INTERNAL, "the call sent no request message")
+                first = bytes(first)
+                request = method.deserialize(first) if method.deserialize else first
+            else:
+                request = stream.messages()
+            if method.kind.endswith("unary"):
+                response = await method.fn(request, context)
+                if response is not None:
+                    await self._send(stream, response)
+            else:
+                responses = method.fn(request, context)
+                try:
+                    async for response in responses:
+                        await self._send(stream, response)
+                finally:
+                    await responses.aclose()  # its cleanup runs now, not when collected
+            self._trailers(stream, grpc.StatusCode.OK, "")
+        except _Abort as e:
+            self._trailers(stream, e.code, e.message)
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # noqa: BLE001 - a handler's bug fails its call, not the connection
+            logger.exception("%s failed", method.fn.__name__)
+            self._trailers(stream, grpc.StatusCode.INTERNAL,
+                           "the server failed unexpectedly; see its log")
+
+    async def _send(self, stream: _Stream, message: Any) -> None:
+        payload = stream.method.serialize(message) if stream.method.serialize else message
+        if stream.id not in self.streams:
+            raise asyncio.CancelledError
+        if not stream.headers_sent:
+            self.h2.send_headers(stream.id, [(b":status", b"200"),
+                                             (b"content-type", b"application/grpc")])
+            stream.headers_sent = True
+        prefix = b"\0" + len(payload).to_bytes(4, "big")
+        if len(payload) <= SMALL:
+            await self._send_data(stream, memoryview(b"".join((prefix, payload))))
+        else:  # the prefix in a frame of its own: the payload is not copied to join it
+            await self._send_data(stream, memoryview(prefix))
+            await self._send_data(stream, memoryview(payload))
+        self._schedule_flush()
+        if self.writer.transport.get_write_buffer_size() > WRITE_HIGH:
+            self.flush()
+            await self.writer.drain()
+
+    async def _send_data(self, stream: _Stream, data: memoryview) -> None:
+        while data:
+            room = min(self.h2.local_flow_control_window(stream.id),
+                       self.h2.max_outbound_frame_size, len(data))
+            if room <= 0:
+                self.flush()
+                await self._window()
+                if stream.id not in self.streams:
+                    raise asyncio.CancelledError
+                continue
+            self.h2.send_data(stream.id, data[:room])
+            data = data[room:]
+            if room > SMALL:
+                self.flush()  # a large frame goes out now, not copied into a later batch
+
+    def _trailers(self, stream: _Stream, code: grpc.StatusCode, message: str) -> None:
+        if self.streams.pop(stream.id, None) is None:
+            return
+        fields = [(b"grpc-status", str(code.value[0]).encode())]
+        if message:
+            fields.append((b"grpc-message", _percent_encode(message)))
+        if not stream.headers_sent:
+            fields = [(b":status", b"200"), (b"content-type", b"application/grpc"), *fields]
+        try:
+            self.h2.send_headers(stream.id, fields, end_stream=True)
+        except h2.exceptions.StreamClosedError:
+            return
+        if stream.unacked:
+            self.acknowledge(stream.id, stream.unacked)
+        self._schedule_flush()
+
+    def acknowledge(self, stream_id: int, size: int) -> None:
+        try:
+            self.h2.acknowledge_received_data(size, stream_id)
+        except h2.exceptions.StreamClosedError:
+            self.h2.increment_flow_control_window(size)
+        self._schedule_flush()
+
+    async def _window(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self.window_waiters.append(waiter)
+        await waiter
+
+    def _wake_senders(self) -> None:
+        waiters, self.window_waiters = self.window_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_scheduled = False
+        data = self.h2.data_to_send()
+        if data and not self.writer.is_closing():
+            self.writer.write(data)
+
+    def close(self) -> None:
+        try:
+            self.h2.close_connection()
+            self.flush()
+        except h2.exceptions.ProtocolError:
+            pass
+        self.writer.close()
+
+
+async def _unknown(request: Any, context: Context) -> None:
+    return None
+
+
+def _metadata(headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for key, value in headers:
+        if key.startswith(b":") or key in RESERVED:
+            continue
+        name = key.decode("ascii", errors="replace")
+        if name.endswith("-bin"):
+            out.append((name, base64.b64decode(value + b"=" * (-len(value) % 4))))
+        else:
+            out.append((name, value.decode("latin-1")))
+    return tuple(out)
+
+
+def _percent_encode(message: str) -> bytes:
+    return b"".join(bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b
+                    for b in message.encode())
+
+
+class H2Server:
+    """Serves `methods` (by path, "/package.Service/Method") on a TCP port."""
+
+    def __init__(self, methods: dict[str, Method]) -> None:
+        self.methods = methods
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._connected, host.strip("[]"), port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _connected(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        keep_alive(writer, idle=30, interval=10, count=2)  # notice clients that vanished
+        connection = _Connection(self.methods, reader, writer)
+        self._connections.add(connection)
+        try:
+            await connection.run()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._connections.discard(connection)
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._connections):
+            connection.close()

@@ -1,0 +1,202 @@
+"""The h2 client-port transport (wire/h2server.py) against grpcio's own client, over a real
+socket on 127.0.0.1: every method shape, messages larger than the flow-control windows both
+ways, binary metadata, statuses with their messages, unknown methods, a stream that is not
+read holding its client back without stalling the streams beside it, and a cancelled call
+cancelling its handler."""
+
+import asyncio
+
+import grpc
+import grpc.aio
+import pytest
+
+from isthmus.wire.h2server import H2Server
+from isthmus.wire.methods import Method
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+
+class Handlers:
+    def __init__(self):
+        self.cancelled = asyncio.Event()
+        self.release = asyncio.Event()
+        self.read = 0
+
+    async def echo(self, request, context):
+        metadata = dict(context.invocation_metadata())
+        return request + metadata.get("x-tag-bin", b"") + metadata.get("x-name", "").encode()
+
+    async def fail(self, request, context):
+        await context.abort(grpc.StatusCode.DATA_LOSS, "worker 3 lost: données perdues 100%")
+
+    async def crash(self, request, context):
+        raise RuntimeError("a bug")
+
+    async def download(self, request, context):
+        size = int(request)
+        for i in range(3):
+            yield bytes([i]) * size
+
+    async def upload(self, chunks, context):
+        total = 0
+        async for chunk in chunks:
+            total += len(chunk)
+        return str(total).encode()
+
+    async def chat(self, requests, context):
+        async for request in requests:
+            self.read += 1
+            if request == b"wait":
+                await self.release.wait()
+            yield bytes(request)[::-1]
+
+    async def hang(self, request, context):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        yield b""
+
+
+async def _serve(handlers):
+    server = H2Server({
+        "/t.T/Echo": Method("unary_unary", handlers.echo),
+        "/t.T/Fail": Method("unary_unary", handlers.fail),
+        "/t.T/Crash": Method("unary_unary", handlers.crash),
+        "/t.T/Download": Method("unary_stream", handlers.download),
+        "/t.T/Upload": Method("stream_unary", handlers.upload),
+        "/t.T/Chat": Method("stream_stream", handlers.chat),
+        "/t.T/Hang": Method("unary_stream", handlers.hang),
+    })
+    port = await server.start("127.0.0.1", 0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=(
+        ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)))
+    return server, channel
+
+
+def test_every_method_shape_and_large_messages_both_ways():
+    async def body():
+        handlers = Handlers()
+        server, channel = await _serve(handlers)
+        try:
+            echo = channel.unary_unary("/t.T/Echo")
+            assert await echo(b"abc", metadata=(("x-tag-bin", b"\x00\xff"),
+                                                ("x-name", "n"))) == b"abc\x00\xffn"
+            big = 9 << 20  # over every window: the stream's, the connection's initial one
+            got = [m async for m in channel.unary_stream("/t.T/Download")(str(big).encode())]
+            assert [len(m) for m in got] == [big] * 3
+            assert [m[0] for m in got] == [0, 1, 2] and got[2][-1] == 2
+
+            async def chunks():
+                for _ in range(5):
+                    yield b"x" * (3 << 20)
+
+            assert await channel.stream_unary("/t.T/Upload")(chunks()) == str(15 << 20).encode()
+            call = channel.stream_stream("/t.T/Chat")()
+            for word in (b"one", b"two", b"three"):
+                await call.write(word)
+                assert await call.read() == word[::-1]
+            await call.done_writing()
+            assert await call.read() == grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+        finally:
+            await channel.close()
+            await server.stop()
+
+    run(body())
+
+
+def test_statuses_messages_and_unknown_methods():
+    async def body():
+        server, channel = await _serve(Handlers())
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/t.T/Fail")(b"")
+            assert info.value.code() == grpc.StatusCode.DATA_LOSS
+            assert info.value.details() == "worker 3 lost: données perdues 100%"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/t.T/Crash")(b"")
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert "see its log" in info.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/t.T/Nope")(b"")
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            # The connection serves on after every one of those.
+            assert await channel.unary_unary("/t.T/Echo")(b"ok") == b"ok"
+        finally:
+            await channel.close()
+            await server.stop()
+
+    run(body())
+
+
+def test_a_stream_not_read_holds_its_client_back_not_its_neighbours():
+    async def body():
+        handlers = Handlers()
+        server, channel = await _serve(handlers)
+        try:
+            call = channel.stream_stream("/t.T/Chat")()
+            await call.write(b"wait")
+            while handlers.read < 1:
+                await asyncio.sleep(0.01)
+
+            async def writes():
+                for _ in range(400):  # 400 KiB: far over the stream's 64 KiB window
+                    await call.write(b"y" * 1024)
+
+            writer = asyncio.ensure_future(writes())
+            await asyncio.sleep(0.5)
+            assert not writer.done()  # held back by flow control
+            assert handlers.read == 1
+
+            async def chunks():
+                yield b"z" * (4 << 20)
+
+            # Another stream on the same connection moves meanwhile.
+            assert await channel.stream_unary("/t.T/Upload")(chunks()) == str(4 << 20).encode()
+            handlers.release.set()
+            await asyncio.wait_for(writer, 10)
+            await call.done_writing()
+            replies = [r async for r in call]
+            assert len(replies) == 401 and replies[0] == b"tiaw"
+        finally:
+            await channel.close()
+            await server.stop()
+
+    run(body())
+
+
+def test_a_cancelled_call_cancels_its_handler():
+    async def body():
+        handlers = Handlers()
+        server, channel = await _serve(handlers)
+        try:
+            call = channel.unary_stream("/t.T/Hang")(b"")
+            await asyncio.sleep(0.2)
+            call.cancel()
+            await asyncio.wait_for(handlers.cancelled.wait(), 5)
+        finally:
+            await channel.close()
+            await server.stop()
+
+    run(body())
+
+
+def test_a_message_larger_than_the_window_arrives_on_a_read_stream():
+    async def body():
+        handlers = Handlers()
+        server, channel = await _serve(handlers)
+        try:
+            call = channel.stream_stream("/t.T/Chat")()
+            for size in (200_000, 3 << 20):  # the session stream's window is 64 KiB
+                await call.write(b"q" * size)
+                assert len(await call.read()) == size
+            await call.done_writing()
+        finally:
+            await channel.close()
+            await server.stop()
+
+    run(body())
