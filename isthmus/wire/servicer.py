@@ -116,6 +116,14 @@ class IfrtProxyServicer:
             store = self.frontend.host_buffers(header.session_id)
             size = self.frontend.check_host_buffer_size(header.buffer_size)
             store.begin(header.handle, size)
+        except errors.TooLarge as e:
+            # The request that uses the buffer fails with this, and the session goes on: the
+            # stock client ends its whole session when an upload fails. The bytes are dropped.
+            logger.info("refused host buffer upload: %s", e.message)
+            store.abort(header.handle, e)
+            async for _ in chunks:
+                pass
+            return self.schema["xla.ifrt.proxy.GrpcHostBufferStoreResponse"]()
         except errors.IsthmusError as e:
             logger.info("refused host buffer upload: %s", e.message)
             await context.abort(_status(e.code), e.message)
