@@ -263,8 +263,8 @@ class _Connection:
             self._trailers(stream, grpc.StatusCode.OK, "")
         except _Abort as e:
             self._trailers(stream, e.code, e.message)
-        except asyncio.CancelledError:
-            pass
+        except (asyncio.CancelledError, ConnectionError, h2.exceptions.StreamClosedError):
+            pass  # the client went away, or reset this call
         except Exception:  # noqa: BLE001 - a handler's bug fails its call, not the connection
             logger.exception("%s failed", method.fn.__name__)
             self._trailers(stream, grpc.StatusCode.INTERNAL,
