@@ -184,6 +184,7 @@ def test_a_busy_fleet_is_not_a_dead_fleet(fleet):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # about 300 s on 2 cores (the fleet's gloo all-reduce bounds it)
 @pytest.mark.parametrize("fleet", [None, (2, 2, 2)], ids=["default-fleet", "2x2x2"])
 def test_five_thousand_pipelined_steps_with_one_read(fleet):
     _pipelined_training(5000, fleet, timeout=1200)
