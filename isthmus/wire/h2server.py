@@ -22,7 +22,7 @@ import asyncio
 import base64
 import collections
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc

@@ -21,10 +21,7 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-
 from isthmus import errors
-from isthmus.hostmem import aligned_empty, byte_view, map_file
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.tls import TlsConfig
@@ -35,8 +32,8 @@ from isthmus.worker.host import DeviceHost
 from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
                                      PlatformUnavailable, describe, join_group)
 from isthmus.worker.process import exit_now, preload
-from isthmus.worker.commands import (_Incoming, _produced, _reads, _request, _unpack,
-                                     write_fetched)
+from isthmus.worker.applying import CommandApplier
+from isthmus.worker.commands import _Incoming, _produced, _reads, _unpack
 from isthmus.worker.programs import CompileRequest
 from isthmus.worker.simulated import make_host
 
@@ -49,7 +46,6 @@ EXIT_DROPPED = 4  # declared lost while alive, with no way to start afresh (no a
 STOP_GRACE = 5.0  # seconds a signalled worker may take to stop before it just exits
 # Seconds a request whose collective lost a peer waits for the controller to say which.
 LOSS_REASON_WAIT = 3.0
-SMALL_FETCH_BYTES = 64 << 10  # a fetched buffer this small travels inside its Reply
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,7 +65,7 @@ class WorkerConfig:
     argv: tuple[str, ...] = ()
 
 
-class WorkerAgent:
+class WorkerAgent(CommandApplier):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.host: DeviceHost | None = None
@@ -360,82 +356,6 @@ class WorkerAgent:
         reason, at = self._last_loss
         return reason if time.monotonic() - at < 2 * LOSS_REASON_WAIT else ""
 
-    def _require_host(self) -> DeviceHost:
-        if self.host is None:
-            raise errors.InternalError("the worker has no collective group yet")
-        return self.host
-
-    def _apply(self, c: Any) -> None:
-        host = self._require_host()
-        if isinstance(c, m.Execute):
-            host.execute(c.executable, c.args, c.results, c.copy_first)
-        elif isinstance(c, m.PutBegin):
-            dtype = m.dtype_of(c.dtype)
-            self._incoming[c.buffer] = _Incoming(
-                aligned_empty(c.nbytes), c.device, c.memory_kind, dtype, c.shape)
-        elif isinstance(c, m.PutData):
-            incoming = self._incoming[c.buffer]
-            incoming.buffer[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, np.uint8)
-            if c.last:
-                del self._incoming[c.buffer]
-                value = incoming.buffer.view(incoming.dtype).reshape(incoming.shape)
-                self._spawn(c.request, host.put(c.buffer, incoming.device, value,
-                                                incoming.memory_kind))
-        elif isinstance(c, m.PutObjects):
-            self._spawn(c.request, host.put(c.buffer, c.device, c.value))
-        elif isinstance(c, m.Fail):
-            host.fail(c.buffer, c.error)
-        elif isinstance(c, m.Copy):
-            host.copy(c.src, c.dst, c.device, c.memory_kind)
-        elif isinstance(c, m.Assemble):
-            host.assemble(c.dst, c.device, c.memory_kind, m.dtype_of(c.dtype), c.shape,
-                          c.parts)
-        elif isinstance(c, m.Bitcast):
-            host.bitcast(c.src, c.dst, m.dtype_of(c.dtype), c.shape)
-        elif isinstance(c, m.Free):
-            host.free(c.buffers)
-        elif isinstance(c, m.Compile):
-            self._programs[c.executable] = _request(c)
-            self._spawn(c.request, self._compile(host, c))
-        elif isinstance(c, m.Load):
-            self._programs[c.executable] = _request(c)
-        elif isinstance(c, m.CallPython):
-            self._spawn(c.request, host.call_python(c.executable, c.args, c.results, c.stream))
-        elif isinstance(c, m.CompilePython):
-            self._programs[c.executable] = c.program
-            self._spawn(c.request, host.compile(c.executable, c.program))
-        elif isinstance(c, m.LoadPython):
-            self._programs[c.executable] = c.program
-        elif isinstance(c, m.WriteShards):
-            self._spawn(c.request, host.write_shards(c.location, c.items))
-        elif isinstance(c, m.WriteMeta):
-            self._spawn(c.request, host.write_meta(c.location, c.dtype, c.shape, c.boxes))
-        elif isinstance(c, m.ReadShards):
-            self._spawn(c.request, host.read_shards(c.location, c.dtype, c.shape, c.items))
-        elif isinstance(c, m.DropExecutable):
-            self._programs.pop(c.executable, None)
-            host.drop_executable(c.executable)
-        elif isinstance(c, m.Ready):
-            if host.all_ready(c.buffers):  # the common case of a small step: answer now
-                self._reply(c.request)
-            else:
-                self._spawn(c.request, host.ready(c.buffers), c)
-        elif isinstance(c, m.Fetch):
-            self._spawn(c.request, self._send_buffer(c.request, host.fetch(c.buffer)), c)
-        elif isinstance(c, m.PutFile):
-            value = map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
-            self._spawn(c.request, host.put(c.buffer, c.device, value, c.memory_kind))
-        elif isinstance(c, m.FetchFile):
-            self._spawn(c.request, write_fetched(host.fetch(c.buffer), c.path), c)
-        elif isinstance(c, m.Pull):
-            self._spawn(c.request, self._pull(host, c))
-        else:
-            raise errors.InternalError(f"unknown command {type(c).__name__}")
-
-    async def _compile(self, host: DeviceHost, c: m.Compile) -> Any:
-        info = await host.compile(c.executable, self._programs[c.executable])
-        return dataclasses.replace(info, param_avals=())
-
     async def _load(self, executable: int) -> None:
         """Compiles a known program that the current client lacks (the group re-formed, or
         the program came with `Load`), before the Execute that needs it is applied. A
@@ -447,32 +367,6 @@ class WorkerAgent:
             await host.compile(executable, request)
         except Exception:  # noqa: BLE001 - the host keeps the error for the Execute
             logger.warning("compiling program %s again failed", executable, exc_info=True)
-
-    async def _send_buffer(self, request: int, fetched: Any) -> Any:
-        value = await fetched
-        if value.dtype == object or value.nbytes <= SMALL_FETCH_BYTES:
-            return value  # in the Reply itself: one frame
-        flat = byte_view(value)
-        self._link.send(m.FetchHeader(request, m.dtype_name(value.dtype), value.shape,
-                                      flat.nbytes))
-        for start in range(0, flat.nbytes, m.PIECE_BYTES):
-            self._link.send(m.Data(request, start, flat[start:start + m.PIECE_BYTES].tobytes()))
-        return None
-
-    async def _pull(self, host: DeviceHost, c: m.Pull) -> None:
-        value = await self._peers.fetch(c.peer, c.src)
-        host = self._require_host()  # the group may have re-formed while the bytes came
-        await host.put(c.dst, c.device, value, c.memory_kind)
-        if not host.has(c.dst):
-            raise errors.InternalError("the pulled buffer was not stored")
-
-    async def _serve_buffer(self, buffer_id: int) -> np.ndarray:
-        # A peer may ask before this worker has applied the command that makes the buffer.
-        for _ in range(3000):
-            if self.host is not None and self.host.has(buffer_id):
-                return await self.host.fetch(buffer_id)
-            await asyncio.sleep(0.01)
-        raise errors.InternalError(f"buffer {buffer_id} never appeared on this worker")
 
     # ---- collective groups ---------------------------------------------------------------
 

@@ -1,0 +1,140 @@
+"""Applying the controller's commands to a worker's `DeviceHost` (a mixin of `WorkerAgent`):
+one branch per command, and the transfers a command starts (a fetched buffer sent back on the
+control stream, a buffer pulled from a peer, a buffer served to one)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.hostmem import aligned_empty, byte_view, map_file
+from isthmus.transport import messages as m
+from isthmus.transport.links import ControllerLink, PeerClient
+from isthmus.worker.colocated import ColocatedProgram
+from isthmus.worker.commands import _Incoming, _request, write_fetched
+from isthmus.worker.host import DeviceHost
+from isthmus.worker.programs import CompileRequest
+
+SMALL_FETCH_BYTES = 64 << 10  # a fetched buffer this small travels inside its Reply
+
+
+class CommandApplier:
+    """`_apply` and the work it starts; the agent owns the state named here."""
+
+    host: DeviceHost | None
+    _incoming: dict[int, _Incoming]
+    _programs: dict[int, CompileRequest | ColocatedProgram]
+    _link: ControllerLink
+    _peers: PeerClient
+
+    def _spawn(self, request: int, work: Any, command: Any = None) -> None:
+        raise NotImplementedError
+
+    def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
+        raise NotImplementedError
+
+    def _require_host(self) -> DeviceHost:
+        if self.host is None:
+            raise errors.InternalError("the worker has no collective group yet")
+        return self.host
+
+    def _apply(self, c: Any) -> None:
+        host = self._require_host()
+        if isinstance(c, m.Execute):
+            host.execute(c.executable, c.args, c.results, c.copy_first)
+        elif isinstance(c, m.PutBegin):
+            dtype = m.dtype_of(c.dtype)
+            self._incoming[c.buffer] = _Incoming(
+                aligned_empty(c.nbytes), c.device, c.memory_kind, dtype, c.shape)
+        elif isinstance(c, m.PutData):
+            incoming = self._incoming[c.buffer]
+            incoming.buffer[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, np.uint8)
+            if c.last:
+                del self._incoming[c.buffer]
+                value = incoming.buffer.view(incoming.dtype).reshape(incoming.shape)
+                self._spawn(c.request, host.put(c.buffer, incoming.device, value,
+                                                incoming.memory_kind))
+        elif isinstance(c, m.PutObjects):
+            self._spawn(c.request, host.put(c.buffer, c.device, c.value))
+        elif isinstance(c, m.Fail):
+            host.fail(c.buffer, c.error)
+        elif isinstance(c, m.Copy):
+            host.copy(c.src, c.dst, c.device, c.memory_kind)
+        elif isinstance(c, m.Assemble):
+            host.assemble(c.dst, c.device, c.memory_kind, m.dtype_of(c.dtype), c.shape,
+                          c.parts)
+        elif isinstance(c, m.Bitcast):
+            host.bitcast(c.src, c.dst, m.dtype_of(c.dtype), c.shape)
+        elif isinstance(c, m.Free):
+            host.free(c.buffers)
+        elif isinstance(c, m.Compile):
+            self._programs[c.executable] = _request(c)
+            self._spawn(c.request, self._compile(host, c))
+        elif isinstance(c, m.Load):
+            self._programs[c.executable] = _request(c)
+        elif isinstance(c, m.CallPython):
+            self._spawn(c.request, host.call_python(c.executable, c.args, c.results, c.stream))
+        elif isinstance(c, m.CompilePython):
+            self._programs[c.executable] = c.program
+            self._spawn(c.request, host.compile(c.executable, c.program))
+        elif isinstance(c, m.LoadPython):
+            self._programs[c.executable] = c.program
+        elif isinstance(c, m.WriteShards):
+            self._spawn(c.request, host.write_shards(c.location, c.items))
+        elif isinstance(c, m.WriteMeta):
+            self._spawn(c.request, host.write_meta(c.location, c.dtype, c.shape, c.boxes))
+        elif isinstance(c, m.ReadShards):
+            self._spawn(c.request, host.read_shards(c.location, c.dtype, c.shape, c.items))
+        elif isinstance(c, m.DropExecutable):
+            self._programs.pop(c.executable, None)
+            host.drop_executable(c.executable)
+        elif isinstance(c, m.Ready):
+            if host.all_ready(c.buffers):  # the common case of a small step: answer now
+                self._reply(c.request)
+            else:
+                self._spawn(c.request, host.ready(c.buffers), c)
+        elif isinstance(c, m.Fetch):
+            self._spawn(c.request, self._send_buffer(c.request, host.fetch(c.buffer)), c)
+        elif isinstance(c, m.PutFile):
+            value = map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
+            self._spawn(c.request, host.put(c.buffer, c.device, value, c.memory_kind))
+        elif isinstance(c, m.FetchFile):
+            self._spawn(c.request, write_fetched(host.fetch(c.buffer), c.path), c)
+        elif isinstance(c, m.Pull):
+            self._spawn(c.request, self._pull(host, c))
+        else:
+            raise errors.InternalError(f"unknown command {type(c).__name__}")
+
+    async def _compile(self, host: DeviceHost, c: m.Compile) -> Any:
+        info = await host.compile(c.executable, self._programs[c.executable])
+        return dataclasses.replace(info, param_avals=())
+
+    async def _send_buffer(self, request: int, fetched: Any) -> Any:
+        value = await fetched
+        if value.dtype == object or value.nbytes <= SMALL_FETCH_BYTES:
+            return value  # in the Reply itself: one frame
+        flat = byte_view(value)
+        self._link.send(m.FetchHeader(request, m.dtype_name(value.dtype), value.shape,
+                                      flat.nbytes))
+        for start in range(0, flat.nbytes, m.PIECE_BYTES):
+            self._link.send(m.Data(request, start, flat[start:start + m.PIECE_BYTES].tobytes()))
+        return None
+
+    async def _pull(self, host: DeviceHost, c: m.Pull) -> None:
+        value = await self._peers.fetch(c.peer, c.src)
+        host = self._require_host()  # the group may have re-formed while the bytes came
+        await host.put(c.dst, c.device, value, c.memory_kind)
+        if not host.has(c.dst):
+            raise errors.InternalError("the pulled buffer was not stored")
+
+    async def _serve_buffer(self, buffer_id: int) -> np.ndarray:
+        # A peer may ask before this worker has applied the command that makes the buffer.
+        for _ in range(3000):
+            if self.host is not None and self.host.has(buffer_id):
+                return await self.host.fetch(buffer_id)
+            await asyncio.sleep(0.01)
+        raise errors.InternalError(f"buffer {buffer_id} never appeared on this worker")
