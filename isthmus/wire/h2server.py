@@ -85,6 +85,7 @@ class _Stream:
         self.prefix = bytearray()  # of the message being received
         self.need: int | None = None  # its size, once its prefix is in
         self.pieces: list[memoryview] = []  # its bytes so far
+        self.have = 0  # ... and how many they are
         self.items: collections.deque[memoryview] = collections.deque()
         self.ended = False
         self.unacked = 0  # flow-controlled bytes not yet handed back
@@ -109,12 +110,12 @@ class _Stream:
                                  "compressed gRPC messages are not supported; send identity")
                 self.need = int.from_bytes(self.prefix[1:5], "big")
                 self.prefix = bytearray()
-            have = sum(len(p) for p in self.pieces)
-            take = min(self.need - have, len(view))
+            take = min(self.need - self.have, len(view))
             self.pieces.append(view[:take])
+            self.have += take
             view = view[take:]
-            if have + take == self.need:
-                pieces, self.pieces, self.need = self.pieces, [], None
+            if self.have == self.need:
+                pieces, self.pieces, self.need, self.have = self.pieces, [], None, 0
                 self.items.append(pieces[0] if len(pieces) == 1 else
                                   memoryview(b"".join(pieces)))
         if not self.items and self.unacked:
@@ -178,7 +179,7 @@ class _Connection:
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: h2c.DEFAULT_MAX_HEADER_LIST_SIZE})
         h2c.max_inbound_frame_size = MAX_FRAME
         h2c.initiate_connection()
-        self.h2.increment_flow_control_window(CONNECTION_WINDOW)
+        h2c.increment_flow_control_window(CONNECTION_WINDOW)
         self.flush()
         try:
             while data := await self.reader.read(1 << 20):

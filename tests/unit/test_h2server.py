@@ -5,6 +5,7 @@ read holding its client back without stalling the streams beside it, and a cance
 cancelling its handler."""
 
 import asyncio
+import contextlib
 
 import grpc
 import grpc.aio
@@ -61,7 +62,8 @@ class Handlers:
         yield b""
 
 
-async def _serve(handlers):
+@contextlib.asynccontextmanager
+async def _serving(handlers):
     server = H2Server({
         "/t.T/Echo": Method("unary_unary", handlers.echo),
         "/t.T/Fail": Method("unary_unary", handlers.fail),
@@ -74,14 +76,17 @@ async def _serve(handlers):
     port = await server.start("127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=(
         ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)))
-    return server, channel
+    try:
+        yield channel
+    finally:
+        await channel.close()
+        await server.stop()
 
 
 def test_every_method_shape_and_large_messages_both_ways():
     async def body():
         handlers = Handlers()
-        server, channel = await _serve(handlers)
-        try:
+        async with _serving(handlers) as channel:
             echo = channel.unary_unary("/t.T/Echo")
             assert await echo(b"abc", metadata=(("x-tag-bin", b"\x00\xff"),
                                                 ("x-name", "n"))) == b"abc\x00\xffn"
@@ -102,17 +107,13 @@ def test_every_method_shape_and_large_messages_both_ways():
             await call.done_writing()
             assert await call.read() == grpc.aio.EOF
             assert await call.code() == grpc.StatusCode.OK
-        finally:
-            await channel.close()
-            await server.stop()
 
     run(body())
 
 
 def test_statuses_messages_and_unknown_methods():
     async def body():
-        server, channel = await _serve(Handlers())
-        try:
+        async with _serving(Handlers()) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await channel.unary_unary("/t.T/Fail")(b"")
             assert info.value.code() == grpc.StatusCode.DATA_LOSS
@@ -126,9 +127,6 @@ def test_statuses_messages_and_unknown_methods():
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
             # The connection serves on after every one of those.
             assert await channel.unary_unary("/t.T/Echo")(b"ok") == b"ok"
-        finally:
-            await channel.close()
-            await server.stop()
 
     run(body())
 
@@ -136,8 +134,7 @@ def test_statuses_messages_and_unknown_methods():
 def test_a_stream_not_read_holds_its_client_back_not_its_neighbours():
     async def body():
         handlers = Handlers()
-        server, channel = await _serve(handlers)
-        try:
+        async with _serving(handlers) as channel:
             call = channel.stream_stream("/t.T/Chat")()
             await call.write(b"wait")
             while handlers.read < 1:
@@ -162,9 +159,6 @@ def test_a_stream_not_read_holds_its_client_back_not_its_neighbours():
             await call.done_writing()
             replies = [r async for r in call]
             assert len(replies) == 401 and replies[0] == b"tiaw"
-        finally:
-            await channel.close()
-            await server.stop()
 
     run(body())
 
@@ -172,15 +166,11 @@ def test_a_stream_not_read_holds_its_client_back_not_its_neighbours():
 def test_a_cancelled_call_cancels_its_handler():
     async def body():
         handlers = Handlers()
-        server, channel = await _serve(handlers)
-        try:
+        async with _serving(handlers) as channel:
             call = channel.unary_stream("/t.T/Hang")(b"")
             await asyncio.sleep(0.2)
             call.cancel()
             await asyncio.wait_for(handlers.cancelled.wait(), 5)
-        finally:
-            await channel.close()
-            await server.stop()
 
     run(body())
 
@@ -188,15 +178,11 @@ def test_a_cancelled_call_cancels_its_handler():
 def test_a_message_larger_than_the_window_arrives_on_a_read_stream():
     async def body():
         handlers = Handlers()
-        server, channel = await _serve(handlers)
-        try:
+        async with _serving(handlers) as channel:
             call = channel.stream_stream("/t.T/Chat")()
             for size in (200_000, 3 << 20):  # the session stream's window is 64 KiB
                 await call.write(b"q" * size)
                 assert len(await call.read()) == size
             await call.done_writing()
-        finally:
-            await channel.close()
-            await server.stop()
 
     run(body())
