@@ -79,7 +79,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-dir", default="auto",
                         help="directory where clients on this machine hand over large host "
                              "buffers through shared memory; 'auto' makes one under /dev/shm, "
-                             "'none' turns it off (default: auto)")
+                             "'none' (or 'off') turns it off (default: auto)")
     parser.add_argument("--client-transport", choices=("auto", "h2", "grpc"),
                         default=os.environ.get("ISTHMUS_CLIENT_TRANSPORT", "auto"),
                         help="what serves the client port: h2 (HTTP/2 frames handled in "
@@ -203,10 +203,25 @@ def _head_config(args: argparse.Namespace) -> object:
         restart=RestartPolicy(enabled=not args.no_restart),
         advertise_host=args.advertise_host, fleet_port=args.fleet_port,
         fleet_token=token, tls=_tls(args),
-        shared_dir=None if args.shared_dir == "none" else args.shared_dir,
+        shared_dir=_shared_dir(args.shared_dir),
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes),
         max_host_buffer_bytes=args.max_array_bytes, client_transport=args.client_transport)
+
+
+def _shared_dir(value: str) -> str | None:
+    """--shared-dir: 'auto', 'none' (or 'off'), or an existing directory the server may
+    write, as an absolute path (the client and the server resolve it alike)."""
+    if value in ("auto", "none", "off"):
+        return None if value != "auto" else value
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isdir(path):
+        _refuse(f"--shared-dir {value}: no such directory; give an existing directory, "
+                "'auto' (a fresh one under /dev/shm) or 'none'")
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        _refuse(f"--shared-dir {value}: this user cannot read and write it; give a "
+                "directory it can, 'auto' or 'none'")
+    return path
 
 
 def _fleet_token(args: argparse.Namespace) -> str:

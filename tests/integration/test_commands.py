@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 from isthmus.testing import LocalServer
@@ -149,6 +150,25 @@ def test_counts_below_one_are_one_line():
         assert result.returncode == 2, (flag, result.stderr)
         assert result.stderr.strip().splitlines() == [
             f"isthmus: {flag} must be at least 1, not 0"], result.stderr
+
+
+def test_shared_dir_is_checked_and_off_turns_it_off(tmp_path):
+    missing = tmp_path / "nowhere"
+    result = _isthmus("up", "--devices", "1", "--shared-dir", str(missing), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"isthmus: --shared-dir {missing}: no such directory; give an existing directory, "
+        "'auto' (a fresh one under /dev/shm) or 'none'"], result.stderr
+    # 'off' is 'none': the client gets no shared directory, and a put above the threshold
+    # goes over the socket.
+    script = ("import os, jax, numpy as np\n"
+              "assert 'IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY' not in os.environ\n"
+              "x = np.arange(1 << 20, dtype=np.float32)\n"
+              "print(float(np.asarray(jax.device_put(x) * 2).sum()))\n")
+    result = _isthmus("run", "--devices", "1", "--shared-dir", "off", "--", sys.executable,
+                      "-c", script, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) == float((np.arange(1 << 20) * 2.0).sum())
 
 
 def _free_port():
