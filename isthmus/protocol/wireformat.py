@@ -33,9 +33,10 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-def bytes_message(data: memoryview) -> bytes:
-    """A serialized message whose only field is `bytes data = 1`."""
-    return b"".join((b"\x0a", varint(len(data)), data))
+def bytes_message(data: memoryview) -> tuple[bytes, memoryview]:
+    """A serialized message whose only field is `bytes data = 1`, as its field header and
+    the data itself (joined, the two are the message)."""
+    return b"\x0a" + varint(len(data)), data
 
 
 def bytes_field(message: bytes) -> memoryview:
@@ -64,3 +65,30 @@ def bytes_field(message: bytes) -> memoryview:
     if pos != len(view):
         raise ValueError("truncated message")
     return result
+
+
+def bytes_field_parts(message: Any) -> list[memoryview]:
+    """Field 1 of a serialized message whose only field it is (a host-buffer chunk), as views
+    of its bytes; `message` is bytes-like or a sequence of consecutive buffers (a message
+    received in pieces), which are not joined.
+
+    ValueError when the message is malformed."""
+    if not isinstance(message, (list, tuple)):
+        data = bytes_field(message)
+        return [data] if len(data) else []
+    parts = [memoryview(p) for p in message]
+    head = b"".join(bytes(p[:11]) for p in parts[:11])[:11]  # the tag and length varint
+    total = sum(len(p) for p in parts)
+    if not head or head[0] != 0x0A:
+        return bytes_field_parts(b"".join(parts))  # another layout: parsed whole
+    length, start = read_varint(head, 1)
+    if start + length != total:
+        return bytes_field_parts(b"".join(parts))
+    out = []
+    for part in parts:
+        if start >= len(part):
+            start -= len(part)
+            continue
+        out.append(part[start:])
+        start = 0
+    return out

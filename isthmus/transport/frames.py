@@ -46,7 +46,8 @@ def write_frame(writer: asyncio.StreamWriter, payload: bytes) -> None:
         writer.write(payload)
 
 
-def keep_alive(writer: asyncio.StreamWriter, idle: int = 10, interval: int = 5,
+def keep_alive(writer: asyncio.StreamWriter | asyncio.BaseTransport, idle: int = 10,
+               interval: int = 5,
                count: int = 3) -> None:
     """TCP keepalive on the stream's socket, so that an end whose machine vanished (no FIN
     ever comes) is noticed within about idle + interval * count seconds."""

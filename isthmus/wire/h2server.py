@@ -1,5 +1,5 @@
-"""The client port over HTTP/2 handled by `h2` on asyncio, instead of grpc.aio (opt-in:
-`--client-transport h2`).
+"""The client port over HTTP/2 handled by `h2` on asyncio, instead of grpc.aio (the default;
+`--client-transport grpc` keeps grpc.aio).
 
 grpc.aio costs the server 110-130 µs of CPU per request and response before any isthmus code
 runs (bench/RESULTS.md); the client's session stream is thousands of small messages a
@@ -7,7 +7,8 @@ second. Here the same gRPC methods (`Method` records, from the servicers) are se
 small gRPC-over-HTTP/2 layer: h2 (python-hyper) keeps the HTTP/2 state, this module frames
 gRPC messages (a 5-byte prefix each), maps metadata and statuses, and writes each event-loop
 turn's frames to the socket at once. Only what the stock IFRT proxy client and isthmus's own
-workers use is served: identity encoding, no compression.
+workers use is served: identity encoding, no compression. The bytes between the socket and
+h2, and the copies a large transfer does not make, are in `h2frames`.
 
 Flow control: a stream's received bytes are handed back to the client only when its handler
 takes the next message (or at once while no whole message waits, so that a message larger
@@ -31,26 +32,19 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
-import hyperframe.frame
 
 from isthmus.transport.frames import keep_alive
-from isthmus.wire.methods import Method
+from isthmus.wire.h2frames import LARGE, Frames, Held, Wire
+from isthmus.wire.methods import Method, Pieces
 
 logger = logging.getLogger(__name__)
-
-# h2 formats every received frame for its trace log, logging on or off (h2 4.x:
-# `logger.trace("Received frame: %s", repr(frame))`), and a DATA frame's repr hex-encodes its
-# whole body: a fifth of the server's time during uploads. Its repr here names the size.
-hyperframe.frame.DataFrame._body_repr = (  # type: ignore[method-assign]
-    lambda self: f"data=<{len(self.data)} bytes>")
 
 STREAM_WINDOW = 1 << 16  # bytes a client may send ahead on a stream that is not read
 UPLOAD_WINDOW = 8 << 20  # ... on a stream whose handler reads as it goes (uploads)
 CONNECTION_WINDOW = (1 << 31) - 1 - 65535  # the most HTTP/2 allows, beyond the initial one
 MAX_FRAME = (1 << 24) - 1  # the largest DATA frame a client may send us
-SMALL = 1 << 16  # messages up to this size are joined to their prefix; larger frames go out at once
-WRITE_HIGH = 8 << 20
-MAX_STREAMS = 1 << 20  # bytes queued on the socket at which a sender waits
+WRITE_HIGH = 8 << 20  # bytes queued on the socket at which a sender waits
+MAX_STREAMS = 1 << 20
 RESERVED = {b"content-type", b"te", b"user-agent", b"grpc-timeout", b"grpc-encoding",
             b"grpc-accept-encoding", b"accept-encoding"}
 
@@ -116,8 +110,10 @@ class _Stream:
             view = view[take:]
             if self.have == self.need:
                 pieces, self.pieces, self.need, self.have = self.pieces, [], None, 0
-                self.items.append(pieces[0] if len(pieces) == 1 else
-                                  memoryview(b"".join(pieces)))
+                # A message across frames stays in pieces for a handler that copies them
+                # to where they go (uploads); the others get it joined.
+                self.items.append(pieces[0] if len(pieces) == 1 else Pieces(pieces)
+                                  if self.method.pieces else memoryview(b"".join(pieces)))
         if not self.items and self.unacked:
             # Only part of a message is here: the client gets room for the rest at once
             # (a message larger than the window would otherwise never complete).
@@ -133,7 +129,7 @@ class _Stream:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    async def next(self) -> memoryview | None:
+    async def next(self) -> memoryview | Pieces | None:
         """The next message (None once the client has sent its last)."""
         while not self.items:
             if self.ended:
@@ -148,25 +144,26 @@ class _Stream:
     async def messages(self) -> AsyncIterator[Any]:
         decode = self.method.deserialize
         while (item := await self.next()) is not None:
-            yield decode(bytes(item)) if decode is not None else item
+            yield decode(_whole(item)) if decode is not None else item
 
 
 class _Connection:
     """One client connection: HTTP/2 events in, handler tasks, frames out."""
 
-    def __init__(self, methods: dict[str, Method], reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+    def __init__(self, methods: dict[str, Method]) -> None:
         self.methods = methods
-        self.reader, self.writer = reader, writer
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(
+        self.h2 = Frames(h2.config.H2Configuration(
             client_side=False, header_encoding=None, validate_inbound_headers=False))
+        self.wire = Wire(self.h2, self._made, self._events, WRITE_HIGH)
         self.streams: dict[int, _Stream] = {}
         self.window_waiters: list[asyncio.Future[None]] = []
         self._flush_scheduled = False
-        host, port = (writer.get_extra_info("peername") or ("?", 0))[:2]
-        self.peer = f"ipv6:[{host}]:{port}" if ":" in str(host) else f"ipv4:{host}:{port}"
+        self.peer = "ipv4:?:0"
 
-    async def run(self) -> None:
+    def _made(self, transport: asyncio.Transport) -> None:
+        keep_alive(transport, idle=30, interval=10, count=2)  # notice clients that vanished
+        host, port = (transport.get_extra_info("peername") or ("?", 0))[:2]
+        self.peer = f"ipv6:[{host}]:{port}" if ":" in str(host) else f"ipv4:{host}:{port}"
         # Our settings hold from the first byte, not only once the client acknowledges
         # them: grpc's client may send frames of the new size before its acknowledgement.
         h2c = self.h2
@@ -181,24 +178,23 @@ class _Connection:
         h2c.initiate_connection()
         h2c.increment_flow_control_window(CONNECTION_WINDOW)
         self.flush()
+
+    def _events(self, events: list[Any]) -> None:
+        for event in events:
+            self._on(event)
+        self.flush()
+
+    async def run(self) -> None:
+        """Until the client's connection closes; then its calls are cancelled."""
         try:
-            while data := await self.reader.read(1 << 20):
-                try:
-                    events = self.h2.receive_data(data)
-                except h2.exceptions.ProtocolError as e:
-                    logger.info("client %s broke the HTTP/2 protocol: %s", self.peer, e)
-                    break
-                for event in events:
-                    self._on(event)
-                self.flush()
-        except (ConnectionError, OSError):
-            pass
+            await self.wire.closed
         finally:
             for stream in list(self.streams.values()):
                 if stream.task is not None:
                     stream.task.cancel()
             self._wake_senders()
-            self.writer.close()
+            if self.wire.transport is not None:
+                self.wire.transport.close()
 
     def _on(self, event: Any) -> None:
         if isinstance(event, h2.events.RequestReceived):
@@ -246,7 +242,7 @@ class _Connection:
                 first = await stream.next()
                 if first is None:
                     raise _Abort(grpc.StatusCode.INTERNAL, "the call sent no request message")
-                first = bytes(first)
+                first = _whole(first)
                 request = method.deserialize(first) if method.deserialize else first
             else:
                 request = stream.messages()
@@ -272,23 +268,36 @@ class _Connection:
                            "the server failed unexpectedly; see its log")
 
     async def _send(self, stream: _Stream, message: Any) -> None:
-        payload = stream.method.serialize(message) if stream.method.serialize else message
+        if isinstance(message, Pieces):
+            pieces = list(message)
+        else:
+            pieces = [stream.method.serialize(message) if stream.method.serialize else message]
         if stream.id not in self.streams:
             raise asyncio.CancelledError
         if not stream.headers_sent:
             self.h2.send_headers(stream.id, [(b":status", b"200"),
                                              (b"content-type", b"application/grpc")])
             stream.headers_sent = True
-        prefix = b"\0" + len(payload).to_bytes(4, "big")
-        if len(payload) <= SMALL:
-            await self._send_data(stream, memoryview(b"".join((prefix, payload))))
-        else:  # the prefix in a frame of its own: the payload is not copied to join it
-            await self._send_data(stream, memoryview(prefix))
-            await self._send_data(stream, memoryview(payload))
+        size = sum(len(p) for p in pieces)
+        pieces[0:0] = [b"\0" + size.to_bytes(4, "big")]
+        if size <= LARGE:
+            await self._send_data(stream, memoryview(b"".join(pieces)))
+        else:  # small pieces are joined; a large one is sent without a copy
+            small: list[Any] = []
+            for piece in pieces:
+                if len(piece) > LARGE:
+                    if small:
+                        await self._send_data(stream, memoryview(b"".join(small)))
+                        small = []
+                    await self._send_data(stream, memoryview(piece))
+                else:
+                    small.append(piece)
+            if small:
+                await self._send_data(stream, memoryview(b"".join(small)))
         self._schedule_flush()
-        if self.writer.transport.get_write_buffer_size() > WRITE_HIGH:
+        if self.wire.buffered() > WRITE_HIGH:
             self.flush()
-            await self.writer.drain()
+            await self.wire.drain()
 
     async def _send_data(self, stream: _Stream, data: memoryview) -> None:
         while data:
@@ -300,10 +309,12 @@ class _Connection:
                 if stream.id not in self.streams:
                     raise asyncio.CancelledError
                 continue
-            self.h2.send_data(stream.id, data[:room])
+            if room > LARGE:
+                self.h2.send_data(stream.id, Held(data[:room]))
+                self.flush()  # a large frame goes out now
+            else:
+                self.h2.send_data(stream.id, data[:room])
             data = data[room:]
-            if room > SMALL:
-                self.flush()  # a large frame goes out now, not copied into a later batch
 
     def _trailers(self, stream: _Stream, code: grpc.StatusCode, message: str) -> None:
         if self.streams.pop(stream.id, None) is None:
@@ -346,9 +357,8 @@ class _Connection:
 
     def flush(self) -> None:
         self._flush_scheduled = False
-        data = self.h2.data_to_send()
-        if data and not self.writer.is_closing():
-            self.writer.write(data)
+        for data in self.h2.take():
+            self.wire.write(data)
 
     def close(self) -> None:
         try:
@@ -356,7 +366,12 @@ class _Connection:
             self.flush()
         except h2.exceptions.ProtocolError:
             pass
-        self.writer.close()
+        if self.wire.transport is not None:
+            self.wire.transport.close()
+
+
+def _whole(message: memoryview | Pieces) -> bytes:
+    return b"".join(message) if isinstance(message, Pieces) else bytes(message)
 
 
 async def _unknown(request: Any, context: Context) -> None:
@@ -390,20 +405,16 @@ class H2Server:
         self._connections: set[_Connection] = set()
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._connected, host.strip("[]"), port)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._connected, host.strip("[]"), port)
         return self._server.sockets[0].getsockname()[1]
 
-    async def _connected(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
-        keep_alive(writer, idle=30, interval=10, count=2)  # notice clients that vanished
-        connection = _Connection(self.methods, reader, writer)
+    def _connected(self) -> Wire:
+        connection = _Connection(self.methods)
         self._connections.add(connection)
-        try:
-            await connection.run()
-        except asyncio.CancelledError:
-            pass
-        finally:
-            self._connections.discard(connection)
+        task = asyncio.get_running_loop().create_task(connection.run())
+        task.add_done_callback(lambda _: self._connections.discard(connection))
+        return connection.wire
 
     async def stop(self, grace: float | None = None) -> None:
         if self._server is not None:

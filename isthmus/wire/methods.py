@@ -8,6 +8,20 @@ from collections.abc import Callable
 from typing import Any
 
 
+class Pieces(tuple):  # type: ignore[type-arg]
+    """A serialized message as consecutive buffers (a field's header, then the bytes of a
+    host buffer): h2 sends them as they are, grpc.aio joins them."""
+
+
+def joined(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """`serialize` for a transport that needs one bytes object per message."""
+    def join(message: Any) -> bytes:
+        if isinstance(message, Pieces):
+            return b"".join(message)
+        return serialize(message) if serialize is not None else message
+    return join
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Method:
     """One gRPC method: its shape, handler and (de)serializers (None: raw bytes)."""
@@ -16,3 +30,6 @@ class Method:
     fn: Callable[..., Any]
     deserialize: Callable[[bytes], Any] | None = None
     serialize: Callable[[Any], bytes] | None = None
+    # Raw requests only: the handler takes a message that came in several frames as
+    # `Pieces` instead of joined (grpc.aio always gives bytes).
+    pieces: bool = False

@@ -1,13 +1,14 @@
 """The gRPC face of the server: `xla.ifrt.proxy.GrpcIfrtService` and our admin service.
 
-This is the only module that imports grpc. It moves messages between sockets and the front
-end and maps `IsthmusError`s to gRPC statuses for the RPCs that fail as a whole (the session
+With the two transports under it (grpc.aio, `h2server`), this is the layer that imports
+grpc. It moves messages between the transport and the front end and maps `IsthmusError`s to gRPC statuses for the RPCs that fail as a whole (the session
 stream reports per-request errors inside its responses instead).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -19,8 +20,8 @@ import grpc.aio
 from isthmus import errors
 from isthmus.frontend.service import Frontend
 from isthmus.hostmem import aligned_empty
-from isthmus.protocol.wireformat import bytes_field, bytes_message
-from isthmus.wire.methods import Method
+from isthmus.protocol.wireformat import bytes_field_parts, bytes_message
+from isthmus.wire.methods import Method, Pieces, joined
 from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
@@ -133,17 +134,18 @@ class IfrtProxyServicer:
         try:
             async for chunk in chunks:
                 try:
-                    data = bytes_field(chunk)
+                    parts = bytes_field_parts(chunk)
                 except ValueError:
                     raise errors.InvalidRequest(
                         "a host buffer chunk is not a valid message.") from None
-                end = filled + len(data)
-                if end > size:
-                    raise errors.InvalidRequest(
-                        f"host buffer {header.handle} sent more than the {size} bytes its "
-                        "metadata announced; send exactly buffer_size bytes.")
-                view[filled:end] = data
-                filled = end
+                for data in parts:
+                    end = filled + len(data)
+                    if end > size:
+                        raise errors.InvalidRequest(
+                            f"host buffer {header.handle} sent more than the {size} bytes "
+                            "its metadata announced; send exactly buffer_size bytes.")
+                    view[filled:end] = data
+                    filled = end
             if filled != size:
                 raise errors.InvalidRequest(
                     f"host buffer {header.handle} ended after {filled} of {size} announced "
@@ -174,7 +176,7 @@ class IfrtProxyServicer:
             yield b""
             return
         for start in range(0, len(data), LOOKUP_CHUNK_BYTES):
-            yield bytes_message(data[start:start + LOOKUP_CHUNK_BYTES])
+            yield Pieces(bytes_message(data[start:start + LOOKUP_CHUNK_BYTES]))
 
     async def host_buffer_delete(self, request: Any, context: grpc.aio.ServicerContext
                                  ) -> Any:
@@ -224,8 +226,9 @@ class IfrtProxyServicer:
                               "GrpcGetVersionResponse"),
             "IfrtSession": rpc("stream_stream", self.ifrt_session, "IfrtRequest",
                                "IfrtResponse"),
-            "HostBufferStore": rpc("stream_unary", self.host_buffer_store, None,
-                                   "GrpcHostBufferStoreResponse"),
+            "HostBufferStore": dataclasses.replace(
+                rpc("stream_unary", self.host_buffer_store, None,
+                    "GrpcHostBufferStoreResponse"), pieces=True),
             "HostBufferLookup": rpc("unary_stream", self.host_buffer_lookup,
                                     "GrpcHostBufferLookupRequest", None),
             "HostBufferDelete": rpc("unary_unary", self.host_buffer_delete,
@@ -249,7 +252,7 @@ def grpc_handlers(methods: dict[str, Method]) -> list[grpc.GenericRpcHandler]:
     for path, m in methods.items():
         service, _, name = path.lstrip("/").partition("/")
         services.setdefault(service, {})[name] = kinds[m.kind](
-            m.fn, request_deserializer=m.deserialize, response_serializer=m.serialize)
+            m.fn, request_deserializer=m.deserialize, response_serializer=joined(m.serialize))
     return [grpc.method_handlers_generic_handler(service, table)
             for service, table in services.items()]
 

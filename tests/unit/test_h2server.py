@@ -12,7 +12,7 @@ import grpc.aio
 import pytest
 
 from isthmus.wire.h2server import H2Server
-from isthmus.wire.methods import Method
+from isthmus.wire.methods import Method, Pieces
 
 
 def run(coroutine):
@@ -42,8 +42,8 @@ class Handlers:
 
     async def upload(self, chunks, context):
         total = 0
-        async for chunk in chunks:
-            total += len(chunk)
+        async for chunk in chunks:  # a message across frames comes in Pieces
+            total += sum(map(len, chunk)) if isinstance(chunk, Pieces) else len(chunk)
         return str(total).encode()
 
     async def chat(self, requests, context):
@@ -69,7 +69,7 @@ async def _serving(handlers):
         "/t.T/Fail": Method("unary_unary", handlers.fail),
         "/t.T/Crash": Method("unary_unary", handlers.crash),
         "/t.T/Download": Method("unary_stream", handlers.download),
-        "/t.T/Upload": Method("stream_unary", handlers.upload),
+        "/t.T/Upload": Method("stream_unary", handlers.upload, pieces=True),
         "/t.T/Chat": Method("stream_stream", handlers.chat),
         "/t.T/Hang": Method("unary_stream", handlers.hang),
     })

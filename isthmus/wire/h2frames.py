@@ -1,0 +1,227 @@
+"""The bytes under `h2server`: HTTP/2 frames between the socket and h2's state machine,
+with the bulk of a transfer never copied in Python.
+
+h2 (python-hyper) keeps the protocol's state, but moves bytes as a library for small
+messages would: a received frame is appended to a buffer, sliced out of it and copied again
+into its event, and a sent frame is joined into a send buffer that is copied once more on
+the way out. For a 256 MiB put or fetch that was most of the server's CPU. Here:
+
+- *Receiving* (`Wire`): the socket is read into a buffer of ours; frames in it are handed to
+  h2 as they are, except a large DATA frame, whose body is read from the socket straight
+  into a buffer of its own and given to h2 as a parsed frame. That buffer becomes the
+  message the handler gets (a message in one frame) without another copy.
+- *Sending* (`Frames`, `Held`): a large DATA frame's bytes are handed to h2 wrapped in
+  `Held`, so that h2 counts them for flow control without copying them, and are written to
+  the socket as the frame's 9-byte header and the caller's own view.
+
+Everything else (settings, headers, windows, small messages) goes through h2 unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.exceptions
+import hyperframe.frame
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# h2 formats every received frame for its trace log, logging on or off (h2 4.x:
+# `logger.trace("Received frame: %s", repr(frame))`), and a DATA frame's repr hex-encodes its
+# whole body. Its repr here names the size.
+hyperframe.frame.DataFrame._body_repr = (  # type: ignore[method-assign]
+    lambda self: f"data=<{len(self.data)} bytes>")
+
+LARGE = 1 << 16  # DATA frames above this many bytes are not copied (either way)
+READ_BUFFER = 1 << 18  # what one read of the socket may take, besides a large frame's body
+PREFACE = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # the client's first bytes
+_HEADER = struct.Struct(">HBBBL")  # length (24 bits), type, flags, stream id
+DATA, END_STREAM, PADDED = 0x0, 0x1, 0x8
+
+
+class Held:
+    """Bytes handed to h2 to send without its copying them (h2 takes only their length)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+class Frames(h2.connection.H2Connection):
+    """h2's connection state, which keeps the DATA frames of `Held` bytes as their header
+    and the caller's view, in order with the frames it serializes, and takes large DATA
+    frames that `Wire` parsed."""
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self.out: list[bytes | memoryview] = []  # what to write before _data_to_send
+
+    def _prepare_for_sending(self, frames: list[hyperframe.frame.Frame]) -> None:
+        for frame in frames:
+            held = getattr(frame, "data", None)
+            if not isinstance(held, Held):
+                self._data_to_send += frame.serialize()
+                continue
+            if self._data_to_send:
+                self.out.append(bytes(self._data_to_send))
+                self._data_to_send = bytearray()
+            size = len(held)
+            flags = END_STREAM if "END_STREAM" in frame.flags else 0
+            self.out.append(_HEADER.pack(size >> 8, size & 0xFF, DATA, flags, frame.stream_id))
+            self.out.append(held.view)
+
+    def take(self) -> list[bytes | memoryview]:
+        """Everything to write now, in order."""
+        out, self.out = self.out, []
+        if self._data_to_send:
+            out.append(bytes(self._data_to_send))
+            self._data_to_send = bytearray()
+        return out
+
+    def receive_data_frame(self, stream_id: int, flags: int, body: memoryview) -> list[Any]:
+        """A whole DATA frame without padding, as `receive_data` would take its bytes."""
+        if self.incoming_buffer._headers_buffer:  # a DATA frame inside a header block
+            self._terminate_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            raise h2.exceptions.ProtocolError("Invalid frame during header block.")
+        frame = hyperframe.frame.DataFrame(stream_id)
+        frame.data = body
+        if flags & END_STREAM:
+            frame.flags.add("END_STREAM")
+        try:
+            return self._receive_frame(frame)
+        except h2.exceptions.ProtocolError as e:
+            self._terminate_connection(e.error_code)
+            raise
+
+
+class Wire(asyncio.BufferedProtocol):
+    """A connection's socket: frames read from it go to `frames`, and the events they make
+    to `on_events`; writes wait (`drain`) while the socket's buffer is full."""
+
+    def __init__(self, frames: Frames, on_made: Callable[[asyncio.Transport], None],
+                 on_events: Callable[[list[Any]], None], high_water: int) -> None:
+        self.frames, self.on_made, self.on_events = frames, on_made, on_events
+        self.high_water = high_water
+        self.transport: asyncio.Transport | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._buf = bytearray(READ_BUFFER)
+        self._start = self._end = 0  # the bytes of _buf not yet handed on
+        self._preface = PREFACE  # bytes of the client's preface still to come
+        self._body: memoryview | None = None  # a large DATA frame being read in place
+        self._filled = 0
+        self._body_of = (0, 0)  # its stream id and flags
+        self._writable: asyncio.Future[None] | None = None
+
+    # Reading.
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(high=self.high_water)  # type: ignore[attr-defined]
+        self.on_made(self.transport)  # type: ignore[arg-type]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is not None:
+            return self._body[self._filled:]
+        if len(self._buf) - self._end < 4096:
+            # A new buffer, never a resize: the transport may still hold a view of this one.
+            pending = self._end - self._start
+            fresh = bytearray(max(READ_BUFFER, 2 * pending))
+            fresh[:pending] = memoryview(self._buf)[self._start:self._end]
+            self._buf, self._start, self._end = fresh, 0, pending
+        return memoryview(self._buf)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._body is not None:
+                self._filled += nbytes
+                if self._filled == len(self._body):
+                    body, self._body = self._body, None
+                    self.on_events(self.frames.receive_data_frame(*self._body_of, body))
+                return
+            self._end += nbytes
+            self._split()
+        except h2.exceptions.ProtocolError as e:
+            logger.info("a client broke the HTTP/2 protocol: %s", e)
+            self.on_events([])  # h2's GOAWAY goes out
+            if self.transport is not None:
+                self.transport.close()
+
+    def _split(self) -> None:
+        """Hands on the whole frames in the buffer; a large DATA frame's body is then read
+        into a buffer of its own."""
+        buf, pos, end = self._buf, self._start, self._end
+        if self._preface:
+            take = min(self._preface, end - pos)
+            self._preface -= take
+            self.on_events(self.frames.receive_data(bytes(memoryview(buf)[pos:pos + take])))
+            pos += take
+        whole = pos  # frames from here to pos are whole and go to h2 as they are
+        while end - pos >= 9:
+            high, low, kind, flags, stream = _HEADER.unpack_from(buf, pos)
+            length = high << 8 | low
+            if (kind == DATA and length > LARGE and not flags & PADDED
+                    and length <= self.frames.max_inbound_frame_size):
+                if whole < pos:
+                    self.on_events(self.frames.receive_data(bytes(memoryview(buf)[whole:pos])))
+                body = memoryview(np.empty(length, np.uint8))  # no zeroing: all of it is read
+                have = min(length, end - pos - 9)
+                body[:have] = memoryview(buf)[pos + 9:pos + 9 + have]
+                pos += 9 + have
+                whole = pos
+                if have < length:  # the rest comes from the socket straight into it
+                    self._body, self._filled = body, have
+                    self._body_of = (stream & 0x7FFFFFFF, flags)
+                    break
+                self.on_events(self.frames.receive_data_frame(stream & 0x7FFFFFFF, flags, body))
+                continue
+            if end - pos < 9 + length:
+                break
+            pos += 9 + length
+        if whole < pos:
+            self.on_events(self.frames.receive_data(bytes(memoryview(buf)[whole:pos])))
+        self._start, self._end = (0, 0) if pos == end else (pos, end)
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+        self.resume_writing()
+
+    # Writing.
+    def write(self, data: bytes | memoryview) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def buffered(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    async def drain(self) -> None:
+        """Waits while the socket's buffer is over its high-water mark."""
+        if self.closed.done():
+            raise ConnectionResetError("the client's connection is closed")
+        if self._writable is not None:
+            await self._writable
+            if self.closed.done():
+                raise ConnectionResetError("the client's connection is closed")
