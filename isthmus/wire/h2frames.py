@@ -6,10 +6,11 @@ messages would: a received frame is appended to a buffer, sliced out of it and c
 into its event, and a sent frame is joined into a send buffer that is copied once more on
 the way out. For a 256 MiB put or fetch that was most of the server's CPU. Here:
 
-- *Receiving* (`Wire`): the socket is read into a buffer of ours; frames in it are handed to
-  h2 as they are, except a large DATA frame, whose body is read from the socket straight
-  into a buffer of its own and given to h2 as a parsed frame. That buffer becomes the
-  message the handler gets (a message in one frame) without another copy.
+- *Receiving* (`Wire`): the socket is read into a buffer of ours. DATA frames are parsed
+  here and given to h2 as frames (a small one copied out once); the body of a large one is
+  read from the socket straight into a buffer of its own, which becomes the message the
+  handler gets (or one of its `Pieces`) without another copy. Other frames go to h2 as
+  bytes.
 - *Sending* (`Frames`, `Held`): a large DATA frame's bytes are handed to h2 wrapped in
   `Held`, so that h2 counts them for flow control without copying them, and are written to
   the socket as the frame's 9-byte header and the caller's own view.
@@ -90,7 +91,8 @@ class Frames(h2.connection.H2Connection):
             self._data_to_send = bytearray()
         return out
 
-    def receive_data_frame(self, stream_id: int, flags: int, body: memoryview) -> list[Any]:
+    def receive_data_frame(self, stream_id: int, flags: int, body: memoryview | bytes
+                           ) -> list[Any]:
         """A whole DATA frame without padding, as `receive_data` would take its bytes."""
         if self.incoming_buffer._headers_buffer:  # a DATA frame inside a header block
             self._terminate_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
@@ -158,39 +160,48 @@ class Wire(asyncio.BufferedProtocol):
                 self.transport.close()
 
     def _split(self) -> None:
-        """Hands on the whole frames in the buffer; a large DATA frame's body is then read
-        into a buffer of its own."""
-        buf, pos, end = self._buf, self._start, self._end
+        """Hands on the whole frames in the buffer, DATA frames parsed here (h2's own frame
+        buffer would copy them twice more); a large DATA frame's body still to come is then
+        read into a buffer of its own."""
+        buf, pos, end, frames = self._buf, self._start, self._end, self.frames
+        view = memoryview(buf)
+        events: list[Any] = []
         if self._preface:
             take = min(self._preface, end - pos)
             self._preface -= take
-            self.on_events(self.frames.receive_data(bytes(memoryview(buf)[pos:pos + take])))
+            events += frames.receive_data(view[pos:pos + take])
             pos += take
         whole = pos  # frames from here to pos are whole and go to h2 as they are
         while end - pos >= 9:
             high, low, kind, flags, stream = _HEADER.unpack_from(buf, pos)
             length = high << 8 | low
-            if (kind == DATA and length > LARGE and not flags & PADDED
-                    and length <= self.frames.max_inbound_frame_size):
-                if whole < pos:
-                    self.on_events(self.frames.receive_data(bytes(memoryview(buf)[whole:pos])))
-                body = memoryview(np.empty(length, np.uint8))  # no zeroing: all of it is read
-                have = min(length, end - pos - 9)
-                body[:have] = memoryview(buf)[pos + 9:pos + 9 + have]
-                pos += 9 + have
-                whole = pos
-                if have < length:  # the rest comes from the socket straight into it
-                    self._body, self._filled = body, have
-                    self._body_of = (stream & 0x7FFFFFFF, flags)
+            if kind != DATA or flags & PADDED or length > frames.max_inbound_frame_size:
+                if end - pos < 9 + length:
                     break
-                self.on_events(self.frames.receive_data_frame(stream & 0x7FFFFFFF, flags, body))
+                pos += 9 + length
                 continue
-            if end - pos < 9 + length:
+            have = min(length, end - pos - 9)
+            if have < length and length <= LARGE:
+                break  # a small frame: once it is all here
+            if whole < pos:
+                events += frames.receive_data(view[whole:pos])
+            if length > LARGE:
+                body = memoryview(np.empty(length, np.uint8))  # no zeroing: all is read
+                body[:have] = view[pos + 9:pos + 9 + have]
+            else:
+                body = view[pos + 9:pos + 9 + length].tobytes()  # type: ignore[assignment]
+            pos += 9 + have
+            whole = pos
+            if have < length:  # the rest comes from the socket straight into it
+                self._body, self._filled = body, have
+                self._body_of = (stream & 0x7FFFFFFF, flags)
                 break
-            pos += 9 + length
+            events += frames.receive_data_frame(stream & 0x7FFFFFFF, flags, body)
         if whole < pos:
-            self.on_events(self.frames.receive_data(bytes(memoryview(buf)[whole:pos])))
+            events += frames.receive_data(view[whole:pos])
+        del view
         self._start, self._end = (0, 0) if pos == end else (pos, end)
+        self.on_events(events)
 
     def eof_received(self) -> bool:
         return False  # the transport closes itself

@@ -35,7 +35,7 @@ import h2.settings
 
 from isthmus.transport.frames import keep_alive
 from isthmus.wire.h2frames import LARGE, Frames, Held, Wire
-from isthmus.wire.methods import Method, Pieces
+from isthmus.wire.methods import Batch, Method, Pieces
 
 logger = logging.getLogger(__name__)
 
@@ -268,16 +268,27 @@ class _Connection:
                            "the server failed unexpectedly; see its log")
 
     async def _send(self, stream: _Stream, message: Any) -> None:
+        if isinstance(message, Batch):  # small messages framed together, in one DATA frame
+            serialize = stream.method.serialize or (lambda m: m)
+            payloads = [serialize(m) for m in message]
+            if sum(len(p) for p in payloads) <= LARGE:
+                if stream.id not in self.streams:
+                    raise asyncio.CancelledError
+                self._headers(stream)
+                await self._send_data(stream, memoryview(b"".join(
+                    b"\0" + len(p).to_bytes(4, "big") + p for p in payloads)))
+                self._schedule_flush()
+                return
+            for m in message:
+                await self._send(stream, m)
+            return
         if isinstance(message, Pieces):
             pieces = list(message)
         else:
             pieces = [stream.method.serialize(message) if stream.method.serialize else message]
         if stream.id not in self.streams:
             raise asyncio.CancelledError
-        if not stream.headers_sent:
-            self.h2.send_headers(stream.id, [(b":status", b"200"),
-                                             (b"content-type", b"application/grpc")])
-            stream.headers_sent = True
+        self._headers(stream)
         size = sum(len(p) for p in pieces)
         pieces[0:0] = [b"\0" + size.to_bytes(4, "big")]
         if size <= LARGE:
@@ -298,6 +309,12 @@ class _Connection:
         if self.wire.buffered() > WRITE_HIGH:
             self.flush()
             await self.wire.drain()
+
+    def _headers(self, stream: _Stream) -> None:
+        if not stream.headers_sent:
+            self.h2.send_headers(stream.id, [(b":status", b"200"),
+                                             (b"content-type", b"application/grpc")])
+            stream.headers_sent = True
 
     async def _send_data(self, stream: _Stream, data: memoryview) -> None:
         while data:

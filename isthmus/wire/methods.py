@@ -13,6 +13,11 @@ class Pieces(tuple):  # type: ignore[type-arg]
     host buffer): h2 sends them as they are, grpc.aio joins them."""
 
 
+class Batch(tuple):  # type: ignore[type-arg]
+    """Several messages of a stream, ready at once: h2 frames them together (one DATA frame
+    for all), grpc.aio sends them one by one."""
+
+
 def joined(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
     """`serialize` for a transport that needs one bytes object per message."""
     def join(message: Any) -> bytes:
@@ -20,6 +25,18 @@ def joined(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] |
             return b"".join(message)
         return serialize(message) if serialize is not None else message
     return join
+
+
+def flattened(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """A streaming handler whose `Batch`es are yielded one message at a time."""
+    async def flat(request: Any, context: Any) -> Any:
+        async for item in handler(request, context):
+            if isinstance(item, Batch):
+                for message in item:
+                    yield message
+            else:
+                yield item
+    return flat
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from isthmus import errors
 from isthmus.frontend.service import Frontend
 from isthmus.hostmem import aligned_empty
 from isthmus.protocol.wireformat import bytes_field_parts, bytes_message
-from isthmus.wire.methods import Method, Pieces, joined
+from isthmus.wire.methods import Method, Pieces, flattened, joined
 from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class IfrtProxyServicer:
             return
         reader = asyncio.get_running_loop().create_task(self._read(requests, session, queue))
         try:
-            async for item in drain(queue):
+            async for item in drain(queue, batches=True):
                 yield item
         finally:
             reader.cancel()
@@ -251,8 +251,9 @@ def grpc_handlers(methods: dict[str, Method]) -> list[grpc.GenericRpcHandler]:
     services: dict[str, dict[str, Any]] = {}
     for path, m in methods.items():
         service, _, name = path.lstrip("/").partition("/")
+        fn = flattened(m.fn) if m.kind.endswith("stream") else m.fn
         services.setdefault(service, {})[name] = kinds[m.kind](
-            m.fn, request_deserializer=m.deserialize, response_serializer=joined(m.serialize))
+            fn, request_deserializer=m.deserialize, response_serializer=joined(m.serialize))
     return [grpc.method_handlers_generic_handler(service, table)
             for service, table in services.items()]
 

@@ -6,13 +6,26 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from isthmus.wire.methods import Batch
+
 END = object()  # put this on the queue to end the stream
 
 
-async def drain(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
-    """Yields what is put on `queue` until END."""
+async def drain(queue: asyncio.Queue[Any], batches: bool = False) -> AsyncIterator[Any]:
+    """Yields what is put on `queue` until END; with `batches`, what is there at once as one
+    `Batch` (when it is more than one item)."""
     while True:
         item = await queue.get()
         if item is END:
             return
-        yield item
+        if not batches or queue.empty():
+            yield item
+            continue
+        items = [item]
+        while not queue.empty():
+            item = queue.get_nowait()
+            if item is END:
+                yield Batch(items) if len(items) > 1 else items[0]
+                return
+            items.append(item)
+        yield Batch(items)

@@ -12,7 +12,7 @@ import grpc.aio
 import pytest
 
 from isthmus.wire.h2server import H2Server
-from isthmus.wire.methods import Method, Pieces
+from isthmus.wire.methods import Batch, Method, Pieces
 
 
 def run(coroutine):
@@ -39,6 +39,11 @@ class Handlers:
         size = int(request)
         for i in range(3):
             yield bytes([i]) * size
+
+    async def burst(self, request, context):
+        yield Batch((b"a", b"bc"))  # framed together
+        yield Batch((b"x" * 70_000, b"d"))  # over the size framed together
+        yield b"e"
 
     async def upload(self, chunks, context):
         total = 0
@@ -70,6 +75,7 @@ async def _serving(handlers):
         "/t.T/Crash": Method("unary_unary", handlers.crash),
         "/t.T/Download": Method("unary_stream", handlers.download),
         "/t.T/Upload": Method("stream_unary", handlers.upload, pieces=True),
+        "/t.T/Burst": Method("unary_stream", handlers.burst),
         "/t.T/Chat": Method("stream_stream", handlers.chat),
         "/t.T/Hang": Method("unary_stream", handlers.hang),
     })
@@ -94,6 +100,8 @@ def test_every_method_shape_and_large_messages_both_ways():
             got = [m async for m in channel.unary_stream("/t.T/Download")(str(big).encode())]
             assert [len(m) for m in got] == [big] * 3
             assert [m[0] for m in got] == [0, 1, 2] and got[2][-1] == 2
+            got = [m async for m in channel.unary_stream("/t.T/Burst")(b"")]
+            assert got == [b"a", b"bc", b"x" * 70_000, b"d", b"e"]
 
             async def chunks():
                 for _ in range(5):
