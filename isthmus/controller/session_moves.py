@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -213,6 +214,10 @@ class SessionMoves(SessionArrays):
                    for _, p in pieces):  # all on the host already (in-process hosts)
                 result.set_result(_assembled(array, [(box, p.result()) for box, p in pieces]))
                 return
+            if len(pieces) == 1 and isinstance(pieces[0][1], asyncio.Future):
+                # One worker's answer: settled by a callback, with no task in between.
+                pieces[0][1].add_done_callback(lambda f: _settle_fetch(array, pieces, f, result))
+                return
             self._spawn(_assemble_host(array, pieces, result))
 
         self.dispatcher.submit(array.groups, run)
@@ -266,6 +271,22 @@ def _assembled(array: Array, values: list[tuple[sh.Box, np.ndarray]]) -> np.ndar
     for box, value in values:
         host[sh.box_slices(box)] = value
     return host
+
+
+def _settle_fetch(array: Array, pieces: list[tuple[sh.Box, Any]], done: asyncio.Future,
+                  result: asyncio.Future[np.ndarray]) -> None:
+    if result.done():
+        return
+    if done.cancelled():
+        result.set_exception(errors.InternalError(
+            "fetching the array was cancelled; this is a bug in isthmus: please report it."))
+    elif done.exception() is not None:
+        result.set_exception(_as_error(done.exception(), "fetching the array"))
+    else:
+        try:
+            result.set_result(_assembled(array, [(pieces[0][0], done.result())]))
+        except Exception as e:  # noqa: BLE001
+            result.set_exception(_as_error(e, "fetching the array"))
 
 
 async def _assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.ndarray]]],

@@ -98,7 +98,13 @@ class CommandApplier:
             else:
                 self._spawn(c.request, host.ready(c.buffers), c)
         elif isinstance(c, m.Fetch):
-            self._spawn(c.request, self._send_buffer(c.request, host.fetch(c.buffer)), c)
+            fetched = host.fetch(c.buffer)
+            if (isinstance(fetched, asyncio.Future) and fetched.done()
+                    and fetched.exception() is None and fetched.result().dtype != object
+                    and fetched.result().nbytes <= SMALL_FETCH_BYTES):
+                self._reply(c.request, fetched.result())  # a small step's result: now
+            else:
+                self._spawn(c.request, self._send_buffer(c.request, fetched), c)
         elif isinstance(c, m.PutFile):
             value = map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
             self._spawn(c.request, host.put(c.buffer, c.device, value, c.memory_kind))
