@@ -361,7 +361,7 @@ async def _mapped(path: str, answer: Awaitable[Any]) -> np.ndarray:
     """The buffer a worker wrote into `path` for a FetchFile, mapped without a copy."""
     try:
         dtype, shape = await answer
-        return map_file(path).view(m.dtype_of(dtype)).reshape(shape)
+        return map_file(path, read_only=True).view(m.dtype_of(dtype)).reshape(shape)
     finally:
         _unlink(path)
 
