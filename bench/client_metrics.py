@@ -62,15 +62,20 @@ def main(quick: bool) -> None:
     spread = spread_program(n) if len(jax.devices()) >= 4 else {}
     size = (64 if quick else 256) << 20
     data = np.ones(size // 4, np.float32)
-    puts, gets = [], []
+    puts, gets, put_cpu, get_cpu = [], [], [], []
     for _ in range(2 if quick else 4):
+        c = cpu_seconds(server) if server else None
         t = time.perf_counter()
         arr = jax.device_put(data)
         arr.block_until_ready()
         puts.append(time.perf_counter() - t)
+        c2 = cpu_seconds(server) if server else None
         t = time.perf_counter()
         np.asarray(arr)
         gets.append(time.perf_counter() - t)
+        if c is not None and c2 is not None:
+            put_cpu.append(c2 - c)
+            get_cpu.append(cpu_seconds(server) - c2)
         arr.delete()
     print(json.dumps({
         "jit_block_p50_ms": statistics.median(sync) * 1e3,
@@ -83,6 +88,10 @@ def main(quick: bool) -> None:
         **spread,
         f"put_{size >> 20}MiB_GBps": size / statistics.median(puts) / 1e9,
         f"fetch_{size >> 20}MiB_GBps": size / statistics.median(gets) / 1e9,
+        f"controller_cpu_ms_per_{size >> 20}MiB_put": (
+            statistics.median(put_cpu) * 1e3 if put_cpu else None),
+        f"controller_cpu_ms_per_{size >> 20}MiB_fetch": (
+            statistics.median(get_cpu) * 1e3 if get_cpu else None),
     }))
 
 
