@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from isthmus.controller.arrays import Array, Buffer, first_error, groups_of
 from isthmus.controller.session_arrays import SessionArrays
 from isthmus.controller.session_core import _as_error
 from isthmus.ids import BufferId, WorkerId
+from isthmus.transport.base import answered
 
 
 class SessionMoves(SessionArrays):
@@ -195,7 +195,7 @@ class SessionMoves(SessionArrays):
         self.dispatcher.submit(groups_of(arrays), run)
         return results
 
-    def fetch(self, array: Array) -> Awaitable[np.ndarray]:
+    def fetch(self, array: Array) -> asyncio.Future[np.ndarray]:
         """Resolves to the whole array on the host (C order; strings as an object array)."""
         result: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
 
@@ -210,13 +210,13 @@ class SessionMoves(SessionArrays):
                 wanted.setdefault(box, buffer)
             pieces = [(box, self.fleet.channel(b.device.worker).fetch(b.id, b.nbytes))
                       for box, b in wanted.items()]
-            if all(isinstance(p, asyncio.Future) and p.done() and p.exception() is None
-                   for _, p in pieces):  # all on the host already (in-process hosts)
+            if all(answered(p) for _, p in pieces):  # all on the host already (in-process)
                 result.set_result(_assembled(array, [(box, p.result()) for box, p in pieces]))
                 return
             if len(pieces) == 1 and isinstance(pieces[0][1], asyncio.Future):
                 # One worker's answer: settled by a callback, with no task in between.
-                pieces[0][1].add_done_callback(lambda f: _settle_fetch(array, pieces, f, result))
+                box, answer = pieces[0]
+                answer.add_done_callback(lambda f: _settle_fetch(array, box, f, result))
                 return
             self._spawn(_assemble_host(array, pieces, result))
 
@@ -273,7 +273,7 @@ def _assembled(array: Array, values: list[tuple[sh.Box, np.ndarray]]) -> np.ndar
     return host
 
 
-def _settle_fetch(array: Array, pieces: list[tuple[sh.Box, Any]], done: asyncio.Future,
+def _settle_fetch(array: Array, box: sh.Box, done: asyncio.Future,
                   result: asyncio.Future[np.ndarray]) -> None:
     if result.done():
         return
@@ -284,7 +284,7 @@ def _settle_fetch(array: Array, pieces: list[tuple[sh.Box, Any]], done: asyncio.
         result.set_exception(_as_error(done.exception(), "fetching the array"))
     else:
         try:
-            result.set_result(_assembled(array, [(pieces[0][0], done.result())]))
+            result.set_result(_assembled(array, [(box, done.result())]))
         except Exception as e:  # noqa: BLE001
             result.set_exception(_as_error(e, "fetching the array"))
 

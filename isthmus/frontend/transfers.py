@@ -8,7 +8,6 @@ against the buffer's actual size before any byte is read.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import Any
 
@@ -193,7 +192,7 @@ def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
             f"{list(array.shape)}.")
     fetched = session.ctl.fetch(array)
     response.copy_to_host_buffer_response.SetInParent()
-    if isinstance(fetched, asyncio.Future) and fetched.done() and fetched.exception() is None:
+    if fetched.done() and fetched.exception() is None:
         # Already on the host (a small program on in-process devices): answered now.
         try:
             data = encode_host_array(session, fetched.result(), array.dtype, strides)

@@ -11,6 +11,7 @@ worker's channel implements it over the network.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
@@ -18,6 +19,13 @@ import numpy as np
 
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
+
+
+def answered(outcome: Awaitable[Any]) -> bool:
+    """True when a channel's awaitable already holds its result (an in-process host, or a
+    small ready buffer): the caller may take `outcome.result()` now, with no task."""
+    return (isinstance(outcome, asyncio.Future) and outcome.done()
+            and not outcome.cancelled() and outcome.exception() is None)
 
 
 class Commands:

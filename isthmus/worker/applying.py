@@ -13,6 +13,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.hostmem import aligned_empty, byte_view, map_file
 from isthmus.transport import messages as m
+from isthmus.transport.base import answered
 from isthmus.transport.links import ControllerLink, PeerClient
 from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.commands import _Incoming, _request, write_fetched
@@ -99,8 +100,7 @@ class CommandApplier:
                 self._spawn(c.request, host.ready(c.buffers), c)
         elif isinstance(c, m.Fetch):
             fetched = host.fetch(c.buffer)
-            if (isinstance(fetched, asyncio.Future) and fetched.done()
-                    and fetched.exception() is None and fetched.result().dtype != object
+            if (answered(fetched) and fetched.result().dtype != object
                     and fetched.result().nbytes <= SMALL_FETCH_BYTES):
                 self._reply(c.request, fetched.result())  # a small step's result: now
             else:
