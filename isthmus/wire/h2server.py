@@ -80,7 +80,7 @@ class _Stream:
         self.need: int | None = None  # its size, once its prefix is in
         self.pieces: list[memoryview] = []  # its bytes so far
         self.have = 0  # ... and how many they are
-        self.items: collections.deque[memoryview] = collections.deque()
+        self.items: collections.deque[memoryview | Pieces] = collections.deque()
         self.ended = False
         self.unacked = 0  # flow-controlled bytes not yet handed back
         self.waiter: asyncio.Future[None] | None = None
@@ -272,32 +272,24 @@ class _Connection:
                            "the server failed unexpectedly; see its log")
 
     async def _send(self, stream: _Stream, message: Any) -> None:
-        if isinstance(message, Batch):  # small messages framed together, in one DATA frame
-            serialize = stream.method.serialize or (lambda m: m)
-            payloads = [serialize(m) for m in message]
-            if sum(len(p) for p in payloads) <= LARGE:
-                if stream.id not in self.streams:
-                    raise asyncio.CancelledError
-                self._headers(stream)
-                await self._send_data(stream, memoryview(b"".join(
-                    b"\0" + len(p).to_bytes(4, "big") + p for p in payloads)))
-                self._schedule_flush()
-                return
-            for m in message:
-                await self._send(stream, m)
-            return
-        if isinstance(message, Pieces):
-            pieces = list(message)
-        else:
-            pieces = [stream.method.serialize(message) if stream.method.serialize else message]
+        """One message, or a `Batch` of them, each behind its 5-byte prefix: what is small
+        goes joined into one DATA frame, a large piece is sent without a copy."""
+        pieces: list[Any] = []
+        serialize = stream.method.serialize
+        for one in message if isinstance(message, Batch) else (message,):
+            parts = (list(one) if isinstance(one, Pieces) else
+                     [serialize(one) if serialize is not None else one])
+            pieces.append(b"\0" + sum(len(p) for p in parts).to_bytes(4, "big"))
+            pieces += parts
         if stream.id not in self.streams:
             raise asyncio.CancelledError
-        self._headers(stream)
-        size = sum(len(p) for p in pieces)
-        pieces[0:0] = [b"\0" + size.to_bytes(4, "big")]
-        if size <= LARGE:
+        if not stream.headers_sent:
+            self.h2.send_headers(stream.id, [(b":status", b"200"),
+                                             (b"content-type", b"application/grpc")])
+            stream.headers_sent = True
+        if sum(len(p) for p in pieces) <= LARGE:
             await self._send_data(stream, memoryview(b"".join(pieces)))
-        else:  # small pieces are joined; a large one is sent without a copy
+        else:
             small: list[Any] = []
             for piece in pieces:
                 if len(piece) > LARGE:
@@ -313,12 +305,6 @@ class _Connection:
         if self.wire.buffered() > WRITE_HIGH:
             self.flush()
             await self.wire.drain()
-
-    def _headers(self, stream: _Stream) -> None:
-        if not stream.headers_sent:
-            self.h2.send_headers(stream.id, [(b":status", b"200"),
-                                             (b"content-type", b"application/grpc")])
-            stream.headers_sent = True
 
     async def _send_data(self, stream: _Stream, data: memoryview) -> None:
         while data:

@@ -1,8 +1,9 @@
 """The gRPC face of the server: `xla.ifrt.proxy.GrpcIfrtService` and our admin service.
 
 With the two transports under it (grpc.aio, `h2server`), this is the layer that imports
-grpc. It moves messages between the transport and the front end and maps `IsthmusError`s to gRPC statuses for the RPCs that fail as a whole (the session
-stream reports per-request errors inside its responses instead).
+grpc. It moves messages between the transport and the front end and maps `IsthmusError`s
+to gRPC statuses for the RPCs that fail as a whole (the session stream reports per-request
+errors inside its responses instead).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class IfrtProxyServicer:
             return
         reader = asyncio.get_running_loop().create_task(self._read(requests, session, queue))
         try:
-            async for item in drain(queue, batches=True):
+            async for item in drain(queue):
                 yield item
         finally:
             reader.cancel()

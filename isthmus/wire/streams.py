@@ -1,4 +1,4 @@
-"""Pumping a server stream from a queue (shared by the client and worker services)."""
+"""Pumping the session stream from a queue."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from isthmus.wire.methods import Batch
 END = object()  # put this on the queue to end the stream
 
 
-async def drain(queue: asyncio.Queue[Any], batches: bool = False) -> AsyncIterator[Any]:
-    """Yields what is put on `queue` until END; with `batches`, what is there at once as one
-    `Batch` (when it is more than one item)."""
+async def drain(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
+    """Yields what is put on `queue` until END; what is there at once, as one `Batch` (when
+    it is more than one item)."""
     while True:
         item = await queue.get()
         if item is END:
             return
-        if not batches or queue.empty():
+        if queue.empty():
             yield item
             continue
         items = [item]
