@@ -89,108 +89,101 @@ async def _serving(handlers):
         await server.stop()
 
 
-def test_every_method_shape_and_large_messages_both_ways():
-    async def body():
-        handlers = Handlers()
-        async with _serving(handlers) as channel:
-            echo = channel.unary_unary("/t.T/Echo")
-            assert await echo(b"abc", metadata=(("x-tag-bin", b"\x00\xff"),
-                                                ("x-name", "n"))) == b"abc\x00\xffn"
-            big = 9 << 20  # over every window: the stream's, the connection's initial one
-            got = [m async for m in channel.unary_stream("/t.T/Download")(str(big).encode())]
-            assert [len(m) for m in got] == [big] * 3
-            assert [m[0] for m in got] == [0, 1, 2] and got[2][-1] == 2
-            got = [m async for m in channel.unary_stream("/t.T/Burst")(b"")]
-            assert got == [b"a", b"bc", b"x" * 70_000, b"d", b"e"]
-
-            async def chunks():
-                for _ in range(5):
-                    yield b"x" * (3 << 20)
-
-            assert await channel.stream_unary("/t.T/Upload")(chunks()) == str(15 << 20).encode()
-            call = channel.stream_stream("/t.T/Chat")()
-            for word in (b"one", b"two", b"three"):
-                await call.write(word)
-                assert await call.read() == word[::-1]
-            await call.done_writing()
-            assert await call.read() == grpc.aio.EOF
-            assert await call.code() == grpc.StatusCode.OK
-
-    run(body())
+def _served(test):
+    """`test(handlers, channel)` as a plain test, against a fresh server and client."""
+    def served():
+        async def body():
+            handlers = Handlers()
+            async with _serving(handlers) as channel:
+                await test(handlers, channel)
+        run(body())
+    served.__name__ = test.__name__
+    return served
 
 
-def test_statuses_messages_and_unknown_methods():
-    async def body():
-        async with _serving(Handlers()) as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await channel.unary_unary("/t.T/Fail")(b"")
-            assert info.value.code() == grpc.StatusCode.DATA_LOSS
-            assert info.value.details() == "worker 3 lost: données perdues 100%"
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await channel.unary_unary("/t.T/Crash")(b"")
-            assert info.value.code() == grpc.StatusCode.INTERNAL
-            assert "see its log" in info.value.details()
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await channel.unary_unary("/t.T/Nope")(b"")
-            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            # The connection serves on after every one of those.
-            assert await channel.unary_unary("/t.T/Echo")(b"ok") == b"ok"
+@_served
+async def test_every_method_shape_and_large_messages_both_ways(handlers, channel):
+    echo = channel.unary_unary("/t.T/Echo")
+    assert await echo(b"abc", metadata=(("x-tag-bin", b"\x00\xff"),
+                                        ("x-name", "n"))) == b"abc\x00\xffn"
+    big = 9 << 20  # over every window: the stream's, the connection's initial one
+    got = [m async for m in channel.unary_stream("/t.T/Download")(str(big).encode())]
+    assert [len(m) for m in got] == [big] * 3
+    assert [m[0] for m in got] == [0, 1, 2] and got[2][-1] == 2
+    got = [m async for m in channel.unary_stream("/t.T/Burst")(b"")]
+    assert got == [b"a", b"bc", b"x" * 70_000, b"d", b"e"]
 
-    run(body())
+    async def chunks():
+        for _ in range(5):
+            yield b"x" * (3 << 20)
 
-
-def test_a_stream_not_read_holds_its_client_back_not_its_neighbours():
-    async def body():
-        handlers = Handlers()
-        async with _serving(handlers) as channel:
-            call = channel.stream_stream("/t.T/Chat")()
-            await call.write(b"wait")
-            while handlers.read < 1:
-                await asyncio.sleep(0.01)
-
-            async def writes():
-                for _ in range(400):  # 400 KiB: far over the stream's 64 KiB window
-                    await call.write(b"y" * 1024)
-
-            writer = asyncio.ensure_future(writes())
-            await asyncio.sleep(0.5)
-            assert not writer.done()  # held back by flow control
-            assert handlers.read == 1
-
-            async def chunks():
-                yield b"z" * (4 << 20)
-
-            # Another stream on the same connection moves meanwhile.
-            assert await channel.stream_unary("/t.T/Upload")(chunks()) == str(4 << 20).encode()
-            handlers.release.set()
-            await asyncio.wait_for(writer, 10)
-            await call.done_writing()
-            replies = [r async for r in call]
-            assert len(replies) == 401 and replies[0] == b"tiaw"
-
-    run(body())
+    assert await channel.stream_unary("/t.T/Upload")(chunks()) == str(15 << 20).encode()
+    call = channel.stream_stream("/t.T/Chat")()
+    for word in (b"one", b"two", b"three"):
+        await call.write(word)
+        assert await call.read() == word[::-1]
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
 
 
-def test_a_cancelled_call_cancels_its_handler():
-    async def body():
-        handlers = Handlers()
-        async with _serving(handlers) as channel:
-            call = channel.unary_stream("/t.T/Hang")(b"")
-            await asyncio.sleep(0.2)
-            call.cancel()
-            await asyncio.wait_for(handlers.cancelled.wait(), 5)
+@_served
+async def test_statuses_messages_and_unknown_methods(handlers, channel):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await channel.unary_unary("/t.T/Fail")(b"")
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS
+    assert info.value.details() == "worker 3 lost: données perdues 100%"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await channel.unary_unary("/t.T/Crash")(b"")
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "see its log" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await channel.unary_unary("/t.T/Nope")(b"")
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # The connection serves on after every one of those.
+    assert await channel.unary_unary("/t.T/Echo")(b"ok") == b"ok"
 
-    run(body())
+
+@_served
+async def test_a_stream_not_read_holds_its_client_back_not_its_neighbours(handlers, channel):
+    call = channel.stream_stream("/t.T/Chat")()
+    await call.write(b"wait")
+    while handlers.read < 1:
+        await asyncio.sleep(0.01)
+
+    async def writes():
+        for _ in range(400):  # 400 KiB: far over the stream's 64 KiB window
+            await call.write(b"y" * 1024)
+
+    writer = asyncio.ensure_future(writes())
+    await asyncio.sleep(0.5)
+    assert not writer.done()  # held back by flow control
+    assert handlers.read == 1
+
+    async def chunks():
+        yield b"z" * (4 << 20)
+
+    # Another stream on the same connection moves meanwhile.
+    assert await channel.stream_unary("/t.T/Upload")(chunks()) == str(4 << 20).encode()
+    handlers.release.set()
+    await asyncio.wait_for(writer, 10)
+    await call.done_writing()
+    replies = [r async for r in call]
+    assert len(replies) == 401 and replies[0] == b"tiaw"
 
 
-def test_a_message_larger_than_the_window_arrives_on_a_read_stream():
-    async def body():
-        handlers = Handlers()
-        async with _serving(handlers) as channel:
-            call = channel.stream_stream("/t.T/Chat")()
-            for size in (200_000, 3 << 20):  # the session stream's window is 64 KiB
-                await call.write(b"q" * size)
-                assert len(await call.read()) == size
-            await call.done_writing()
+@_served
+async def test_a_cancelled_call_cancels_its_handler(handlers, channel):
+    call = channel.unary_stream("/t.T/Hang")(b"")
+    await asyncio.sleep(0.2)
+    call.cancel()
+    await asyncio.wait_for(handlers.cancelled.wait(), 5)
 
-    run(body())
+
+@_served
+async def test_a_message_larger_than_the_window_arrives_on_a_read_stream(handlers, channel):
+    call = channel.stream_stream("/t.T/Chat")()
+    for size in (200_000, 3 << 20):  # the session stream's window is 64 KiB
+        await call.write(b"q" * size)
+        assert len(await call.read()) == size
+    await call.done_writing()
