@@ -10,7 +10,9 @@ the way out. For a 256 MiB put or fetch that was most of the server's CPU. Here:
   here and given to h2 as frames (a small one copied out once); the body of a large one is
   read from the socket straight into a buffer of its own, which becomes the message the
   handler gets (or one of its `Pieces`) without another copy. Other frames go to h2 as
-  bytes.
+  bytes. The DATA frames of a *direct* stream (an upload whose handler is a sink,
+  `Method.sink`) do not reach h2 at all: h2 opens the stream and closes it, the bytes in
+  between go to the sink, and their flow control is ours (`window_update`).
 - *Sending* (`Frames`, `Held`): a large DATA frame's bytes are handed to h2 wrapped in
   `Held`, so that h2 counts them for flow control without copying them, and are written to
   the socket as the frame's 9-byte header and the caller's own view.
@@ -30,6 +32,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.exceptions
+import h2.stream
 import hyperframe.frame
 import numpy as np
 
@@ -45,7 +48,17 @@ LARGE = 1 << 16  # DATA frames above this many bytes are not copied (either way)
 READ_BUFFER = 1 << 18  # what one read of the socket may take, besides a large frame's body
 PREFACE = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # the client's first bytes
 _HEADER = struct.Struct(">HBBBL")  # length (24 bits), type, flags, stream id
-DATA, END_STREAM, PADDED = 0x0, 0x1, 0x8
+DATA, HEADERS, WINDOW_UPDATE = 0x0, 0x1, 0x8  # frame types
+END_STREAM, END_HEADERS, PADDED = 0x1, 0x4, 0x8  # flags
+# Header blocks in HPACK that neither read nor change the dynamic table (RFC 7541: an
+# indexed static field, and literals without indexing): ":status: 200" and "content-type:
+# application/grpc"; "grpc-status: 0".
+_RESPONSE_HEADERS = b"\x88\x0f\x10\x10application/grpc"
+_OK_TRAILERS = b"\x00\x0bgrpc-status\x010"
+
+
+def _frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
+    return _HEADER.pack(length >> 8, length & 0xFF, kind, flags, stream_id)
 
 
 class Held:
@@ -68,6 +81,18 @@ class Frames(h2.connection.H2Connection):
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
         self.out: list[bytes | memoryview] = []  # what to write before _data_to_send
+        self._sweep_at = 64
+
+    @property
+    def open_inbound_streams(self) -> int:
+        """An upper bound of the client's open streams, checked against our (generous)
+        concurrency limit for each new one. h2 counts them by walking every stream, which
+        also drops the closed ones: with thousands of uploads open that walk was a third
+        of the server's time, so it runs here once the table has doubled since the last."""
+        if len(self.streams) >= self._sweep_at:
+            self._open_streams(1)
+            self._sweep_at = max(64, 2 * len(self.streams))
+        return len(self.streams)
 
     def _prepare_for_sending(self, frames: list[hyperframe.frame.Frame]) -> None:
         for frame in frames:
@@ -82,6 +107,28 @@ class Frames(h2.connection.H2Connection):
             flags = END_STREAM if "END_STREAM" in frame.flags else 0
             self.out.append(_HEADER.pack(size >> 8, size & 0xFF, DATA, flags, frame.stream_id))
             self.out.append(held.view)
+
+    def respond_closed(self, stream_id: int, message: bytes) -> bool:
+        """Ends a stream whose request h2 has not seen end (a direct stream) with a whole
+        gRPC response: headers, `message` (already framed) and OK trailers, written here
+        (encoded without h2's header table, so its state is untouched); h2 forgets the
+        stream as if it had closed it. False, and nothing done, when the connection's
+        window has no room for `message`."""
+        if self.outbound_flow_control_window < len(message):
+            return False
+        self.outbound_flow_control_window -= len(message)
+        if self._data_to_send:
+            self.out.append(bytes(self._data_to_send))
+            self._data_to_send = bytearray()
+        self.out.append(b"".join((
+            _frame_header(len(_RESPONSE_HEADERS), HEADERS, END_HEADERS, stream_id),
+            _RESPONSE_HEADERS,
+            _frame_header(len(message), DATA, 0, stream_id), message,
+            _frame_header(len(_OK_TRAILERS), HEADERS, END_HEADERS | END_STREAM, stream_id),
+            _OK_TRAILERS)))
+        if self.streams.pop(stream_id, None) is not None:
+            self._closed_streams[stream_id] = h2.stream.StreamClosedBy.SEND_END_STREAM
+        return True
 
     def take(self) -> list[bytes | memoryview]:
         """Everything to write now, in order."""
@@ -108,6 +155,11 @@ class Frames(h2.connection.H2Connection):
             raise
 
 
+def window_update(stream_id: int, increment: int) -> bytes:
+    """A WINDOW_UPDATE frame, for bytes that h2 never saw (a direct stream's)."""
+    return _frame_header(4, WINDOW_UPDATE, 0, stream_id) + increment.to_bytes(4, "big")
+
+
 class Wire(asyncio.BufferedProtocol):
     """A connection's socket: frames read from it go to `frames`, and the events they make
     to `on_events`; writes wait (`drain`) while the socket's buffer is full."""
@@ -125,6 +177,9 @@ class Wire(asyncio.BufferedProtocol):
         self._filled = 0
         self._body_of = (0, 0)  # its stream id and flags
         self._writable: asyncio.Future[None] | None = None
+        # Streams whose DATA frames bypass h2: stream id -> handler(flags, body, flow
+        # controlled length); their flow control is the handler's (see `window_update`).
+        self.direct: dict[int, Callable[[int, Any, int], None]] = {}
 
     # Reading.
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -149,7 +204,7 @@ class Wire(asyncio.BufferedProtocol):
                 self._filled += nbytes
                 if self._filled == len(self._body):
                     body, self._body = self._body, None
-                    self.on_events(self.frames.receive_data_frame(*self._body_of, body))
+                    self._data(*self._body_of, body, len(body))
                 return
             self._end += nbytes
             self._split()
@@ -159,32 +214,51 @@ class Wire(asyncio.BufferedProtocol):
             if self.transport is not None:
                 self.transport.close()
 
+    def _data(self, stream_id: int, flags: int, body: memoryview | bytes, flow: int) -> None:
+        """A whole DATA frame: to its direct stream's handler, or through h2."""
+        direct = self.direct.get(stream_id)
+        if direct is not None:
+            direct(flags, body, flow)
+        else:
+            self.on_events(self.frames.receive_data_frame(stream_id, flags, body))
+
     def _split(self) -> None:
         """Hands on the whole frames in the buffer, DATA frames parsed here (h2's own frame
         buffer would copy them twice more); a large DATA frame's body still to come is then
-        read into a buffer of its own."""
+        read into a buffer of its own. Events go out as they are made: a stream h2 has just
+        opened may take its DATA frames directly (`direct`)."""
         buf, pos, end, frames = self._buf, self._start, self._end, self.frames
         view = memoryview(buf)
-        events: list[Any] = []
         if self._preface:
             take = min(self._preface, end - pos)
             self._preface -= take
-            events += frames.receive_data(view[pos:pos + take])
+            self.on_events(frames.receive_data(view[pos:pos + take]))
             pos += take
         whole = pos  # frames from here to pos are whole and go to h2 as they are
         while end - pos >= 9:
             high, low, kind, flags, stream = _HEADER.unpack_from(buf, pos)
             length = high << 8 | low
-            if kind != DATA or flags & PADDED or length > frames.max_inbound_frame_size:
+            stream &= 0x7FFFFFFF
+            if kind != DATA or length > frames.max_inbound_frame_size or (
+                    flags & PADDED and stream not in self.direct):
                 if end - pos < 9 + length:
                     break
                 pos += 9 + length
                 continue
             have = min(length, end - pos - 9)
-            if have < length and length <= LARGE:
-                break  # a small frame: once it is all here
+            if have < length and (length <= LARGE or flags & PADDED):
+                break  # a small (or padded) frame: once it is all here
             if whole < pos:
-                events += frames.receive_data(view[whole:pos])
+                self.on_events(frames.receive_data(view[whole:pos]))
+            if flags & PADDED:  # only on a direct stream
+                pad = buf[pos + 9] if length else length + 1
+                if pad >= length:
+                    raise h2.exceptions.ProtocolError("DATA frame padding exceeds its length")
+                body = view[pos + 10:pos + 9 + length - pad].tobytes()
+                pos += 9 + length
+                whole = pos
+                self._data(stream, flags & ~PADDED, body, length)
+                continue
             if length > LARGE:
                 body = memoryview(np.empty(length, np.uint8))  # no zeroing: all is read
                 body[:have] = view[pos + 9:pos + 9 + have]
@@ -194,14 +268,13 @@ class Wire(asyncio.BufferedProtocol):
             whole = pos
             if have < length:  # the rest comes from the socket straight into it
                 self._body, self._filled = body, have
-                self._body_of = (stream & 0x7FFFFFFF, flags)
+                self._body_of = (stream, flags)
                 break
-            events += frames.receive_data_frame(stream & 0x7FFFFFFF, flags, body)
+            self._data(stream, flags, body, length)
         if whole < pos:
-            events += frames.receive_data(view[whole:pos])
+            self.on_events(frames.receive_data(view[whole:pos]))
         del view
         self._start, self._end = (0, 0) if pos == end else (pos, end)
-        self.on_events(events)
 
     def eof_received(self) -> bool:
         return False  # the transport closes itself

@@ -20,10 +20,7 @@ stream never stalls the host-buffer uploads beside it.
 from __future__ import annotations
 
 import asyncio
-import base64
-import collections
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -34,117 +31,20 @@ import h2.exceptions
 import h2.settings
 
 from isthmus.transport.frames import keep_alive
-from isthmus.wire.h2frames import LARGE, Frames, Held, Wire
-from isthmus.wire.methods import Batch, Method, Pieces
+from isthmus.wire.h2frames import END_STREAM, LARGE, Frames, Held, Wire, window_update
+from isthmus.wire.h2calls import Abort, Call, Context, metadata, percent_encode, whole
+from isthmus.wire.methods import Batch, Method, Pieces, Refused
 
 logger = logging.getLogger(__name__)
 
 STREAM_WINDOW = 1 << 16  # bytes a client may send ahead on a stream that is not read
 UPLOAD_WINDOW = 8 << 20  # ... on a stream whose handler reads as it goes (uploads)
 CONNECTION_WINDOW = (1 << 31) - 1 - 65535  # the most HTTP/2 allows, beyond the initial one
+DIRECT_ACK = 16 << 20  # a direct stream's bytes handed back to the connection at a time
 MAX_FRAME = (1 << 24) - 1  # the largest DATA frame a client may send us
 WRITE_HIGH = 8 << 20  # bytes queued on the socket at which a sender waits
 MAX_STREAMS = 1 << 20
-RESERVED = {b"content-type", b"te", b"user-agent", b"grpc-timeout", b"grpc-encoding",
-            b"grpc-accept-encoding", b"accept-encoding"}
 
-
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class Context:
-    """What a handler sees of its call (the part of grpc.aio's ServicerContext used)."""
-
-    def __init__(self, metadata: tuple[tuple[str, Any], ...], peer: str) -> None:
-        self._metadata, self._peer = metadata, peer
-
-    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
-        return self._metadata
-
-    def peer(self) -> str:
-        return self._peer
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise _Abort(code, details)
-
-
-class _Stream:
-    """One call: the messages received so far, and whether the client is done sending."""
-
-    def __init__(self, owner: _Connection, stream_id: int, method: Method) -> None:
-        self.owner, self.id, self.method = owner, stream_id, method
-        self.prefix = bytearray()  # of the message being received
-        self.need: int | None = None  # its size, once its prefix is in
-        self.pieces: list[memoryview] = []  # its bytes so far
-        self.have = 0  # ... and how many they are
-        self.items: collections.deque[memoryview | Pieces] = collections.deque()
-        self.ended = False
-        self.unacked = 0  # flow-controlled bytes not yet handed back
-        self.waiter: asyncio.Future[None] | None = None
-        self.headers_sent = False
-        self.task: asyncio.Task[None] | None = None
-
-    def feed(self, data: bytes, flow: int) -> None:
-        """Takes a DATA frame's bytes; whole messages become items (views of the frames'
-        bytes: a message in one frame is never copied, one across frames once)."""
-        self.unacked += flow
-        view = memoryview(data)
-        while len(view):
-            if self.need is None:  # reading a 5-byte prefix
-                take = min(5 - len(self.prefix), len(view))
-                self.prefix += view[:take]
-                view = view[take:]
-                if len(self.prefix) < 5:
-                    break
-                if self.prefix[0]:
-                    raise _Abort(grpc.StatusCode.UNIMPLEMENTED,
-                                 "compressed gRPC messages are not supported; send identity")
-                self.need = int.from_bytes(self.prefix[1:5], "big")
-                self.prefix = bytearray()
-            take = min(self.need - self.have, len(view))
-            self.pieces.append(view[:take])
-            self.have += take
-            view = view[take:]
-            if self.have == self.need:
-                pieces, self.pieces, self.need, self.have = self.pieces, [], None, 0
-                # A message across frames stays in pieces for a handler that copies them
-                # to where they go (uploads); the others get it joined.
-                self.items.append(pieces[0] if len(pieces) == 1 else Pieces(pieces)
-                                  if self.method.pieces else memoryview(b"".join(pieces)))
-        if not self.items and self.unacked:
-            # Only part of a message is here: the client gets room for the rest at once
-            # (a message larger than the window would otherwise never complete).
-            self.owner.acknowledge(self.id, self.unacked)
-            self.unacked = 0
-        self._wake()
-
-    def end(self) -> None:
-        self.ended = True
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def next(self) -> memoryview | Pieces | None:
-        """The next message (None once the client has sent its last)."""
-        while not self.items:
-            if self.ended:
-                return None
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        if self.unacked:
-            self.owner.acknowledge(self.id, self.unacked)
-            self.unacked = 0
-        return self.items.popleft()
-
-    async def messages(self) -> AsyncIterator[Any]:
-        decode = self.method.deserialize
-        while (item := await self.next()) is not None:
-            yield decode(_whole(item)) if decode is not None else item
 
 
 class _Connection:
@@ -159,9 +59,10 @@ class _Connection:
             validate_outbound_headers=False, normalize_outbound_headers=False,
             split_outbound_cookies=False))
         self.wire = Wire(self.h2, self._made, self._events, WRITE_HIGH)
-        self.streams: dict[int, _Stream] = {}
+        self.streams: dict[int, Call] = {}
         self.window_waiters: list[asyncio.Future[None]] = []
         self._flush_scheduled = False
+        self._direct_unacked = 0  # direct streams' bytes not yet handed back to the client
         self.peer = "ipv4:?:0"
 
     def _made(self, transport: asyncio.Transport) -> None:
@@ -186,7 +87,7 @@ class _Connection:
     def _events(self, events: list[Any]) -> None:
         for event in events:
             self._on(event)
-        self.flush()
+        self._schedule_flush()
 
     async def run(self) -> None:
         """Until the client's connection closes; then its calls are cancelled."""
@@ -196,6 +97,8 @@ class _Connection:
             for stream in list(self.streams.values()):
                 if stream.task is not None:
                     stream.task.cancel()
+                if stream.sink is not None:
+                    stream.sink.cancel(ConnectionResetError("the client's connection closed"))
             self._wake_senders()
             if self.wire.transport is not None:
                 self.wire.transport.close()
@@ -210,7 +113,7 @@ class _Connection:
                 return
             try:
                 stream.feed(event.data, event.flow_controlled_length)
-            except _Abort as e:
+            except Abort as e:
                 stream.task.cancel()
                 self._trailers(stream, e.code, e.message)
         elif isinstance(event, h2.events.StreamEnded):
@@ -221,6 +124,9 @@ class _Connection:
             stream = self.streams.pop(event.stream_id, None)
             if stream is not None and stream.task is not None:
                 stream.task.cancel()
+            if stream is not None and stream.sink is not None:
+                self.wire.direct.pop(stream.id, None)
+                stream.sink.cancel(ConnectionResetError("the client reset the call"))
             self._wake_senders()
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
             self._wake_senders()
@@ -228,7 +134,7 @@ class _Connection:
     def _start(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         path = next((v for k, v in headers if k == b":path"), b"").decode(errors="replace")
         method = self.methods.get(path)
-        stream = _Stream(self, stream_id, method or Method("unary_unary", _unknown))
+        stream = Call(self, stream_id, method or Method("unary_unary", _unknown))
         self.streams[stream_id] = stream
         if method is None:
             self._trailers(stream, grpc.StatusCode.UNIMPLEMENTED,
@@ -236,17 +142,91 @@ class _Connection:
             return
         if method.kind == "stream_unary":  # an upload: its handler reads as the bytes come
             self.h2.increment_flow_control_window(UPLOAD_WINDOW - STREAM_WINDOW, stream_id)
-        context = Context(_metadata(headers), self.peer)
+        context = Context(metadata(headers), self.peer)
+        if method.sink is not None:
+            try:
+                stream.sink = method.sink(context)
+            except Refused as e:
+                self._trailers(stream, e.code, e.message)
+                return
+            self.wire.direct[stream_id] = lambda flags, body, flow: self._direct(
+                stream, flags, body, flow)
+            return
         stream.task = asyncio.get_running_loop().create_task(self._serve(stream, context))
 
-    async def _serve(self, stream: _Stream, context: Context) -> None:
+    def _direct(self, stream: Call, flags: int, body: Any, flow: int) -> None:
+        """A DATA frame of a direct stream (h2 never sees it): its messages go to the sink
+        as they complete, and the client gets its window back at once (the sink has taken
+        the bytes); at the end of the stream, the sink's response and the trailers."""
+        sink = stream.sink
+        try:
+            if body:
+                stream.feed(body, 0)
+                items = stream.items
+                while items:
+                    sink.message(items.popleft())
+            if flags & END_STREAM:
+                response = sink.end()
+        except Exception as e:  # noqa: BLE001 - Refused, Abort (compressed), or a bug
+            if isinstance(e, (Refused, Abort)):
+                code, message = e.code, e.message
+            else:
+                logger.exception("%s failed", type(sink).__name__)
+                code, message = grpc.StatusCode.INTERNAL, "the server failed unexpectedly; see its log"
+            # What the client still sends on this stream goes to h2 (which counts it).
+            self.wire.direct.pop(stream.id, None)
+            stream.sink = None
+            sink.cancel(e)
+            self._trailers(stream, code, message)
+            self._hand_back(stream.id, flow, end=True)
+            if flags & END_STREAM:
+                self.h2.receive_data_frame(stream.id, END_STREAM, b"")
+            return
+        if not flags & END_STREAM:
+            stream.direct_unacked += flow
+            if stream.direct_unacked >= UPLOAD_WINDOW // 2:
+                self._hand_back(stream.id, stream.direct_unacked)
+                stream.direct_unacked = 0
+            else:
+                self._hand_back(0, flow)
+            return
+        self.wire.direct.pop(stream.id, None)
+        stream.sink = None
+        self._hand_back(stream.id, flow, end=True)
+        if self.h2.respond_closed(stream.id, b"\0" + len(response).to_bytes(4, "big") + response):
+            self.streams.pop(stream.id, None)
+            self._schedule_flush()
+            return
+        # No window for the response yet: h2 closes its side of the stream as if the last
+        # frame had come through it, and the response waits for room.
+        self.h2.receive_data_frame(stream.id, END_STREAM, b"")
+        stream.task = asyncio.get_running_loop().create_task(self._respond(stream, response))
+
+    async def _respond(self, stream: Call, response: bytes) -> None:
+        try:
+            await self._send(stream, Pieces((response,)))
+            self._trailers(stream, grpc.StatusCode.OK, "")
+        except (asyncio.CancelledError, ConnectionError, h2.exceptions.StreamClosedError):
+            pass
+
+    def _hand_back(self, stream_id: int, flow: int, end: bool = False) -> None:
+        """Window for a direct stream's bytes: the stream's (unless `stream_id` is 0 or the
+        stream is over) and, in large steps, the connection's."""
+        if stream_id and not end and flow:
+            self.wire.write(window_update(stream_id, flow))
+        self._direct_unacked += flow
+        if self._direct_unacked >= DIRECT_ACK:
+            self.wire.write(window_update(0, self._direct_unacked))
+            self._direct_unacked = 0
+
+    async def _serve(self, stream: Call, context: Context) -> None:
         method = stream.method
         try:
             if method.kind.startswith("unary"):
                 first = await stream.next()
                 if first is None:
-                    raise _Abort(grpc.StatusCode.INTERNAL, "the call sent no request message")
-                first = _whole(first)
+                    raise Abort(grpc.StatusCode.INTERNAL, "the call sent no request message")
+                first = whole(first)
                 request = method.deserialize(first) if method.deserialize else first
             else:
                 request = stream.messages()
@@ -262,7 +242,7 @@ class _Connection:
                 finally:
                     await responses.aclose()  # its cleanup runs now, not when collected
             self._trailers(stream, grpc.StatusCode.OK, "")
-        except _Abort as e:
+        except Abort as e:
             self._trailers(stream, e.code, e.message)
         except (asyncio.CancelledError, ConnectionError, h2.exceptions.StreamClosedError):
             pass  # the client went away, or reset this call
@@ -271,7 +251,7 @@ class _Connection:
             self._trailers(stream, grpc.StatusCode.INTERNAL,
                            "the server failed unexpectedly; see its log")
 
-    async def _send(self, stream: _Stream, message: Any) -> None:
+    async def _send(self, stream: Call, message: Any) -> None:
         """One message, or a `Batch` of them, each behind its 5-byte prefix: what is small
         goes joined into one DATA frame, a large piece is sent without a copy."""
         pieces: list[Any] = []
@@ -306,7 +286,7 @@ class _Connection:
             self.flush()
             await self.wire.drain()
 
-    async def _send_data(self, stream: _Stream, data: memoryview) -> None:
+    async def _send_data(self, stream: Call, data: memoryview) -> None:
         while data:
             room = min(self.h2.local_flow_control_window(stream.id),
                        self.h2.max_outbound_frame_size, len(data))
@@ -323,12 +303,12 @@ class _Connection:
                 self.h2.send_data(stream.id, data[:room])
             data = data[room:]
 
-    def _trailers(self, stream: _Stream, code: grpc.StatusCode, message: str) -> None:
+    def _trailers(self, stream: Call, code: grpc.StatusCode, message: str) -> None:
         if self.streams.pop(stream.id, None) is None:
             return
         fields = [(b"grpc-status", str(code.value[0]).encode())]
         if message:
-            fields.append((b"grpc-message", _percent_encode(message)))
+            fields.append((b"grpc-message", percent_encode(message)))
         if not stream.headers_sent:
             fields = [(b":status", b"200"), (b"content-type", b"application/grpc"), *fields]
         try:
@@ -377,30 +357,8 @@ class _Connection:
             self.wire.transport.close()
 
 
-def _whole(message: memoryview | Pieces) -> bytes:
-    return b"".join(message) if isinstance(message, Pieces) else bytes(message)
-
-
 async def _unknown(request: Any, context: Context) -> None:
     return None
-
-
-def _metadata(headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, Any], ...]:
-    out = []
-    for key, value in headers:
-        if key.startswith(b":") or key in RESERVED:
-            continue
-        name = key.decode("ascii", errors="replace")
-        if name.endswith("-bin"):
-            out.append((name, base64.b64decode(value + b"=" * (-len(value) % 4))))
-        else:
-            out.append((name, value.decode("latin-1")))
-    return tuple(out)
-
-
-def _percent_encode(message: str) -> bytes:
-    return b"".join(bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b
-                    for b in message.encode())
 
 
 class H2Server:

@@ -13,6 +13,14 @@ class Pieces(tuple):  # type: ignore[type-arg]
     host buffer): h2 sends them as they are, grpc.aio joins them."""
 
 
+class Refused(Exception):
+    """An upload sink's refusal: the call ends with this gRPC status code and message."""
+
+    def __init__(self, code: Any, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 class Batch(tuple):  # type: ignore[type-arg]
     """Several messages of a stream, ready at once: h2 frames them together (one DATA frame
     for all), grpc.aio sends them one by one."""
@@ -50,3 +58,8 @@ class Method:
     # Raw requests only: the handler takes a message that came in several frames as
     # `Pieces` instead of joined (grpc.aio always gives bytes).
     pieces: bool = False
+    # Stream-unary only: a synchronous handler of the same call, for transports that can
+    # hand it each message as it arrives (h2): `sink(context)` returns an object with
+    # `message(m)`, `end() -> serialized response` and `cancel(reason)`; `Refused` from
+    # any of them ends the call with its status. No task, no per-message await.
+    sink: Callable[[Any], Any] | None = None

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
@@ -22,7 +22,7 @@ from isthmus import errors
 from isthmus.frontend.service import Frontend
 from isthmus.hostmem import aligned_empty
 from isthmus.protocol.wireformat import bytes_field_parts, bytes_message
-from isthmus.wire.methods import Method, Pieces, flattened, joined
+from isthmus.wire.methods import Method, Pieces, Refused, flattened, joined
 from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,78 @@ SERVER_OPTIONS = (
 
 def _status(code: errors.Code) -> grpc.StatusCode:
     return grpc.StatusCode[code.name]
+
+
+class _Upload:
+    """One HostBufferStore call: its chunks are copied into the host buffer as they come.
+
+    A buffer over the size limit is refused without failing the call: the request that
+    uses it fails with the reason, and the session goes on (the stock client ends its whole
+    session when an upload fails); its bytes are dropped."""
+
+    __slots__ = ("store", "handle", "view", "size", "filled")
+
+    def __init__(self, frontend: Frontend, context: Any) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        self.view: memoryview | None = None
+        self.filled = 0
+        try:
+            header = frontend.parse_store_metadata(metadata.get(STORE_METADATA_KEY))
+            self.handle = header.handle
+            self.store = frontend.host_buffers(header.session_id)
+            self.size = frontend.check_host_buffer_size(header.buffer_size)
+            self.store.begin(header.handle, self.size)
+        except errors.TooLarge as e:
+            logger.info("refused host buffer upload: %s", e.message)
+            self.store.abort(header.handle, e)
+            return
+        except errors.IsthmusError as e:
+            logger.info("refused host buffer upload: %s", e.message)
+            raise Refused(_status(e.code), e.message) from None
+        self.view = memoryview(aligned_empty(self.size))
+
+    def message(self, chunk: Any) -> None:
+        if self.view is None:
+            return  # refused for its size: dropped
+        try:
+            parts = bytes_field_parts(chunk)
+        except ValueError:
+            self._refuse(errors.InvalidRequest("a host buffer chunk is not a valid message."))
+        view, filled = self.view, self.filled
+        for data in parts:
+            end = filled + len(data)
+            if end > self.size:
+                self._refuse(errors.InvalidRequest(
+                    f"host buffer {self.handle} sent more than the {self.size} bytes its "
+                    "metadata announced; send exactly buffer_size bytes."))
+            view[filled:end] = data
+            filled = end
+        self.filled = filled
+
+    def end(self) -> bytes:
+        """The call's serialized response (an empty message)."""
+        if self.view is not None:
+            if self.filled != self.size:
+                self._refuse(errors.InvalidRequest(
+                    f"host buffer {self.handle} ended after {self.filled} of {self.size} "
+                    "announced bytes; the upload was cut short."))
+            self.store.complete(self.handle, self.view)
+            self.view = None
+        return b""
+
+    def cancel(self, reason: BaseException | None) -> None:
+        """The call broke off (the client reset it or went away)."""
+        if self.view is not None:
+            self.view = None
+            logger.info("upload of host buffer %s broke off: %r", self.handle, reason)
+            self.store.abort(self.handle, errors.HostBufferMissing(
+                f"the upload of host buffer {self.handle} broke off "
+                f"({type(reason).__name__}); retry the transfer."))
+
+    def _refuse(self, error: errors.IsthmusError) -> NoReturn:
+        self.view = None
+        self.store.abort(self.handle, error)
+        raise Refused(_status(error.code), error.message)
 
 
 class IfrtProxyServicer:
@@ -112,58 +184,23 @@ class IfrtProxyServicer:
 
     async def host_buffer_store(self, chunks: AsyncIterator[Any],
                                 context: grpc.aio.ServicerContext) -> Any:
-        metadata = dict(context.invocation_metadata() or ())
         try:
-            header = self.frontend.parse_store_metadata(metadata.get(STORE_METADATA_KEY))
-            store = self.frontend.host_buffers(header.session_id)
-            size = self.frontend.check_host_buffer_size(header.buffer_size)
-            store.begin(header.handle, size)
-        except errors.TooLarge as e:
-            # The request that uses the buffer fails with this, and the session goes on: the
-            # stock client ends its whole session when an upload fails. The bytes are dropped.
-            logger.info("refused host buffer upload: %s", e.message)
-            store.abort(header.handle, e)
-            async for _ in chunks:
-                pass
-            return self.schema["xla.ifrt.proxy.GrpcHostBufferStoreResponse"]()
-        except errors.IsthmusError as e:
-            logger.info("refused host buffer upload: %s", e.message)
-            await context.abort(_status(e.code), e.message)
+            upload = self.upload(context)
+            try:
+                async for chunk in chunks:
+                    upload.message(chunk)
+                upload.end()
+            except BaseException as e:
+                upload.cancel(e)
+                raise
+        except Refused as e:
+            await context.abort(e.code, e.message)
             return
-        view = memoryview(aligned_empty(size))
-        filled = 0
-        try:
-            async for chunk in chunks:
-                try:
-                    parts = bytes_field_parts(chunk)
-                except ValueError:
-                    raise errors.InvalidRequest(
-                        "a host buffer chunk is not a valid message.") from None
-                for data in parts:
-                    end = filled + len(data)
-                    if end > size:
-                        raise errors.InvalidRequest(
-                            f"host buffer {header.handle} sent more than the {size} bytes "
-                            "its metadata announced; send exactly buffer_size bytes.")
-                    view[filled:end] = data
-                    filled = end
-            if filled != size:
-                raise errors.InvalidRequest(
-                    f"host buffer {header.handle} ended after {filled} of {size} announced "
-                    "bytes; the upload was cut short.")
-        except errors.IsthmusError as e:
-            store.abort(header.handle, e)
-            await context.abort(_status(e.code), e.message)
-            return
-        except BaseException as e:
-            logger.info("upload of host buffer %s (session %s) broke off: %r", header.handle,
-                        header.session_id, e)
-            store.abort(header.handle, errors.HostBufferMissing(
-                f"the upload of host buffer {header.handle} broke off ({type(e).__name__}); "
-                "retry the transfer."))
-            raise
-        store.complete(header.handle, view)
         return self.schema["xla.ifrt.proxy.GrpcHostBufferStoreResponse"]()
+
+    def upload(self, context: Any) -> _Upload:
+        """A HostBufferStore call as a sink (see `Method.sink`); h2 feeds it directly."""
+        return _Upload(self.frontend, context)
 
     async def host_buffer_lookup(self, request: Any, context: grpc.aio.ServicerContext
                                  ) -> AsyncIterator[bytes]:
@@ -229,7 +266,7 @@ class IfrtProxyServicer:
                                "IfrtResponse"),
             "HostBufferStore": dataclasses.replace(
                 rpc("stream_unary", self.host_buffer_store, None,
-                    "GrpcHostBufferStoreResponse"), pieces=True),
+                    "GrpcHostBufferStoreResponse"), pieces=True, sink=self.upload),
             "HostBufferLookup": rpc("unary_stream", self.host_buffer_lookup,
                                     "GrpcHostBufferLookupRequest", None),
             "HostBufferDelete": rpc("unary_unary", self.host_buffer_delete,

@@ -90,10 +90,12 @@ class RawSession:
         full = name if "." in name else P + name
         return self.s[full](**fields)
 
-    def store(self, handle: int, data: bytes) -> None:
-        """Uploads a host buffer (HostBufferStore)."""
+    def store(self, handle: int, data: bytes, announce: int | None = None) -> None:
+        """Uploads a host buffer (HostBufferStore); `announce`: a size to claim instead of
+        the real one."""
         meta = self.s[P + "GrpcHostBufferStoreMetadata"](
-            session_id=self.session_id, handle=handle, buffer_size=len(data))
+            session_id=self.session_id, handle=handle,
+            buffer_size=len(data) if announce is None else announce)
         chunk = self.s[P + "GrpcHostBufferStoreRequest"]
         call = self.channel.stream_unary(
             SERVICE + "HostBufferStore", request_serializer=chunk.SerializeToString,

@@ -87,6 +87,26 @@ def test_wrong_size_host_buffer(fast_server):
         assert code == INVALID and "12 bytes" in message and "16" in message
 
 
+def test_upload_that_breaks_its_announced_size(fast_server):
+    with RawSession(fast_server.address) as raw:
+        for handle, data, announce, says in ((21, b"x" * 3000, 1000, "more than the 1000"),
+                                              (22, b"x" * 1000, 3000, "after 1000 of 3000"),
+                                              (23, b"x" * (3 << 20), 1 << 20, "more than")):
+            with pytest.raises(grpc.RpcError) as info:
+                raw.store(handle, data, announce=announce)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert says in info.value.details()
+            # The request that uses the buffer fails with the same cause.
+            op = _make_array(raw, handle, [announce // 4])
+            assert not status_of(raw.wait(op))[0]
+            code, message = status_of(_ready(raw, handle))
+            assert code == INVALID and says in message
+        # The session goes on: a good upload after them is used as usual.
+        raw.store(24, np.arange(4, dtype=np.float32).tobytes())
+        assert not status_of(raw.wait(_make_array(raw, 24, [4])))[0]
+        assert not status_of(_ready(raw, 24))[0]
+
+
 def test_host_buffer_that_never_arrives(fast_server):
     with RawSession(fast_server.address) as raw:
         _make_array(raw, 30, [2, 2])  # its host buffer is never sent

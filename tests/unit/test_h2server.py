@@ -12,7 +12,7 @@ import grpc.aio
 import pytest
 
 from isthmus.wire.h2server import H2Server
-from isthmus.wire.methods import Batch, Method, Pieces
+from isthmus.wire.methods import Batch, Method, Pieces, Refused
 
 
 def run(coroutine):
@@ -24,6 +24,7 @@ class Handlers:
         self.cancelled = asyncio.Event()
         self.release = asyncio.Event()
         self.read = 0
+        self.sinks_cancelled = 0
 
     async def echo(self, request, context):
         metadata = dict(context.invocation_metadata())
@@ -67,6 +68,27 @@ class Handlers:
         yield b""
 
 
+class Sink:
+    """A direct upload handler (`Method.sink`): counts what it is given, refuses on request."""
+
+    def __init__(self, handlers, context):
+        if dict(context.invocation_metadata()).get("x-refuse") == "open":
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "refused at once")
+        self.handlers, self.total, self.messages = handlers, 0, 0
+
+    def message(self, chunk):
+        if bytes(chunk[0] if isinstance(chunk, Pieces) else chunk)[:6] == b"refuse":
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "refused midway")
+        self.total += sum(map(len, chunk)) if isinstance(chunk, Pieces) else len(chunk)
+        self.messages += 1
+
+    def end(self):
+        return f"{self.messages}:{self.total}".encode()
+
+    def cancel(self, reason):
+        self.handlers.sinks_cancelled += 1
+
+
 @contextlib.asynccontextmanager
 async def _serving(handlers):
     server = H2Server({
@@ -78,6 +100,8 @@ async def _serving(handlers):
         "/t.T/Burst": Method("unary_stream", handlers.burst),
         "/t.T/Chat": Method("stream_stream", handlers.chat),
         "/t.T/Hang": Method("unary_stream", handlers.hang),
+        "/t.T/Sink": Method("stream_unary", handlers.upload, pieces=True,
+                            sink=lambda context: Sink(handlers, context)),
     })
     port = await server.start("127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=(
@@ -187,3 +211,60 @@ async def test_a_message_larger_than_the_window_arrives_on_a_read_stream(handler
         await call.write(b"q" * size)
         assert len(await call.read()) == size
     await call.done_writing()
+
+
+@_served
+async def test_direct_uploads_bypass_h2_and_leave_the_connection_sound(handlers, channel):
+    sink = channel.stream_unary("/t.T/Sink")
+
+    async def chunks(count, size):
+        for _ in range(count):
+            yield b"s" * size
+
+    # Over the stream's window (raw window updates) and, in all, over the connection's
+    # hand-back step; then hundreds at once, and an upload with no message at all.
+    for _ in range(3):
+        assert await sink(chunks(5, 4 << 20)) == f"5:{20 << 20}".encode()
+    many = await asyncio.gather(*(sink(chunks(3, 1000 + i)) for i in range(300)))
+    assert many == [f"3:{3 * (1000 + i)}".encode() for i in range(300)]
+    assert await sink(chunks(0, 0)) == b"0:0"
+    # h2's state stayed whole: other calls, and a download over every window, still work.
+    big = 9 << 20
+    got = [m async for m in channel.unary_stream("/t.T/Download")(str(big).encode())]
+    assert [len(m) for m in got] == [big] * 3
+    assert await channel.unary_unary("/t.T/Echo")(b"ok") == b"ok"
+
+
+@_served
+async def test_a_direct_upload_refused_or_cancelled(handlers, channel):
+    sink = channel.stream_unary("/t.T/Sink")
+
+    async def chunks(*messages):
+        for m in messages:
+            yield m
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await sink(chunks(b"a" * 100, b"refuse", b"b" * (3 << 20)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "refused midway"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await sink(chunks(b"x"), metadata=(("x-refuse", "open"),))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert handlers.sinks_cancelled == 1  # the refusal midway; a refused open made none
+
+    release = asyncio.Event()
+
+    async def stalled():
+        yield b"c" * 1000
+        await release.wait()
+        yield b"never"
+
+    call = sink(stalled())
+    await asyncio.sleep(0.3)
+    call.cancel()
+    for _ in range(100):
+        if handlers.sinks_cancelled == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert handlers.sinks_cancelled == 2
+    assert await sink(chunks(b"ok")) == b"1:2"

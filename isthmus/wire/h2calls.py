@@ -1,0 +1,139 @@
+"""One gRPC call of the h2 client port (`h2server`): its received messages, its context,
+and the mapping of metadata and status messages to and from HTTP/2 headers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from isthmus.wire.methods import Method, Pieces
+
+RESERVED = {b"content-type", b"te", b"user-agent", b"grpc-timeout", b"grpc-encoding",
+            b"grpc-accept-encoding", b"accept-encoding"}
+
+
+class Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class Context:
+    """What a handler sees of its call (the part of grpc.aio's ServicerContext used)."""
+
+    def __init__(self, metadata: tuple[tuple[str, Any], ...], peer: str) -> None:
+        self._metadata, self._peer = metadata, peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise Abort(code, details)
+
+
+class Call:
+    """One call: the messages received so far, and whether the client is done sending."""
+
+    def __init__(self, owner: Any, stream_id: int, method: Method) -> None:
+        self.owner, self.id, self.method = owner, stream_id, method
+        self.prefix = bytearray()  # of the message being received
+        self.need: int | None = None  # its size, once its prefix is in
+        self.pieces: list[memoryview] = []  # its bytes so far
+        self.have = 0  # ... and how many they are
+        self.items: collections.deque[memoryview | Pieces] = collections.deque()
+        self.ended = False
+        self.unacked = 0  # flow-controlled bytes not yet handed back
+        self.waiter: asyncio.Future[None] | None = None
+        self.headers_sent = False
+        self.task: asyncio.Task[None] | None = None
+        self.sink: Any = None  # a direct stream's handler (`Method.sink`)
+        self.direct_unacked = 0  # ... and its bytes not yet handed back to the client
+
+    def feed(self, data: bytes, flow: int) -> None:
+        """Takes a DATA frame's bytes; whole messages become items (views of the frames'
+        bytes: a message in one frame is never copied, one across frames once)."""
+        self.unacked += flow
+        view = memoryview(data)
+        while len(view):
+            if self.need is None:  # reading a 5-byte prefix
+                take = min(5 - len(self.prefix), len(view))
+                self.prefix += view[:take]
+                view = view[take:]
+                if len(self.prefix) < 5:
+                    break
+                if self.prefix[0]:
+                    raise Abort(grpc.StatusCode.UNIMPLEMENTED,
+                                 "compressed gRPC messages are not supported; send identity")
+                self.need = int.from_bytes(self.prefix[1:5], "big")
+                self.prefix = bytearray()
+            take = min(self.need - self.have, len(view))
+            self.pieces.append(view[:take])
+            self.have += take
+            view = view[take:]
+            if self.have == self.need:
+                pieces, self.pieces, self.need, self.have = self.pieces, [], None, 0
+                # A message across frames stays in pieces for a handler that copies them
+                # to where they go (uploads); the others get it joined.
+                self.items.append(pieces[0] if len(pieces) == 1 else Pieces(pieces)
+                                  if self.method.pieces else memoryview(b"".join(pieces)))
+        if not self.items and self.unacked:
+            # Only part of a message is here: the client gets room for the rest at once
+            # (a message larger than the window would otherwise never complete).
+            self.owner.acknowledge(self.id, self.unacked)
+            self.unacked = 0
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next(self) -> memoryview | Pieces | None:
+        """The next message (None once the client has sent its last)."""
+        while not self.items:
+            if self.ended:
+                return None
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        if self.unacked:
+            self.owner.acknowledge(self.id, self.unacked)
+            self.unacked = 0
+        return self.items.popleft()
+
+    async def messages(self) -> AsyncIterator[Any]:
+        decode = self.method.deserialize
+        while (item := await self.next()) is not None:
+            yield decode(whole(item)) if decode is not None else item
+
+
+def whole(message: memoryview | Pieces) -> bytes:
+    return b"".join(message) if isinstance(message, Pieces) else bytes(message)
+
+
+def metadata(headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for key, value in headers:
+        if key.startswith(b":") or key in RESERVED:
+            continue
+        name = key.decode("ascii", errors="replace")
+        if name.endswith("-bin"):
+            out.append((name, base64.b64decode(value + b"=" * (-len(value) % 4))))
+        else:
+            out.append((name, value.decode("latin-1")))
+    return tuple(out)
+
+
+def percent_encode(message: str) -> bytes:
+    return b"".join(bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b
+                    for b in message.encode())
