@@ -124,6 +124,14 @@ class HostBufferStore:
                     "CopyToHostBuffer request of this session.") from None
         return entry.future.result()
 
+    def ready(self, handle: HostBufferHandle) -> memoryview | None:
+        """A published result if it is there now (None: `lookup` waits, or reports)."""
+        entry = self._entries.get(handle)
+        if entry is None or not entry.future.done() or entry.future.cancelled() \
+                or entry.future.exception() is not None:
+            return None
+        return entry.future.result()
+
     def delete(self, handle: HostBufferHandle) -> None:
         self._drop(handle)
 

@@ -112,9 +112,9 @@ class Frames(h2.connection.H2Connection):
         """Ends a stream whose request h2 has not seen end (a direct stream) with a whole
         gRPC response: headers, `message` (already framed) and OK trailers, written here
         (encoded without h2's header table, so its state is untouched); h2 forgets the
-        stream as if it had closed it. False, and nothing done, when the connection's
-        window has no room for `message`."""
-        if self.outbound_flow_control_window < len(message):
+        stream as if it had closed it. False, and nothing done, when the stream's or the
+        connection's window has no room for `message`."""
+        if self.local_flow_control_window(stream_id) < len(message):
             return False
         self.outbound_flow_control_window -= len(message)
         if self._data_to_send:

@@ -157,7 +157,8 @@ class _Connection:
     def _direct(self, stream: Call, flags: int, body: Any, flow: int) -> None:
         """A DATA frame of a direct stream (h2 never sees it): its messages go to the sink
         as they complete, and the client gets its window back at once (the sink has taken
-        the bytes); at the end of the stream, the sink's response and the trailers."""
+        the bytes); at the end of the stream, the sink's answer and the trailers: a
+        serialized response is written at once, anything else is sent by a task."""
         sink = stream.sink
         try:
             if body:
@@ -193,21 +194,17 @@ class _Connection:
         self.wire.direct.pop(stream.id, None)
         stream.sink = None
         self._hand_back(stream.id, flow, end=True)
-        if self.h2.respond_closed(stream.id, b"\0" + len(response).to_bytes(4, "big") + response):
-            self.streams.pop(stream.id, None)
-            self._schedule_flush()
-            return
-        # No window for the response yet: h2 closes its side of the stream as if the last
-        # frame had come through it, and the response waits for room.
+        if isinstance(response, bytes):
+            framed = b"\0" + len(response).to_bytes(4, "big") + response
+            if self.h2.respond_closed(stream.id, framed):
+                self.streams.pop(stream.id, None)
+                self._schedule_flush()
+                return
+            response = Pieces((response,))  # no window for it yet: it waits for room
+        # The answer comes later: h2 closes its side of the stream as if the last frame had
+        # come through it, and a task sends the answer.
         self.h2.receive_data_frame(stream.id, END_STREAM, b"")
-        stream.task = asyncio.get_running_loop().create_task(self._respond(stream, response))
-
-    async def _respond(self, stream: Call, response: bytes) -> None:
-        try:
-            await self._send(stream, Pieces((response,)))
-            self._trailers(stream, grpc.StatusCode.OK, "")
-        except (asyncio.CancelledError, ConnectionError, h2.exceptions.StreamClosedError):
-            pass
+        stream.task = asyncio.get_running_loop().create_task(self._answer(stream, response))
 
     def _hand_back(self, stream_id: int, flow: int, end: bool = False) -> None:
         """Window for a direct stream's bytes: the stream's (unless `stream_id` is 0 or the
@@ -221,33 +218,46 @@ class _Connection:
 
     async def _serve(self, stream: Call, context: Context) -> None:
         method = stream.method
-        try:
-            if method.kind.startswith("unary"):
+        if method.kind.startswith("unary"):
+            try:
                 first = await stream.next()
-                if first is None:
-                    raise Abort(grpc.StatusCode.INTERNAL, "the call sent no request message")
-                first = whole(first)
-                request = method.deserialize(first) if method.deserialize else first
-            else:
-                request = stream.messages()
-            if method.kind.endswith("unary"):
-                response = await method.fn(request, context)
-                if response is not None:
-                    await self._send(stream, response)
-            else:
-                responses = method.fn(request, context)
+            except asyncio.CancelledError:
+                return
+            if first is None:
+                self._trailers(stream, grpc.StatusCode.INTERNAL,
+                               "the call sent no request message")
+                return
+            try:
+                request = method.deserialize(whole(first)) if method.deserialize else whole(first)
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError, or worse
+                self._trailers(stream, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the request message of {method.fn.__name__} is malformed")
+                return
+        else:
+            request = stream.messages()
+        await self._answer(stream, method.fn(request, context))
+
+    async def _answer(self, stream: Call, answer: Any) -> None:
+        """Sends a handler's answer (a coroutine of the response, or an async iterator of
+        responses, or a response itself), then the trailers with its outcome."""
+        try:
+            if hasattr(answer, "__aiter__"):
                 try:
-                    async for response in responses:
+                    async for response in answer:
                         await self._send(stream, response)
                 finally:
-                    await responses.aclose()  # its cleanup runs now, not when collected
+                    await answer.aclose()  # its cleanup runs now, not when collected
+            else:
+                response = await answer if asyncio.iscoroutine(answer) else answer
+                if response is not None:
+                    await self._send(stream, response)
             self._trailers(stream, grpc.StatusCode.OK, "")
         except Abort as e:
             self._trailers(stream, e.code, e.message)
         except (asyncio.CancelledError, ConnectionError, h2.exceptions.StreamClosedError):
             pass  # the client went away, or reset this call
         except Exception:  # noqa: BLE001 - a handler's bug fails its call, not the connection
-            logger.exception("%s failed", method.fn.__name__)
+            logger.exception("%s failed", stream.method.fn.__name__)
             self._trailers(stream, grpc.StatusCode.INTERNAL,
                            "the server failed unexpectedly; see its log")
 

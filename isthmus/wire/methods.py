@@ -58,8 +58,9 @@ class Method:
     # Raw requests only: the handler takes a message that came in several frames as
     # `Pieces` instead of joined (grpc.aio always gives bytes).
     pieces: bool = False
-    # Stream-unary only: a synchronous handler of the same call, for transports that can
-    # hand it each message as it arrives (h2): `sink(context)` returns an object with
-    # `message(m)`, `end() -> serialized response` and `cancel(reason)`; `Refused` from
-    # any of them ends the call with its status. No task, no per-message await.
+    # A synchronous handler of the same call, for transports that can hand it each
+    # message as it arrives (h2): `sink(context)` returns an object with `message(m)`,
+    # `end()` and `cancel(reason)`; `Refused` from any of them ends the call with its
+    # status. `end()` returns the serialized response (sent at once: no task, no await),
+    # or what `fn` would return (a coroutine or async iterator) when the answer must wait.
     sink: Callable[[Any], Any] | None = None

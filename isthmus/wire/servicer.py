@@ -32,6 +32,7 @@ ADMIN_SERVICE = "isthmus.Admin"
 SESSION_METADATA_KEY = "ifrt-proxy-grpc-ifrt-session-metadata-bin"
 STORE_METADATA_KEY = "ifrt-proxy-grpc-host-buffer-store-metadata-bin"
 LOOKUP_CHUNK_BYTES = (4 << 20) - 64  # under gRPC's default 4 MiB message limit
+DIRECT_LOOKUP_BYTES = 1 << 16  # a ready buffer up to this size is answered without a task
 
 SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", -1),
@@ -133,6 +134,37 @@ class _Upload:
         raise Refused(_status(error.code), error.message)
 
 
+class _Unary:
+    """A unary call as a sink (`Method.sink`): its one request, then `answer(request)`,
+    whose `IsthmusError` becomes the call's status."""
+
+    __slots__ = ("answer", "parse", "request")
+
+    def __init__(self, answer: Callable[[Any], Any], parse: Callable[[bytes], Any]) -> None:
+        self.answer, self.parse, self.request = answer, parse, None
+
+    def message(self, message: Any) -> None:
+        if self.request is not None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          "a unary call sent more than one request message")
+        try:
+            self.request = self.parse(bytes(message))
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the request message is malformed") from None
+
+    def end(self) -> Any:
+        if self.request is None:
+            raise Refused(grpc.StatusCode.INTERNAL, "the call sent no request message")
+        try:
+            return self.answer(self.request)
+        except errors.IsthmusError as e:
+            raise Refused(_status(e.code), e.message) from None
+
+    def cancel(self, reason: BaseException | None) -> None:
+        pass
+
+
 class IfrtProxyServicer:
     """Implements the IFRT proxy gRPC service on top of a `Frontend`."""
 
@@ -216,6 +248,18 @@ class IfrtProxyServicer:
         for start in range(0, len(data), LOOKUP_CHUNK_BYTES):
             yield Pieces(bytes_message(data[start:start + LOOKUP_CHUNK_BYTES]))
 
+    def lookup_now(self, request: Any, context: Any) -> Any:
+        """HostBufferLookup without a task when the buffer is ready and small: its
+        serialized response; otherwise the streaming handler."""
+        data = self.frontend.host_buffers(request.session_id).ready(request.handle)
+        if data is None or len(data) > DIRECT_LOOKUP_BYTES:
+            return self.host_buffer_lookup(request, context)
+        return b"".join(bytes_message(data)) if len(data) else b""
+
+    def delete_now(self, request: Any) -> bytes:
+        self.frontend.host_buffers(request.session_id).delete(request.handle)
+        return b""  # an empty GrpcHostBufferDeleteResponse
+
     async def host_buffer_delete(self, request: Any, context: grpc.aio.ServicerContext
                                  ) -> Any:
         try:
@@ -267,11 +311,16 @@ class IfrtProxyServicer:
             "HostBufferStore": dataclasses.replace(
                 rpc("stream_unary", self.host_buffer_store, None,
                     "GrpcHostBufferStoreResponse"), pieces=True, sink=self.upload),
-            "HostBufferLookup": rpc("unary_stream", self.host_buffer_lookup,
-                                    "GrpcHostBufferLookupRequest", None),
-            "HostBufferDelete": rpc("unary_unary", self.host_buffer_delete,
-                                    "GrpcHostBufferDeleteRequest",
-                                    "GrpcHostBufferDeleteResponse"),
+            "HostBufferLookup": dataclasses.replace(
+                rpc("unary_stream", self.host_buffer_lookup, "GrpcHostBufferLookupRequest",
+                    None),
+                sink=lambda context: _Unary(lambda r: self.lookup_now(r, context),
+                                            s[p + "GrpcHostBufferLookupRequest"].FromString)),
+            "HostBufferDelete": dataclasses.replace(
+                rpc("unary_unary", self.host_buffer_delete, "GrpcHostBufferDeleteRequest",
+                    "GrpcHostBufferDeleteResponse"),
+                sink=lambda context: _Unary(self.delete_now,
+                                            s[p + "GrpcHostBufferDeleteRequest"].FromString)),
             "HostBufferReadFromDisk": rpc("unary_unary", self.host_buffer_read_from_disk,
                                           "GrpcHostBufferReadFromDiskRequest",
                                           "GrpcHostBufferReadFromDiskResponse"),

@@ -170,6 +170,38 @@ def test_garbage_bytes_and_bad_versions(fast_server):
     assert "protocol 99..99" in info.value.details()
 
 
+def test_host_buffer_calls_with_bad_requests(fast_server):
+    service = "/xla.ifrt.proxy.GrpcIfrtService/"
+    with RawSession(fast_server.address) as raw:
+        lookup = raw.channel.unary_stream(service + "HostBufferLookup")
+        delete = raw.channel.unary_unary(service + "HostBufferDelete")
+        for name, call in (("Lookup", lambda b: list(lookup(b, timeout=10))),
+                           ("Delete", lambda b: delete(b, timeout=10))):
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"\xff\xff\xff garbage")
+            # (grpc.aio, with --client-transport grpc, answers UNKNOWN from its parser.)
+            assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                         grpc.StatusCode.UNKNOWN), name
+            assert "malformed" in info.value.details() or "corrupt" in info.value.details()
+            request = raw.msg(f"GrpcHostBuffer{name}Request", session_id=987654, handle=1)
+            with pytest.raises(grpc.RpcError) as info:
+                call(request.SerializeToString())
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND, name
+            assert "session 987654 is not open" in info.value.details()
+        # The session is untouched: a buffer of over 64 KiB (answered by the streaming
+        # path) and a small one (answered at once) both come back whole, then go.
+        for handle, count in ((50, 40_000), (52, 4)):
+            data = np.arange(count, dtype=np.float32)
+            raw.store(handle, data.tobytes())
+            _make_array(raw, handle, [count])
+            copy = raw.msg("CopyToHostBufferRequest", array_handle=handle,
+                           host_buffer_handle=handle + 1)
+            assert not status_of(raw.call("copy_to_host_buffer_request", copy, timeout=10))[0]
+            assert raw.lookup(handle + 1) == data.tobytes()
+            delete(raw.msg("GrpcHostBufferDeleteRequest", session_id=raw.session_id,
+                           handle=handle + 1).SerializeToString(), timeout=10)
+
+
 def test_sessions_are_isolated(fast_server):
     with RawSession(fast_server.address) as a, RawSession(fast_server.address) as b:
         a.store(40, np.ones(4, np.float32).tobytes())

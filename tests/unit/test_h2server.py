@@ -89,6 +89,26 @@ class Sink:
         self.handlers.sinks_cancelled += 1
 
 
+class Quick:
+    """A unary sink: answers at once, later (an async iterator), or refuses."""
+
+    def __init__(self, handlers, context):
+        self.handlers, self.request = handlers, None
+
+    def message(self, request):
+        self.request = bytes(request)
+
+    def end(self):
+        if self.request == b"refuse":
+            raise Refused(grpc.StatusCode.NOT_FOUND, "no such thing")
+        if self.request.startswith(b"later:"):
+            return self.handlers.download(self.request[6:], None)
+        return self.request.upper()
+
+    def cancel(self, reason):
+        pass
+
+
 @contextlib.asynccontextmanager
 async def _serving(handlers):
     server = H2Server({
@@ -100,6 +120,8 @@ async def _serving(handlers):
         "/t.T/Burst": Method("unary_stream", handlers.burst),
         "/t.T/Chat": Method("stream_stream", handlers.chat),
         "/t.T/Hang": Method("unary_stream", handlers.hang),
+        "/t.T/Quick": Method("unary_stream", handlers.download,
+                             sink=lambda context: Quick(handlers, context)),
         "/t.T/Sink": Method("stream_unary", handlers.upload, pieces=True,
                             sink=lambda context: Sink(handlers, context)),
     })
@@ -268,3 +290,22 @@ async def test_a_direct_upload_refused_or_cancelled(handlers, channel):
         await asyncio.sleep(0.05)
     assert handlers.sinks_cancelled == 2
     assert await sink(chunks(b"ok")) == b"1:2"
+
+
+@_served
+async def test_unary_sinks_answer_at_once_or_later(handlers, channel):
+    quick = channel.unary_stream("/t.T/Quick")
+    assert [m async for m in quick(b"abc")] == [b"ABC"]
+    # Answered later (the streaming handler's answer), over every window.
+    got = [m async for m in quick(b"later:%d" % (9 << 20))]
+    assert [len(m) for m in got] == [9 << 20] * 3
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        [m async for m in quick(b"refuse")]
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert info.value.details() == "no such thing"
+    answers = await asyncio.gather(*(_collect(quick(b"x%d" % i)) for i in range(300)))
+    assert answers == [[b"X%d" % i] for i in range(300)]
+
+
+async def _collect(call):
+    return [m async for m in call]
