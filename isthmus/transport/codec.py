@@ -10,6 +10,7 @@ arrive as tuples.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any
 
 import msgpack
@@ -17,7 +18,21 @@ import numpy as np
 
 from isthmus import dtypes, errors
 
-_RECORD, _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE = range(1, 9)
+_RECORD, _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE, _BULK = range(1, 10)
+_SPAN = struct.Struct("<QQ")  # a bulk value's offset in its frame's tail, and its length
+
+
+class Bulk:
+    """Bytes that travel beside the encoded message instead of inside it (`encode_parts`):
+    neither end copies them to encode or decode. They arrive as a memoryview of the frame."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, data: Any) -> None:
+        self.view = memoryview(data).cast("B")
+
+    def __len__(self) -> int:
+        return len(self.view)
 
 
 class CodecError(ValueError):
@@ -53,6 +68,11 @@ class Codec:
         self._packer = msgpack.Packer(default=self._default, use_bin_type=True)
         self._markers = {code: msgpack.ExtType(code, b"") for code in (
             _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE)}
+        # While encode_parts packs: the bulk views so far, and their total length; while
+        # decode reads a frame with a tail: that tail.
+        self._tails: list[memoryview] | None = None
+        self._tail_bytes = 0
+        self._tail: memoryview | None = None
 
     def record(self, cls: type) -> type:
         """Registers a dataclass (a decorator); its fields travel in declaration order."""
@@ -69,9 +89,21 @@ class Codec:
         self._errors[cls.__name__] = cls
 
     def encode(self, value: Any) -> bytes:
+        """`value` packed whole (`Bulk` bytes inside it are copied in)."""
         return self._packer.pack(value)
 
-    def decode(self, data: bytes) -> Any:
+    def encode_parts(self, value: Any) -> tuple[bytes, list[memoryview]]:
+        """`value` packed, but for its `Bulk` bytes, which are returned beside it in order:
+        the message and then those views, end to end, are what `decode` takes back."""
+        self._tails, self._tail_bytes = [], 0
+        try:
+            return self._packer.pack(value), self._tails
+        finally:
+            self._tails = None
+
+    def decode(self, data: Any, tail: memoryview | None = None) -> Any:
+        """The value packed in `data`; `tail`: the bytes `encode_parts` put beside it."""
+        self._tail = tail
         try:
             return msgpack.unpackb(data, ext_hook=self._ext, list_hook=self._build,
                                    use_list=False, raw=False, strict_map_key=False)
@@ -79,6 +111,8 @@ class Codec:
             raise
         except Exception as e:  # noqa: BLE001 - msgpack's own errors, a short frame
             raise CodecError(f"the frame does not decode ({type(e).__name__}: {e})") from None
+        finally:
+            self._tail = None
 
     def _default(self, value: Any) -> Any:
         kind = type(value)
@@ -87,6 +121,13 @@ class Codec:
             marker, fields = described
             return (marker, *[getattr(value, field) for field in fields])
         markers = self._markers
+        if kind is Bulk:
+            if self._tails is None:
+                return value.view.tobytes()
+            span = msgpack.ExtType(_BULK, _SPAN.pack(self._tail_bytes, len(value.view)))
+            self._tails.append(value.view)
+            self._tail_bytes += len(value.view)
+            return span
         if isinstance(value, np.ndarray):
             if value.dtype == object:
                 return (markers[_OBJECTS], value.shape, value.ravel().tolist())
@@ -106,7 +147,12 @@ class Codec:
             return (markers[_DTYPE], value.kind)
         raise CodecError(f"the fleet does not carry values of type {kind.__qualname__}")
 
-    def _ext(self, code: int, data: bytes) -> _Tag:
+    def _ext(self, code: int, data: bytes) -> Any:
+        if code == _BULK:
+            offset, length = _SPAN.unpack(data)
+            if self._tail is None or offset + length > len(self._tail):
+                raise CodecError("a frame's bulk bytes are missing")
+            return self._tail[offset:offset + length]
         tag = self._tags.get((code, data))
         if tag is not None:
             return tag

@@ -12,12 +12,16 @@ that expect an answer carry a `request` number; the worker answers with `Reply`.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any
 
-from isthmus.transport.codec import Codec, register_errors
+from isthmus.transport.codec import Bulk, Codec, CodecError, register_errors
+from isthmus.transport.frames import Parts, Tailed
 
-PROTOCOL_VERSION = 5  # bump when a message changes shape
-PIECE_BYTES = 8 << 20  # bulk data on a worker's stream travels in pieces of this size
+__all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
+
+PROTOCOL_VERSION = 6  # bump when a message changes shape
+PIECE_BYTES = 64 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
 
@@ -27,6 +31,7 @@ ALIVE_DROPPED = b"dropped"  # not (or no longer) a member: start afresh, never a
 ALIVE_STOP = b"stop"  # the controller is stopping: exit
 
 
+_LENGTH = struct.Struct("<Q")
 CODEC = Codec()  # every message record registers itself; so do the records replies carry
 register_errors(CODEC)
 
@@ -36,12 +41,24 @@ def _message(cls: type) -> Any:
     return CODEC.record(dataclasses.dataclass(frozen=True, slots=True)(cls))
 
 
-def encode(message: Any) -> bytes:
-    return CODEC.encode(message)
+def encode(message: Any) -> bytes | Parts:
+    """A frame's payload: the message packed, or, when it holds `Bulk` bytes, the packed
+    rest and those bytes as `Parts` (sent without being copied)."""
+    packed, tails = CODEC.encode_parts(message)
+    if not tails:
+        return packed
+    return Parts((_LENGTH.pack(len(packed)) + packed, *tails))
 
 
-def decode(data: bytes) -> Any:
-    return CODEC.decode(data)
+def decode(frame: bytes | Tailed) -> Any:
+    """The message of a frame `read_frame` returned (its bulk bytes as views of it)."""
+    if not isinstance(frame, Tailed):
+        return CODEC.decode(frame)
+    view = memoryview(frame.data)
+    if len(view) < _LENGTH.size:
+        raise CodecError("a frame with bulk bytes is too short")
+    end = _LENGTH.size + _LENGTH.unpack_from(view)[0]
+    return CODEC.decode(view[_LENGTH.size:end], tail=view[end:])
 
 
 def dtype_name(dtype: Any) -> str:
@@ -121,7 +138,7 @@ class Data:
 
     request: int
     offset: int
-    data: bytes
+    data: Any  # Bulk when sent; a memoryview of the frame when received
 
 
 # ---- controller -> worker -------------------------------------------------------------------
@@ -197,7 +214,7 @@ class PutData:
     request: int
     buffer: int
     offset: int
-    data: bytes
+    data: Any  # Bulk when sent; a memoryview of the frame when received
     last: bool
 
 

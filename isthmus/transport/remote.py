@@ -221,7 +221,7 @@ class RemoteWorker:
         while True:
             piece = raw[offset:offset + m.PIECE_BYTES]
             last = offset + len(piece) >= len(raw)
-            data = m.PutData(number, buffer_id, offset, bytes(piece), last)
+            data = m.PutData(number, buffer_id, offset, m.Bulk(piece), last)
             self._command(data, weight=m.weight(data))
             offset += len(piece)
             if last:
@@ -381,19 +381,30 @@ _SHARED: dict[str, Callable[..., Any]] = {"execute": _execute, "free": _free}
 
 
 class _Incoming:
-    """A fetched buffer arriving in pieces, written into one aligned allocation."""
+    """A fetched buffer arriving in pieces: one piece is kept as it came (a view of its
+    frame), several are written into one allocation."""
 
     __slots__ = ("header", "target")
 
     def __init__(self, header: m.FetchHeader) -> None:
         self.header = header
-        self.target = np.empty(header.nbytes, np.uint8)
+        self.target: np.ndarray | None = None
 
-    def write(self, offset: int, data: bytes) -> None:
+    def write(self, offset: int, data: Any) -> None:
+        if self.target is None and offset == 0 and len(data) == self.header.nbytes:
+            self.target = np.frombuffer(data, np.uint8)
+            return
+        if self.target is None or not self.target.flags.writeable:
+            whole = np.zeros(self.header.nbytes, np.uint8)
+            if self.target is not None:
+                whole[:] = self.target
+            self.target = whole
         self.target[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
 
     def array(self) -> np.ndarray:
-        return self.target.view(m.dtype_of(self.header.dtype)).reshape(self.header.shape)
+        target = self.target if self.target is not None else np.zeros(self.header.nbytes,
+                                                                       np.uint8)
+        return target.view(m.dtype_of(self.header.dtype)).reshape(self.header.shape)
 
 
 def _as_error(error: Any) -> errors.IsthmusError:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import aligned_empty, byte_view, map_file
+from isthmus.hostmem import byte_view, map_file
 from isthmus.transport import messages as m
 from isthmus.transport.base import answered
 from isthmus.transport.links import ControllerLink, PeerClient
@@ -48,15 +48,13 @@ class CommandApplier:
         if isinstance(c, m.Execute):
             host.execute(c.executable, c.args, c.results, c.copy_first)
         elif isinstance(c, m.PutBegin):
-            dtype = m.dtype_of(c.dtype)
-            self._incoming[c.buffer] = _Incoming(
-                aligned_empty(c.nbytes), c.device, c.memory_kind, dtype, c.shape)
+            self._incoming[c.buffer] = _Incoming(c.nbytes, c.device, c.memory_kind,
+                                                 m.dtype_of(c.dtype), c.shape)
         elif isinstance(c, m.PutData):
             incoming = self._incoming[c.buffer]
-            incoming.buffer[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, np.uint8)
+            value = incoming.add(c.offset, c.data)
             if c.last:
                 del self._incoming[c.buffer]
-                value = incoming.buffer.view(incoming.dtype).reshape(incoming.shape)
                 self._spawn(c.request, host.put(c.buffer, incoming.device, value,
                                                 incoming.memory_kind))
         elif isinstance(c, m.PutObjects):
@@ -127,7 +125,7 @@ class CommandApplier:
         self._link.send(m.FetchHeader(request, m.dtype_name(value.dtype), value.shape,
                                       flat.nbytes))
         for start in range(0, flat.nbytes, m.PIECE_BYTES):
-            self._link.send(m.Data(request, start, flat[start:start + m.PIECE_BYTES].tobytes()))
+            self._link.send(m.Data(request, start, m.Bulk(flat[start:start + m.PIECE_BYTES])))
         return None
 
     async def _pull(self, host: DeviceHost, c: m.Pull) -> None:

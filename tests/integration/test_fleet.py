@@ -269,6 +269,29 @@ def test_large_arrays_round_trip_through_workers_on_this_machine(server):
     assert left == [], left
 
 
+def test_large_arrays_round_trip_over_the_control_streams():
+    # Workers on other machines (here: told there is no shared directory) get their shards'
+    # bytes on their control streams, beside the messages, and send fetched ones back so.
+    with LocalServer(devices=None, fleet=(1, 2, 2), args=["--shared-dir", "none"]) as fleet:
+        compare("""
+            import jax, jax.numpy as jnp
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+            mesh = Mesh(np.array(jax.devices()), ("x",))
+            rows = NamedSharding(mesh, P("x"))
+            a = np.arange(4 * 512 * 1024, dtype=np.float32).reshape(4 * 512, 1024) / 7
+            x = jax.device_put(a, rows)                     # 2 MiB per shard
+            y = jax.jit(lambda v: jnp.sin(v) * 2 + v[::-1])(x)
+            emit("sharded", np.asarray(y))
+            one = jax.device_put(a[:1024], jax.devices()[3])  # 4 MiB on one device
+            emit("single", np.asarray(one * 3))
+            emit("ints", np.asarray(jax.device_put(np.arange(1 << 19, dtype=np.int64),
+                                                   jax.devices()[2])))
+            emit("moved", np.asarray(jax.device_put(one, jax.devices()[0])))
+        """, fleet.address)
+        workers = list(fleet.status()["fleet"].values())
+        assert len(workers) == 2 and not any(w["shared_memory"] for w in workers), workers
+
+
 def test_the_multislice_mesh_example(server):
     from isthmus.cli import child_environment
 

@@ -78,3 +78,57 @@ def test_a_frame_builds_nothing_that_is_not_registered():
         m.decode(msgpack.packb([msgpack.ExtType(99, b"")]))
     with pytest.raises(CodecError, match="does not decode"):
         m.decode(b"\xc1garbage")
+
+
+def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
+    import asyncio
+
+    from isthmus.transport.frames import read_frame, write_frame
+
+    first = np.arange(3 << 18, dtype=np.float32)  # 3 MiB
+    second = np.frombuffer(b"tail bytes", np.uint8)
+    batch = m.Batch((m.PutData(1, 7, 0, m.Bulk(first), False), m.Free((1,)),
+                     m.PutData(1, 7, first.nbytes, m.Bulk(second), True)))
+
+    async def exchange():
+        got = asyncio.get_running_loop().create_future()
+
+        async def serve(reader, writer):
+            got.set_result([m.decode(await read_frame(reader)) for _ in range(2)])
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        write_frame(writer, m.encode(batch))
+        write_frame(writer, m.encode(m.Free((2,))))  # a plain frame after it
+        result = await asyncio.wait_for(got, 10)
+        writer.close()
+        server.close()
+        return result
+
+    decoded, plain = asyncio.run(exchange())
+    assert plain == m.Free((2,))
+    a, free, b = decoded.commands
+    assert (a.request, a.buffer, a.offset, a.last, free) == (1, 7, 0, False, m.Free((1,)))
+    assert np.array_equal(np.frombuffer(a.data, np.float32), first)
+    assert bytes(b.data) == b"tail bytes" and b.offset == first.nbytes and b.last
+    # Encoded whole (inside another message), bulk bytes are copied in.
+    assert m.decode(m.CODEC.encode(m.Data(3, 0, m.Bulk(second)))) == m.Data(3, 0, b"tail bytes")
+
+
+def test_a_put_in_pieces_or_whole_and_a_fetch_in_pieces():
+    from isthmus.transport.remote import _Incoming as Fetched
+    from isthmus.worker.commands import _Incoming
+
+    value = np.arange(1000, dtype=np.int32).reshape(10, 100)
+    raw = memoryview(value.tobytes())
+    whole = _Incoming(value.nbytes, 0, None, np.dtype(np.int32), (10, 100))
+    assert np.array_equal(whole.add(0, raw), value)
+    pieces = _Incoming(value.nbytes, 0, None, np.dtype(np.int32), (10, 100))
+    pieces.add(0, raw[:1000])
+    assert np.array_equal(pieces.add(1000, raw[1000:]), value)
+    for cuts in ((0, len(raw)), (0, 4, 1000, len(raw))):
+        fetched = Fetched(m.FetchHeader(1, "int32", (10, 100), value.nbytes))
+        for start, end in zip(cuts, cuts[1:]):
+            fetched.write(start, raw[start:end])
+        assert np.array_equal(fetched.array(), value)
