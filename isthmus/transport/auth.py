@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+from typing import Any
 
 TOKEN_ENVIRONMENT = "ISTHMUS_FLEET_TOKEN"  # where workers (and `isthmus up`) may find it
 MAGIC = b"isthmus-fleet/1\n"  # what a worker's stream starts with
@@ -37,14 +38,14 @@ def _mac(token: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(token, role + b"".join(parts), hashlib.sha256).digest()
 
 
-async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
+async def _read(reader: Any, n: int) -> bytes:
     try:
         return await asyncio.wait_for(reader.readexactly(n), HANDSHAKE_TIMEOUT)
     except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
         raise Unauthenticated("the other end closed or stalled during the handshake") from None
 
 
-async def prove_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+async def prove_worker(reader: Any, writer: Any,
                        token: str) -> None:
     """The worker's side: raises Unauthenticated unless the controller knows `token`."""
     key = token.encode()
@@ -59,7 +60,7 @@ async def prove_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     writer.write(_mac(key, b"worker", theirs, mine))
 
 
-async def check_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+async def check_worker(reader: Any, writer: Any,
                        token: str) -> None:
     """The controller's side: raises Unauthenticated unless the worker knows `token`."""
     key = token.encode()

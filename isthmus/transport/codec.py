@@ -20,6 +20,7 @@ from isthmus import dtypes, errors
 
 _RECORD, _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE, _BULK = range(1, 10)
 _SPAN = struct.Struct("<QQ")  # a bulk value's offset in its frame's tail, and its length
+BULK_ALIGNMENT = 64  # what jaxlib wants of host memory it adopts without a copy
 
 
 class Bulk:
@@ -124,6 +125,10 @@ class Codec:
         if kind is Bulk:
             if self._tails is None:
                 return value.view.tobytes()
+            pad = -self._tail_bytes % BULK_ALIGNMENT
+            if pad:  # each bulk value starts aligned in the receiver's tail buffer
+                self._tails.append(memoryview(bytes(pad)))
+                self._tail_bytes += pad
             span = msgpack.ExtType(_BULK, _SPAN.pack(self._tail_bytes, len(value.view)))
             self._tails.append(value.view)
             self._tail_bytes += len(value.view)

@@ -22,8 +22,8 @@ from isthmus import errors
 from isthmus.hostmem import byte_view
 from isthmus.transport import auth
 from isthmus.transport import messages as m
-from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
-                                      write_frame)
+from isthmus.transport.frames import (FrameStream, StreamClosed, connect, keep_alive,
+                                      read_frame, write_frame)
 from isthmus.transport.tls import FLEET_NAME, GRPC_NAME_OPTION, TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,7 @@ class ControllerLink:
         self.address = address.removeprefix("grpc://")
         self.token = token  # the fleet's (`transport/auth.py`)
         self.tls = tls  # mutual TLS on the stream (`transport/tls.py`), or None
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader: asyncio.StreamReader | None = None
+        self._stream: FrameStream | None = None
 
     async def open(self, first: Any, timeout: float) -> AsyncIterator[Any]:
         """Proves this worker to the controller (and the controller to it), sends `first`,
@@ -59,15 +58,14 @@ class ControllerLink:
         secure = {} if self.tls is None else {"ssl": self.tls.client_context(),
                                                 "server_hostname": FLEET_NAME}
         try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=READ_LIMIT, **secure), timeout)
+            self._stream = await asyncio.wait_for(connect(host, port, **secure), timeout)
         except ssl.SSLError as e:
             raise auth.Unauthenticated(
                 f"the TLS handshake with the controller failed ({e.reason or e}); give the "
                 "controller and the workers certificates of the same fleet CA") from None
-        keep_alive(self._writer)
+        keep_alive(self._stream)
         try:
-            await auth.prove_worker(self._reader, self._writer, self.token)
+            await auth.prove_worker(self._stream, self._stream, self.token)
         except auth.Unauthenticated as e:
             if self.tls is not None or "closed" not in str(e):
                 raise
@@ -78,23 +76,23 @@ class ControllerLink:
         return self._messages()
 
     async def _messages(self) -> AsyncIterator[Any]:
-        assert self._reader is not None
+        assert self._stream is not None
         while True:
             try:
-                frame = await read_frame(self._reader)
+                frame = await read_frame(self._stream)
             except StreamClosed:
                 return
             yield m.decode(frame)
 
     def send(self, message: Any) -> None:
-        if self._writer is not None:
-            write_frame(self._writer, m.encode(message))
+        if self._stream is not None:
+            write_frame(self._stream, m.encode(message))
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._stream is not None:
+            self._stream.close()
             try:
-                await asyncio.wait_for(self._writer.wait_closed(), 2.0)
+                await asyncio.wait_for(self._stream.wait_closed(), 2.0)
             except (asyncio.TimeoutError, ConnectionError, OSError):
                 pass
 

@@ -15,7 +15,7 @@ import dataclasses
 import struct
 from typing import Any
 
-from isthmus.transport.codec import Bulk, Codec, CodecError, register_errors
+from isthmus.transport.codec import Bulk, Codec, register_errors
 from isthmus.transport.frames import Parts, Tailed
 
 __all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
@@ -54,11 +54,7 @@ def decode(frame: bytes | Tailed) -> Any:
     """The message of a frame `read_frame` returned (its bulk bytes as views of it)."""
     if not isinstance(frame, Tailed):
         return CODEC.decode(frame)
-    view = memoryview(frame.data)
-    if len(view) < _LENGTH.size:
-        raise CodecError("a frame with bulk bytes is too short")
-    end = _LENGTH.size + _LENGTH.unpack_from(view)[0]
-    return CODEC.decode(view[_LENGTH.size:end], tail=view[end:])
+    return CODEC.decode(frame.packed, tail=frame.tail)
 
 
 def dtype_name(dtype: Any) -> str:

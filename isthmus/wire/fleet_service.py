@@ -24,8 +24,8 @@ from isthmus import errors
 from isthmus.controller.manager import FleetManager
 from isthmus.transport import auth
 from isthmus.transport import messages as m
-from isthmus.transport.frames import (READ_LIMIT, StreamClosed, keep_alive, read_frame,
-                                      write_frame)
+from isthmus.transport.frames import (FrameStream, StreamClosed, keep_alive, read_frame,
+                                      serve, write_frame)
 from isthmus.transport.tls import TlsConfig
 from isthmus.wire.methods import Method
 from isthmus.wire.servicer import CannotListen
@@ -46,14 +46,13 @@ class FleetServicer:
         self._tls = tls  # mutual TLS on every control stream (`transport/tls.py`), or None
         self.port = 0  # of the control streams, once started
         self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._writers: set[FrameStream] = set()
         self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listens for control streams on `host`, `port` (0: a free one); returns the port."""
         try:
-            self._server = await asyncio.start_server(self._connected, host, port,
-                                                      limit=READ_LIMIT)
+            self._server = await serve(self._connected, host, port)
         except OSError as e:
             raise CannotListen(f"cannot listen on {host}:{port} for the workers' control "
                                f"streams ({e.strerror}); pick another --fleet-port (0: a "
@@ -68,18 +67,17 @@ class FleetServicer:
         for writer in list(self._writers):
             writer.close()
 
-    def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _connected(self, stream: FrameStream) -> None:
         # Runs inside the connection's `connection_made`, before any byte is read: with TLS,
         # reading waits for `start_tls`, or the plain stream would swallow the ClientHello
         # (the handshake then stalled until its timeout, 1 worker in 6 on loopback).
-        if self._tls is not None:
-            writer.transport.pause_reading()
-        task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
+        if self._tls is not None and stream.transport is not None:
+            stream.transport.pause_reading()
+        task = asyncio.get_running_loop().create_task(self._handle(stream, stream))
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
 
-    async def _handle(self, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, reader: FrameStream, writer: FrameStream) -> None:
         keep_alive(writer)
         self._writers.add(writer)
         try:
@@ -93,7 +91,7 @@ class FleetServicer:
             self._writers.discard(writer)
             writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: FrameStream, writer: FrameStream) -> None:
         host, port = _peer(writer)
         if self._tls is not None:
             # The handshake is ours (not the server's), so that a refusal is one log line.
@@ -167,6 +165,6 @@ class FleetServicer:
                 f"/{SERVICE}/Alive": Method("unary_unary", self.alive)}
 
 
-def _peer(writer: asyncio.StreamWriter) -> tuple[Any, Any]:
+def _peer(writer: FrameStream) -> tuple[Any, Any]:
     address = writer.get_extra_info("peername") or ("?", 0)
     return address[0], address[1]

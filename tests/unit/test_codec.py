@@ -83,35 +83,43 @@ def test_a_frame_builds_nothing_that_is_not_registered():
 def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
     import asyncio
 
-    from isthmus.transport.frames import read_frame, write_frame
+    from isthmus.transport.frames import connect, read_frame, serve, write_frame
 
-    first = np.arange(3 << 18, dtype=np.float32)  # 3 MiB
+    first = np.arange(3 << 18, dtype=np.float32)  # 3 MiB: read in place
     second = np.frombuffer(b"tail bytes", np.uint8)
-    batch = m.Batch((m.PutData(1, 7, 0, m.Bulk(first), False), m.Free((1,)),
-                     m.PutData(1, 7, first.nbytes, m.Bulk(second), True)))
+    big = m.Batch((m.PutData(1, 7, 0, m.Bulk(first), False), m.Free((1,)),
+                   m.PutData(1, 7, first.nbytes, m.Bulk(second), True)))
+    small = m.Data(2, 0, m.Bulk(second))  # a tail small enough to come with the frame
 
     async def exchange():
         got = asyncio.get_running_loop().create_future()
 
-        async def serve(reader, writer):
-            got.set_result([m.decode(await read_frame(reader)) for _ in range(2)])
+        def connected(stream):
+            async def read():
+                hello = await stream.readexactly(5)  # raw bytes before the first frame
+                got.set_result([hello] + [m.decode(await read_frame(stream))
+                                          for _ in range(3)])
+            asyncio.ensure_future(read())
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-        write_frame(writer, m.encode(batch))
-        write_frame(writer, m.encode(m.Free((2,))))  # a plain frame after it
+        server = await serve(connected, "127.0.0.1", 0)
+        stream = await connect("127.0.0.1", server.sockets[0].getsockname()[1])
+        stream.write(b"hello")
+        for message in (big, small, m.Free((2,))):  # a plain frame last
+            write_frame(stream, m.encode(message))
         result = await asyncio.wait_for(got, 10)
-        writer.close()
+        stream.close()
         server.close()
         return result
 
-    decoded, plain = asyncio.run(exchange())
-    assert plain == m.Free((2,))
+    hello, decoded, data, plain = asyncio.run(exchange())
+    assert hello == b"hello" and plain == m.Free((2,))
     a, free, b = decoded.commands
     assert (a.request, a.buffer, a.offset, a.last, free) == (1, 7, 0, False, m.Free((1,)))
-    assert np.array_equal(np.frombuffer(a.data, np.float32), first)
+    received = np.frombuffer(a.data, np.float32)
+    assert np.array_equal(received, first)
+    assert received.ctypes.data % 64 == 0  # jaxlib may adopt it without a copy
     assert bytes(b.data) == b"tail bytes" and b.offset == first.nbytes and b.last
+    assert bytes(data.data) == b"tail bytes" and data.request == 2
     # Encoded whole (inside another message), bulk bytes are copied in.
     assert m.decode(m.CODEC.encode(m.Data(3, 0, m.Bulk(second)))) == m.Data(3, 0, b"tail bytes")
 

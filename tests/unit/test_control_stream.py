@@ -14,7 +14,7 @@ from isthmus.controller.fleet import Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec
 from isthmus.transport import auth
 from isthmus.transport import messages as m
-from isthmus.transport.frames import StreamClosed, read_frame, write_frame
+from isthmus.transport.frames import StreamClosed, connect, read_frame, serve, write_frame
 from isthmus.wire.fleet_service import FleetServicer
 
 
@@ -42,25 +42,31 @@ async def _service(token=TOKEN):
 
 async def _connect(port, token=TOKEN):
     """A worker's stream, past the handshake."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await _open(port)
     await auth.prove_worker(reader, writer, token)
     return reader, writer
+
+
+async def _open(port):
+    stream = await connect("127.0.0.1", port)
+    return stream, stream
 
 
 def test_frames_keep_their_boundaries_and_the_end_is_stream_closed():
     async def main():
         got = []
 
-        async def serve(reader, writer):
+        async def read(stream):
             try:
                 while True:
-                    got.append(await read_frame(reader))
+                    got.append(await read_frame(stream))
             except StreamClosed:
-                writer.close()
+                stream.close()
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        server = await serve(lambda stream: asyncio.ensure_future(read(stream)),
+                             "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await _open(port)
         sent = [b"", b"a", bytes(range(256)) * 300, b"z" * (9 << 20)]  # small, large, empty
         for payload in sent:
             write_frame(writer, payload)
@@ -110,14 +116,14 @@ def test_a_stream_without_the_token_is_dropped_before_anything_is_decoded(caplog
     async def main():
         service, manager, fleet, port = await _service()
         # No handshake at all: a pickle straight away is never decoded.
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await _open(port)
         write_frame(writer, m.encode(register()))
         with pytest.raises(StreamClosed):
             await read_frame(reader)
         writer.close()
         # The handshake with another token: the worker learns the controller does not know
         # its token, and the controller drops the stream.
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await _open(port)
         with pytest.raises(auth.Unauthenticated, match="does not know this worker's"):
             await auth.prove_worker(reader, writer, "another secret")
         writer.close()
