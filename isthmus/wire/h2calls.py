@@ -13,6 +13,7 @@ import grpc
 
 from isthmus.wire.methods import Method, Pieces
 
+STREAM_WINDOW = 1 << 16  # bytes a client may send ahead on a stream that is not read
 RESERVED = {b"content-type", b"te", b"user-agent", b"grpc-timeout", b"grpc-encoding",
             b"grpc-accept-encoding", b"accept-encoding"}
 
@@ -54,8 +55,12 @@ class Call:
         self.waiter: asyncio.Future[None] | None = None
         self.headers_sent = False
         self.task: asyncio.Task[None] | None = None
-        self.sink: Any = None  # a direct stream's handler (`Method.sink`)
-        self.direct_unacked = 0  # ... and its bytes not yet handed back to the client
+        self.window = STREAM_WINDOW  # the stream's receive window
+        # A direct stream's (`h2direct`): its sink, its bytes not yet handed back to the
+        # client, and what the sink waits for before it takes more.
+        self.sink: Any = None
+        self.direct_unacked = 0
+        self.blocked: asyncio.Future[Any] | None = None
 
     def feed(self, data: bytes, flow: int) -> None:
         """Takes a DATA frame's bytes; whole messages become items (views of the frames'

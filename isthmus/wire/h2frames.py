@@ -108,6 +108,13 @@ class Frames(h2.connection.H2Connection):
             self.out.append(_HEADER.pack(size >> 8, size & 0xFF, DATA, flags, frame.stream_id))
             self.out.append(held.view)
 
+    def raw(self, frame: bytes) -> None:
+        """A frame serialized elsewhere, sent in order with h2's (`window_update`)."""
+        if self._data_to_send:
+            self.out.append(bytes(self._data_to_send))
+            self._data_to_send = bytearray()
+        self.out.append(frame)
+
     def respond_closed(self, stream_id: int, message: bytes) -> bool:
         """Ends a stream whose request h2 has not seen end (a direct stream) with a whole
         gRPC response: headers, `message` (already framed) and OK trailers, written here

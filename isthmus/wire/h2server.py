@@ -31,16 +31,16 @@ import h2.exceptions
 import h2.settings
 
 from isthmus.transport.frames import keep_alive
-from isthmus.wire.h2frames import END_STREAM, LARGE, Frames, Held, Wire, window_update
-from isthmus.wire.h2calls import Abort, Call, Context, metadata, percent_encode, whole
-from isthmus.wire.methods import Batch, Method, Pieces, Refused
+from isthmus.wire.h2direct import Direct
+from isthmus.wire.h2frames import LARGE, Frames, Held, Wire
+from isthmus.wire.h2calls import (STREAM_WINDOW, Abort, Call, Context, metadata,
+                                  percent_encode, whole)
+from isthmus.wire.methods import Batch, Method, Pieces
 
 logger = logging.getLogger(__name__)
 
-STREAM_WINDOW = 1 << 16  # bytes a client may send ahead on a stream that is not read
 UPLOAD_WINDOW = 8 << 20  # ... on a stream whose handler reads as it goes (uploads)
 CONNECTION_WINDOW = (1 << 31) - 1 - 65535  # the most HTTP/2 allows, beyond the initial one
-DIRECT_ACK = 16 << 20  # a direct stream's bytes handed back to the connection at a time
 MAX_FRAME = (1 << 24) - 1  # the largest DATA frame a client may send us
 WRITE_HIGH = 8 << 20  # bytes queued on the socket at which a sender waits
 MAX_STREAMS = 1 << 20
@@ -62,7 +62,7 @@ class _Connection:
         self.streams: dict[int, Call] = {}
         self.window_waiters: list[asyncio.Future[None]] = []
         self._flush_scheduled = False
-        self._direct_unacked = 0  # direct streams' bytes not yet handed back to the client
+        self.direct = Direct(self)
         self.peer = "ipv4:?:0"
 
     def _made(self, transport: asyncio.Transport) -> None:
@@ -87,7 +87,7 @@ class _Connection:
     def _events(self, events: list[Any]) -> None:
         for event in events:
             self._on(event)
-        self._schedule_flush()
+        self.schedule_flush()
 
     async def run(self) -> None:
         """Until the client's connection closes; then its calls are cancelled."""
@@ -98,7 +98,7 @@ class _Connection:
                 if stream.task is not None:
                     stream.task.cancel()
                 if stream.sink is not None:
-                    stream.sink.cancel(ConnectionResetError("the client's connection closed"))
+                    self.direct.cancel(stream, ConnectionResetError("the connection closed"))
             self._wake_senders()
             if self.wire.transport is not None:
                 self.wire.transport.close()
@@ -115,7 +115,7 @@ class _Connection:
                 stream.feed(event.data, event.flow_controlled_length)
             except Abort as e:
                 stream.task.cancel()
-                self._trailers(stream, e.code, e.message)
+                self.trailers(stream, e.code, e.message)
         elif isinstance(event, h2.events.StreamEnded):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
@@ -125,8 +125,7 @@ class _Connection:
             if stream is not None and stream.task is not None:
                 stream.task.cancel()
             if stream is not None and stream.sink is not None:
-                self.wire.direct.pop(stream.id, None)
-                stream.sink.cancel(ConnectionResetError("the client reset the call"))
+                self.direct.cancel(stream, ConnectionResetError("the client reset the call"))
             self._wake_senders()
         elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
             self._wake_senders()
@@ -137,84 +136,17 @@ class _Connection:
         stream = Call(self, stream_id, method or Method("unary_unary", _unknown))
         self.streams[stream_id] = stream
         if method is None:
-            self._trailers(stream, grpc.StatusCode.UNIMPLEMENTED,
+            self.trailers(stream, grpc.StatusCode.UNIMPLEMENTED,
                            f"method {path} is not served here")
             return
         if method.kind == "stream_unary":  # an upload: its handler reads as the bytes come
             self.h2.increment_flow_control_window(UPLOAD_WINDOW - STREAM_WINDOW, stream_id)
+            stream.window = UPLOAD_WINDOW
         context = Context(metadata(headers), self.peer)
         if method.sink is not None:
-            try:
-                stream.sink = method.sink(context)
-            except Refused as e:
-                self._trailers(stream, e.code, e.message)
-                return
-            self.wire.direct[stream_id] = lambda flags, body, flow: self._direct(
-                stream, flags, body, flow)
+            self.direct.start(stream, method, context)
             return
         stream.task = asyncio.get_running_loop().create_task(self._serve(stream, context))
-
-    def _direct(self, stream: Call, flags: int, body: Any, flow: int) -> None:
-        """A DATA frame of a direct stream (h2 never sees it): its messages go to the sink
-        as they complete, and the client gets its window back at once (the sink has taken
-        the bytes); at the end of the stream, the sink's answer and the trailers: a
-        serialized response is written at once, anything else is sent by a task."""
-        sink = stream.sink
-        try:
-            if body:
-                stream.feed(body, 0)
-                items = stream.items
-                while items:
-                    sink.message(items.popleft())
-            if flags & END_STREAM:
-                response = sink.end()
-        except Exception as e:  # noqa: BLE001 - Refused, Abort (compressed), or a bug
-            if isinstance(e, (Refused, Abort)):
-                code, message = e.code, e.message
-            else:
-                logger.exception("%s failed", type(sink).__name__)
-                code, message = grpc.StatusCode.INTERNAL, "the server failed unexpectedly; see its log"
-            # What the client still sends on this stream goes to h2 (which counts it).
-            self.wire.direct.pop(stream.id, None)
-            stream.sink = None
-            sink.cancel(e)
-            self._trailers(stream, code, message)
-            self._hand_back(stream.id, flow, end=True)
-            if flags & END_STREAM:
-                self.h2.receive_data_frame(stream.id, END_STREAM, b"")
-            return
-        if not flags & END_STREAM:
-            stream.direct_unacked += flow
-            if stream.direct_unacked >= UPLOAD_WINDOW // 2:
-                self._hand_back(stream.id, stream.direct_unacked)
-                stream.direct_unacked = 0
-            else:
-                self._hand_back(0, flow)
-            return
-        self.wire.direct.pop(stream.id, None)
-        stream.sink = None
-        self._hand_back(stream.id, flow, end=True)
-        if isinstance(response, bytes):
-            framed = b"\0" + len(response).to_bytes(4, "big") + response
-            if self.h2.respond_closed(stream.id, framed):
-                self.streams.pop(stream.id, None)
-                self._schedule_flush()
-                return
-            response = Pieces((response,))  # no window for it yet: it waits for room
-        # The answer comes later: h2 closes its side of the stream as if the last frame had
-        # come through it, and a task sends the answer.
-        self.h2.receive_data_frame(stream.id, END_STREAM, b"")
-        stream.task = asyncio.get_running_loop().create_task(self._answer(stream, response))
-
-    def _hand_back(self, stream_id: int, flow: int, end: bool = False) -> None:
-        """Window for a direct stream's bytes: the stream's (unless `stream_id` is 0 or the
-        stream is over) and, in large steps, the connection's."""
-        if stream_id and not end and flow:
-            self.wire.write(window_update(stream_id, flow))
-        self._direct_unacked += flow
-        if self._direct_unacked >= DIRECT_ACK:
-            self.wire.write(window_update(0, self._direct_unacked))
-            self._direct_unacked = 0
 
     async def _serve(self, stream: Call, context: Context) -> None:
         method = stream.method
@@ -224,20 +156,20 @@ class _Connection:
             except asyncio.CancelledError:
                 return
             if first is None:
-                self._trailers(stream, grpc.StatusCode.INTERNAL,
+                self.trailers(stream, grpc.StatusCode.INTERNAL,
                                "the call sent no request message")
                 return
             try:
                 request = method.deserialize(whole(first)) if method.deserialize else whole(first)
             except Exception:  # noqa: BLE001 - protobuf's DecodeError, or worse
-                self._trailers(stream, grpc.StatusCode.INVALID_ARGUMENT,
+                self.trailers(stream, grpc.StatusCode.INVALID_ARGUMENT,
                                f"the request message of {method.fn.__name__} is malformed")
                 return
         else:
             request = stream.messages()
-        await self._answer(stream, method.fn(request, context))
+        await self.answer(stream, method.fn(request, context))
 
-    async def _answer(self, stream: Call, answer: Any) -> None:
+    async def answer(self, stream: Call, answer: Any) -> None:
         """Sends a handler's answer (a coroutine of the response, or an async iterator of
         responses, or a response itself), then the trailers with its outcome."""
         try:
@@ -251,14 +183,14 @@ class _Connection:
                 response = await answer if asyncio.iscoroutine(answer) else answer
                 if response is not None:
                     await self._send(stream, response)
-            self._trailers(stream, grpc.StatusCode.OK, "")
+            self.trailers(stream, grpc.StatusCode.OK, "")
         except Abort as e:
-            self._trailers(stream, e.code, e.message)
+            self.trailers(stream, e.code, e.message)
         except (asyncio.CancelledError, ConnectionError, h2.exceptions.StreamClosedError):
             pass  # the client went away, or reset this call
         except Exception:  # noqa: BLE001 - a handler's bug fails its call, not the connection
             logger.exception("%s failed", stream.method.fn.__name__)
-            self._trailers(stream, grpc.StatusCode.INTERNAL,
+            self.trailers(stream, grpc.StatusCode.INTERNAL,
                            "the server failed unexpectedly; see its log")
 
     async def _send(self, stream: Call, message: Any) -> None:
@@ -291,7 +223,7 @@ class _Connection:
                     small.append(piece)
             if small:
                 await self._send_data(stream, memoryview(b"".join(small)))
-        self._schedule_flush()
+        self.schedule_flush()
         if self.wire.buffered() > WRITE_HIGH:
             self.flush()
             await self.wire.drain()
@@ -313,7 +245,8 @@ class _Connection:
                 self.h2.send_data(stream.id, data[:room])
             data = data[room:]
 
-    def _trailers(self, stream: Call, code: grpc.StatusCode, message: str) -> None:
+    def trailers(self, stream: Call, code: grpc.StatusCode, message: str) -> None:
+        self.wire.direct.pop(stream.id, None)  # what still comes goes to h2
         if self.streams.pop(stream.id, None) is None:
             return
         fields = [(b"grpc-status", str(code.value[0]).encode())]
@@ -327,14 +260,14 @@ class _Connection:
             return
         if stream.unacked:
             self.acknowledge(stream.id, stream.unacked)
-        self._schedule_flush()
+        self.schedule_flush()
 
     def acknowledge(self, stream_id: int, size: int) -> None:
         try:
             self.h2.acknowledge_received_data(size, stream_id)
         except h2.exceptions.StreamClosedError:
             self.h2.increment_flow_control_window(size)
-        self._schedule_flush()
+        self.schedule_flush()
 
     async def _window(self) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -347,7 +280,7 @@ class _Connection:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _schedule_flush(self) -> None:
+    def schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)

@@ -63,4 +63,7 @@ class Method:
     # `end()` and `cancel(reason)`; `Refused` from any of them ends the call with its
     # status. `end()` returns the serialized response (sent at once: no task, no await),
     # or what `fn` would return (a coroutine or async iterator) when the answer must wait.
+    # `message` may return an awaitable: no more messages (nor window) until it is done.
+    # A sink with `responses()` (an async iterator) streams its answer from the start, and
+    # its `end()` returns None.
     sink: Callable[[Any], Any] | None = None

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -165,6 +165,57 @@ class _Unary:
         pass
 
 
+class _SessionStream:
+    """One IfrtSession call: requests go to the session as they come, responses leave from
+    its queue (`answer`), what is ready at once in one batch."""
+
+    __slots__ = ("frontend", "session", "queue", "parse")
+
+    def __init__(self, frontend: Frontend, context: Any) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        self.frontend = frontend
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.parse = frontend.schema["xla.ifrt.proxy.IfrtRequest"].FromString
+        try:
+            self.session = frontend.open_session(
+                metadata.get(SESSION_METADATA_KEY), self.queue.put_nowait, peer=context.peer())
+        except errors.IsthmusError as e:
+            raise Refused(_status(e.code), e.message) from None
+
+    def message(self, message: Any) -> Awaitable[None] | None:
+        try:
+            request = self.parse(bytes(message))
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a request of session {self.session.id} is not an IfrtRequest; "
+                          "the session ends (its arrays are released)") from None
+        return self.handle(request)
+
+    def handle(self, request: Any) -> Awaitable[None] | None:
+        """Hands a request to the session; flow control: when a worker is far behind, or
+        this session's uploads are, what to wait for before the next one."""
+        self.session.handle(request)
+        flow = self.frontend.flow
+        if not flow.is_open:
+            return flow.wait()
+        if not self.session.has_room:
+            return self.session.wait_for_room()
+        return None
+
+    async def responses(self) -> AsyncIterator[Any]:
+        try:
+            async for item in drain(self.queue):
+                yield item
+        finally:
+            await self.session.close()
+
+    def end(self) -> None:
+        self.queue.put_nowait(END)  # the client is done: the stream ends after its answers
+
+    def cancel(self, reason: BaseException | None) -> None:
+        self.queue.put_nowait(END)
+
+
 class IfrtProxyServicer:
     """Implements the IFRT proxy gRPC service on top of a `Frontend`."""
 
@@ -180,39 +231,33 @@ class IfrtProxyServicer:
 
     async def ifrt_session(self, requests: AsyncIterator[Any],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        metadata = dict(context.invocation_metadata() or ())
-        queue: asyncio.Queue[Any] = asyncio.Queue()
         try:
-            session = self.frontend.open_session(
-                metadata.get(SESSION_METADATA_KEY), queue.put_nowait, peer=context.peer())
-        except errors.IsthmusError as e:
-            await context.abort(_status(e.code), e.message)
+            stream = self.session_stream(context)
+        except Refused as e:
+            await context.abort(e.code, e.message)
             return
-        reader = asyncio.get_running_loop().create_task(self._read(requests, session, queue))
+        reader = asyncio.get_running_loop().create_task(self._read(requests, stream))
         try:
-            async for item in drain(queue):
+            async for item in stream.responses():
                 yield item
         finally:
             reader.cancel()
-            await session.close()
 
-    async def _read(self, requests: AsyncIterator[Any], session: Any,
-                    queue: asyncio.Queue[Any]) -> None:
+    async def _read(self, requests: AsyncIterator[Any], stream: _SessionStream) -> None:
         try:
-            flow = self.frontend.flow
             async for request in requests:
-                session.handle(request)
-                # Flow control: when a worker is far behind, or this session's uploads are,
-                # the client waits in its own stream write.
-                if not flow.is_open:
-                    await flow.wait()
-                if not session.has_room:
-                    await session.wait_for_room()
+                wait = stream.handle(request)
+                if wait is not None:
+                    await wait
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session
-            logger.info("session %s: request stream ended: %s", session.id, e)
-        queue.put_nowait(END)
+            logger.info("session %s: request stream ended: %s", stream.session.id, e)
+        stream.end()
+
+    def session_stream(self, context: Any) -> _SessionStream:
+        """An IfrtSession call as a sink (see `Method.sink`); h2 feeds it directly."""
+        return _SessionStream(self.frontend, context)
 
     async def host_buffer_store(self, chunks: AsyncIterator[Any],
                                 context: grpc.aio.ServicerContext) -> Any:
@@ -306,8 +351,9 @@ class IfrtProxyServicer:
         ifrt = {
             "GetVersion": rpc("unary_unary", self.get_version, "GrpcGetVersionRequest",
                               "GrpcGetVersionResponse"),
-            "IfrtSession": rpc("stream_stream", self.ifrt_session, "IfrtRequest",
-                               "IfrtResponse"),
+            "IfrtSession": dataclasses.replace(
+                rpc("stream_stream", self.ifrt_session, "IfrtRequest", "IfrtResponse"),
+                sink=self.session_stream),
             "HostBufferStore": dataclasses.replace(
                 rpc("stream_unary", self.host_buffer_store, None,
                     "GrpcHostBufferStoreResponse"), pieces=True, sink=self.upload),
