@@ -2,7 +2,9 @@
 socket on 127.0.0.1: every method shape, messages larger than the flow-control windows both
 ways, binary metadata, statuses with their messages, unknown methods, a stream that is not
 read holding its client back without stalling the streams beside it, and a cancelled call
-cancelling its handler."""
+cancelling its handler. The same for direct streams (`Method.sink`, wire/h2direct.py):
+uploads, unary calls answered at once or later, a streaming sink that holds its client
+back, refusals, and h2's state left sound after thousands of them."""
 
 import asyncio
 import contextlib
@@ -109,6 +111,32 @@ class Quick:
         pass
 
 
+class Chatter:
+    """A streaming sink (a session's shape): echoes each message reversed; b"wait" holds
+    the stream (its messages and window) until `release` is set."""
+
+    def __init__(self, handlers, context):
+        self.handlers, self.queue = handlers, asyncio.Queue()
+
+    def message(self, message):
+        self.handlers.read += 1
+        self.queue.put_nowait(bytes(message)[::-1])
+        if bytes(message) == b"wait":
+            return self.handlers.release.wait()
+        return None
+
+    async def responses(self):
+        while (item := await self.queue.get()) is not None:
+            yield item
+
+    def end(self):
+        self.queue.put_nowait(None)
+
+    def cancel(self, reason):
+        self.handlers.sinks_cancelled += 1
+        self.queue.put_nowait(None)
+
+
 @contextlib.asynccontextmanager
 async def _serving(handlers):
     server = H2Server({
@@ -122,6 +150,8 @@ async def _serving(handlers):
         "/t.T/Hang": Method("unary_stream", handlers.hang),
         "/t.T/Quick": Method("unary_stream", handlers.download,
                              sink=lambda context: Quick(handlers, context)),
+        "/t.T/DirectChat": Method("stream_stream", handlers.chat,
+                                  sink=lambda context: Chatter(handlers, context)),
         "/t.T/Sink": Method("stream_unary", handlers.upload, pieces=True,
                             sink=lambda context: Sink(handlers, context)),
     })
@@ -309,3 +339,36 @@ async def test_unary_sinks_answer_at_once_or_later(handlers, channel):
 
 async def _collect(call):
     return [m async for m in call]
+
+
+@_served
+async def test_a_direct_stream_that_waits_holds_its_client_back_not_its_neighbours(
+        handlers, channel):
+    call = channel.stream_stream("/t.T/DirectChat")()
+    await call.write(b"wait")
+    assert await call.read() == b"tiaw"
+
+    async def writes():
+        for _ in range(400):  # 400 KiB: far over the stream's 64 KiB window
+            await call.write(b"y" * 1024)
+
+    writer = asyncio.ensure_future(writes())
+    await asyncio.sleep(0.5)
+    assert not writer.done()  # held back: its window stays closed
+    assert handlers.read == 1  # and what did come waits
+
+    async def chunks():
+        yield b"z" * (4 << 20)
+
+    # Other streams on the same connection move meanwhile, direct ones too.
+    assert await channel.stream_unary("/t.T/Sink")(chunks()) == f"1:{4 << 20}".encode()
+    quick = channel.unary_stream("/t.T/Quick")
+    assert [m async for m in quick(b"abc")] == [b"ABC"]
+    handlers.release.set()
+    await asyncio.wait_for(writer, 10)
+    await call.done_writing()
+    replies = []
+    while (reply := await call.read()) is not grpc.aio.EOF:
+        replies.append(reply)
+    assert len(replies) == 400 and handlers.read == 401
+    assert await call.code() == grpc.StatusCode.OK
