@@ -82,12 +82,7 @@ class FrameStream(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._tail is not None:
             return self._tail[1][self._filled:]
-        if len(self._buf) - self._end < 4096:
-            # A new buffer, never a resize: the transport may still hold a view of this one.
-            pending = self._end - self._start
-            fresh = bytearray(max(READ_BUFFER, 2 * pending))
-            fresh[:pending] = memoryview(self._buf)[self._start:self._end]
-            self._buf, self._start, self._end = fresh, 0, pending
+        self._buf, self._start, self._end = read_room(self._buf, self._start, self._end)
         return memoryview(self._buf)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -219,6 +214,19 @@ class FrameStream(asyncio.BufferedProtocol):
         transport = await asyncio.get_running_loop().start_tls(
             self.transport, self, context, server_side=True)
         self.transport = transport  # type: ignore[assignment]
+
+
+def read_room(buf: bytearray, start: int, end: int, size: int = READ_BUFFER
+              ) -> tuple[bytearray, int, int]:
+    """A socket read buffer with room after its unread bytes `buf[start:end]`: `buf`
+    itself, or a new one that holds them (never a resize: the transport may still hold a
+    view of the old one). Returns the buffer and where its unread bytes are."""
+    if len(buf) - end >= 4096:
+        return buf, start, end
+    pending = end - start
+    fresh = bytearray(max(size, 2 * pending))
+    fresh[:pending] = memoryview(buf)[start:end]
+    return fresh, 0, pending
 
 
 def _size(frame: bytes | Tailed) -> int:

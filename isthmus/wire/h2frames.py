@@ -36,6 +36,8 @@ import h2.stream
 import hyperframe.frame
 import numpy as np
 
+from isthmus.transport.frames import read_room
+
 logger = logging.getLogger(__name__)
 
 # h2 formats every received frame for its trace log, logging on or off (h2 4.x:
@@ -197,12 +199,8 @@ class Wire(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:
             return self._body[self._filled:]
-        if len(self._buf) - self._end < 4096:
-            # A new buffer, never a resize: the transport may still hold a view of this one.
-            pending = self._end - self._start
-            fresh = bytearray(max(READ_BUFFER, 2 * pending))
-            fresh[:pending] = memoryview(self._buf)[self._start:self._end]
-            self._buf, self._start, self._end = fresh, 0, pending
+        self._buf, self._start, self._end = read_room(self._buf, self._start, self._end,
+                                                      READ_BUFFER)
         return memoryview(self._buf)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:

@@ -244,23 +244,27 @@ def test_a_worker_can_join_a_running_fleet(small_fleet):
 
 
 
+# Shards of 2 MiB or more, 4 MiB on the last device, int64s, and a copy across workers.
+LARGE_ARRAYS = """
+    import jax, jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    rows = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+    a = np.arange(8 * 512 * 1024, dtype=np.float32).reshape(8 * 512, 1024) / 7
+    x = jax.device_put(a, rows)
+    y = jax.jit(lambda v: jnp.sin(v) * 2 + v[::-1])(x)
+    emit("sharded", np.asarray(y))
+    one = jax.device_put(a[:1024], jax.devices()[-1])
+    emit("single", np.asarray(one * 3))
+    emit("ints", np.asarray(jax.device_put(np.arange(1 << 19, dtype=np.int64),
+                                           jax.devices()[2])))
+    emit("moved", np.asarray(jax.device_put(one, jax.devices()[0])))
+"""
+
+
 def test_large_arrays_round_trip_through_workers_on_this_machine(server):
     # Shards of 1 MiB and more travel between controller and a worker on its machine as files
     # of the shared directory (fleet); the results must not change, and no file may stay.
-    compare("""
-        import jax, jax.numpy as jnp
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        mesh = Mesh(np.array(jax.devices()), ("x",))
-        rows = NamedSharding(mesh, P("x"))
-        a = np.arange(8 * 512 * 1024, dtype=np.float32).reshape(8 * 512, 1024) / 7
-        x = jax.device_put(a, rows)                     # 2 MiB per shard
-        y = jax.jit(lambda v: jnp.sin(v) * 2 + v[::-1])(x)
-        emit("sharded", np.asarray(y))
-        one = jax.device_put(a[:1024], jax.devices()[5])  # 4 MiB on one device
-        emit("single", np.asarray(one * 3))
-        emit("ints", np.asarray(jax.device_put(np.arange(1 << 19, dtype=np.int64),
-                                               jax.devices()[2])))
-    """, server.address)
+    compare(LARGE_ARRAYS, server.address)
     status = server.status()
     if server.kind == "fleet":
         workers = list(status["fleet"].values())
@@ -273,21 +277,7 @@ def test_large_arrays_round_trip_over_the_control_streams():
     # Workers on other machines (here: told there is no shared directory) get their shards'
     # bytes on their control streams, beside the messages, and send fetched ones back so.
     with LocalServer(devices=None, fleet=(1, 2, 2), args=["--shared-dir", "none"]) as fleet:
-        compare("""
-            import jax, jax.numpy as jnp
-            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-            mesh = Mesh(np.array(jax.devices()), ("x",))
-            rows = NamedSharding(mesh, P("x"))
-            a = np.arange(4 * 512 * 1024, dtype=np.float32).reshape(4 * 512, 1024) / 7
-            x = jax.device_put(a, rows)                     # 2 MiB per shard
-            y = jax.jit(lambda v: jnp.sin(v) * 2 + v[::-1])(x)
-            emit("sharded", np.asarray(y))
-            one = jax.device_put(a[:1024], jax.devices()[3])  # 4 MiB on one device
-            emit("single", np.asarray(one * 3))
-            emit("ints", np.asarray(jax.device_put(np.arange(1 << 19, dtype=np.int64),
-                                                   jax.devices()[2])))
-            emit("moved", np.asarray(jax.device_put(one, jax.devices()[0])))
-        """, fleet.address)
+        compare(LARGE_ARRAYS, fleet.address)
         workers = list(fleet.status()["fleet"].values())
         assert len(workers) == 2 and not any(w["shared_memory"] for w in workers), workers
 
