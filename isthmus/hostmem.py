@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
+import weakref
 
 import numpy as np
 
@@ -25,6 +27,56 @@ def aligned_empty(size: int, alignment: int = 64) -> np.ndarray:
     raw = np.empty(size + alignment, np.uint8)
     offset = (-raw.ctypes.data) % alignment
     return raw[offset:offset + size]
+
+
+_FILES: dict[int, tuple[str, int]] = {}  # address of a file-backed buffer -> (path, size)
+_NAMES = itertools.count()
+
+
+def shared_empty(directory: str, size: int) -> np.ndarray | None:
+    """An uninitialised byte array of `size` bytes whose memory is a new file of `directory`
+    (shared, its pages made present), so that other processes can map the very same pages
+    (`backing_file`); the file goes when the array is collected. None when the directory
+    has no room for it (its space is reserved up front: a full tmpfs never faults later)."""
+    path = os.path.join(directory, f"upload-{os.getpid()}-{next(_NAMES)}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        _unlink(path)
+        return None
+    finally:
+        os.close(fd)
+    array = np.frombuffer(region, np.uint8)
+    address = array.ctypes.data
+    _FILES[address] = (path, size)
+    weakref.finalize(region, _forget, address, path)
+    return array
+
+
+def backing_file(value: np.ndarray) -> str | None:
+    """The file of `shared_empty` whose bytes are exactly `value`'s, if there is one."""
+    if not value.flags.c_contiguous:
+        return None
+    known = _FILES.get(value.ctypes.data)
+    return known[0] if known is not None and known[1] == value.nbytes else None
+
+
+def _forget(address: int, path: str) -> None:
+    _FILES.pop(address, None)
+    _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def byte_view(value: np.ndarray) -> np.ndarray:

@@ -12,6 +12,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from isthmus import errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.session import Session as ControllerSession
@@ -22,9 +24,11 @@ from isthmus.frontend.programs import CompileOptionsVetter
 from isthmus.frontend.registry import HANDLERS
 from isthmus.frontend.serdes import Serdes
 from isthmus.frontend.session import FrontendSession
+from isthmus.hostmem import aligned_empty, shared_empty
 from isthmus.ids import HostBufferHandle, SessionId
 from isthmus.protocol import versions
 from isthmus.protocol.schema import Schema
+from isthmus.transport.remote import SHARED_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +132,19 @@ class Frontend:
             raise errors.InvalidRequest("the host buffer metadata does not parse.") from None
         return StoreHeader(parsed.session_id, HostBufferHandle(parsed.handle),
                            parsed.buffer_size)
+
+    def upload_buffer(self, size: int) -> np.ndarray:
+        """Where an upload of `size` bytes is received: a file of the shared directory when
+        a worker on this machine takes its data through files there (its put then links the
+        file instead of writing one), else anonymous memory."""
+        directory = self.config.shared_dir
+        if directory is not None and size >= SHARED_BYTES and any(
+                getattr(channel, "shared_dir", None)
+                for channel in self.controller.fleet.workers.values()):
+            buffer = shared_empty(directory, size)
+            if buffer is not None:
+                return buffer
+        return aligned_empty(size)
 
     def check_host_buffer_size(self, size: int) -> int:
         if size < 0:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import byte_view, map_file, write_file
+from isthmus.hostmem import backing_file, byte_view, map_file, write_file
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
@@ -199,7 +199,11 @@ class RemoteWorker:
                 and value.nbytes >= SHARED_BYTES):
             path = self._file("put")
             try:
-                write_file(path, value)
+                source = backing_file(value)  # an upload received into a file here
+                if source is not None:
+                    os.link(source, path)  # the worker maps the very same pages
+                else:
+                    write_file(path, value)
             except OSError as e:
                 logger.warning("writing %s failed (%s); data to worker %s streams from now on",
                                path, e, self.slot)

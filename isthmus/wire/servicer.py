@@ -20,7 +20,6 @@ import grpc.aio
 
 from isthmus import errors
 from isthmus.frontend.service import Frontend
-from isthmus.hostmem import aligned_empty
 from isthmus.protocol.wireformat import bytes_field_parts, bytes_message
 from isthmus.wire.methods import Method, Pieces, Refused, flattened, joined
 from isthmus.wire.streams import END, drain
@@ -88,7 +87,7 @@ class _Upload:
         except errors.IsthmusError as e:
             logger.info("refused host buffer upload: %s", e.message)
             raise Refused(_status(e.code), e.message) from None
-        self.view = memoryview(aligned_empty(self.size))
+        self.view = memoryview(frontend.upload_buffer(self.size))
 
     def message(self, chunk: Any) -> None:
         if self.view is None:

@@ -263,13 +263,15 @@ LARGE_ARRAYS = """
 
 def test_large_arrays_round_trip_through_workers_on_this_machine(server):
     # Shards of 1 MiB and more travel between controller and a worker on its machine as files
-    # of the shared directory (fleet); the results must not change, and no file may stay.
+    # of the shared directory (fleet; an upload is received into one, which the put links);
+    # the results must not change, and no file may stay.
     compare(LARGE_ARRAYS, server.address)
     status = server.status()
     if server.kind == "fleet":
         workers = list(status["fleet"].values())
         assert len(workers) == 4 and all(w["shared_memory"] for w in workers), workers
-    left = [f for f in os.listdir(status["shared_dir"]) if f.startswith(("put-", "fetch-"))]
+    left = [f for f in os.listdir(status["shared_dir"])
+            if f.startswith(("put-", "fetch-", "upload-"))]
     assert left == [], left
 
 
