@@ -6,6 +6,7 @@ import itertools
 import mmap
 import os
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,33 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+class Assembly:
+    """The bytes of one buffer arriving in pieces: a piece that is the whole buffer is kept
+    as it came (a view of its frame, no copy); several are copied into one aligned buffer."""
+
+    __slots__ = ("nbytes", "_bytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._bytes: np.ndarray | None = None
+
+    def add(self, offset: int, data: Any) -> None:
+        if self._bytes is None and offset == 0 and len(data) == self.nbytes:
+            self._bytes = np.frombuffer(data, np.uint8)
+            return
+        if self._bytes is None or not self._bytes.flags.writeable:
+            whole = aligned_empty(self.nbytes)
+            if self._bytes is not None:  # a whole piece, then more: the later bytes win
+                whole[:] = self._bytes
+            self._bytes = whole
+        self._bytes[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def value(self, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+        """The buffer as an array (zeros where no piece came)."""
+        raw = self._bytes if self._bytes is not None else np.zeros(self.nbytes, np.uint8)
+        return raw.view(dtype).reshape(shape)
 
 
 def byte_view(value: np.ndarray) -> np.ndarray:

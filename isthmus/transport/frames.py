@@ -173,9 +173,9 @@ class FrameStream(asyncio.BufferedProtocol):
             if end - body < _LENGTH.size:
                 break
             packed_end = body + _LENGTH.size + _LENGTH.unpack_from(buf, body)[0]
-            if end < packed_end or packed_end > body + size:
-                if packed_end > body + size:
-                    raise StreamClosed("a frame's message is longer than the frame")
+            if packed_end > body + size:
+                raise StreamClosed("a frame's message is longer than the frame")
+            if end < packed_end:
                 break
             packed = bytes(buf[body + _LENGTH.size:packed_end])
             tail = memoryview(aligned_empty(body + size - packed_end))

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import backing_file, byte_view, map_file, write_file
+from isthmus.hostmem import Assembly, backing_file, byte_view, map_file, write_file
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
@@ -385,30 +385,19 @@ _SHARED: dict[str, Callable[..., Any]] = {"execute": _execute, "free": _free}
 
 
 class _Incoming:
-    """A fetched buffer arriving in pieces: one piece is kept as it came (a view of its
-    frame), several are written into one allocation."""
+    """A fetched buffer arriving in pieces (`FetchHeader`, then `Data`)."""
 
-    __slots__ = ("header", "target")
+    __slots__ = ("header", "pieces")
 
     def __init__(self, header: m.FetchHeader) -> None:
         self.header = header
-        self.target: np.ndarray | None = None
+        self.pieces = Assembly(header.nbytes)
 
     def write(self, offset: int, data: Any) -> None:
-        if self.target is None and offset == 0 and len(data) == self.header.nbytes:
-            self.target = np.frombuffer(data, np.uint8)
-            return
-        if self.target is None or not self.target.flags.writeable:
-            whole = np.zeros(self.header.nbytes, np.uint8)
-            if self.target is not None:
-                whole[:] = self.target
-            self.target = whole
-        self.target[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+        self.pieces.add(offset, data)
 
     def array(self) -> np.ndarray:
-        target = self.target if self.target is not None else np.zeros(self.header.nbytes,
-                                                                       np.uint8)
-        return target.view(m.dtype_of(self.header.dtype)).reshape(self.header.shape)
+        return self.pieces.value(m.dtype_of(self.header.dtype), self.header.shape)
 
 
 def _as_error(error: Any) -> errors.IsthmusError:

@@ -104,20 +104,19 @@ class Direct:
         self.owner.wire.direct.pop(stream.id, None)
         stream.sink = None
         owner = self.owner
-        owner_h2 = owner.h2
         if response is None and stream.task is not None:  # the streaming answer ends it
-            owner_h2.receive_data_frame(stream.id, END_STREAM, b"")
+            owner.h2.receive_data_frame(stream.id, END_STREAM, b"")
             return
         if isinstance(response, bytes):
             framed = b"\0" + len(response).to_bytes(4, "big") + response
-            if owner_h2.respond_closed(stream.id, framed):
+            if owner.h2.respond_closed(stream.id, framed):
                 owner.streams.pop(stream.id, None)
                 owner.schedule_flush()
                 return
             response = Pieces((response,))  # no window for it yet: it waits for room
         # The answer comes later: h2 closes its side of the stream as if the last frame had
         # come through it, and a task sends the answer.
-        owner_h2.receive_data_frame(stream.id, END_STREAM, b"")
+        owner.h2.receive_data_frame(stream.id, END_STREAM, b"")
         stream.task = asyncio.get_running_loop().create_task(owner.answer(stream, response))
 
     def _fail(self, stream: Call, error: Exception) -> None:

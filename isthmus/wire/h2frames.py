@@ -102,12 +102,8 @@ class Frames(h2.connection.H2Connection):
             if not isinstance(held, Held):
                 self._data_to_send += frame.serialize()
                 continue
-            if self._data_to_send:
-                self.out.append(bytes(self._data_to_send))
-                self._data_to_send = bytearray()
-            size = len(held)
             flags = END_STREAM if "END_STREAM" in frame.flags else 0
-            self.out.append(_HEADER.pack(size >> 8, size & 0xFF, DATA, flags, frame.stream_id))
+            self.raw(_frame_header(len(held), DATA, flags, frame.stream_id))
             self.out.append(held.view)
 
     def raw(self, frame: bytes) -> None:
@@ -126,10 +122,7 @@ class Frames(h2.connection.H2Connection):
         if self.local_flow_control_window(stream_id) < len(message):
             return False
         self.outbound_flow_control_window -= len(message)
-        if self._data_to_send:
-            self.out.append(bytes(self._data_to_send))
-            self._data_to_send = bytearray()
-        self.out.append(b"".join((
+        self.raw(b"".join((
             _frame_header(len(_RESPONSE_HEADERS), HEADERS, END_HEADERS, stream_id),
             _RESPONSE_HEADERS,
             _frame_header(len(message), DATA, 0, stream_id), message,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import byte_view, map_file
+from isthmus.hostmem import Assembly, byte_view, map_file
 from isthmus.transport import messages as m
 from isthmus.transport.base import answered
 from isthmus.transport.links import ControllerLink, PeerClient
@@ -48,7 +48,7 @@ class CommandApplier:
         if isinstance(c, m.Execute):
             host.execute(c.executable, c.args, c.results, c.copy_first)
         elif isinstance(c, m.PutBegin):
-            self._incoming[c.buffer] = _Incoming(c.nbytes, c.device, c.memory_kind,
+            self._incoming[c.buffer] = _Incoming(Assembly(c.nbytes), c.device, c.memory_kind,
                                                  m.dtype_of(c.dtype), c.shape)
         elif isinstance(c, m.PutData):
             incoming = self._incoming[c.buffer]

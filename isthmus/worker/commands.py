@@ -12,31 +12,25 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import aligned_empty, write_file
+from isthmus.hostmem import Assembly, write_file
 from isthmus.transport import messages as m
 from isthmus.worker.programs import CompileRequest
 
 
 @dataclasses.dataclass(slots=True)
 class _Incoming:
-    """A put arriving in pieces (`PutData`). A put in one piece keeps the bytes it came in
-    (a view of its frame); only a put in several is assembled into a buffer of its own."""
+    """A put arriving in pieces (`PutData`, `hostmem.Assembly`)."""
 
-    nbytes: int
+    pieces: Assembly
     device: int
     memory_kind: str | None
     dtype: Any
     shape: tuple[int, ...]
-    buffer: np.ndarray | None = None
 
-    def add(self, offset: int, data: Any) -> np.ndarray | None:
-        """Takes a piece; the whole value once `last` came (None before)."""
-        if self.buffer is None and offset == 0 and len(data) == self.nbytes:
-            return np.frombuffer(data, np.uint8).view(self.dtype).reshape(self.shape)
-        if self.buffer is None:
-            self.buffer = aligned_empty(self.nbytes)
-        self.buffer[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
-        return self.buffer.view(self.dtype).reshape(self.shape)
+    def add(self, offset: int, data: Any) -> np.ndarray:
+        """Takes a piece; the value as it stands (whole once the last piece came)."""
+        self.pieces.add(offset, data)
+        return self.pieces.value(self.dtype, self.shape)
 
 
 def _reads(path: str, token: str) -> bool:

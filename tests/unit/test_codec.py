@@ -125,14 +125,15 @@ def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
 
 
 def test_a_put_in_pieces_or_whole_and_a_fetch_in_pieces():
+    from isthmus.hostmem import Assembly
     from isthmus.transport.remote import _Incoming as Fetched
     from isthmus.worker.commands import _Incoming
 
     value = np.arange(1000, dtype=np.int32).reshape(10, 100)
     raw = memoryview(value.tobytes())
-    whole = _Incoming(value.nbytes, 0, None, np.dtype(np.int32), (10, 100))
+    whole = _Incoming(Assembly(value.nbytes), 0, None, np.dtype(np.int32), (10, 100))
     assert np.array_equal(whole.add(0, raw), value)
-    pieces = _Incoming(value.nbytes, 0, None, np.dtype(np.int32), (10, 100))
+    pieces = _Incoming(Assembly(value.nbytes), 0, None, np.dtype(np.int32), (10, 100))
     pieces.add(0, raw[:1000])
     assert np.array_equal(pieces.add(1000, raw[1000:]), value)
     for cuts in ((0, len(raw)), (0, 4, 1000, len(raw))):
