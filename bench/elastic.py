@@ -13,11 +13,12 @@ JSON log and the moments this driver acted:
               -> step boundary -> restore, compile, first step on both slices
 
 `--chaos SECONDS` instead kills a worker every ~10 s for that long while the launcher
-restarts them, then compares every step's loss with an undisturbed run and reports the
-memory of the controller and the workers at the start and the end.
+restarts them, then compares every step's loss with the same history replayed in local jax
+(`bench/elastic_replay.py`: each step on the slices it ran on) and with an undisturbed run,
+and reports the memory of the controller and the workers at the start and the end.
 
 No figure here is a test assertion; `tests/integration/test_chaos.py` (slow) asserts what must
-hold (no crash, equal losses) through `chaos()`.
+hold (no crash, losses equal to local jax's) through `chaos()`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.elastic_replay import replay, schedule
 from isthmus.cli import child_environment
 from isthmus.testing import LocalServer
 
@@ -237,12 +239,27 @@ def chaos(seconds: float = 60.0, every: float = 10.0,
             undisturbed = reference.records()
     losses = {r["step"]: r["loss"] for r in disturbed if r["kind"] == "step"}
     expected = {r["step"]: r["loss"] for r in undisturbed if r["kind"] == "step"}
-    worst = max(abs(losses[s] - expected[s]) / max(abs(expected[s]), 1e-12) for s in expected
-                if s in losses)
+    relative = sorted(abs(losses[s] - expected[s]) / max(abs(expected[s]), 1e-12)
+                      for s in expected if s in losses)
+    # The first attempt runs the undisturbed run's programs on its devices, step for step.
+    first = [abs(r["loss"] - expected[r["step"]]) / max(abs(expected[r["step"]]), 1e-12)
+             for r in disturbed if r["kind"] == "step" and r.get("attempt") == 1
+             and r["step"] in expected]
+    tail = sorted(s for s in expected if s in losses)[-100:]
+    replayed = replay(schedule(disturbed), devices_per_slice=devices_per_host, slices=2)
+    off = sorted((abs(losses[s] - replayed[s]) / max(abs(replayed[s]), 1e-12), s)
+                 for s in losses if s in replayed)
     return {"steps": steps, "kills": kills, "steps_logged": len(losses),
             "steps_run": sum(1 for r in disturbed if r["kind"] == "step"),
             "attempts": sum(1 for r in disturbed if r["kind"] == "attempt"),
-            "worst_relative_loss_difference": worst, "losses": losses, "expected": expected,
+            "worst_relative_loss_difference": relative[-1],
+            "median_relative_loss_difference": relative[len(relative) // 2],
+            "first_attempt_worst_relative_difference": max(first, default=float("nan")),
+            "last_100_mean_loss": sum(losses[s] for s in tail) / len(tail),
+            "expected_last_100_mean_loss": sum(expected[s] for s in tail) / len(tail),
+            "replay_worst_relative_difference": off[-1][0] if off else float("nan"),
+            "replay_worst_step": off[-1][1] if off else None,
+            "losses": losses, "expected": expected, "replayed": replayed,
             "memory_mib_before": memory_before, "memory_mib_after": memory_after,
             "tail": output[-1500:]}
 
@@ -264,7 +281,13 @@ def main() -> int:
         print(f"{len(result['kills'])} kills in {args.chaos:g} s; {result['steps_run']} steps "
               f"run for {result['steps']} in {result['attempts']} attempts; worst relative "
               f"loss difference from an undisturbed run: "
-              f"{result['worst_relative_loss_difference']:.2e}")
+              f"{result['worst_relative_loss_difference']:.2e} (median "
+              f"{result['median_relative_loss_difference']:.2e}; first attempt "
+              f"{result['first_attempt_worst_relative_difference']:.2e}); mean loss of the "
+              f"last 100 steps {result['last_100_mean_loss']:.4f} against "
+              f"{result['expected_last_100_mean_loss']:.4f}")
+        print(f"the same history replayed in local jax: worst relative difference "
+              f"{result['replay_worst_relative_difference']:.2e}")
         print(f"{'memory (MiB RSS)':24}{'start':>10}{'end':>10}")
         for name, before in result["memory_mib_before"].items():
             print(f"{name:24}{before:10.0f}{result['memory_mib_after'].get(name, float('nan')):10.0f}")

@@ -75,6 +75,30 @@ def init_params() -> list[tuple[np.ndarray, np.ndarray]]:
              np.zeros(n_out, np.float32)) for n_in, n_out in zip(sizes[:-1], sizes[1:])]
 
 
+def make_update(optimizer: Any) -> Any:
+    """One training step, `update(state, x, y) -> (state, loss)` (to jit)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def predict(params, x):
+        for w, b in params[:-1]:
+            x = jax.nn.relu(x @ w + b)
+        w, b = params[-1]
+        return x @ w + b
+
+    def loss_fn(params, x, y):
+        return jnp.mean((predict(params, x) - y) ** 2)
+
+    def update(state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state}, loss
+
+    return update
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="train steps 1..STEPS")
@@ -114,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     connect(args.controller)
 
     import jax
-    import jax.numpy as jnp
     import optax
     import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -133,20 +156,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{sorted(manager.all_slice_indices)}; up: {sorted(manager.active_slice_indices)}",
           flush=True)
 
-    def predict(params, x):
-        for w, b in params[:-1]:
-            x = jax.nn.relu(x @ w + b)
-        w, b = params[-1]
-        return x @ w + b
-
-    def loss_fn(params, x, y):
-        return jnp.mean((predict(params, x) - y) ** 2)
-
-    def update(state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state}, loss
+    update = make_update(optimizer)
 
     # Everything `train` learns across attempts; the manager's retries call it afresh.
     run = {"attempt": 0, "event_at": None, "losses": {}, "attempts": [], "executed": 0}
