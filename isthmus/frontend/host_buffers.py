@@ -42,6 +42,8 @@ class HostBufferStore:
         self._activity = time.monotonic()  # the last upload that began or ended
         self._closed: errors.IsthmusError | None = None
         self.bytes_held = 0
+        self._waiting: dict[int, _Entry] = {}  # taken, their uploads not begun
+        self._watchdog: asyncio.TimerHandle | None = None
 
     def _entry(self, handle: int) -> _Entry:
         entry = self._entries.get(handle)
@@ -63,6 +65,7 @@ class HostBufferStore:
                 "for each buffer.")
         entry.started = True
         entry.size = size
+        self._waiting.pop(handle, None)
         self._activity = time.monotonic()
 
     def complete(self, handle: HostBufferHandle, data: memoryview) -> None:
@@ -83,23 +86,36 @@ class HostBufferStore:
         entry = self._entry(handle)
         self._activity = time.monotonic()  # a new request counts as the session moving
         try:
-            while not entry.future.done() and not entry.started:
-                quiet = time.monotonic() - self._activity
-                if quiet >= self._start_timeout:
-                    raise errors.HostBufferMissing(
+            if not entry.future.done():
+                if not entry.started:
+                    self._waiting[handle] = entry
+                    self._watch()
+                return await entry.future
+            return entry.future.result()
+        finally:
+            self._waiting.pop(handle, None)
+            self._drop(handle)
+
+    def _watch(self) -> None:
+        """One timer for the store: it fails the buffers waited for whose uploads have not
+        begun once the session has not moved for `start_timeout` seconds."""
+        if self._watchdog is None and self._waiting:
+            self._watchdog = asyncio.get_running_loop().call_at(
+                self._activity + self._start_timeout, self._check)
+
+    def _check(self) -> None:
+        self._watchdog = None
+        if time.monotonic() - self._activity >= self._start_timeout:
+            waiting, self._waiting = self._waiting, {}
+            for handle, entry in waiting.items():
+                if not entry.future.done() and not entry.started:
+                    entry.future.set_exception(errors.HostBufferMissing(
                         f"host buffer {handle} did not start arriving, and no upload of this "
                         f"session has moved for {self._start_timeout:g} s; the client's upload "
                         "failed or was never sent. Retry the transfer; if uploads are slow to "
-                        "start, raise --host-buffer-timeout.")
-                try:
-                    await asyncio.wait_for(asyncio.shield(entry.future),
-                                           self._start_timeout - quiet)
-                except asyncio.TimeoutError:
-                    pass
-            data = await entry.future
-        finally:
-            self._drop(handle)
-        return data
+                        "start, raise --host-buffer-timeout."))
+                    entry.future.exception()
+        self._watch()
 
     # ---- downloads (server -> client) ----------------------------------------------------
 
@@ -147,6 +163,10 @@ class HostBufferStore:
     def close(self, error: errors.IsthmusError) -> None:
         """Ends the store: waiters fail with `error`, held bytes are released."""
         self._closed = error
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self._waiting.clear()
         for entry in self._entries.values():
             if not entry.future.done():
                 entry.future.set_exception(error)

@@ -40,6 +40,38 @@ def test_missing_upload_times_out_but_a_started_one_does_not():
     run(main())
 
 
+def test_a_waiting_request_outlasts_the_timeout_while_other_uploads_move():
+    async def main():
+        store = HostBufferStore(start_timeout=0.2)
+        waiter = asyncio.ensure_future(store.take(1))
+        for handle in range(10, 16):  # 0.3 s of other uploads, one every 0.05 s
+            await asyncio.sleep(0.05)
+            store.begin(handle, 1)
+            store.complete(handle, memoryview(b"y"))
+            assert bytes(await store.take(handle)) == b"y"
+        assert not waiter.done()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(errors.HostBufferMissing, match="host buffer 1 did not start"):
+            await waiter
+        assert 0.1 < asyncio.get_running_loop().time() - started < 1.0
+        assert len(store) == 0
+    run(main())
+
+
+def test_a_cancelled_request_leaves_no_waiter_behind():
+    async def main():
+        store = HostBufferStore(start_timeout=0.05)
+        waiter = asyncio.ensure_future(store.take(4))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.sleep(0.1)  # the store's timer finds nothing to fail
+        assert len(store) == 0
+        store.begin(5, 1)
+        store.complete(5, memoryview(b"z"))
+        assert bytes(await store.take(5)) == b"z"
+    run(main())
+
+
 def test_close_fails_waiters():
     async def main():
         store = HostBufferStore(start_timeout=5)
