@@ -35,12 +35,13 @@ LOCAL_ENV = {"JAX_PLATFORMS": "cpu",
              "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
-def run_snippet(code: str, address: str | None, timeout: float = 180.0
-                ) -> dict[str, np.ndarray]:
-    """Runs a snippet; returns what it emitted. Raises with its output if it fails."""
+def run_snippet(code: str, address: str | None, timeout: float = 180.0,
+                env: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Runs a snippet (in `env`, default this process's environment); returns what it
+    emitted. Raises with its output if it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.npz")
-        env = dict(os.environ)
+        env = dict(os.environ if env is None else env)
         env.pop("XLA_FLAGS", None)
         env.pop("JAX_PLATFORMS", None)
         env["ISTHMUS_TEST_OUT"] = out
