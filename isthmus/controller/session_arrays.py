@@ -1,8 +1,9 @@
 """Creating a session's arrays, and freeing them.
 
-A new array gets a new buffer group. Its contents arrive from the client as host arrays (whole,
-or shard by shard) and are stored on the workers in background tasks; the group is defined
-once every expected piece has settled. `delete` frees an array's buffers at once, for every
+A new array gets a new buffer group. Its contents arrive from the client as host arrays: a
+shard is placed on its devices in the turn its host buffer is here (`HostShard`; thousands a
+second, so no task each), a whole array in a background task. The group is defined once
+every expected piece has settled. `delete` frees an array's buffers at once, for every
 sharer; `release` frees those that no other array holds.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,6 +22,14 @@ from isthmus.controller.arrays import Array, Buffer, BufferGroup
 from isthmus.controller.fleet import Device
 from isthmus.controller.session_core import SessionCore, _as_error
 from isthmus.ids import BufferId
+
+
+class HostShard(Protocol):
+    """Host data for some shards of an array, here or to come."""
+
+    def subscribe(self, receive: Callable[[np.ndarray | Exception], None]) -> None:
+        """Calls `receive` once, with the data or why it will not come: at once if it is
+        here, else in the turn it arrives."""
 
 
 class SessionArrays(SessionCore):
@@ -77,10 +87,10 @@ class SessionArrays(SessionCore):
 
     def make_array_from_shards(self, dtype: dtypes.DType, shape: Sequence[int],
                                sharding: sh.Sharding,
-                               pieces: Sequence[tuple[Sequence[int], Awaitable[np.ndarray]]]
-                               ) -> Array:
+                               pieces: Sequence[tuple[Sequence[int], HostShard]]) -> Array:
         """An array whose shards arrive as host arrays; `pieces` pairs device positions
-        (indices into the sharding's device list) with the data all of them hold."""
+        (indices into the sharding's device list) with the data all of them hold. Each is
+        placed in the turn it arrives (in this one if it is here)."""
         shape = self.validate_shape(dtype, shape)
         array = self._new_array(dtype, shape, sharding, define=False)
         group = array.group
@@ -96,10 +106,11 @@ class SessionArrays(SessionCore):
                     return array
                 covered.add(p)
         boxes = sh.shard_boxes(sharding, shape)
+        group.expect(len(pieces))
         for positions, data in pieces:
-            group.expect()
-            self._spawn(self._fill_shards(group, list(positions), [boxes[p] for p in positions],
-                                          data))
+            places, shards = list(positions), [boxes[p] for p in positions]
+            data.subscribe(lambda value, places=places, shards=shards:
+                           self._arrived(group, places, shards, value))
         missing = [p for p in range(len(group)) if p not in covered]
         if missing:
             error = errors.InvalidRequest(
@@ -133,27 +144,56 @@ class SessionArrays(SessionCore):
                 group.error = _as_error(e, "receiving the array's host data")
         group.settle()
 
-    async def _fill_shards(self, group: BufferGroup, positions: list[int], boxes: list[sh.Box],
-                           host: Awaitable[np.ndarray]) -> None:
+    def _arrived(self, group: BufferGroup, positions: list[int], boxes: list[sh.Box],
+                 value: np.ndarray | Exception) -> None:
+        if isinstance(value, Exception):
+            self._shards_failed(group, positions, value)
+            group.settle()
+        else:
+            self._place_shards(group, positions, boxes, value)
+
+    def _place_shards(self, group: BufferGroup, positions: list[int], boxes: list[sh.Box],
+                      value: np.ndarray) -> None:
+        """Stores one host shard at `positions`; the group settles once it is stored (in
+        this turn where every device took it at once)."""
         try:
-            value = await host
             for box in boxes:
                 if tuple(value.shape) != sh.shard_shape(box):
                     raise errors.InvalidRequest(
                         f"a host shard has shape {tuple(value.shape)} but the sharding puts "
                         f"shape {sh.shard_shape(box)} there; send shards of the shapes the "
                         "sharding implies.")
-            await self._put(group, positions, [value] * len(positions))
+            placed, waits = self._start_puts(group, positions, [value] * len(positions))
         except Exception as e:  # noqa: BLE001
-            error = _as_error(e, "receiving the array's host data")
-            for p in positions:
-                if group.error_at(p) is None:
-                    group.set_error(p, error)
+            self._shards_failed(group, positions, e)
+            group.settle()
+            return
+        if all(isinstance(w, asyncio.Future) and w.done() for w in waits):
+            self._record_puts(group, placed, [w.exception() for w in waits])
+            group.settle()
+        else:
+            self._spawn(self._settle_puts(group, placed, waits))
+
+    async def _settle_puts(self, group: BufferGroup, placed: list[int],
+                           waits: list[Awaitable[None]]) -> None:
+        self._record_puts(group, placed, await asyncio.gather(*waits, return_exceptions=True))
         group.settle()
+
+    @staticmethod
+    def _shards_failed(group: BufferGroup, positions: Sequence[int], e: Exception) -> None:
+        error = _as_error(e, "receiving the array's host data")
+        for p in positions:
+            if group.error_at(p) is None:
+                group.set_error(p, error)
 
     async def _put(self, group: BufferGroup, positions: Sequence[int],
                    values: Sequence[np.ndarray]) -> None:
         """Stores host data at positions of a group; failures stay with their positions."""
+        placed, waits = self._start_puts(group, positions, values)
+        self._record_puts(group, placed, await asyncio.gather(*waits, return_exceptions=True))
+
+    def _start_puts(self, group: BufferGroup, positions: Sequence[int],
+                    values: Sequence[np.ndarray]) -> tuple[list[int], list[Awaitable[None]]]:
         waits, placed = [], []
         for p, value in zip(positions, values):
             if group.freed_position(p):  # released before its data arrived: nothing to store
@@ -162,7 +202,10 @@ class SessionArrays(SessionCore):
             placed.append(p)
             waits.append(self.fleet.channel(device.worker).put(
                 BufferId(group.base + p), device.id, value, group.memory_kind))
-        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        return placed, waits
+
+    @staticmethod
+    def _record_puts(group: BufferGroup, placed: list[int], outcomes: Sequence[Any]) -> None:
         for p, outcome in zip(placed, outcomes):
             if isinstance(outcome, BaseException) and group.error_at(p) is None:
                 group.set_error(p, _as_error(outcome, "storing host data"))

@@ -17,6 +17,7 @@ import mmap
 import os
 import stat
 import time
+from collections.abc import Callable
 
 from isthmus import errors
 from isthmus.ids import HostBufferHandle
@@ -24,13 +25,17 @@ from isthmus.ids import HostBufferHandle
 logger = logging.getLogger(__name__)
 
 
+Receiver = Callable[[memoryview | None, errors.IsthmusError | None], None]
+
+
 class _Entry:
-    __slots__ = ("future", "started", "size")
+    __slots__ = ("future", "started", "size", "receiver")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[memoryview] = loop.create_future()
         self.started = False
         self.size = 0
+        self.receiver: Receiver | None = None  # `when_ready`'s, until the buffer is there
 
 
 class HostBufferStore:
@@ -74,12 +79,43 @@ class HostBufferStore:
         if not entry.future.done():
             entry.future.set_result(data)
             self.bytes_held += len(data)
+            if entry.receiver is not None:
+                self._deliver(handle, entry)
 
     def abort(self, handle: HostBufferHandle, error: errors.IsthmusError) -> None:
         entry = self._entry(handle)
         if not entry.future.done():
             entry.future.set_exception(error)
             entry.future.exception()  # retrieved: no "never retrieved" warning
+            if entry.receiver is not None:
+                self._deliver(handle, entry)
+
+    def when_ready(self, handle: HostBufferHandle, receiver: Receiver) -> None:
+        """Removes an uploaded buffer from the store and calls `receiver(data, None)` with
+        it (or `receiver(None, error)`): at once if it is here, else in the turn its upload
+        ends (or fails, or times out as for `take`). What `receiver` raises is logged."""
+        entry = self._entry(handle)
+        self._activity = time.monotonic()  # a new request counts as the session moving
+        entry.receiver = receiver
+        if entry.future.done():
+            self._deliver(handle, entry)
+        elif not entry.started:
+            self._waiting[handle] = entry
+            self._watch()
+
+    def _deliver(self, handle: int, entry: _Entry) -> None:
+        receiver, entry.receiver = entry.receiver, None
+        self._waiting.pop(handle, None)
+        future = entry.future
+        error = None if future.cancelled() else future.exception()
+        data = None if error is not None or future.cancelled() else future.result()
+        if future.cancelled():
+            error = errors.HostBufferMissing(f"the wait for host buffer {handle} was cancelled.")
+        self._drop(handle)
+        try:
+            receiver(data, error)  # type: ignore[misc, arg-type]
+        except Exception:  # noqa: BLE001 - the upload that brought it must not fail for it
+            logger.exception("placing host buffer %s failed", handle)
 
     async def take(self, handle: HostBufferHandle) -> memoryview:
         """Waits for an uploaded buffer and removes it from the store."""
@@ -115,6 +151,8 @@ class HostBufferStore:
                         "failed or was never sent. Retry the transfer; if uploads are slow to "
                         "start, raise --host-buffer-timeout."))
                     entry.future.exception()
+                    if entry.receiver is not None:
+                        self._deliver(handle, entry)
         self._watch()
 
     # ---- downloads (server -> client) ----------------------------------------------------
@@ -167,10 +205,12 @@ class HostBufferStore:
             self._watchdog.cancel()
             self._watchdog = None
         self._waiting.clear()
-        for entry in self._entries.values():
+        for handle, entry in list(self._entries.items()):
             if not entry.future.done():
                 entry.future.set_exception(error)
                 entry.future.exception()
+                if entry.receiver is not None:
+                    self._deliver(handle, entry)
         self._entries.clear()
         self.bytes_held = 0
 

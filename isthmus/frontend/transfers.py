@@ -9,6 +9,7 @@ against the buffer's actual size before any byte is read.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -126,6 +127,33 @@ async def _host_array(session: Any, handle: int, dtype: dtypes.DType, shape: tup
     return decode_host_array(session, data, dtype, shape, byte_strides)
 
 
+class _HostShard:
+    """A shard's host buffer, as the controller takes it (`HostShard`): decoded and handed
+    on in the turn it is here."""
+
+    __slots__ = ("session", "handle", "dtype", "shape", "byte_strides")
+
+    def __init__(self, session: Any, handle: int, dtype: dtypes.DType, shape: tuple[int, ...],
+                 byte_strides: tuple[int, ...] | None) -> None:
+        self.session, self.handle, self.dtype = session, handle, dtype
+        self.shape, self.byte_strides = shape, byte_strides
+
+    def subscribe(self, receive: Callable[[np.ndarray | Exception], None]) -> None:
+        def arrived(data: memoryview | None, error: errors.IsthmusError | None) -> None:
+            if error is not None:
+                receive(error)
+                return
+            try:
+                value = decode_host_array(self.session, data, self.dtype, self.shape,
+                                          self.byte_strides)
+            except Exception as e:  # noqa: BLE001 - the shards carry it
+                receive(e)
+                return
+            receive(value)
+
+        self.session.host_buffers.when_ready(self.handle, arrived)
+
+
 @handles("make_array_from_host_buffer_request", arrays=("array_handle",))
 def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> None:
     body = request.make_array_from_host_buffer_request
@@ -173,7 +201,7 @@ def make_arrays_from_host_buffer_shards(session: Any, request: Any, response: An
                 raise errors.InvalidRequest(
                     f"a host shard has dtype {dtype.kind} but the array is "
                     f"{array_spec.dtype.kind}.")
-            pieces.append((tuple(indices.indices), _host_array(
+            pieces.append((tuple(indices.indices), _HostShard(
                 session, buffer.host_buffer_handle, dtype, shape, _strides(buffer))))
         array = session.ctl.make_array_from_shards(
             array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)

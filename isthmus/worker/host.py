@@ -28,9 +28,10 @@ from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.persistence import Persistence
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
-                                  _Unloadable, computation_error, make_cpu_client)
+                                  _Unloadable, computation_error, make_cpu_client, place)
 
 __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
+
 
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
         # thread pool (see `collective_settled`); GPU devices each have their own stream.
         self._shared_pool = getattr(client, "platform", "cpu") == "cpu"
         self._buffers: dict[BufferId, Any] = {}
+        self._shardings: dict[tuple[int, str | None], Any] = {}  # for `place`
         self._executables: dict[ExecutableId, _Loaded | _Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
         # Outputs of programs that span other hosts -> those programs' devices: when the
@@ -103,13 +105,22 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
 
     def _put_blocking(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
                       memory_kind: str | None) -> None:
-        import jax
-
         try:
-            self._buffers[buffer_id] = jax.device_put(value, self._target(device_id, memory_kind))
+            self._buffers[buffer_id] = place(value, self._sharding(device_id, memory_kind),
+                                             self.devices[device_id])
         except Exception as e:  # noqa: BLE001 - jaxlib raises ValueError, RuntimeError, ...
             self.fail(buffer_id, errors.from_runtime_error(
                 e, errors.InvalidRequest, "could not place the host data on the device"))
+
+    def _sharding(self, device_id: int, memory_kind: str | None) -> Any:
+        """The SingleDeviceSharding of a device (and memory kind) for `place`."""
+        sharding = self._shardings.get((device_id, memory_kind))
+        if sharding is None:
+            from jax.sharding import SingleDeviceSharding
+
+            sharding = SingleDeviceSharding(self.devices[device_id], memory_kind=memory_kind)
+            self._shardings[(device_id, memory_kind)] = sharding
+        return sharding
 
     def _target(self, device_id: int, memory_kind: str | None) -> Any:
         """Where jax.device_put should place a buffer: a device, or a memory of one."""

@@ -112,8 +112,12 @@ async def _failed(error: errors.IsthmusError) -> Any:
     raise error
 
 
-async def _done() -> None:
-    return None
+def _done() -> asyncio.Future[None]:
+    """An awaitable that is done already: a future, so that gathering it makes no task and
+    a caller may see at once that it is done."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
 
 
 def _settle_quietly(value: Any) -> None:
@@ -146,3 +150,27 @@ def _any_failed(values: list[Any]) -> bool:
         except Exception:  # noqa: BLE001 - the error itself is reported where it is used
             return True
     return False
+
+
+_batched_device_put: Any = None
+
+
+def place(value: np.ndarray, sharding: Any, device: Any) -> Any:
+    """Host data on one device (`sharding` its SingleDeviceSharding), as jax.device_put
+    places a numpy array: the call its numpy handler makes, without the argument handling
+    around it (4 µs a small shard instead of 30). jax.device_put where this jax lacks it."""
+    global _batched_device_put
+    if _batched_device_put is None:
+        try:
+            from jax._src import core
+            from jax._src.interpreters.pxla import batched_device_put
+
+            def _batched_device_put(value: np.ndarray, sharding: Any, device: Any) -> Any:
+                return batched_device_put(core.ShapedArray(value.shape, value.dtype),
+                                          sharding, [value], [device])
+        except ImportError:
+            import jax
+
+            def _batched_device_put(value: np.ndarray, sharding: Any, device: Any) -> Any:
+                return jax.device_put(value, sharding)
+    return _batched_device_put(value, sharding, device)

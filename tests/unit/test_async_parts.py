@@ -72,6 +72,38 @@ def test_a_cancelled_request_leaves_no_waiter_behind():
     run(main())
 
 
+def test_when_ready_hands_a_buffer_over_in_the_turn_it_is_there():
+    async def main():
+        store = HostBufferStore(start_timeout=0.1)
+        got = []
+        store.begin(1, 2)
+        store.complete(1, memoryview(b"ab"))
+        store.when_ready(1, lambda data, error: got.append((bytes(data), error)))
+        assert got == [(b"ab", None)]  # here already: at once
+        store.when_ready(2, lambda data, error: got.append((bytes(data), error)))
+        store.begin(2, 1)
+        assert len(got) == 1
+        store.complete(2, memoryview(b"c"))
+        assert got[-1] == (b"c", None)  # inside complete(), no task between
+        store.when_ready(3, lambda data, error: got.append((data, error)))
+        store.abort(3, errors.InvalidRequest("cut short"))
+        assert got[-1][0] is None and "cut short" in got[-1][1].message
+
+        def broken(data, error):
+            raise RuntimeError("a bug in the receiver")
+        store.when_ready(4, broken)
+        store.begin(4, 1)
+        store.complete(4, memoryview(b"d"))  # logged; the upload does not fail for it
+        store.when_ready(5, lambda data, error: got.append((data, error)))  # never uploaded
+        await asyncio.sleep(0.3)
+        assert got[-1][0] is None and "did not start arriving" in got[-1][1].message
+        store.when_ready(6, lambda data, error: got.append((data, error)))
+        store.close(errors.SessionClosed("gone"))
+        assert isinstance(got[-1][1], errors.SessionClosed)
+        assert len(store) == 0 and store.bytes_held == 0
+    run(main())
+
+
 def test_close_fails_waiters():
     async def main():
         store = HostBufferStore(start_timeout=5)

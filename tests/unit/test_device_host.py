@@ -37,3 +37,34 @@ def test_a_collective_that_lost_a_peer_is_data_loss_not_an_execution_error():
     assert type(other) is errors.ExecutionError and other.code == errors.Code.INVALID_ARGUMENT
     assert errors.is_peer_failure("NCCL operation ncclAllReduce failed: remote process exited")
     assert not errors.is_peer_failure("RESOURCE_EXHAUSTED: out of memory")
+
+
+def test_small_puts_give_what_jax_device_put_gives():
+    import jax
+    import ml_dtypes
+
+    async def main():
+        host = DeviceHost(make_cpu_client(2))
+        base = np.arange(24, dtype=np.float64).reshape(4, 6)
+        values = [base, base.astype(np.int64), base.astype(np.float32)[:, ::2],  # strided
+                  base.T, base.astype(ml_dtypes.bfloat16), (base % 8).astype(ml_dtypes.int4),
+                  base > 5, base.astype(np.complex64), np.float32(7.5).reshape(()),
+                  np.zeros((0, 3), np.int8), base.astype(np.uint16)]
+        for i, value in enumerate(values):
+            await host.put(i, i % 2, value)
+            stored = host._buffers[i]
+            want = jax.device_put(value, host.devices[i % 2])
+            assert stored.dtype == value.dtype == want.dtype, (i, stored.dtype)
+            assert stored.shape == value.shape and stored.devices() == want.devices()
+            np.testing.assert_array_equal(np.asarray(stored), value)
+        from jax.sharding import SingleDeviceSharding
+
+        device = host.devices[1]
+        for i, kind in enumerate(m.kind for m in device.addressable_memories()):
+            await host.put(50 + i, 1, base, kind)
+            stored = host._buffers[50 + i]
+            want = jax.device_put(base, SingleDeviceSharding(device, memory_kind=kind))
+            assert stored.sharding == want.sharding and stored.sharding.memory_kind == kind
+            np.testing.assert_array_equal(np.asarray(stored), base)
+        await host.close()
+    asyncio.run(asyncio.wait_for(main(), 60))
