@@ -139,14 +139,22 @@ class _Connection:
             self.trailers(stream, grpc.StatusCode.UNIMPLEMENTED,
                            f"method {path} is not served here")
             return
-        if method.kind == "stream_unary":  # an upload: its handler reads as the bytes come
-            self.h2.increment_flow_control_window(UPLOAD_WINDOW - STREAM_WINDOW, stream_id)
-            stream.window = UPLOAD_WINDOW
         context = Context(metadata(headers), self.peer)
         if method.sink is not None:
             self.direct.start(stream, method, context)
+            size = getattr(stream.sink, "size", None)
+            if method.kind == "stream_unary" and stream.sink is not None and (
+                    size is None or size + 5 > STREAM_WINDOW):
+                self._widen(stream)
             return
+        if method.kind == "stream_unary":
+            self._widen(stream)
         stream.task = asyncio.get_running_loop().create_task(self._serve(stream, context))
+
+    def _widen(self, stream: Call) -> None:
+        """An upload's window: its handler reads as the bytes come."""
+        self.h2.increment_flow_control_window(UPLOAD_WINDOW - STREAM_WINDOW, stream.id)
+        stream.window = UPLOAD_WINDOW
 
     async def _serve(self, stream: Call, context: Context) -> None:
         method = stream.method

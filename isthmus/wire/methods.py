@@ -65,5 +65,6 @@ class Method:
     # or what `fn` would return (a coroutine or async iterator) when the answer must wait.
     # `message` may return an awaitable: no more messages (nor window) until it is done.
     # A sink with `responses()` (an async iterator) streams its answer from the start, and
-    # its `end()` returns None.
+    # its `end()` returns None. An upload's sink may say its `size` in bytes: one that fits
+    # the stream's first window is not given a larger one (a WINDOW_UPDATE less each way).
     sink: Callable[[Any], Any] | None = None
