@@ -37,6 +37,7 @@ import hyperframe.frame
 import numpy as np
 
 from isthmus.transport.frames import read_room
+from isthmus.wire import hpackfast
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,10 @@ class Frames(h2.connection.H2Connection):
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
+        decoder = hpackfast.Decoder()  # before any header block: the same (empty) state
+        decoder.max_header_list_size = self.decoder.max_header_list_size
+        decoder.max_allowed_table_size = self.decoder.max_allowed_table_size
+        self.decoder = decoder
         self.out: list[bytes | memoryview] = []  # what to write before _data_to_send
         self._sweep_at = 64
 
