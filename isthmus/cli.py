@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from isthmus import gctune
 from isthmus.deploy.commands import add_deploy_commands, k8s_command, slurm_command
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
@@ -290,6 +291,7 @@ async def _up(args: argparse.Namespace) -> int:
         await head.stop()
         return 0
     address = starting.result()
+    gctune.settle()
     print(f"{READY_PREFIX}{address}", flush=True)
     extra = head.client_environment()
     if extra:
@@ -335,6 +337,7 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     head = Head(_head_config(args))  # type: ignore[arg-type]
     address = await head.start()
+    gctune.settle()
     try:
         child = await asyncio.create_subprocess_exec(
             *command, env=child_environment(address, extra=head.client_environment()),

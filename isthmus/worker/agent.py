@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from isthmus import errors
+from isthmus import errors, gctune
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.tls import TlsConfig
@@ -69,6 +69,7 @@ class WorkerAgent(CommandApplier):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.host: DeviceHost | None = None
+        self._settled = False  # gctune.settle() done
         self._next_client: Any = None
         self._keep: list[Any] = []  # distributed clients of past groups stay alive
         self._incoming: dict[int, _Incoming] = {}
@@ -388,6 +389,9 @@ class WorkerAgent(CommandApplier):
         new = make_host(self._next_client, mapping, self.config.platform.simulate_flops,
                         self._compile_cache)
         old, self.host = self.host, new
+        if old is None and not self._settled:
+            gctune.settle()  # jax and the first group are loaded: what this process keeps
+            self._settled = True
         if old is not None:
             await old.settle_writes()  # host data still being placed lands in `old` first
             moved = await asyncio.get_running_loop().run_in_executor(

@@ -191,3 +191,22 @@ def test_no_restart_option_reaches_the_head_config():
     for argv in (["up", "--no-restart"], ["run", "--no-restart", "--", "true"]):
         config = _head_config(parser.parse_args(argv))
         assert config.restart.enabled is False, argv
+
+
+def test_gc_settle_freezes_start_up_and_collects_young_objects_less_often():
+    import gc
+
+    from isthmus import gctune
+
+    before = gc.get_threshold()
+    try:
+        gctune.settle()
+        assert gc.get_freeze_count() > 1000  # what start-up made is out of sight
+        assert gc.get_threshold() == (gctune.YOUNG, *gctune.OLDER)
+        cycle = []
+        cycle.append(cycle)  # a later cycle is still collected
+        del cycle
+        assert gc.collect() >= 1
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
