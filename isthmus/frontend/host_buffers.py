@@ -106,11 +106,8 @@ class HostBufferStore:
     def _deliver(self, handle: int, entry: _Entry) -> None:
         receiver, entry.receiver = entry.receiver, None
         self._waiting.pop(handle, None)
-        future = entry.future
-        error = None if future.cancelled() else future.exception()
-        data = None if error is not None or future.cancelled() else future.result()
-        if future.cancelled():
-            error = errors.HostBufferMissing(f"the wait for host buffer {handle} was cancelled.")
+        error = entry.future.exception()  # done, never cancelled (only `take` awaits it)
+        data = None if error is not None else entry.future.result()
         self._drop(handle)
         try:
             receiver(data, error)  # type: ignore[misc, arg-type]

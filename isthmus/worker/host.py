@@ -33,7 +33,6 @@ from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArra
 __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
 
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -64,7 +63,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
         # thread pool (see `collective_settled`); GPU devices each have their own stream.
         self._shared_pool = getattr(client, "platform", "cpu") == "cpu"
         self._buffers: dict[BufferId, Any] = {}
-        self._shardings: dict[tuple[int, str | None], Any] = {}  # for `place`
+        self._shardings: dict[tuple[int, str | None], Any] = {}  # see `_sharding`
         self._executables: dict[ExecutableId, _Loaded | _Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
         # Outputs of programs that span other hosts -> those programs' devices: when the
@@ -113,7 +112,8 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
                 e, errors.InvalidRequest, "could not place the host data on the device"))
 
     def _sharding(self, device_id: int, memory_kind: str | None) -> Any:
-        """The SingleDeviceSharding of a device (and memory kind) for `place`."""
+        """Where host data or a copy goes: a device's SingleDeviceSharding (in a memory
+        kind, or its default memory)."""
         sharding = self._shardings.get((device_id, memory_kind))
         if sharding is None:
             from jax.sharding import SingleDeviceSharding
@@ -121,14 +121,6 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             sharding = SingleDeviceSharding(self.devices[device_id], memory_kind=memory_kind)
             self._shardings[(device_id, memory_kind)] = sharding
         return sharding
-
-    def _target(self, device_id: int, memory_kind: str | None) -> Any:
-        """Where jax.device_put should place a buffer: a device, or a memory of one."""
-        from jax.sharding import SingleDeviceSharding
-
-        device = self.devices[device_id]
-        return device if memory_kind is None else SingleDeviceSharding(
-            device, memory_kind=memory_kind)
 
     def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
         """Makes `buffer_id` an error buffer: every use of it reports `error`."""
@@ -144,7 +136,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             self._buffers[dst] = value if value is not None else _Failed(self._missing(src))
             return
         try:
-            target = self._target(device_id, memory_kind)
+            target = self._sharding(device_id, memory_kind)
             if isinstance(value, _HostArray):
                 self._buffers[dst] = _HostArray(value.value)
                 return

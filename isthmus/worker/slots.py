@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -152,25 +153,18 @@ def _any_failed(values: list[Any]) -> bool:
     return False
 
 
-_batched_device_put: Any = None
+@functools.cache
+def _jax_put() -> tuple[Any, Any]:
+    from jax._src import core
+    from jax._src.interpreters.pxla import batched_device_put
+
+    return core.ShapedArray, batched_device_put
 
 
 def place(value: np.ndarray, sharding: Any, device: Any) -> Any:
     """Host data on one device (`sharding` its SingleDeviceSharding), as jax.device_put
     places a numpy array: the call its numpy handler makes, without the argument handling
-    around it (4 µs a small shard instead of 30). jax.device_put where this jax lacks it."""
-    global _batched_device_put
-    if _batched_device_put is None:
-        try:
-            from jax._src import core
-            from jax._src.interpreters.pxla import batched_device_put
-
-            def _batched_device_put(value: np.ndarray, sharding: Any, device: Any) -> Any:
-                return batched_device_put(core.ShapedArray(value.shape, value.dtype),
-                                          sharding, [value], [device])
-        except ImportError:
-            import jax
-
-            def _batched_device_put(value: np.ndarray, sharding: Any, device: Any) -> Any:
-                return jax.device_put(value, sharding)
-    return _batched_device_put(value, sharding, device)
+    around it (4 µs a small shard instead of 30)."""
+    shaped_array, batched_device_put = _jax_put()
+    return batched_device_put(shaped_array(value.shape, value.dtype), sharding, [value],
+                              [device])

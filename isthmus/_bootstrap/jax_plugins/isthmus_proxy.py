@@ -88,16 +88,16 @@ def _slack_client_threads() -> None:
         return
     prctl.restype = ctypes.c_int
 
+    def timer_slack(option: int, value: int = 0) -> int:
+        return prctl(option, *(ctypes.c_ulong(v) for v in (value, 0, 0, 0)))
+
     def get_client(*args, **kwargs):
-        before = prctl(_PR_GET_TIMERSLACK, ctypes.c_ulong(0), ctypes.c_ulong(0),
-                       ctypes.c_ulong(0), ctypes.c_ulong(0))
-        prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(micros * 1000), ctypes.c_ulong(0),
-              ctypes.c_ulong(0), ctypes.c_ulong(0))
+        before = timer_slack(_PR_GET_TIMERSLACK)
+        timer_slack(_PR_SET_TIMERSLACK, micros * 1000)
         try:
             return original(*args, **kwargs)
         finally:  # 0 restores the thread's default
-            prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(max(before, 0)), ctypes.c_ulong(0),
-                  ctypes.c_ulong(0), ctypes.c_ulong(0))
+            timer_slack(_PR_SET_TIMERSLACK, max(before, 0))
 
     get_client.isthmus_slack = True  # type: ignore[attr-defined]
     ifrt_proxy.get_client = get_client
