@@ -15,7 +15,7 @@ from typing import Any
 from isthmus.controller.controller import Controller, ControllerConfig
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
-from isthmus.ids import DeviceId, SliceId, WorkerId
+from isthmus.ids import COMPANION_BASE, DeviceId, SliceId, WorkerId
 from isthmus.launch import RestartPolicy
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker.platforms import Platform
@@ -62,7 +62,7 @@ def embedded_fleet(num_devices: int, platform: str = "cpu",
     """One in-process worker with `num_devices` jaxlib CPU devices, or the GPUs it sees
     (simulated accelerators at `simulate_flops` FLOP/s each, when that is set; executables
     kept in `compile_cache`, a `CacheConfig`, across restarts)."""
-    from isthmus.worker.platforms import describe_client, make_client
+    from isthmus.worker.platforms import companion_devices, describe_client, make_client
     from isthmus.worker.simulated import make_host
 
     if num_devices < 1:
@@ -71,12 +71,20 @@ def embedded_fleet(num_devices: int, platform: str = "cpu",
     from isthmus.worker.compile_cache import CompileCache
 
     cache = CompileCache(compile_cache) if compile_cache is not None else None
-    host = make_host(client, simulate_flops=simulate_flops, compile_cache=cache)
-    worker = WorkerId(0)
     described = describe_client(platform, client)
+    companions = None
+    if described.companions:
+        companions = companion_devices({d.id: d for d in client.local_devices()},
+                                       make_client("cpu", len(client.local_devices())),
+                                       COMPANION_BASE)
+    host = make_host(client, simulate_flops=simulate_flops, compile_cache=cache,
+                     companions=companions)
+    worker = WorkerId(0)
     devices = [Device(DeviceId(d.id), worker, local, platform, described.device_kind,
                       SliceId(0), 0, described.memory_kinds)
                for local, d in enumerate(client.local_devices())]
+    if companions:
+        devices += [d.companion() for d in devices]
     return Fleet(devices, {worker: host}), host
 
 

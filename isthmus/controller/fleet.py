@@ -7,6 +7,11 @@ index on its host.
 
 A slice is usable while every host slot of it has a live worker in the current collective
 group; otherwise `unavailable` names the reason (a DATA_LOSS error naming worker and slice).
+
+On an accelerator fleet each accelerator has a *colocated CPU device* on its host (jax's
+`colocated_python` runs there): a `Device` with `companion_of` set, id `COMPANION_BASE` plus
+its accelerator's, and the accelerator's `colocation_id`. They are in `all_devices` and found
+by id, but not in `devices` (what `jax.devices()` lists and device assignments draw from).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from isthmus import errors
-from isthmus.ids import DeviceId, SliceId, WorkerId
+from isthmus.ids import COMPANION_BASE, DeviceId, SliceId, WorkerId
 from isthmus.transport.base import Commands, WorkerChannel
 from isthmus.transport.flow import FlowGate
 
@@ -40,9 +45,21 @@ class Device:
     slice_index: SliceId
     host_index: int  # index of the worker within its slice
     memory_kinds: tuple[str, ...] = CPU_MEMORY_KINDS  # default first
+    # A colocated CPU device: the accelerator it stands beside (None: not one).
+    companion_of: DeviceId | None = None
 
     def __repr__(self) -> str:
         return f"Device({self.id}, slice={self.slice_index}, host={self.host_index})"
+
+    @property
+    def colocation_id(self) -> int:
+        """Equal for an accelerator and its colocated CPU device (jax matches them by it)."""
+        return self.id if self.companion_of is None else self.companion_of
+
+    def companion(self) -> Device:
+        """This accelerator's colocated CPU device."""
+        return Device(DeviceId(COMPANION_BASE + self.id), self.worker, self.local_id, "cpu",
+                      "cpu", self.slice_index, self.host_index, CPU_MEMORY_KINDS, self.id)
 
 
 class Fleet:
@@ -50,7 +67,8 @@ class Fleet:
 
     def __init__(self, devices: Sequence[Device], workers: dict[WorkerId, WorkerChannel]
                  ) -> None:
-        self.devices: tuple[Device, ...] = ()
+        self.devices: tuple[Device, ...] = ()  # the accelerators (or a CPU fleet's devices)
+        self.companions: tuple[Device, ...] = ()  # their colocated CPU devices, if any
         self._by_id: dict[DeviceId, Device] = {}
         self._workers = dict(workers)
         self.generation = 0  # bumped whenever the collective group re-forms
@@ -106,15 +124,22 @@ class Fleet:
     def add_devices(self, devices: Sequence[Device]) -> None:
         known = dict(self._by_id)
         known.update({d.id: d for d in devices})
-        self.devices = tuple(sorted(known.values(), key=lambda d: d.id))
+        ordered = sorted(known.values(), key=lambda d: d.id)
+        self.devices = tuple(d for d in ordered if d.companion_of is None)
+        self.companions = tuple(d for d in ordered if d.companion_of is not None)
         self._by_id = known
+
+    @property
+    def all_devices(self) -> tuple[Device, ...]:
+        return self.devices + self.companions
 
     def device(self, device_id: int) -> Device:
         device = self._by_id.get(DeviceId(device_id))
         if device is None:
             raise errors.InvalidRequest(
                 f"device id {device_id} is not part of this fleet (known ids: "
-                f"{_ids(self.devices)}); use a device from jax.devices().")
+                f"{_ids(self.devices)}{_companion_ids(self.companions)}); use a device from "
+                "jax.devices().")
         return device
 
     def devices_of(self, device_ids: Iterable[int]) -> tuple[Device, ...]:
@@ -270,3 +295,7 @@ def _ids(devices: Sequence[Device]) -> str:
     if ids == list(range(ids[0], ids[0] + len(ids))):
         return f"{ids[0]}..{ids[-1]}"
     return ", ".join(str(i) for i in ids[:16]) + ("..." if len(ids) > 16 else "")
+
+
+def _companion_ids(companions: Sequence[Device]) -> str:
+    return f", and their colocated CPU devices {_ids(companions)}" if companions else ""

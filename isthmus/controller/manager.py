@@ -118,18 +118,24 @@ class FleetManager:
         for host in range(spec.hosts_per_slice):
             slot = self.slot(slice_index, host)
             for local in range(spec.devices_per_host):
-                devices.append(self._describe(Device(
+                devices.append(Device(
                     DeviceId(slot * spec.devices_per_host + local), slot, local,
                     "cpu" if spec.platform == "auto" else spec.platform, "cpu", slice_index,
-                    host)))
-        self.fleet.add_devices(devices)
+                    host))
+        self.fleet.add_devices(self._describe(devices))
 
-    def _describe(self, device: Device) -> Device:
+    def _describe(self, devices: list[Device]) -> list[Device]:
+        """The devices as the model worker describes them, with their colocated CPU devices
+        when its accelerators have them."""
         model = self._model
         if model is None:
-            return device
-        return dataclasses.replace(device, platform=model.platform, kind=model.device_kind,
-                                   memory_kinds=tuple(model.memory_kinds))
+            return devices
+        described = [dataclasses.replace(d, platform=model.platform, kind=model.device_kind,
+                                         memory_kinds=tuple(model.memory_kinds))
+                     for d in devices]
+        if model.companions:
+            described += [d.companion() for d in described]
+        return described
 
     def slices(self) -> list[SliceId]:
         return sorted({d.slice_index for d in self.fleet.devices})
@@ -153,6 +159,11 @@ class FleetManager:
             raise errors.InvalidRequest(
                 f"the worker brings {brings}; this fleet's devices are {model.device_kind}: "
                 "every host of a fleet must have the same kind of device.")
+        if model is not None and message.companions != model.companions:
+            raise errors.InvalidRequest(
+                f"the worker brings {brings} {'with' if message.companions else 'without'} "
+                "colocated CPU devices, unlike this fleet's first worker; run the same "
+                "isthmus version and settings on every host.")
         if message.devices != spec.devices_per_host:
             how = (f"--devices {spec.devices_per_host}" if message.platform == "cpu" else
                    f"{spec.devices_per_host} GPUs (--gpus or CUDA_VISIBLE_DEVICES)")
@@ -171,7 +182,7 @@ class FleetManager:
         self._check_devices(message)
         if self._model is None:
             self._model = message
-            self.fleet.add_devices([self._describe(d) for d in self.fleet.devices])
+            self.fleet.add_devices(self._describe(list(self.fleet.devices)))
         slice_index = message.slice_index
         if slice_index < 0:
             slice_index = next((s for s in self.slices() if self._free_host(s) is not None),
@@ -307,10 +318,18 @@ class FleetManager:
             address = f"{self.config.advertise_host}:{_free_port(self.config.advertise_host)}"
             from jax._src.lib import _jax
 
-            service = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: _jax.get_distributed_runtime_service(
-                    address, len(members), recoverable=True))
-            self._services.append(service)
+            def serve(at: str) -> Any:
+                return _jax.get_distributed_runtime_service(at, len(members), recoverable=True)
+
+            loop = asyncio.get_running_loop()
+            self._services.append(await loop.run_in_executor(None, serve, address))
+            # Colocated CPU devices form a group of their own (one more CPU client per host).
+            companion_address = ""
+            if self.fleet.companions:
+                host = self.config.advertise_host
+                companion_address = f"{host}:{_free_port(host)}"
+                self._services.append(
+                    await loop.run_in_executor(None, serve, companion_address))
             logger.info("forming collective group %s with %s workers at %s", generation,
                         len(members), address)
             # What was dispatched before this point runs in the old group: shared commands
@@ -323,7 +342,7 @@ class FleetManager:
             for node, channel in enumerate(members):
                 number, future = channel.request()
                 channel.send_now(m.FormGroup(number, generation, address, node, len(members),
-                                             reason, gone))
+                                             reason, gone, companion_address))
                 channel.hold()
                 channel.forming = True
                 waits.append(future)

@@ -26,6 +26,11 @@ class SessionPrograms(SessionArrays):
         if len(set(d.id for d in devices)) != len(devices):
             raise errors.InvalidRequest(
                 "the program's device assignment names a device twice; give each device once.")
+        companions = sum(d.companion_of is not None for d in devices)
+        if 0 < companions < len(devices):
+            raise errors.InvalidRequest(
+                "the program spans accelerators and colocated CPU devices; run it on one "
+                "kind of device (jax.device_put the arrays across first).")
         executable = self.controller.executable(request, devices)
         self._executables.append(executable)
         return executable

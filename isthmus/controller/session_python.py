@@ -44,10 +44,11 @@ class SessionPython(SessionPrograms):
                         f"{list(device_ids)}; use the same devices for inputs, outputs and "
                         "the call.")
         for device in devices:
-            if device.kind != "cpu" and device.platform != "cpu":
+            if device.kind != "cpu":
                 raise errors.InvalidRequest(
-                    f"device {device.id} is a {device.kind} device; colocated Python runs on "
-                    "CPU devices: pass colocated_python.colocated_cpu_devices(...) instead.")
+                    f"device {device.id} ({device.kind}) is not a CPU device; colocated "
+                    "Python runs on CPU devices: pass colocated_python.colocated_cpu_devices"
+                    "(...) instead.")
         program = ColocatedProgram(
             name, text, tuple(device_ids),
             tuple(tuple(s.devices) for _, _, s in inputs),

@@ -35,7 +35,8 @@ def init(session: Any, request: Any, response: Any) -> None:
     out.platform_id = platform["id"]
     out.process_index = 0
     out.runtime_type = platform["runtime_type"]
-    devices = session.fleet.devices
+    fleet = session.fleet
+    devices = fleet.all_devices
     for position, device in enumerate(devices):
         kinds = device.memory_kinds
         ids = [memory_id(position, k, len(kinds)) for k in range(len(kinds))]
@@ -47,16 +48,18 @@ def init(session: Any, request: Any, response: Any) -> None:
         d.memory_ids.extend(ids)
         _attribute(d.attributes, SLICE_INDEX, device.slice_index)
         _attribute(d.attributes, HOST_INDEX, device.host_index)
-        if device.platform == "cpu":
-            # jax's colocated_cpu_devices() matches CPU devices by this: on a CPU fleet each
-            # device is its own colocated CPU device.
-            _attribute(d.attributes, COLOCATION_ID, device.id)
+        # jax's colocated_cpu_devices() matches a device with the CPU device of equal
+        # colocation_id: on a CPU fleet each device is its own, on an accelerator fleet each
+        # accelerator has one beside it (`Fleet.companions`).
+        _attribute(d.attributes, COLOCATION_ID, device.colocation_id)
         for k, (kind, mid) in enumerate(zip(kinds, ids)):
             label = f"{kind.upper()}_{mid}" if device.platform != "cpu" else (
                 f"{'CPU_DEVICE' if k == 0 else kind.upper()}_{mid}")
             out.memories.add(id=mid, memory_space_kind=kind, kind_id=k, device_ids=[device.id],
                              debug_string=label, to_string=label)
-    out.primary_device_ids.extend(d.id for d in devices)
+    # Colocated CPU devices are addressable (arrays may live there) but not primary, so
+    # jax.devices() lists the accelerators only, as on Pathways.
+    out.primary_device_ids.extend(d.id for d in fleet.devices)
     out.addressable_device_ids.extend(d.id for d in devices)
     _attribute(out.client_attributes, "isthmus", 1)
 

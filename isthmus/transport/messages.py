@@ -20,7 +20,7 @@ from isthmus.transport.frames import Parts, Tailed
 
 __all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
 
-PROTOCOL_VERSION = 6  # bump when a message changes shape
+PROTOCOL_VERSION = 7  # bump when a message changes shape
 PIECE_BYTES = 64 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
@@ -86,6 +86,9 @@ class Register:
     hostname: str
     pid: int
     memory_kinds: tuple[str, ...] = ("device", "pinned_host", "unpinned_host")  # default 1st
+    # Whether each device has a colocated CPU device beside it (accelerators do; see
+    # `controller/fleet.py`); the worker serves them on a CPU client of its own.
+    companions: bool = False
 
 
 @_message
@@ -184,6 +187,9 @@ class FormGroup:
     num_nodes: int
     reason: str = ""  # why the group re-forms (the losses since the last one), for errors
     gone: tuple[int, ...] = ()  # global ids of the devices that will not be in the group
+    # The coordinator of the group's colocated CPU devices, on a client of their own
+    # (accelerator fleets; "": none).
+    companion_address: str = ""
 
 
 @_message

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from isthmus import errors, gctune
+from isthmus.ids import COMPANION_BASE
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.tls import TlsConfig
@@ -30,7 +31,8 @@ from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
-                                     PlatformUnavailable, describe, join_group)
+                                     PlatformUnavailable, companion_devices, describe,
+                                     join_group)
 from isthmus.worker.process import exit_now, preload
 from isthmus.worker.applying import CommandApplier
 from isthmus.worker.commands import _Incoming, _produced, _reads, _unpack
@@ -71,6 +73,7 @@ class WorkerAgent(CommandApplier):
         self.host: DeviceHost | None = None
         self._settled = False  # gctune.settle() done
         self._next_client: Any = None
+        self._next_companions: Any = None  # its colocated CPU devices' client (accelerators)
         self._keep: list[Any] = []  # distributed clients of past groups stay alive
         self._incoming: dict[int, _Incoming] = {}
         # Every program the controller gave this worker, by executable id. Kept across
@@ -118,7 +121,8 @@ class WorkerAgent(CommandApplier):
         advertise = self.config.advertise or self.config.listen
         register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, described.devices,
                               described.platform, described.device_kind, f"{advertise}:{port}",
-                              socket.gethostname(), os.getpid(), described.memory_kinds)
+                              socket.gethostname(), os.getpid(), described.memory_kinds,
+                              described.companions)
         while not self._stop.is_set():
             code = await self._serve(register)
             if self._stop.is_set() or code != EXIT_CONTROLLER_LOST:
@@ -184,7 +188,7 @@ class WorkerAgent(CommandApplier):
     def _reset(self) -> None:
         """Forgets everything of the last membership (its buffers are gone for the fleet)."""
         self.host = None
-        self._next_client = None
+        self._next_client = self._next_companions = None
         self._incoming.clear()
         self._programs.clear()
         self._tasks.clear()
@@ -373,21 +377,33 @@ class WorkerAgent(CommandApplier):
 
     async def _form(self, message: m.FormGroup) -> None:
         assert self._described is not None
-        try:
-            distributed, client = await asyncio.get_running_loop().run_in_executor(
-                None, join_group, message.address, message.node_id, message.num_nodes,
-                self._described.platform, self._described.devices, self.config.group_timeout)
-        except Exception as e:  # noqa: BLE001
+        loop = asyncio.get_running_loop()
+        joins = [loop.run_in_executor(
+            None, join_group, message.address, message.node_id, message.num_nodes,
+            self._described.platform, self._described.devices, self.config.group_timeout)]
+        if message.companion_address:  # the colocated CPU devices' group, at the same time
+            joins.append(loop.run_in_executor(
+                None, join_group, message.companion_address, message.node_id,
+                message.num_nodes, "cpu", self._described.devices, self.config.group_timeout))
+        joined = await asyncio.gather(*joins, return_exceptions=True)
+        failed = next((j for j in joined if isinstance(j, BaseException)), None)
+        if failed is not None:
             self._reply(message.request, error=errors.WorkerLost(
-                f"joining collective group {message.generation} failed: {e}"))
+                f"joining collective group {message.generation} failed: {failed}"))
             return
-        self._keep.append(distributed)
-        self._next_client = client
-        self._reply(message.request, [d.id for d in client.local_devices()])
+        self._keep.extend(distributed for distributed, _ in joined)
+        self._next_client = joined[0][1]
+        self._next_companions = joined[1][1] if len(joined) > 1 else None
+        self._reply(message.request, [d.id for d in self._next_client.local_devices()])
 
     async def _activate(self, mapping: dict[int, int]) -> None:
+        companions = None
+        if self._next_companions is not None:
+            by_id = {d.id: d for d in self._next_client.devices()}
+            companions = companion_devices({g: by_id[j] for g, j in mapping.items()},
+                                           self._next_companions, COMPANION_BASE)
         new = make_host(self._next_client, mapping, self.config.platform.simulate_flops,
-                        self._compile_cache)
+                        self._compile_cache, companions)
         old, self.host = self.host, new
         if old is None and not self._settled:
             gctune.settle()  # jax and the first group are loaded: what this process keeps

@@ -63,7 +63,7 @@ class CollectiveOrder:
         before a program over several devices of this host, the last collective program
         must have finished; the worker's backlog then slows the client through flow
         control instead. GPU devices run on streams of their own and keep many steps in
-        flight.
+        flight (their hosts' colocated CPU devices do not).
 
         *Nothing new on a broken communicator.* When the last collective program failed
         (a peer died mid-step), the peer's half-consumed messages still sit in gloo's
@@ -79,8 +79,8 @@ class CollectiveOrder:
         if not values or superseded.is_set():
             return
         loaded = self._executables.get(executable_id)
-        local = (self._shared_pool and isinstance(loaded, _Loaded)
-                 and len(loaded.positions) > 1)
+        local = (isinstance(loaded, _Loaded) and len(loaded.positions) > 1
+                 and (self._shared_pool or loaded.devices[0].platform == "cpu"))
         pending = [v for v in values if not v.is_ready()]
         if pending and local:
             await _first(superseded, asyncio.get_running_loop().run_in_executor(

@@ -156,7 +156,7 @@ def user_error(name: str, e: BaseException) -> errors.IsthmusError:
         f"the colocated Python function {name!r} raised {type(e).__name__}: {e}\n{text}")
 
 
-def load(program: ColocatedProgram, devices: dict[int, Any], local: set[int]) -> PythonFunction:
+def load(program: ColocatedProgram, devices: dict[int, Any], local: set[Any]) -> PythonFunction:
     """Unpickles a program for this host's devices (blocking: it may import modules)."""
     from jax.experimental.colocated_python import serialization
 
@@ -171,7 +171,7 @@ def load(program: ColocatedProgram, devices: dict[int, Any], local: set[int]) ->
             "with the same versions as the client.") from None
 
     def held(ids: Sequence[int]) -> tuple[int, ...]:
-        return tuple(p for p, g in enumerate(ids) if g in devices and devices[g].id in local)
+        return tuple(p for p, g in enumerate(ids) if g in devices and devices[g] in local)
 
     return PythonFunction(program, fun, in_tree, tuple(in_specs),
                      tuple(held(ids) for ids in program.inputs),

@@ -42,12 +42,16 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
     Devices are named by their global (fleet-wide) ids; `device_map` turns them into the
     client's devices. In the embedded backend the two numberings are the same. In a worker
     the client may span several processes (a collective group): then `devices` covers every
-    device of the group, of which only the local ones hold buffers here.
+    device of the group, of which only the local ones hold buffers here. `companions` maps
+    the global ids of the group's colocated CPU devices (an accelerator fleet's; see
+    `controller/fleet.py`) to the devices of a CPU client of their own (a group of its
+    own too); they hold buffers and run programs and colocated Python like the others.
     """
 
     def __init__(self, client: Any, device_map: dict[int, int] | None = None, *,
                  pool: concurrent.futures.Executor | None = None,
-                 compile_cache: CompileCache | None = None) -> None:
+                 compile_cache: CompileCache | None = None,
+                 companions: dict[int, Any] | None = None) -> None:
         import jax
 
         # Buffers must keep the client's dtypes: without x64, jax.device_put would turn
@@ -58,7 +62,11 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
         if device_map is None:
             device_map = {i: i for i in by_id}
         self.devices = {g: by_id[j] for g, j in device_map.items() if j in by_id}
-        self._local = {d.id for d in client.local_devices()}
+        self.companions = dict(companions or {})
+        self.devices.update(self.companions)
+        # The jaxlib devices that hold buffers here (two clients may number them alike).
+        self._local = set(client.local_devices()) | {
+            d for d in self.companions.values() if d.process_index == d.client.process_index()}
         # XLA:CPU meets a program's local devices in an in-process rendezvous on a shared
         # thread pool (see `collective_settled`); GPU devices each have their own stream.
         self._shared_pool = getattr(client, "platform", "cpu") == "cpu"
@@ -363,7 +371,12 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             raise errors.InternalError(
                 f"device {e} is not in this worker's group; the controller and worker "
                 "disagree, which is a bug in isthmus: please report it.") from None
-        executable, info = programs.compile_program(self.client, devices, request,
+        clients = {id(d.client) for d in devices}
+        if len(clients) > 1:  # the controller refuses these first
+            raise errors.InvalidRequest(
+                "the program spans accelerators and colocated CPU devices; run it on one "
+                "kind of device.")
+        executable, info = programs.compile_program(devices[0].client, devices, request,
                                                     self.compile_cache)
         positions = self.local_positions(request.device_ids)
         span = (frozenset(request.device_ids) if len(positions) < len(request.device_ids)
@@ -374,7 +387,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
     def local_positions(self, device_ids: Sequence[int]) -> tuple[int, ...]:
         """Positions (in a program's device list) of the devices this host holds."""
         return tuple(i for i, d in enumerate(device_ids)
-                     if d in self.devices and self.devices[d].id in self._local)
+                     if d in self.devices and self.devices[d] in self._local)
 
     def load(self, executable_id: ExecutableId, request: programs.CompileRequest) -> None:
         """In-process hosts never lose their programs: nothing to do."""

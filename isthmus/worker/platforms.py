@@ -25,6 +25,12 @@ CPU_MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
 EXIT_PLATFORM_UNAVAILABLE = 5
 # XLA's own default share of GPU memory per client; see `Platform.memory_fraction`.
 DEFAULT_GPU_MEMORY_FRACTION = 0.75
+# For tests on machines without accelerators: when set (to 1) in the environment of a CPU
+# worker or embedded backend, its CPU devices are served as accelerators of this kind, each
+# with a colocated CPU device beside it, as a GPU worker's are (docs/design.md, "Colocated
+# CPU devices"). Programs then run on CPU either way; only the device model changes.
+STAND_IN_ENV = "ISTHMUS_ACCELERATOR_STAND_IN"
+STAND_IN_KIND = "accelerator stand-in"
 
 
 class PlatformUnavailable(errors.IsthmusError):
@@ -223,6 +229,12 @@ class Description:
     devices: int
     device_kind: str
     memory_kinds: tuple[str, ...]  # the default first
+    companions: bool = False  # each device has a colocated CPU device (accelerators do)
+
+
+def stand_in(environ: Any = os.environ) -> bool:
+    """CPU devices are served as accelerators (`STAND_IN_ENV`; tests only)."""
+    return environ.get(STAND_IN_ENV, "") not in ("", "0")
 
 
 def describe(platform: Platform, cpu_devices: int) -> Description:
@@ -236,6 +248,8 @@ def describe(platform: Platform, cpu_devices: int) -> Description:
         else:
             return describe_client("cuda", client)
     if name == "cpu":
+        if stand_in():
+            return Description("cpu", cpu_devices, STAND_IN_KIND, CPU_MEMORY_KINDS, True)
         return Description("cpu", cpu_devices, "cpu", CPU_MEMORY_KINDS)
     return describe_client("cuda", make_cuda_client())
 
@@ -246,4 +260,31 @@ def describe_client(name: str, client: Any) -> Description:
     default = first.default_memory().kind
     kinds = [m.kind for m in first.addressable_memories()]
     kinds = tuple([default] + [k for k in kinds if k != default])
-    return Description(name, len(devices), first.device_kind, kinds)
+    if name == "cpu" and stand_in():
+        return Description(name, len(devices), STAND_IN_KIND, kinds, True)
+    return Description(name, len(devices), first.device_kind, kinds, name != "cpu")
+
+
+def companion_devices(primary: dict[int, Any], client: Any, base: int) -> dict[int, Any]:
+    """The colocated CPU devices of a group's accelerators: `primary` maps global ids to
+    the accelerators' jaxlib devices (every host's), `client` is the CPU client of the
+    group's colocated devices, which has as many per host. The r-th accelerator of a host
+    (by global id) has that host's r-th CPU device, whose global id is `base` plus its own.
+    """
+    accelerators: dict[int, list[int]] = {}
+    for g in sorted(primary):
+        accelerators.setdefault(primary[g].process_index, []).append(g)
+    cpus: dict[int, list[Any]] = {}
+    for device in sorted(client.devices(), key=lambda d: d.id):
+        cpus.setdefault(device.process_index, []).append(device)
+    mapping = {}
+    for process, ids in accelerators.items():
+        found = cpus.get(process, [])
+        if len(found) != len(ids):
+            raise errors.InternalError(
+                f"host {process} of the group has {len(ids)} accelerators but {len(found)} "
+                "colocated CPU devices; this is a bug in isthmus: please report it.")
+        mapping.update({base + g: cpu for g, cpu in zip(ids, found)})
+    return mapping
+
+

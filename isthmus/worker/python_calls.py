@@ -22,7 +22,7 @@ class PythonCalls:
     _executables: dict[ExecutableId, Any]
     _pool: concurrent.futures.Executor
     _python: PythonRunner | None
-    _local: set[int]
+    _local: set[Any]  # jaxlib devices held here
     devices: dict[int, Any]
     _get: Callable[[BufferId], Any]
     fail: Callable[[BufferId, errors.IsthmusError], None]

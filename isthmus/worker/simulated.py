@@ -32,14 +32,15 @@ __all__ = ["SimulatedHost", "make_host"]
 
 
 def make_host(client: Any, device_map: dict[int, int] | None = None,
-              simulate_flops: float = 0.0, compile_cache: Any = None) -> DeviceHost:
+              simulate_flops: float = 0.0, compile_cache: Any = None,
+              companions: dict[int, Any] | None = None) -> DeviceHost:
     """The host of a client: a `SimulatedHost` at `simulate_flops` FLOP/s per device when
     that is set, else a `DeviceHost`; `compile_cache` keeps its executables across
-    restarts."""
+    restarts; `companions` are its colocated CPU devices (`DeviceHost`)."""
     if simulate_flops:
         return SimulatedHost(client, device_map, flops_per_s=simulate_flops,
-                             compile_cache=compile_cache)
-    return DeviceHost(client, device_map, compile_cache=compile_cache)
+                             compile_cache=compile_cache, companions=companions)
+    return DeviceHost(client, device_map, compile_cache=compile_cache, companions=companions)
 
 
 def _real(value: Any) -> Any:

@@ -178,3 +178,30 @@ def test_a_cpu_fleet_refuses_a_gpu_worker():
         with pytest.raises(errors.InvalidRequest, match="serves cpu"):
             manager.register(gpu, [].append, "peer")
     run(main())
+
+
+def test_accelerators_get_colocated_cpu_devices_beside_them():
+    async def main():
+        manager, fleet, _ = _manager(FleetSpec(slices=2, hosts_per_slice=1, devices_per_host=2,
+                                               platform="auto"))
+        assert fleet.companions == ()  # none until a worker says its devices have them
+        gpu = m.Register(m.PROTOCOL_VERSION, 0, 2, "cuda", "NVIDIA H200", "127.0.0.1:1", "host",
+                         1, ("device", "pinned_host"), True)
+        manager.register(gpu, [].append, "peer")
+        assert [d.id for d in fleet.devices] == [0, 1, 2, 3]  # what jax.devices() lists
+        cpus = fleet.companions
+        assert [d.id for d in cpus] == [(1 << 20) + i for i in range(4)]
+        assert [d.colocation_id for d in cpus] == [d.colocation_id for d in fleet.devices]
+        assert {(d.platform, d.kind) for d in cpus} == {("cpu", "cpu")}
+        for cpu, gpu_device in zip(cpus, fleet.devices):
+            assert (cpu.worker, cpu.slice_index, cpu.host_index, cpu.local_id) == (
+                gpu_device.worker, gpu_device.slice_index, gpu_device.host_index,
+                gpu_device.local_id)
+            assert fleet.device(cpu.id) is cpu
+        # A slice added later gets them too; a worker without them is refused.
+        manager.register(dataclasses.replace(gpu, slice_index=2, pid=2), [].append, "peer")
+        assert fleet.device((1 << 20) + 5).slice_index == 2
+        plain = dataclasses.replace(gpu, slice_index=1, pid=3, companions=False)
+        with pytest.raises(errors.InvalidRequest, match="colocated CPU devices"):
+            manager.register(plain, [].append, "peer")
+    run(main())

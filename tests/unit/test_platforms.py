@@ -153,3 +153,32 @@ def test_the_cuda_client_is_made_through_the_plugin_with_the_group(monkeypatch):
     with pytest.raises(platforms.PlatformUnavailable, match="no CUDA-capable device") as info:
         platforms.make_cuda_client()
     assert "\n" not in str(info.value)
+
+
+def test_colocated_cpu_devices_pair_with_accelerators_host_by_host(monkeypatch):
+    class Dev:
+        def __init__(self, id, process_index):
+            self.id, self.process_index = id, process_index
+
+    class Client:
+        def __init__(self, devices):
+            self._devices = devices
+
+        def devices(self):
+            return self._devices
+
+    # Two hosts with two accelerators each (global ids 0..3); the CPU client numbers its
+    # devices its own way.
+    accelerators = {0: Dev(10, 0), 1: Dev(11, 0), 2: Dev(20, 1), 3: Dev(21, 1)}
+    cpus = [Dev(131073, 1), Dev(0, 0), Dev(131072, 1), Dev(1, 0)]
+    mapping = platforms.companion_devices(accelerators, Client(cpus), 1000)
+    assert {g: (d.process_index, d.id) for g, d in mapping.items()} == {
+        1000: (0, 0), 1001: (0, 1), 1002: (1, 131072), 1003: (1, 131073)}
+    with pytest.raises(Exception, match="bug in isthmus"):
+        platforms.companion_devices(accelerators, Client(cpus[:3]), 1000)
+    # The stand-in for tests: a CPU worker describes accelerators that have them.
+    monkeypatch.setenv(platforms.STAND_IN_ENV, "1")
+    described = platforms.describe(Platform("cpu"), 3)
+    assert (described.device_kind, described.companions) == (platforms.STAND_IN_KIND, True)
+    monkeypatch.delenv(platforms.STAND_IN_ENV)
+    assert not platforms.describe(Platform("cpu"), 3).companions
