@@ -10,7 +10,9 @@ measures the same client programs on each and on local jax:
   (NCCL between the two processes; on one shared GPU NCCL refuses this, and the check
   reports it), compared with local jax to a tolerance;
 - pipelined calls per second, jit+block and jit+fetch latency, 256 MiB put and fetch;
-- the dispatch-threshold curve: pipelined steps of 4 chained n x n matmuls, n = 256 .. 8192.
+- the dispatch-threshold curve: pipelined steps of 4 chained n x n matmuls, n = 256 .. 8192;
+- through isthmus, the colocated Python examples (a data loader feeding the GPUs, a
+  checkpoint writer) on the GPUs' colocated CPU devices, which check their own results.
 
 Prints a table and writes JSON (bench/out/gpu_check.json unless --json says otherwise).
 `--platform cpu` runs the same on the CPU (a smoke test of the script on any machine).
@@ -45,6 +47,23 @@ def _run(script: str, env: dict[str, str], args: list[str], timeout: float = 600
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+COLOCATED = ("colocated_data_loader.py", "colocated_checkpoint_writer.py")
+
+
+def _example(example: str, env: dict[str, str]) -> dict:
+    """Runs one of examples/ (which check their own results): ok, seconds, last line."""
+    import tempfile
+
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as directory:
+        result = subprocess.run([sys.executable, str(HERE.parent / "examples" / example),
+                                 directory], env=env, capture_output=True, text=True,
+                                timeout=300)
+    lines = (result.stdout if result.returncode == 0 else result.stderr).strip().splitlines()
+    return {"ok": result.returncode == 0, "s": round(time.monotonic() - start, 2),
+            "last": lines[-1][:300] if lines else ""}
+
+
 def _base() -> dict[str, str]:
     drop = ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "XLA_FLAGS")
     return {k: v for k, v in os.environ.items() if k not in drop}
@@ -72,6 +91,8 @@ def measure(name: str, env: dict[str, str], plan: dict) -> dict:
                                                         plan["widths"]])
         except RuntimeError as e:  # NCCL refuses two ranks on one GPU
             out["train_2"] = {"error": str(e).strip().splitlines()[-1][:300]}
+    if name != "local jax":  # colocated Python on the GPUs' colocated CPU devices
+        out["colocated"] = {example: _example(example, env) for example in COLOCATED}
     out["client"] = _run("client_metrics.py", env, plan["metrics_args"])
     out["threshold"] = _run("threshold.py", env, [plan["sizes"], "4", plan["seconds"]])
     return out
@@ -112,7 +133,7 @@ def main() -> int:
     path.write_text(json.dumps(results, indent=2))
     print(f"\nJSON: {path}  ({time.monotonic() - start:.0f} s in all; stages: "
           + ", ".join(f"{w.split()[0]} {t:.0f}s" for w, t in STAGES) + ")")
-    return 0 if results["all_identical"] else 1
+    return 0 if results["all_identical"] and results["colocated_ok"] else 1
 
 
 def report(runs: dict[str, dict], results: dict) -> None:
@@ -157,7 +178,17 @@ def report(runs: dict[str, dict], results: dict) -> None:
     for i, size in enumerate(sizes):
         print(f"{size:6d}{local['threshold']['step_ms'][i]:10.3f}"
               + "".join(f"{ratios[n][i]:28.2f}" for n in names[1:]))
+    colocated = {n: runs[n]["colocated"] for n in names[1:]}
+    print("\ncolocated Python examples on the GPUs' colocated CPU devices: " + "; ".join(
+        f"{n}: " + ", ".join(f"{e.split('_', 1)[1]} {'ok' if r['ok'] else 'FAILED'} "
+                            f"({r['s']:.1f} s)" for e, r in c.items())
+        for n, c in colocated.items()))
+    for n, c in colocated.items():
+        for e, r in c.items():
+            if not r["ok"]:
+                print(f"  {n} {e}: {r['last']}")
     results["identical"] = identical
+    results["colocated_ok"] = all(r["ok"] for c in colocated.values() for r in c.values())
     results["all_identical"] = all(identical.values())
     results["threshold_ratios"] = ratios
     results["median_threshold_ratio"] = {n: statistics.median(r) for n, r in ratios.items()}

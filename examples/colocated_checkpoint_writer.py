@@ -59,20 +59,23 @@ def make_reader(directory):
 
 def main():
     directory = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="checkpoint-")
-    mesh = Mesh(np.array(cp.colocated_cpu_devices(jax.devices())), ("x",))
-    rows = NamedSharding(mesh, P("x"))
+    devices = jax.devices()
+    rows = NamedSharding(Mesh(np.array(devices), ("x",)), P("x"))
     params = jax.jit(lambda: jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) / 7,
                      out_shardings=rows)()
-
-    written = np.asarray(make_writer(directory)(params))
+    # The writer runs on the colocated CPU devices: on accelerators, device_put copies each
+    # shard to the CPU of its own host (on a CPU fleet the devices are the same).
+    cpu_rows = NamedSharding(Mesh(np.array(cp.colocated_cpu_devices(devices)), ("x",)),
+                             P("x"))
+    written = np.asarray(make_writer(directory)(jax.device_put(params, cpu_rows)))
     writers = {json.load(open(os.path.join(directory, f)))["pid"]
                for f in os.listdir(directory) if f.endswith(".json")}
     print(f"{written.sum()} bytes in {len(written)} shards, written by {len(writers)} "
           f"process(es); by this one: {os.getpid() in writers}")
 
     # Restore onto the same devices (the `like` array gives the shape and sharding).
-    like = jax.device_put(np.zeros(params.shape, np.float32), rows)
-    restored = make_reader(directory)(like)
+    like = jax.device_put(np.zeros(params.shape, np.float32), cpu_rows)
+    restored = jax.device_put(make_reader(directory)(like), rows)
     np.testing.assert_array_equal(np.asarray(restored), np.asarray(params))
     print(f"restored from {directory}: equal to the saved array")
 
