@@ -103,6 +103,8 @@ class SessionArrays(SessionCore):
                         f"shard index {p} is out of range or given twice for an array with "
                         f"{len(group)} shards; send each shard index once.")
                     group.error = array.error
+                    for _, unused in pieces:  # their host buffers are freed once here
+                        unused.subscribe(_ignore)
                     return array
                 covered.add(p)
         boxes = sh.shard_boxes(sharding, shape)
@@ -270,3 +272,7 @@ class SessionArrays(SessionCore):
     def _donate(self, array: Array) -> None:
         """The input of a DONATE_INPUT operation: unusable afterwards, its buffers live on."""
         array.deleted = True
+
+
+def _ignore(value: object) -> None:
+    """Receives host data nobody needs (of a request that failed)."""

@@ -181,32 +181,50 @@ def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> No
 @handles("make_arrays_from_host_buffer_shards_request", arrays=("array_handles",))
 def make_arrays_from_host_buffer_shards(session: Any, request: Any, response: Any) -> None:
     body = request.make_arrays_from_host_buffer_shards_request
-    serdes = session.serdes
-    if body.array_handles and len(body.array_handles) != len(body.specs):
-        raise errors.InvalidRequest(
-            f"{len(body.specs)} array specs but {len(body.array_handles)} array handles; send "
-            "one handle per spec.")
     out = response.make_arrays_from_host_buffer_shards_response
-    for index, spec in enumerate(body.specs):
-        array_spec = serdes.array_spec(spec.array_spec)
-        if len(spec.addressable_shard_indices) != len(spec.host_buffers):
+    made = 0
+    try:
+        if body.array_handles and len(body.array_handles) != len(body.specs):
             raise errors.InvalidRequest(
-                "each group of shard indices needs exactly one host buffer; got "
-                f"{len(spec.addressable_shard_indices)} groups and {len(spec.host_buffers)} "
-                "buffers.")
-        pieces = []
-        for indices, buffer in zip(spec.addressable_shard_indices, spec.host_buffers):
-            dtype, shape = serdes.dtype(buffer.dtype), serdes.shape(buffer.shape)
-            if dtype != array_spec.dtype:
-                raise errors.InvalidRequest(
-                    f"a host shard has dtype {dtype.kind} but the array is "
-                    f"{array_spec.dtype.kind}.")
-            pieces.append((tuple(indices.indices), _HostShard(
-                session, buffer.host_buffer_handle, dtype, shape, _strides(buffer))))
-        array = session.ctl.make_array_from_shards(
-            array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
-        handle = body.array_handles[index] if body.array_handles else None
-        out.array_handles.append(session.bind_array(handle, array))
+                f"{len(body.specs)} array specs but {len(body.array_handles)} array handles; "
+                "send one handle per spec.")
+        for index, spec in enumerate(body.specs):
+            array = _array_from_shards(session, spec)
+            made += 1  # its host buffers are the array's now
+            handle = body.array_handles[index] if body.array_handles else None
+            out.array_handles.append(session.bind_array(handle, array))
+    except BaseException:
+        # The host buffers no array took are freed as they arrive.
+        for unused in body.specs[made:]:
+            for buffer in unused.host_buffers:
+                session.host_buffers.when_ready(buffer.host_buffer_handle, _ignore)
+        raise
+
+
+def _ignore(data: object, error: object) -> None:
+    """Receives a host buffer nobody needs (of a request that failed)."""
+
+
+def _array_from_shards(session: Any, spec: Any) -> Any:
+    """The array of one spec of MakeArraysFromHostBufferShards."""
+    serdes = session.serdes
+    array_spec = serdes.array_spec(spec.array_spec)
+    if len(spec.addressable_shard_indices) != len(spec.host_buffers):
+        raise errors.InvalidRequest(
+            "each group of shard indices needs exactly one host buffer; got "
+            f"{len(spec.addressable_shard_indices)} groups and {len(spec.host_buffers)} "
+            "buffers.")
+    pieces = []
+    for indices, buffer in zip(spec.addressable_shard_indices, spec.host_buffers):
+        dtype, shape = serdes.dtype(buffer.dtype), serdes.shape(buffer.shape)
+        if dtype != array_spec.dtype:
+            raise errors.InvalidRequest(
+                f"a host shard has dtype {dtype.kind} but the array is "
+                f"{array_spec.dtype.kind}.")
+        pieces.append((tuple(indices.indices), _HostShard(
+            session, buffer.host_buffer_handle, dtype, shape, _strides(buffer))))
+    return session.ctl.make_array_from_shards(
+        array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
 
 
 @handles("copy_to_host_buffer_request")

@@ -77,3 +77,73 @@ def test_upload_and_download_through_the_front_end():
         await session.close()
         assert frontend.controller.accounting()[0] == {"buffers": 0, "bytes": 0}
     asyncio.run(main())
+
+
+def test_host_buffers_of_a_refused_sharded_put_are_freed():
+    s = schema()
+    dtype = s["xla.ifrt.DTypeProto"]
+
+    def sharded_put(op_id, first, specs):
+        """A MakeArraysFromHostBufferShards of 4 int32 over devices 0 and 1; `specs` gives
+        each spec's (shard indices, host dtype kind) per host buffer."""
+        sharding = s["xla.ifrt.ShardingProto"]()
+        hlo = s["xla.ifrt.HloShardingProto"]()
+        hlo.devices.device_ids.extend([0, 1])
+        op = hlo.xla_op_sharding
+        op.type = op.OTHER
+        op.tile_assignment_dimensions.extend([2])
+        op.tile_assignment_devices.extend([0, 1])
+        sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+        sharding.serialized_sharding.data = hlo.SerializeToString()
+        request = _request(op_id, "make_arrays_from_host_buffer_shards_request")
+        handle = first
+        for buffers in specs:
+            spec = request.make_arrays_from_host_buffer_shards_request.specs.add()
+            spec.array_spec.dtype.kind = dtype.KIND_S32
+            spec.array_spec.shape.dims.extend([4])
+            spec.array_spec.sharding.CopyFrom(sharding)
+            for index, kind in buffers:
+                spec.addressable_shard_indices.add().indices.extend(index)
+                spec.host_buffers.add(dtype=dtype(kind=getattr(dtype, f"KIND_{kind}")),
+                                      shape=s["xla.ifrt.ShapeProto"](dims=[2]),
+                                      host_buffer_handle=handle)
+                handle += 1
+        return request, range(first, handle)
+
+    async def main():
+        frontend, session, sent = _session()
+        session.handle(_request(1, "init_request"))
+        data = memoryview(np.arange(2, dtype=np.int32).tobytes())
+
+        def upload(handle):
+            session.host_buffers.begin(handle, len(data))
+            session.host_buffers.complete(handle, memoryview(bytearray(data)))
+
+        def reply(op_id):
+            return [r for r in sent if r.response_metadata.op_id == op_id][0]
+
+        # Shard index 0 twice: the array carries the error (the controller refuses it).
+        request, handles = sharded_put(2, 20, [[([0], "S32"), ([0], "S32")]])
+        upload(handles[0])  # one arrives before the request, one after
+        session.handle(request)
+        upload(handles[1])
+        array = reply(2).make_arrays_from_host_buffer_shards_response.array_handles[0]
+        session.handle(_request(3, "check_value_ready_request", value_handles=[array]))
+        for _ in range(100):
+            if any(r.response_metadata.op_id == 3 for r in sent):
+                break
+            await asyncio.sleep(0.01)
+        assert "given twice" in reply(3).response_metadata.status.message, reply(3)
+        assert len(session.host_buffers) == 0 and session.host_buffers.bytes_held == 0
+        # A host shard of the wrong dtype in the first of two specs: the request fails, and
+        # neither spec's buffers stay.
+        request, handles = sharded_put(4, 30, [[([0], "S32"), ([1], "F32")],
+                                               [([0], "S32"), ([1], "S32")]])
+        upload(handles[0])
+        session.handle(request)
+        assert "dtype" in reply(4).response_metadata.status.message, reply(4)
+        for handle in handles[1:]:
+            upload(handle)
+        assert len(session.host_buffers) == 0 and session.host_buffers.bytes_held == 0
+        await session.close()
+    asyncio.run(main())
