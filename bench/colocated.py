@@ -3,15 +3,18 @@
     python -m bench.colocated [--quick]
 
 runs the same client (this file, as a script) on local jax (where colocated_python calls the
-function in the client process), through an embedded isthmus server and through a local
-fleet of 2 slices x 2 hosts x 2 devices, and prints one table of medians:
+function in the client process), through an embedded isthmus server, through a local fleet
+of 2 slices x 2 hosts x 2 devices, and through the same fleet serving its devices as
+accelerators with colocated CPU devices (ISTHMUS_ACCELERATOR_STAND_IN, the model of a GPU
+fleet), and prints one table of medians:
 
 - `call_1MiB_roundtrip_ms`: a call on a 1 MiB array that returns it, until it is ready
   (specialized, so every call is asynchronous; p50 of many);
 - `loop_client_batches_steps_per_s`: a small data-parallel training step fed with batches
   made in the client (`device_put` of numpy arrays each step);
 - `loop_colocated_loader_steps_per_s`: the same loop fed by a colocated loader class that
-  makes each batch on the hosts of the mesh;
+  makes each batch on the hosts of the mesh (on their colocated CPU devices, from which
+  `jax.device_put` moves it to the loop's devices);
 - `loader_vs_client_batches`: the ratio of the two loops (1.0: the loader costs nothing).
 """
 
@@ -30,9 +33,13 @@ def client(quick: bool) -> dict:
     from jax.experimental import colocated_python as cp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    # The loop trains on jax.devices(); the loader and the echo run on their colocated CPU
+    # devices (the same devices on a CPU fleet, the CPU beside each accelerator otherwise).
     devices = cp.colocated_cpu_devices(jax.devices())
-    mesh = Mesh(np.array(devices), ("x",))
+    mesh = Mesh(np.array(jax.devices()), ("x",))
     rows, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    cpu_mesh = Mesh(np.array(devices), ("x",))
+    cpu_rows, cpu_replicated = NamedSharding(cpu_mesh, P("x")), NamedSharding(cpu_mesh, P())
     out: dict[str, float] = {}
 
     @cp.colocated_python
@@ -88,13 +95,13 @@ def client(quick: bool) -> dict:
         float(loss)
         return steps / (time.perf_counter() - start)
 
-    loader = Loader(rows)
-    token = jax.device_put(np.zeros(()), replicated)
+    loader = Loader(cpu_rows)
+    token = jax.device_put(np.zeros(()), cpu_replicated)
     steps = 30 if quick else 150
     client_rates, loader_rates = [], []
     for _ in range(3):
         client_rates.append(loop(lambda i: jax.device_put(make_batch(i), rows), steps))
-        loader_rates.append(loop(lambda i: loader.next(token), steps))
+        loader_rates.append(loop(lambda i: jax.device_put(loader.next(token), rows), steps))
     out["loop_client_batches_steps_per_s"] = statistics.median(client_rates)
     out["loop_colocated_loader_steps_per_s"] = statistics.median(loader_rates)
     out["loader_vs_client_batches"] = statistics.median(
@@ -126,6 +133,13 @@ def main() -> int:
         columns["isthmus embedded"] = run(child_environment(server.address, base))
     with LocalServer(devices=None, fleet=(2, 2, 2)) as server:
         columns["isthmus fleet 2x2x2"] = run(child_environment(server.address, base))
+    # The same fleet served as accelerators, each with a colocated CPU device (the model of
+    # a GPU fleet): the loader's batches move from those to the accelerators every step.
+    from isthmus.worker.platforms import STAND_IN_ENV
+
+    with LocalServer(devices=None, fleet=(2, 2, 2), env={**os.environ, STAND_IN_ENV: "1"}
+                     ) as server:
+        columns["fleet, accelerators"] = run(child_environment(server.address, base))
     print(f"colocated Python, 8 devices ({'quick' if quick else 'full'} mode; medians)")
     print(f"{'metric':36}" + "".join(f"{c:>20}" for c in columns))
     for key in next(iter(columns.values())):

@@ -28,7 +28,8 @@ from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.persistence import Persistence
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
-                                  _Unloadable, computation_error, make_cpu_client, place)
+                                  _Unloadable, computation_error, make_cpu_client, move,
+                                  place)
 
 __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
 
@@ -137,8 +138,6 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
     def copy(self, src: BufferId, dst: BufferId, device_id: int,
              memory_kind: str | None = None) -> None:
         """Copies a buffer to another local device (or memory kind)."""
-        import jax
-
         value = self._buffers.get(src)
         if value is None or isinstance(value, _Failed):
             self._buffers[dst] = value if value is not None else _Failed(self._missing(src))
@@ -148,7 +147,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             if isinstance(value, _HostArray):
                 self._buffers[dst] = _HostArray(value.value)
                 return
-            self._buffers[dst] = jax.device_put(value, target, may_alias=False)
+            self._buffers[dst] = move(value, target)
             self._inherit(dst, (src,))
         except Exception as e:  # noqa: BLE001
             self.fail(dst, errors.from_runtime_error(
@@ -173,11 +172,12 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             whole = tuple(slice(0, d) for d in shape)
             if len(sources) == 1 and sources[0][2] == whole:
                 value, src_box, _ = sources[0]
-                result = jax.device_put(value[src_box], target, may_alias=False)
+                result = move(value[src_box], target)
             else:
                 result = jnp.zeros(shape, dtype, device=device)
+                single = SingleDeviceSharding(device)
                 for value, src_box, dst_box in sources:
-                    result = result.at[dst_box].set(jax.device_put(value[src_box], device))
+                    result = result.at[dst_box].set(move(value[src_box], single))
                 if memory_kind is not None:
                     result = jax.device_put(result, target)
             self._buffers[dst] = result
@@ -473,3 +473,4 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
     async def close(self) -> None:
         self.free(list(self._buffers))
         self._executables.clear()
+

@@ -68,3 +68,39 @@ def test_small_puts_give_what_jax_device_put_gives():
             np.testing.assert_array_equal(np.asarray(stored), base)
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_colocated_cpu_devices_hold_copies_reshards_and_programs(monkeypatch):
+    """A host with a second client for its colocated CPU devices (an accelerator host's),
+    global ids 100 and 101 beside 0 and 1: copies between the two clients and reshards from
+    both (programs on them: tests/integration/test_colocated_accelerators.py)."""
+    import jax
+
+    async def main():
+        cpu = make_cpu_client(2)
+        host = DeviceHost(make_cpu_client(2), companions={100: cpu.local_devices()[0],
+                                                          101: cpu.local_devices()[1]})
+        assert host.local_positions([0, 1, 100, 101]) == (0, 1, 2, 3)
+        await host.put(1, 0, np.arange(4.0))
+        host.copy(1, 2, 100)  # accelerator -> its CPU device
+        assert next(iter(host._buffers[2].devices())) is cpu.local_devices()[0]
+        host.copy(2, 3, 1)  # and to another accelerator
+        host.assemble(4, 101, None, np.dtype(np.float64), (8,),
+                      [(1, (slice(0, 4),), (slice(0, 4),)), (3, (slice(0, 4),), (slice(4, 8),))])
+        np.testing.assert_array_equal(await host.fetch(4), np.concatenate([np.arange(4.0)] * 2))
+        # Where the plugin refuses copies across clients, they go through numpy.
+        real, refused = jax.device_put, []
+
+        def refusing(value, target, **kwargs):
+            (device,) = target.device_set
+            if next(iter(value.devices())).client is not device.client:
+                refused.append(device)
+                raise RuntimeError("cross-client copies are not supported")
+            return real(value, target, **kwargs)
+
+        monkeypatch.setattr(jax, "device_put", refusing)
+        host.copy(4, 5, 0)
+        np.testing.assert_array_equal(await host.fetch(5), await host.fetch(4))
+        assert refused and next(iter(host._buffers[5].devices())) is host.devices[0]
+        await host.close()
+    asyncio.run(asyncio.wait_for(main(), 60))
