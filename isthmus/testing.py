@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from isthmus.cli import READY_PREFIX, child_environment
@@ -170,4 +170,32 @@ def run_python(code: str, address: str | None, *, timeout: float = 120.0,
         return subprocess.run([sys.executable, path, *args], env=full_env, text=True,
                               capture_output=True, timeout=timeout)
     finally:
+        os.unlink(path)
+
+
+def run_python_with_pause(code: str, address: str, act: Callable[[str], None], *,
+                          timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Runs `code` as `run_python` does, for a test that acts in the middle of it: the code
+    prints one line and reads one from stdin; `act(line)` runs in between (a worker is killed,
+    say), then the code goes on. Fails fast when the code ends before its line."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+        path = f.name
+    client = subprocess.Popen([sys.executable, path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=child_environment(address, dict(os.environ)))
+    try:
+        assert client.stdout is not None and client.stderr is not None
+        line = client.stdout.readline()
+        if not line:
+            client.wait(timeout)
+            return subprocess.CompletedProcess(client.args, client.returncode, "",
+                                               client.stderr.read())
+        act(line)
+        stdout, stderr = client.communicate("go\n", timeout=timeout)
+        return subprocess.CompletedProcess(client.args, client.returncode, line + stdout,
+                                           stderr)
+    finally:
+        client.kill()
+        client.wait()
         os.unlink(path)

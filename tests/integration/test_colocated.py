@@ -6,7 +6,7 @@ import os
 import pathlib
 import signal
 
-from isthmus.testing import LocalServer, run_python
+from isthmus.testing import LocalServer, run_python, run_python_with_pause
 
 PRELUDE = """
 import os, threading, time
@@ -249,29 +249,13 @@ print("OK")
 
 
 def test_a_worker_lost_during_a_call_fails_it_with_data_loss():
-    import subprocess
-    import sys
-    import tempfile
-
-    from isthmus.cli import child_environment
-
     with LocalServer(devices=None, fleet=(2, 1, 2)) as server:
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write(DEATH)
-        client = subprocess.Popen([sys.executable, f.name], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=child_environment(server.address, dict(os.environ)))
-        try:
-            line = client.stdout.readline()
-            assert line.startswith("WORKER"), line + client.stderr.read()[-3000:]
-            os.kill(int(line.split()[1]), signal.SIGKILL)
-            stdout, stderr = client.communicate("go\n", timeout=120)
-        finally:
-            client.kill()
-            os.unlink(f.name)
-        assert client.returncode == 0, stdout + stderr[-3000:]
-        assert "LOST DATA_LOSS True" in stdout, stdout
-        assert "OK" in stdout
+        result = run_python_with_pause(
+            DEATH, server.address, lambda line: os.kill(int(line.split()[1]), signal.SIGKILL))
+        assert result.stdout.startswith("WORKER"), result.stdout + result.stderr[-3000:]
+        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+        assert "LOST DATA_LOSS True" in result.stdout, result.stdout
+        assert "OK" in result.stdout
         assert server.alive(), server.log()
 
 

@@ -9,14 +9,10 @@ Every value is compared with numpy."""
 import os
 import pathlib
 import signal
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
-from isthmus.cli import child_environment
-from isthmus.testing import LocalServer, run_python
+from isthmus.testing import LocalServer, run_python, run_python_with_pause
 from isthmus.worker.platforms import STAND_IN_ENV, STAND_IN_KIND
 
 BASE = 1 << 20
@@ -138,20 +134,10 @@ print("OK")
 
 def test_a_lost_host_takes_its_colocated_cpu_devices_only():
     with LocalServer(env=STAND_IN, devices=None, fleet=(2, 1, 2)) as server:
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write(LOSS)
-        client = subprocess.Popen([sys.executable, f.name], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=child_environment(server.address, dict(os.environ)))
-        try:
-            line = client.stdout.readline()
-            assert line.startswith("READY"), line + client.stderr.read()[-3000:]
-            server.kill_worker(0, sig=signal.SIGKILL)
-            stdout, stderr = client.communicate("go\n", timeout=120)
-        finally:
-            client.kill()
-            os.unlink(f.name)
-        assert client.returncode == 0, stdout + stderr[-3000:]
-        assert "LOST DATA_LOSS" in stdout, stdout
-        assert "OK" in stdout
+        result = run_python_with_pause(
+            LOSS, server.address, lambda line: server.kill_worker(0, sig=signal.SIGKILL))
+        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+        assert result.stdout.startswith("READY"), result.stdout
+        assert "LOST DATA_LOSS" in result.stdout, result.stdout
+        assert "OK" in result.stdout
         assert server.alive(), server.log()
