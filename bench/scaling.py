@@ -21,6 +21,7 @@ from isthmus import dtypes
 from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.session import Session
+from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.transport import messages as m
@@ -78,7 +79,7 @@ async def programs_per_second(hosts: int, seconds: float, per_turn: int = 1) -> 
     executable = session.compile(CompileRequest(b"", b"", ids))
     await executable.compiled
     replicated = Sharding(ShardingKind.HLO, ids)
-    x = session.make_array(F32, (hosts,), replicated, _ready(np.zeros(hosts, np.float32)))
+    x = session.make_array(F32, (hosts,), replicated, HostData(np.zeros(hosts, np.float32)))
     await asyncio.sleep(0)
     count = 0
     start = time.perf_counter()
@@ -98,10 +99,6 @@ async def programs_per_second(hosts: int, seconds: float, per_turn: int = 1) -> 
             raise RuntimeError(f"a stand-in host got {worker.executes()} of {count} programs")
     await session.close()
     return rate
-
-
-async def _ready(value: np.ndarray) -> np.ndarray:
-    return value
 
 
 def run(host_counts: list[int], seconds: float, per_turn: int = 1) -> dict[int, float]:

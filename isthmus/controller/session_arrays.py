@@ -1,8 +1,8 @@
 """Creating a session's arrays, and freeing them.
 
 A new array gets a new buffer group. Its contents arrive from the client as host arrays: a
-shard is placed on its devices in the turn its host buffer is here (`HostShard`; thousands a
-second, so no task each), a whole array in a background task. The group is defined once
+shard, or a whole array cut into its shards, is placed on its devices in the turn its host
+buffer is here (`HostShard`; thousands a second, so no task each). The group is defined once
 every expected piece has settled. `delete` frees an array's buffers at once, for every
 sharer; `release` frees those that no other array holds.
 """
@@ -30,6 +30,18 @@ class HostShard(Protocol):
     def subscribe(self, receive: Callable[[np.ndarray | Exception], None]) -> None:
         """Calls `receive` once, with the data or why it will not come: at once if it is
         here, else in the turn it arrives."""
+
+
+class HostData:
+    """Host data that is here already, as a `HostShard` (for callers inside the server)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def subscribe(self, receive: Callable[[np.ndarray | Exception], None]) -> None:
+        receive(self.value)
 
 
 class SessionArrays(SessionCore):
@@ -78,11 +90,15 @@ class SessionArrays(SessionCore):
                     f"{', '.join(device.memory_kinds)}); pick one of those.")
 
     def make_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
-                   host: Awaitable[np.ndarray]) -> Array:
-        """An array whose full contents arrive later as a host array (C order or strided)."""
+                   host: HostShard) -> Array:
+        """An array whose full contents arrive as one host array, cut into its shards and
+        placed in the turn it arrives (in this one if it is here)."""
         shape = self.validate_shape(dtype, shape)
         array = self._new_array(dtype, shape, sharding)
-        self._spawn(self._fill(array, host))
+        group = array.group
+        assert group is not None
+        boxes = sh.shard_boxes(sharding, shape)
+        host.subscribe(lambda value: self._arrived_whole(group, shape, boxes, value))
         return array
 
     def make_array_from_shards(self, dtype: dtypes.DType, shape: Sequence[int],
@@ -130,21 +146,18 @@ class SessionArrays(SessionCore):
         array.group.error = error
         return array
 
-    async def _fill(self, array: Array, host: Awaitable[np.ndarray]) -> None:
-        group = array.group
-        assert group is not None
-        try:
-            value = await host
-            if tuple(value.shape) != array.shape:
-                raise errors.InvalidRequest(
-                    f"host data has shape {tuple(value.shape)} but the array has shape "
-                    f"{array.shape}; send data matching the declared shape.")
-            boxes = sh.shard_boxes(array.sharding, array.shape)
-            await self._put(group, range(len(group)), [value[sh.box_slices(b)] for b in boxes])
-        except Exception as e:  # noqa: BLE001 - the array carries the failure
-            if group.error is None:
-                group.error = _as_error(e, "receiving the array's host data")
-        group.settle()
+    def _arrived_whole(self, group: BufferGroup, shape: tuple[int, ...],
+                       boxes: list[sh.Box], value: np.ndarray | Exception) -> None:
+        positions = list(range(len(group)))
+        if not isinstance(value, Exception) and tuple(value.shape) != shape:
+            value = errors.InvalidRequest(
+                f"host data has shape {tuple(value.shape)} but the array has shape {shape}; "
+                "send data matching the declared shape.")
+        if isinstance(value, Exception):
+            self._shards_failed(group, positions, value)
+            group.settle()
+        else:
+            self._place(group, positions, [value[sh.box_slices(b)] for b in boxes])
 
     def _arrived(self, group: BufferGroup, positions: list[int], boxes: list[sh.Box],
                  value: np.ndarray | Exception) -> None:
@@ -158,14 +171,21 @@ class SessionArrays(SessionCore):
                       value: np.ndarray) -> None:
         """Stores one host shard at `positions`; the group settles once it is stored (in
         this turn where every device took it at once)."""
+        for box in boxes:
+            if tuple(value.shape) != sh.shard_shape(box):
+                self._shards_failed(group, positions, errors.InvalidRequest(
+                    f"a host shard has shape {tuple(value.shape)} but the sharding puts "
+                    f"shape {sh.shard_shape(box)} there; send shards of the shapes the "
+                    "sharding implies."))
+                group.settle()
+                return
+        self._place(group, positions, [value] * len(positions))
+
+    def _place(self, group: BufferGroup, positions: list[int],
+               values: Sequence[np.ndarray]) -> None:
+        """Stores host data at positions of a group; it settles once they are stored."""
         try:
-            for box in boxes:
-                if tuple(value.shape) != sh.shard_shape(box):
-                    raise errors.InvalidRequest(
-                        f"a host shard has shape {tuple(value.shape)} but the sharding puts "
-                        f"shape {sh.shard_shape(box)} there; send shards of the shapes the "
-                        "sharding implies.")
-            placed, waits = self._start_puts(group, positions, [value] * len(positions))
+            placed, waits = self._start_puts(group, positions, values)
         except Exception as e:  # noqa: BLE001
             self._shards_failed(group, positions, e)
             group.settle()
@@ -187,12 +207,6 @@ class SessionArrays(SessionCore):
         for p in positions:
             if group.error_at(p) is None:
                 group.set_error(p, error)
-
-    async def _put(self, group: BufferGroup, positions: Sequence[int],
-                   values: Sequence[np.ndarray]) -> None:
-        """Stores host data at positions of a group; failures stay with their positions."""
-        placed, waits = self._start_puts(group, positions, values)
-        self._record_puts(group, placed, await asyncio.gather(*waits, return_exceptions=True))
 
     def _start_puts(self, group: BufferGroup, positions: Sequence[int],
                     values: Sequence[np.ndarray]) -> tuple[list[int], list[Awaitable[None]]]:

@@ -121,15 +121,9 @@ def _strides(body: Any) -> tuple[int, ...] | None:
     return tuple(body.byte_strides.strides) if body.HasField("byte_strides") else None
 
 
-async def _host_array(session: Any, handle: int, dtype: dtypes.DType, shape: tuple[int, ...],
-                      byte_strides: tuple[int, ...] | None) -> np.ndarray:
-    data = await session.host_buffers.take(handle)
-    return decode_host_array(session, data, dtype, shape, byte_strides)
-
-
 class _HostShard:
-    """A shard's host buffer, as the controller takes it (`HostShard`): decoded and handed
-    on in the turn it is here."""
+    """A shard's (or a whole array's) host buffer, as the controller takes it (`HostShard`):
+    decoded and handed on in the turn it is here."""
 
     __slots__ = ("session", "handle", "dtype", "shape", "byte_strides")
 
@@ -166,12 +160,11 @@ def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> No
             f"byte_strides {list(strides)} do not match the rank of shape {list(shape)}.")
     if body.HasField("layout"):
         _check_default_layout(session, body.layout, len(shape))
-    host = _host_array(session, body.host_buffer_handle, dtype, shape, strides)
+    host = _HostShard(session, body.host_buffer_handle, dtype, shape, strides)
     try:
         array = session.ctl.make_array(dtype, shape, sharding, host)
     except BaseException:
-        host.close()
-        session.host_buffers.delete(body.host_buffer_handle)
+        session.host_buffers.when_ready(body.host_buffer_handle, _ignore)  # freed on arrival
         raise
     handle = body.array_handle if body.HasField("array_handle") else None
     response.make_array_from_host_buffer_response.array_handle = session.bind_array(

@@ -10,6 +10,7 @@ from isthmus import dtypes
 from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.session import Session
+from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
 from isthmus.transport import messages as m
 from isthmus.transport.remote import RemoteWorker
@@ -68,7 +69,7 @@ def test_a_program_is_one_shared_frame_for_every_host():
         executable = session.compile(CompileRequest(b"", b"", ids))
         await executable.compiled
         x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
-                               _value(np.zeros(HOSTS, np.float32)))
+                               HostData(np.zeros(HOSTS, np.float32)))
         await asyncio.sleep(0.01)
         for host in hosts.values():
             host.frames.clear()
@@ -98,7 +99,7 @@ def test_shared_shards_are_freed_when_their_last_holder_goes():
         hosts, controller, session = _setup()
         ids = tuple(range(HOSTS))
         x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
-                               _value(np.zeros(HOSTS, np.float32)))
+                               HostData(np.zeros(HOSTS, np.float32)))
         await asyncio.sleep(0.01)
         parts = session.disassemble(x)
         session.release([x])
@@ -126,11 +127,7 @@ def _single(session, x, position):
     """A new single-device array (a replica of `x`'s shape) on the device of its `position`."""
     device = x.sharding.devices[position]
     return session.make_array(F32, (HOSTS,), Sharding.single(device),
-                              _value(np.ones(HOSTS, np.float32)))
-
-
-async def _value(value):
-    return value
+                              HostData(np.ones(HOSTS, np.float32)))
 
 
 def test_a_single_host_command_never_overtakes_a_shared_one():
