@@ -93,7 +93,7 @@ class HostBufferStore:
     def when_ready(self, handle: HostBufferHandle, receiver: Receiver) -> None:
         """Removes an uploaded buffer from the store and calls `receiver(data, None)` with
         it (or `receiver(None, error)`): at once if it is here, else in the turn its upload
-        ends (or fails, or times out as for `take`). What `receiver` raises is logged."""
+        ends (or fails, or times out: see `_check`). What `receiver` raises is logged."""
         entry = self._entry(handle)
         self._activity = time.monotonic()  # a new request counts as the session moving
         entry.receiver = receiver
@@ -106,28 +106,13 @@ class HostBufferStore:
     def _deliver(self, handle: int, entry: _Entry) -> None:
         receiver, entry.receiver = entry.receiver, None
         self._waiting.pop(handle, None)
-        error = entry.future.exception()  # done, never cancelled (only `take` awaits it)
+        error = entry.future.exception()  # done, never cancelled (nothing awaits it)
         data = None if error is not None else entry.future.result()
         self._drop(handle)
         try:
             receiver(data, error)  # type: ignore[misc, arg-type]
         except Exception:  # noqa: BLE001 - the upload that brought it must not fail for it
             logger.exception("placing host buffer %s failed", handle)
-
-    async def take(self, handle: HostBufferHandle) -> memoryview:
-        """Waits for an uploaded buffer and removes it from the store."""
-        entry = self._entry(handle)
-        self._activity = time.monotonic()  # a new request counts as the session moving
-        try:
-            if not entry.future.done():
-                if not entry.started:
-                    self._waiting[handle] = entry
-                    self._watch()
-                return await entry.future
-            return entry.future.result()
-        finally:
-            self._waiting.pop(handle, None)
-            self._drop(handle)
 
     def _watch(self) -> None:
         """One timer for the store: it fails the buffers waited for whose uploads have not

@@ -15,10 +15,26 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 10))
 
 
+def take(store, handle):
+    """The buffer `store.when_ready` hands over, as a future."""
+    future = asyncio.get_running_loop().create_future()
+
+    def receive(data, error):
+        if future.done():  # cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(data)
+
+    store.when_ready(handle, receive)
+    return future
+
+
 def test_take_waits_for_an_upload_that_comes_later():
     async def main():
         store = HostBufferStore(start_timeout=5)
-        waiter = asyncio.ensure_future(store.take(7))
+        waiter = take(store, 7)
         await asyncio.sleep(0.01)
         store.begin(7, 3)
         store.complete(7, memoryview(b"abc"))
@@ -31,8 +47,8 @@ def test_missing_upload_times_out_but_a_started_one_does_not():
     async def main():
         store = HostBufferStore(start_timeout=0.1)
         with pytest.raises(errors.HostBufferMissing, match="did not start arriving"):
-            await store.take(1)
-        slow = asyncio.ensure_future(store.take(2))
+            await take(store, 1)
+        slow = take(store, 2)
         store.begin(2, 1)
         await asyncio.sleep(0.3)  # longer than the start deadline
         store.complete(2, memoryview(b"x"))
@@ -43,12 +59,12 @@ def test_missing_upload_times_out_but_a_started_one_does_not():
 def test_a_waiting_request_outlasts_the_timeout_while_other_uploads_move():
     async def main():
         store = HostBufferStore(start_timeout=0.2)
-        waiter = asyncio.ensure_future(store.take(1))
+        waiter = take(store, 1)
         for handle in range(10, 16):  # 0.3 s of other uploads, one every 0.05 s
             await asyncio.sleep(0.05)
             store.begin(handle, 1)
             store.complete(handle, memoryview(b"y"))
-            assert bytes(await store.take(handle)) == b"y"
+            assert bytes(await take(store, handle)) == b"y"
         assert not waiter.done()
         started = asyncio.get_running_loop().time()
         with pytest.raises(errors.HostBufferMissing, match="host buffer 1 did not start"):
@@ -61,14 +77,14 @@ def test_a_waiting_request_outlasts_the_timeout_while_other_uploads_move():
 def test_a_cancelled_request_leaves_no_waiter_behind():
     async def main():
         store = HostBufferStore(start_timeout=0.05)
-        waiter = asyncio.ensure_future(store.take(4))
+        waiter = take(store, 4)
         await asyncio.sleep(0)
         waiter.cancel()
         await asyncio.sleep(0.1)  # the store's timer finds nothing to fail
         assert len(store) == 0
         store.begin(5, 1)
         store.complete(5, memoryview(b"z"))
-        assert bytes(await store.take(5)) == b"z"
+        assert bytes(await take(store, 5)) == b"z"
     run(main())
 
 
@@ -107,7 +123,7 @@ def test_when_ready_hands_a_buffer_over_in_the_turn_it_is_there():
 def test_close_fails_waiters():
     async def main():
         store = HostBufferStore(start_timeout=5)
-        waiter = asyncio.ensure_future(store.take(3))
+        waiter = take(store, 3)
         await asyncio.sleep(0)
         store.close(errors.SessionClosed("gone"))
         with pytest.raises(errors.SessionClosed):
