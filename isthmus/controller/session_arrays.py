@@ -33,7 +33,8 @@ class HostShard(Protocol):
 
 
 class HostData:
-    """Host data that is here already, as a `HostShard` (for callers inside the server)."""
+    """Host data that is here already, as a `HostShard` (benchmarks and tests that drive a
+    session in-process)."""
 
     __slots__ = ("value",)
 

@@ -63,11 +63,11 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
         if device_map is None:
             device_map = {i: i for i in by_id}
         self.devices = {g: by_id[j] for g, j in device_map.items() if j in by_id}
-        self.companions = dict(companions or {})
-        self.devices.update(self.companions)
+        companions = companions or {}
+        self.devices.update(companions)
         # The jaxlib devices that hold buffers here (two clients may number them alike).
         self._local = set(client.local_devices()) | {
-            d for d in self.companions.values() if d.process_index == d.client.process_index()}
+            d for d in companions.values() if d.process_index == d.client.process_index()}
         # XLA:CPU meets a program's local devices in an in-process rendezvous on a shared
         # thread pool (see `collective_settled`); GPU devices each have their own stream.
         self._shared_pool = getattr(client, "platform", "cpu") == "cpu"
