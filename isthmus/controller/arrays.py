@@ -211,7 +211,10 @@ class Array:
     group: BufferGroup | None = None
     parts: tuple[Buffer, ...] | None = None
     error: errors.IsthmusError | None = None  # poisoned: every use reports this
-    deleted: bool = False
+    deleted: bool = False  # deleted or donated, as of the dispatch order
+    # A delete or donation was requested; it acts in dispatch order (operations sent
+    # before it still see the array), but the client already sees the array as deleted.
+    delete_sent: bool = False
     released: bool = False
 
     @property
@@ -263,7 +266,7 @@ class Array:
 
     @property
     def is_deleted(self) -> bool:
-        if self.deleted:
+        if self.deleted or self.delete_sent:
             return True
         if self.group is not None:
             return self.group.deleted or bool(self.group.deleted_at)

@@ -55,10 +55,12 @@ class SessionArrays(SessionCore):
         if any(d < 0 for d in shape):
             raise errors.InvalidRequest(
                 f"shape {shape} has a negative dimension; every dimension must be >= 0.")
-        nbytes = math.prod(shape) * max(dtype.itemsize, 1)
+        # Zero-sized dimensions count as 1: f32[3, 0, 2**62] holds nothing, but its other
+        # dimensions still size every index, shard box and host view made of it.
+        nbytes = math.prod(max(d, 1) for d in shape) * max(dtype.itemsize, 1)
         if nbytes > self.controller.config.max_array_bytes:
             raise errors.TooLarge(
-                f"an array of shape {shape} and dtype {dtype.kind} needs {nbytes} bytes, over "
+                f"an array of shape {shape} and dtype {dtype.kind} spans {nbytes} bytes, over "
                 f"the server's limit of {self.controller.config.max_array_bytes} bytes; split "
                 "it, or start the server with a larger --max-array-bytes.")
         return shape
@@ -239,7 +241,7 @@ class SessionArrays(SessionCore):
         """Deletes arrays now: their buffers are freed even where other arrays share them."""
         result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for array in arrays:
-            array.deleted = True
+            array.delete_sent = True  # deleted in dispatch order: earlier reads see it
 
         def run() -> None:
             for array in arrays:
@@ -285,8 +287,15 @@ class SessionArrays(SessionCore):
             self.dispatcher.submit([], free)
 
     def _donate(self, array: Array) -> None:
-        """The input of a DONATE_INPUT operation: unusable afterwards, its buffers live on."""
+        """The input of a DONATE_INPUT operation, from inside its dispatched operation:
+        unusable afterwards, its buffers live on."""
         array.deleted = True
+
+    def _donate_in_order(self, array: Array) -> None:
+        """`_donate`, for an operation that needs no dispatch: it still acts in the order
+        the requests came, after the operations already queued (they see the array)."""
+        array.delete_sent = True
+        self.dispatcher.submit([], lambda: self._donate(array))
 
 
 def _ignore(value: object) -> None:

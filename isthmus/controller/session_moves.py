@@ -169,6 +169,13 @@ class SessionMoves(SessionArrays):
                     "a bitcast keeps every shard where it is; give the same devices.")
             if dtype.is_string or array.dtype.is_string:
                 raise errors.InvalidRequest("string arrays cannot be bitcast.")
+            default = self.fleet.device(sharding.devices[0]).memory_kinds[0] \
+                if sharding.devices else None
+            if (sharding.memory_kind or default) != (array.sharding.memory_kind or default):
+                raise errors.InvalidRequest(
+                    f"a bitcast keeps every shard where it is, but memory kind "
+                    f"{array.sharding.memory_kind!r} was asked to become "
+                    f"{sharding.memory_kind!r}; copy the array first.")
             out = self._new_array(dtype, self.validate_shape(dtype, shape), sharding,
                                   define=False)
             if any(a.nbytes != b.nbytes for a, b in zip(array.shards, out.shards)):

@@ -52,11 +52,13 @@ class SessionPrograms(SessionArrays):
             raise errors.InvalidRequest(
                 f"the program takes {len(info.params)} arguments but {len(args)} were given.")
         refs: list[int | tuple[BufferId, ...]] = []
+        specs = executable.param_specs or self._param_specs(executable)
         for index, (array, aval) in enumerate(zip(args, info.params)):
             if array.dtype != aval.dtype or array.shape != aval.shape:
                 raise errors.InvalidRequest(
                     f"argument {index} is {array.dtype.kind}{list(array.shape)} but the program "
                     f"expects {aval.dtype.kind}{list(aval.shape)}.")
+            _check_placement(executable, index, array, *specs[index])
             refs.append(self._argument(executable, index, array))
         outputs = self._outputs(executable)
         donated = frozenset(info.donated_inputs) - non_donatable
@@ -97,6 +99,29 @@ class SessionPrograms(SessionArrays):
                                    for w, ids in by_worker.items() if ids))
 
         return outputs, status
+
+    @staticmethod
+    def _param_specs(executable: Executable) -> list[tuple[sh.Sharding | None, str]]:
+        """Per parameter, the sharding its argument must have (None: the program does not
+        say) and the memory kind it must be in; kept on the executable."""
+        info = executable.info
+        assert info is not None
+        device_ids = executable.device_ids
+        default_kind = executable.devices[0].memory_kinds[0]
+        specs: list[tuple[sh.Sharding | None, str]] = []
+        for index in range(len(info.params)):
+            if len(device_ids) == 1:
+                sharding: sh.Sharding | None = sh.Sharding.single(device_ids[0])
+            elif info.param_shardings is not None:
+                sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, None,
+                                       info.param_shardings[index])
+            else:
+                sharding = None
+            kinds = info.param_memory_kinds
+            specs.append((sharding, (kinds[index] if index < len(kinds) else None)
+                          or default_kind))
+        executable.param_specs = specs
+        return specs
 
     def _argument(self, executable: Executable, index: int, array: Array
                   ) -> int | tuple[BufferId, ...]:
@@ -141,3 +166,23 @@ class SessionPrograms(SessionArrays):
                           self.controller.new_group(executable.devices, nbytes,
                                                     sharding.memory_kind, executable.workers))
                 for aval, sharding, nbytes in executable.output_specs]
+
+
+def _check_placement(executable: Executable, index: int, array: Array,
+                     expected: sh.Sharding | None, memory_kind: str) -> None:
+    """Refuses an argument whose shards are not where and what the program reads: jaxlib
+    trusts the shards it is given (a wrong shape crashes the process, a permuted order
+    computes a wrong answer)."""
+    if expected is not None:
+        problem = sh.placement_mismatch(array.sharding, expected, array.shape)
+        if problem is not None:
+            raise errors.InvalidRequest(
+                f"argument {index} {problem}; the program was compiled for another sharding "
+                "of it. Reshard the argument to the program's input sharding (jax.device_put "
+                "with the jitted function's input shardings) or compile for this one.")
+    kind = array.sharding.memory_kind or executable.devices[0].memory_kinds[0]
+    if kind != memory_kind:
+        raise errors.InvalidRequest(
+            f"argument {index} is in memory kind {kind!r} but the program reads it from "
+            f"{memory_kind!r}; copy it there first (jax.device_put with a sharding of that "
+            "memory kind).")

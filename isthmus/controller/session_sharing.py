@@ -45,7 +45,7 @@ class SessionSharing(SessionArrays):
                         [buffer], array.error)
             for buffer, box in zip(array.shards, boxes)]
         if donate:
-            self._donate(array)
+            self._donate_in_order(array)
         return result
 
     def assemble(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
@@ -72,12 +72,18 @@ class SessionSharing(SessionArrays):
                     f"the array for device {device_id} has shape {part.shape} and dtype "
                     f"{part.dtype.kind}, but the sharding needs {sh.shard_shape(box)} and "
                     f"{dtype.kind} there.")
+            default = part.shards[0].device.memory_kinds[0]
+            if (part.sharding.memory_kind or default) != (sharding.memory_kind or default):
+                raise errors.InvalidRequest(
+                    f"the array for device {device_id} is in memory kind "
+                    f"{part.sharding.memory_kind!r} but the sharding says "
+                    f"{sharding.memory_kind!r}; copy it there first.")
             buffers.append(part.shards[0])
         error = first_error(a for a in parts if a.error is not None)
         result = self._share(dtype, shape, sharding, buffers, error)
         if donate:
             for part in parts:
-                self._donate(part)
+                self._donate_in_order(part)
         return result
 
     def fully_replicated_shard(self, array: Array, donate: bool = False) -> Array:
@@ -90,7 +96,7 @@ class SessionSharing(SessionArrays):
                              sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
                              [buffer], array.error)
         if donate:
-            self._donate(array)
+            self._donate_in_order(array)
         return result
 
     def remap(self, inputs: Sequence[Array],
@@ -102,26 +108,43 @@ class SessionSharing(SessionArrays):
         Each mapping is (input index, output index, input shard range, output shard range).
         """
         slots: list[list[Buffer | None]] = [[None] * len(spec[2].devices) for spec in outputs]
+        # (group, position) -> (dtype, shard shape, memory kind) of each input shard
+        sources: dict[tuple[int, int], tuple[dtypes.DType, tuple[int, ...], str | None]] = {}
+        for array in inputs:
+            for buffer, box in zip(array.shards, sh.shard_boxes(array.sharding, array.shape)):
+                sources[id(buffer.group), buffer.position] = (
+                    array.dtype, sh.shard_shape(box), array.sharding.memory_kind)
         for in_index, out_index, src, dst in mappings:
             if not (0 <= in_index < len(inputs) and 0 <= out_index < len(outputs)):
                 raise errors.InvalidRequest(
                     f"the remap plan maps array {in_index} to array {out_index}, outside the "
                     f"{len(inputs)} inputs and {len(outputs)} outputs.")
+            shards = inputs[in_index].shards
+            for name, interval, count in (("from", src, len(shards)),
+                                          ("to", dst, len(slots[out_index]))):
+                if not (0 <= interval.start <= count and 0 <= interval.stop <= count):
+                    raise errors.InvalidRequest(
+                        f"a remap plan interval {name} [{interval.start}, {interval.stop}) "
+                        f"reaches outside the {count} shards of its array; give intervals "
+                        f"within 0..{count}.")
             if len(src) != len(dst):
                 raise errors.InvalidRequest(
                     "a remap plan interval maps a different number of shards than it "
                     "receives; make both intervals the same length.")
-            shards = inputs[in_index].shards
             for s, d in zip(src, dst):
                 if not (0 <= s < len(shards) and 0 <= d < len(slots[out_index])):
                     raise errors.InvalidRequest(
                         f"the remap plan names shard {s} -> {d}, outside the arrays' shards.")
                 slots[out_index][d] = shards[s]
         result = []
-        for (dtype, shape, sharding), buffers in zip(outputs, slots):
+        for index, ((dtype, shape, sharding), buffers) in enumerate(zip(outputs, slots)):
             if any(b is None for b in buffers):
                 raise errors.InvalidRequest(
                     "the remap plan leaves some output shards unmapped; map every shard.")
+            shape = self.validate_shape(dtype, shape)
+            _check_views(f"remap output {index}", dtype, shape, sharding,
+                         buffers, [sources[id(b.group), b.position]  # type: ignore[union-attr]
+                                   for b in buffers])
             for device_id, buffer in zip(sharding.devices, buffers):
                 if buffer is not None and buffer.device.id != device_id:
                     raise errors.InvalidRequest(
@@ -131,5 +154,25 @@ class SessionSharing(SessionArrays):
             result.append(self._share(dtype, shape, sharding, buffers, error))  # type: ignore[arg-type]
         if donate:
             for array in inputs:
-                self._donate(array)
+                self._donate_in_order(array)
         return result
+
+
+def _check_views(what: str, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+                 buffers: Sequence[Buffer],
+                 sources: Sequence[tuple[dtypes.DType, tuple[int, ...], str | None]]) -> None:
+    """Refuses a new array over existing shards that would read them as another dtype,
+    shape or memory kind: a program given such an array would read past its buffers."""
+    boxes = sh.shard_boxes(sharding, shape)
+    for buffer, box, (src_dtype, src_shape, src_kind) in zip(buffers, boxes, sources):
+        if (src_dtype, src_shape) != (dtype, sh.shard_shape(box)):
+            raise errors.InvalidRequest(
+                f"{what} would read the {src_dtype.kind}{list(src_shape)} shard on device "
+                f"{buffer.device.id} as {dtype.kind}{list(sh.shard_shape(box))}; give the "
+                "output the dtype and a shape and sharding whose shards match the inputs'.")
+        default = buffer.device.memory_kinds[0]
+        if (src_kind or default) != (sharding.memory_kind or default):
+            raise errors.InvalidRequest(
+                f"{what} puts a shard in memory kind {src_kind!r} under memory kind "
+                f"{sharding.memory_kind!r}; remapping cannot move data: keep the inputs' "
+                "memory kind.")

@@ -158,3 +158,26 @@ def box_slices(box: Box) -> tuple[slice, ...]:
 def shard_nbytes(sharding: Sharding, shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     """Bytes of each device position's shard."""
     return tuple(math.prod(shard_shape(box)) * itemsize for box in shard_boxes(sharding, shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def placement_mismatch(given: Sharding, expected: Sharding, shape: tuple[int, ...]
+                       ) -> str | None:
+    """Why an array laid out by `given` cannot be read as one laid out by `expected` (None:
+    it can). Each device of `expected` must hold, in `given`, exactly the index box
+    `expected` puts there; the order of the device lists does not matter, the boxes do."""
+    held: dict[DeviceId, Box] = {}
+    for device, box in zip(given.devices, shard_boxes(given, shape)):
+        held.setdefault(device, box)
+    for device, box in zip(expected.devices, shard_boxes(expected, shape)):
+        have = held.get(device)
+        if have is None:
+            return f"has no shard on device {device}"
+        if have != box:
+            return (f"holds {_box_text(have)} on device {device} where the program reads "
+                    f"{_box_text(box)}")
+    return None
+
+
+def _box_text(box: Box) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"

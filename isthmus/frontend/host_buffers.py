@@ -17,13 +17,16 @@ import mmap
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from isthmus import errors
 from isthmus.ids import HostBufferHandle
 
 logger = logging.getLogger(__name__)
 
+
+_CLAIMED = ("host buffer {handle} is already used by another request (or twice in this one) "
+            "of this session; upload each buffer under a handle of its own.")
 
 Receiver = Callable[[memoryview | None, errors.IsthmusError | None], None]
 
@@ -96,12 +99,28 @@ class HostBufferStore:
         ends (or fails, or times out: see `_check`). What `receiver` raises is logged."""
         entry = self._entry(handle)
         self._activity = time.monotonic()  # a new request counts as the session moving
+        if entry.receiver is not None:  # a buffer feeds one request; the first keeps it
+            try:
+                receiver(None, errors.InvalidRequest(_CLAIMED.format(handle=handle)))
+            except Exception:  # noqa: BLE001
+                logger.exception("refusing host buffer %s failed", handle)
+            return
         entry.receiver = receiver
         if entry.future.done():
             self._deliver(handle, entry)
         elif not entry.started:
             self._waiting[handle] = entry
             self._watch()
+
+    def check_unclaimed(self, handles: Sequence[int]) -> None:
+        """Raises InvalidRequest when a handle is given twice, or is already waited for by
+        an earlier request: each host buffer feeds exactly one request."""
+        seen: set[int] = set()
+        for handle in handles:
+            entry = self._entries.get(handle)
+            if handle in seen or (entry is not None and entry.receiver is not None):
+                raise errors.InvalidRequest(_CLAIMED.format(handle=handle))
+            seen.add(handle)
 
     def _deliver(self, handle: int, entry: _Entry) -> None:
         receiver, entry.receiver = entry.receiver, None

@@ -93,12 +93,19 @@ class CompileOptionsVetter:
         if not assignment.computation_devices:
             _default_assignment(options, fleet_devices)
         replicas = assignment.replica_count
+        if replicas < 1 or assignment.computation_count not in (
+                0, len(assignment.computation_devices)):
+            raise errors.InvalidRequest(
+                f"the device assignment has replica_count {replicas} and computation_count "
+                f"{assignment.computation_count} for {len(assignment.computation_devices)} "
+                "computations; give at least one replica and one list per computation.")
         device_ids: list[int] = []
         for replica in range(replicas):
             for computation in assignment.computation_devices:
                 if replica >= len(computation.replica_device_ids):
                     raise errors.InvalidRequest("the device assignment is ragged.")
                 device_ids.append(int(computation.replica_device_ids[replica]))
+        _vet_build_options(options, len(device_ids), replicas)
         client_debug = build.debug_options
         debug = type(self._default_debug)()
         debug.CopyFrom(self._default_debug)
@@ -111,9 +118,60 @@ class CompileOptionsVetter:
                     setattr(debug, field.name, value)
         build.debug_options.CopyFrom(debug)
         self._vet_overrides(options)
-        build.ClearField("fdo_profile")
         # Deterministic bytes: they key the executable caches (maps otherwise vary).
         return options.SerializeToString(deterministic=True), tuple(device_ids), replicas
+
+
+# Build options jax never sets and XLA trusts (jaxlib aborts on a bad `device_ordinal`; a
+# `result_layout`, `run_backend_only` or memory size the program does not fit crashes or
+# miscompiles): the server's defaults stand. The device assignment, written above from the
+# client's, is the one source of devices.
+_DROPPED_BUILD_OPTIONS = ("result_layout", "comp_envs", "run_backend_only",
+                          "device_memory_size", "slice_size", "fdo_profile")
+_DROPPED_OPTIONS = ("serialized_multi_slice_config", "target_config", "compiler_variant",
+                    "allow_in_place_mlir_modification")
+
+
+def _vet_build_options(options: Any, devices: int, replicas: int) -> None:
+    """Checks the client's build options against its device assignment; drops the fields
+    that name devices or layouts another way. Raises InvalidRequest naming the field."""
+    build = options.executable_build_options
+    build.device_ordinal = -1  # the assignment names the devices
+    for field in _DROPPED_BUILD_OPTIONS:
+        build.ClearField(field)
+    for field in _DROPPED_OPTIONS:
+        options.ClearField(field)
+    if options.argument_layouts:
+        raise errors.Unimplemented(
+            "compile_options.argument_layouts (custom argument layouts) are not supported by "
+            "isthmus; use the default layouts.")
+    if options.parameter_is_tupled_arguments:
+        raise errors.Unimplemented(
+            "compile_options.parameter_is_tupled_arguments is not supported by isthmus; pass "
+            "the arguments untupled.")
+    partitions = devices // max(replicas, 1)
+    for field, expected in (("num_replicas", replicas), ("num_partitions", partitions)):
+        value = getattr(build, field)
+        if value not in (0, expected):
+            raise errors.InvalidRequest(
+                f"compile_options.executable_build_options.{field} is {value} but the device "
+                f"assignment has {expected}; make them agree (or leave {field} unset).")
+    if not 0 <= build.process_index < max(build.process_count, 1):
+        raise errors.InvalidRequest(
+            f"compile_options.executable_build_options.process_index is "
+            f"{build.process_index}, outside 0..{max(build.process_count, 1) - 1}; leave it "
+            "unset (the server places the program on its hosts).")
+    mesh, ids = list(build.auto_spmd_partitioning_mesh_shape), list(
+        build.auto_spmd_partitioning_mesh_ids)
+    if mesh or ids:
+        size = 1
+        for d in mesh:
+            size *= d
+        if any(d <= 0 for d in mesh) or size != devices or sorted(ids) != list(range(devices)):
+            raise errors.InvalidRequest(
+                f"compile_options.executable_build_options.auto_spmd_partitioning_mesh_shape "
+                f"{mesh} and mesh_ids {ids} must cover the program's {devices} devices once "
+                "each.")
 
 
 def _default_assignment(options: Any, fleet_devices: Sequence[int]) -> None:

@@ -93,6 +93,7 @@ class FrontendSession:
             self._fail(request, kind, response, e)
             return
         if pending is None:
+            _answered(response, kind)
             response.response_metadata.seq_num = next(self._seq)
             self._send(response)
         else:
@@ -108,6 +109,7 @@ class FrontendSession:
             self._fail(request, kind, response, e)
             return
         if not self.closed:
+            _answered(response, kind)
             response.response_metadata.seq_num = next(self._seq)
             self._send(response)
 
@@ -220,3 +222,10 @@ def _handles_in(body: Any, field: str) -> list[int]:
     if isinstance(value, int):
         return [value] if value else []
     return list(value)
+
+
+def _answered(response: Any, kind: str) -> None:
+    """Sets the response's oneof for a request of `kind` if its handler left it unset (an
+    empty request's answer is an empty message, never no message: the client reads it)."""
+    if response.WhichOneof("response") is None:
+        getattr(response, kind[:-len("_request")] + "_response").SetInParent()

@@ -162,9 +162,11 @@ def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> No
         _check_default_layout(session, body.layout, len(shape))
     host = _HostShard(session, body.host_buffer_handle, dtype, shape, strides)
     try:
+        session.host_buffers.check_unclaimed([body.host_buffer_handle])
         array = session.ctl.make_array(dtype, shape, sharding, host)
     except BaseException:
-        session.host_buffers.when_ready(body.host_buffer_handle, _ignore)  # freed on arrival
+        # Freed on arrival (a buffer another request waits for stays that request's).
+        session.host_buffers.when_ready(body.host_buffer_handle, _ignore)
         raise
     handle = body.array_handle if body.HasField("array_handle") else None
     response.make_array_from_host_buffer_response.array_handle = session.bind_array(
@@ -175,8 +177,11 @@ def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> No
 def make_arrays_from_host_buffer_shards(session: Any, request: Any, response: Any) -> None:
     body = request.make_arrays_from_host_buffer_shards_request
     out = response.make_arrays_from_host_buffer_shards_response
+    out.SetInParent()
     made = 0
     try:
+        session.host_buffers.check_unclaimed([buffer.host_buffer_handle for spec in body.specs
+                                              for buffer in spec.host_buffers])
         if body.array_handles and len(body.array_handles) != len(body.specs):
             raise errors.InvalidRequest(
                 f"{len(body.specs)} array specs but {len(body.array_handles)} array handles; "
@@ -220,6 +225,23 @@ def _array_from_shards(session: Any, spec: Any) -> Any:
         array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
 
 
+def _check_download_strides(session: Any, array: Any, strides: tuple[int, ...]) -> None:
+    """A download's byte strides must be non-negative and span no more memory than the
+    server allows an array (strides can ask for any size of buffer)."""
+    if any(s < 0 for s in strides):
+        raise errors.InvalidRequest(
+            f"byte_strides {list(strides)} contain a negative stride; isthmus needs "
+            "non-negative strides.")
+    if array.dtype.is_string or not array.size:
+        return
+    extent = array.dtype.itemsize + sum((d - 1) * s for d, s in zip(array.shape, strides))
+    limit = session.ctl.controller.config.max_array_bytes
+    if extent > limit:
+        raise errors.TooLarge(
+            f"byte_strides {list(strides)} lay out the array over {extent} bytes, over the "
+            f"server's limit of {limit}; ask for a denser layout.")
+
+
 @handles("copy_to_host_buffer_request")
 def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
     body = request.copy_to_host_buffer_request
@@ -229,6 +251,8 @@ def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
         raise errors.InvalidRequest(
             f"byte_strides {list(strides)} do not match the rank of the array's shape "
             f"{list(array.shape)}.")
+    if strides is not None:
+        _check_download_strides(session, array, strides)
     fetched = session.ctl.fetch(array)
     response.copy_to_host_buffer_response.SetInParent()
     if fetched.done() and fetched.exception() is None:

@@ -60,6 +60,9 @@ class CompiledInfo:
     memory_stats: dict[str, int]
     generated_code_bytes: int
     param_avals: tuple[Any, ...] = ()  # jax ShapedArrays, for wrapping arguments
+    # Per parameter, the memory kind the program reads it from (`mhlo.memory_kind`); None:
+    # the device's default memory. Empty: no parameter names one.
+    param_memory_kinds: tuple[str | None, ...] = ()
 
     @property
     def num_outputs(self) -> int:
@@ -100,7 +103,7 @@ def canonical_digest(module: bytes) -> bytes:
 
 
 def _parse_signature(module: bytes) -> tuple[str, tuple[Aval, ...], tuple[Aval, ...],
-                                               tuple[int, ...]]:
+                                               tuple[int, ...], tuple[str | None, ...]]:
     from jax._src.interpreters import mlir as jax_mlir
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import stablehlo
@@ -123,12 +126,17 @@ def _parse_signature(module: bytes) -> tuple[str, tuple[Aval, ...], tuple[Aval, 
         params = tuple(_aval(t) for t in ftype.inputs)
         outputs = tuple(_aval(t) for t in ftype.results)
         donated: list[int] = []
+        memory_kinds: list[str | None] = []
         if "arg_attrs" in main.attributes:
             for index, attr in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
                 d = ir.DictAttr(attr)
                 if "tf.aliasing_output" in d or "jax.buffer_donor" in d:
                     donated.append(index)
-    return name, params, outputs, tuple(donated)
+                memory_kinds.append(ir.StringAttr(d["mhlo.memory_kind"]).value
+                                    if "mhlo.memory_kind" in d else None)
+        if not any(memory_kinds):
+            memory_kinds = []
+    return name, params, outputs, tuple(donated), tuple(memory_kinds)
 
 
 def _aval(t: Any) -> Aval:
@@ -165,7 +173,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     from jax._src.lib import _jax
     from jax._src.lib import xla_client as xc
 
-    name, params, outputs, donated = _parse_signature(request.module)
+    name, params, outputs, donated, param_memory_kinds = _parse_signature(request.module)
     try:
         options = xc.CompileOptions.ParseFromString(request.compile_options)
     except Exception as e:  # noqa: BLE001
@@ -224,6 +232,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
         generated_code_bytes=int(optional(executable.size_of_generated_code_in_bytes, 0)),
         param_avals=tuple(core.ShapedArray(p.shape, p.dtype.numpy) if p.dtype.numpy is not None
                           else None for p in params),
+        param_memory_kinds=param_memory_kinds,
     )
     return executable, info
 
