@@ -33,6 +33,7 @@ import h2.connection
 import h2.errors
 import h2.exceptions
 import h2.stream
+import hyperframe.exceptions
 import hyperframe.frame
 import numpy as np
 
@@ -215,9 +216,24 @@ class Wire(asyncio.BufferedProtocol):
             self._split()
         except h2.exceptions.ProtocolError as e:
             logger.info("a client broke the HTTP/2 protocol: %s", e)
-            self.on_events([])  # h2's GOAWAY goes out
-            if self.transport is not None:
-                self.transport.close()
+            self._close()  # with h2's GOAWAY
+        except hyperframe.exceptions.HyperframeError as e:
+            # A frame hyperframe cannot even parse (e.g. DATA on stream 0): h2 never saw it,
+            # so the GOAWAY is ours to send.
+            logger.info("a client sent a malformed HTTP/2 frame: %s", e)
+            try:
+                self.frames.close_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            except h2.exceptions.ProtocolError:
+                pass
+            self._close()
+
+    def _close(self) -> None:
+        """Writes what h2 has to say (its GOAWAY) now, then closes the connection."""
+        if self.transport is None:
+            return
+        for data in self.frames.take():
+            self.transport.write(data)
+        self.transport.close()
 
     def _data(self, stream_id: int, flags: int, body: memoryview | bytes, flow: int) -> None:
         """A whole DATA frame: to its direct stream's handler, or through h2."""

@@ -155,7 +155,7 @@ async def _serving(handlers):
         "/t.T/Sink": Method("stream_unary", handlers.upload, pieces=True,
                             sink=lambda context: Sink(handlers, context)),
     })
-    port = await server.start("127.0.0.1", 0)
+    port = handlers.port = await server.start("127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=(
         ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)))
     try:
@@ -372,3 +372,37 @@ async def test_a_direct_stream_that_waits_holds_its_client_back_not_its_neighbou
         replies.append(reply)
     assert len(replies) == 400 and handlers.read == 401
     assert await call.code() == grpc.StatusCode.OK
+
+
+def test_a_data_frame_on_stream_zero_gets_a_goaway_not_a_traceback(caplog):
+    """hyperframe refuses to parse DATA on stream 0 before h2 sees it: the server answers with
+    GOAWAY (PROTOCOL_ERROR) and closes, logging one line, and keeps serving others."""
+    import logging
+    import struct
+
+    async def body():
+        handlers = Handlers()
+        async with _serving(handlers) as channel:
+            reader, writer = await asyncio.open_connection("127.0.0.1", handlers.port)
+            writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + struct.pack(">I", 0)[1:] + b"\x04\x00"
+                         + struct.pack(">I", 0))  # the preface and an empty SETTINGS
+            writer.write(struct.pack(">I", 4)[1:] + b"\x00\x00" + struct.pack(">I", 0) + b"oops")
+            await writer.drain()
+            received = b""
+            while chunk := await asyncio.wait_for(reader.read(65536), 10):
+                received += chunk
+            writer.close()
+            frames, goaway = received, None
+            while len(frames) >= 9:
+                length = int.from_bytes(frames[:3], "big")
+                if frames[3] == 7:  # GOAWAY
+                    goaway = int.from_bytes(frames[9 + 4:9 + 8], "big")
+                frames = frames[9 + length:]
+            assert goaway == 1, received  # PROTOCOL_ERROR
+            call = channel.unary_unary("/t.T/Echo")
+            assert await call(b"still here") == b"still here"
+
+    with caplog.at_level(logging.INFO):
+        run(body())
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert any("malformed HTTP/2 frame" in r.getMessage() for r in caplog.records)
