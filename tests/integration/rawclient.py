@@ -113,6 +113,16 @@ class RawSession:
             session_id=self.session_id, handle=handle)
         return b"".join(r.data for r in call(request, timeout=self.timeout))
 
+    def delete_host_buffer(self, handle: int) -> None:
+        """Frees a host buffer the server published (HostBufferDelete), as the client does
+        after reading it."""
+        call = self.channel.unary_unary(
+            SERVICE + "HostBufferDelete",
+            request_serializer=self.s[P + "GrpcHostBufferDeleteRequest"].SerializeToString,
+            response_deserializer=self.s[P + "GrpcHostBufferDeleteResponse"].FromString)
+        call(self.s[P + "GrpcHostBufferDeleteRequest"](session_id=self.session_id,
+                                                        handle=handle), timeout=self.timeout)
+
     def close(self) -> None:
         self._requests.put(None)
         self._call.cancel()
@@ -139,3 +149,48 @@ def hlo_sharding(s: Any, device_ids: list[int]) -> Any:
     sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
     sharding.serialized_sharding.data = hlo.SerializeToString()
     return sharding
+
+
+OTHER = 3  # xla.OpSharding.Type.OTHER: a tiled sharding
+
+
+def tiled_sharding(s: Any, device_ids: list[int], tiles: list[int],
+                   memory_kind: str = "") -> Any:
+    """An HloSharding ShardingProto splitting the array into `tiles` over `device_ids`, in
+    list order (tile-assignment entries are positions in the device list)."""
+    count = 1
+    for t in tiles:
+        count *= t
+    op = s["xla.OpSharding"](type=OTHER, tile_assignment_dimensions=tiles,
+                             tile_assignment_devices=list(range(count)))
+    hlo = s["xla.ifrt.HloShardingProto"](xla_op_sharding=op, memory_kind=memory_kind)
+    hlo.devices.device_ids.extend(device_ids)
+    sharding = s["xla.ifrt.ShardingProto"]()
+    sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+    sharding.serialized_sharding.data = hlo.SerializeToString()
+    return sharding
+
+
+def replicated_sharding(s: Any, device_ids: list[int], memory_kind: str = "") -> Any:
+    """`hlo_sharding` with a memory kind ("" leaves the default)."""
+    hlo = s["xla.ifrt.HloShardingProto"](memory_kind=memory_kind)
+    hlo.devices.device_ids.extend(device_ids)
+    hlo.xla_op_sharding.SetInParent()
+    sharding = s["xla.ifrt.ShardingProto"]()
+    sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+    sharding.serialized_sharding.data = hlo.SerializeToString()
+    return sharding
+
+
+def array_spec(s: Any, kind: str, shape: list[int], sharding: Any) -> Any:
+    """An ArraySpecProto; `kind` e.g. "KIND_F32"."""
+    spec = s["xla.ifrt.ArraySpecProto"]()
+    spec.dtype.kind = s["xla.ifrt.DTypeProto"].Kind.Value(kind)
+    spec.shape.dims.extend(shape)
+    spec.sharding.CopyFrom(sharding)
+    return spec
+
+
+def has_body(response: Any) -> bool:
+    """The response sets its oneof (an OK response must, even to an empty message)."""
+    return response.WhichOneof("response") is not None
