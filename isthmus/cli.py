@@ -359,11 +359,14 @@ async def _run(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from isthmus.worker import supervise
     from isthmus.worker.agent import WorkerConfig
+    from isthmus.worker.crashes import CRASH_RECORD_ENV, TEST_CRASH_ENV, CrashConfig
     from isthmus.worker.process import block_stop_signals, exit_with_parent, run_worker
 
     if not (args.exit_with_parent or args.no_supervise
             or os.environ.get(supervise.ENVIRONMENT)):
-        return supervise.supervise(argv)  # rejoins a controller that crashed and came back
+        # Rejoins a controller that crashed and came back; keeps the crash records of the
+        # processes it starts (in $ISTHMUS_CRASH_RECORD, or a directory of its own).
+        return supervise.supervise(argv, os.environ.get(CRASH_RECORD_ENV) or None)
     block_stop_signals()  # before any thread starts
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
@@ -382,7 +385,9 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
                           devices=args.devices, platform=platform, token=token,
                           tls=_tls(args), connect_timeout=args.connect_timeout,
                           listen=args.listen, advertise=args.advertise,
-                          argv=(sys.executable, "-m", "isthmus.cli", *argv))
+                          argv=(sys.executable, "-m", "isthmus.cli", *argv),
+                          crash=CrashConfig(os.environ.get(CRASH_RECORD_ENV) or None,
+                                            os.environ.get(TEST_CRASH_ENV, "")))
     try:
         return asyncio.run(run_worker(config))
     except KeyboardInterrupt:

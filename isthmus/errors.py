@@ -12,6 +12,7 @@
     +-- ProgramError                the user's program failed (kept apart from system faults)
     |   +-- CompileError            the program does not parse or compile
     |   +-- ExecutionError          the program failed while running
+    |   +-- ProgramRefused          FAILED_PRECONDITION: it crashed a worker; not run again
     +-- SystemFault                 isthmus or its fleet failed, not the user's program
         +-- WorkerLost              DATA_LOSS: a worker (host) of the fleet went away
         +-- SessionClosed           CANCELLED: the session ended while work was pending
@@ -110,6 +111,13 @@ class CompileError(ProgramError):
 
 class ExecutionError(ProgramError):
     code = Code.INTERNAL
+
+
+class ProgramRefused(ProgramError):
+    """The program crashed a worker process once (a fatal signal while it was dispatched);
+    this controller refuses to compile or run it again."""
+
+    code = Code.FAILED_PRECONDITION
 
 
 class UserCodeError(ProgramError):

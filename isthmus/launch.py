@@ -4,7 +4,10 @@ them again when they die.
 The workers are the same program that Slurm or Kubernetes would start (`isthmus worker`),
 with `--exit-with-parent` so that they never outlive the controller that launched them.
 A restarted worker runs the same command: it takes the free host slot of its slice (the one
-its predecessor left), so its devices keep their ids.
+its predecessor left), so its devices keep their ids. Every process of a slot gets the slot's
+crash-record path (`worker/crashes.py`, beside the logs): a worker that a program crashed is
+followed by one that reports the program, which the controller then refuses, so a bad request
+costs the slot one restart, not the whole restart budget.
 
 A daemon thread (the watcher) polls the processes; the head's event loop never waits on it.
 The restart decisions themselves are plain functions of `RestartPolicy`, testable without
@@ -26,6 +29,7 @@ import time
 
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
+from isthmus.worker.crashes import CRASH_RECORD_ENV
 from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
 
 logger = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class WorkerSlot:
     slice_index: int  # the slice its worker joins (`--slice`)
     host: int  # the launcher's count within the slice (the controller picks the host slot)
     log_path: pathlib.Path  # the worker's output, appended to by every restart
+    crash_record: pathlib.Path  # its processes' crash records (`worker/crashes.py`)
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0  # time.monotonic() of the last start
     restarts: int = 0  # restarts in a row (see RestartPolicy.attempt)
@@ -186,8 +191,9 @@ class LocalLauncher:
         with self._lock:
             for slice_index in range(self.slices):
                 for host in range(self.hosts_per_slice):
-                    slot = WorkerSlot(slice_index, host,
-                                      self.log_dir / f"worker-s{slice_index}-h{host}.log")
+                    name = f"worker-s{slice_index}-h{host}"
+                    slot = WorkerSlot(slice_index, host, self.log_dir / f"{name}.log",
+                                      self.log_dir / f"{name}.crash")
                     self.slots.append(slot)
                     self._spawn(slot)
             self._restarting = self.restart.enabled
@@ -289,7 +295,8 @@ class LocalLauncher:
             try:
                 slot.process = subprocess.Popen(
                     self.command(slot.slice_index, slot.host), stdout=log,
-                    stderr=subprocess.STDOUT, env=self._env)
+                    stderr=subprocess.STDOUT,
+                    env={**self._env, CRASH_RECORD_ENV: str(slot.crash_record)})
             except OSError as e:
                 if not self._restarting:  # the first start: the caller hears of it
                     raise

@@ -92,6 +92,12 @@ class WorkerChannel(Protocol):
     def drop_executable(self, executable_id: ExecutableId) -> None:
         """Unloads a program."""
 
+    def refuse(self, executable_id: ExecutableId, device_ids: Sequence[int],
+               error: errors.IsthmusError) -> None:
+        """Unloads a program that crashed a worker and never compiles it again: every later
+        Execute of it fails its outputs with `error`. Only worker processes are told (an
+        in-process host's crash takes its controller with it)."""
+
     def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
         """Runs a loaded program on the worker's shards of its arguments.

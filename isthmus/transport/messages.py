@@ -20,7 +20,7 @@ from isthmus.transport.frames import Parts, Tailed
 
 __all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
 
-PROTOCOL_VERSION = 7  # bump when a message changes shape
+PROTOCOL_VERSION = 8  # bump when a message changes shape
 PIECE_BYTES = 64 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
@@ -74,6 +74,17 @@ def dtype_of(name: str) -> Any:
 # ---- worker -> controller -------------------------------------------------------------------
 
 @_message
+class CrashReport:
+    """The last worker process of this host slot died of a fatal signal (its crash records,
+    `worker/crashes.py`)."""
+
+    controller: int  # the incarnation of the controller it served (`Welcome.controller`)
+    executable: int  # the executable it was dispatching (0: none)
+    pid: int  # its process id
+    fatal: str  # the first line of faulthandler's text ("Fatal Python error: ...")
+
+
+@_message
 class Register:
     """A worker introduces itself (the first message of its stream)."""
 
@@ -89,6 +100,7 @@ class Register:
     # Whether each device has a colocated CPU device beside it (accelerators do; see
     # `controller/fleet.py`); the worker serves them on a CPU client of its own.
     companions: bool = False
+    crash: CrashReport | None = None  # how the slot's last worker process died, if it crashed
 
 
 @_message
@@ -152,6 +164,9 @@ class Welcome:
     # there answers with SharedDir. None: the controller has no shared directory.
     shared_probe: tuple[str, str] | None = None
     token: str = ""  # names this membership in the worker's pulses (`isthmus.Fleet/Alive`)
+    # This controller process, among all that ever ran (random): a crash report names the
+    # programs of the controller it came from, and another controller ignores it.
+    controller: int = 0
 
 
 @_message
@@ -388,6 +403,16 @@ class ReadShards:
 @_message
 class DropExecutable:
     executable: int
+
+
+@_message
+class Refuse:
+    """The program crashed a worker: drop it, never compile it again, and fail the outputs
+    of every Execute of it with `error` (a ProgramRefused)."""
+
+    executable: int
+    device_ids: tuple[int, ...]  # global ids of the program's devices, in its order
+    error: Any
 
 
 @_message

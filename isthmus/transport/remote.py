@@ -277,6 +277,10 @@ class RemoteWorker:
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self._command(m.DropExecutable(executable_id))
 
+    def refuse(self, executable_id: ExecutableId, device_ids: Sequence[int],
+               error: errors.IsthmusError) -> None:
+        self._command(m.Refuse(executable_id, tuple(device_ids), error))
+
     def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
         self._command(_execute(executable_id, args, results, copy_first))

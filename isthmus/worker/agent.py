@@ -22,13 +22,14 @@ import time
 from typing import Any
 
 from isthmus import errors, gctune
-from isthmus.ids import COMPANION_BASE
+from isthmus.ids import COMPANION_BASE, BufferId
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.tls import TlsConfig
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.compile_cache import CompileCache
+from isthmus.worker.crashes import CrashConfig, CrashRecord
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
                                      PlatformUnavailable, companion_devices, describe,
@@ -65,6 +66,7 @@ class WorkerConfig:
     # The command line that starts this worker afresh (a worker the controller declared
     # lost while it was alive replaces itself with it); empty: it exits instead.
     argv: tuple[str, ...] = ()
+    crash: CrashConfig = CrashConfig()  # crash records of its slot (`worker/crashes.py`)
 
 
 class WorkerAgent(CommandApplier):
@@ -79,6 +81,10 @@ class WorkerAgent(CommandApplier):
         # Every program the controller gave this worker, by executable id. Kept across
         # collective groups: after a re-formation a program is compiled again on first use.
         self._programs: dict[int, CompileRequest | ColocatedProgram] = {}
+        # Programs the controller refused (they crashed a worker): executable id -> (the
+        # error their Executes fail with, their devices' global ids).
+        self._refused: dict[int, tuple[errors.IsthmusError, tuple[int, ...]]] = {}
+        self._crashes = CrashRecord(config.crash)
         cache = config.platform.compile_cache
         self._compile_cache = CompileCache(cache) if cache is not None else None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -101,12 +107,15 @@ class WorkerAgent(CommandApplier):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._described: Description | None = None  # read off a client at start
         self._applied = 0  # weight of the commands applied in this membership
+        self._joined = False  # some controller has welcomed this process
         self._acked = 0  # ... of which the controller has been told (`Applied`)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        crash = self._crashes.take()  # how this slot's last process died, if it crashed
+        self._crashes.arm()
         # Heavy imports now, before registering: later they would hold the GIL and silence
         # the heartbeats.
         await loop.run_in_executor(None, preload)
@@ -122,9 +131,11 @@ class WorkerAgent(CommandApplier):
         register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, described.devices,
                               described.platform, described.device_kind, f"{advertise}:{port}",
                               socket.gethostname(), os.getpid(), described.memory_kinds,
-                              described.companions)
+                              described.companions, crash)
         while not self._stop.is_set():
             code = await self._serve(register)
+            if self._joined:
+                register = dataclasses.replace(register, crash=None)  # reported once
             if self._stop.is_set() or code != EXIT_CONTROLLER_LOST:
                 self.exit_code = code if not self._stop.is_set() else self.exit_code
                 break
@@ -164,6 +175,8 @@ class WorkerAgent(CommandApplier):
             await self._link.close()
             return EXIT_REFUSED
         logger.info("joined as slice %s host %s", welcome.slice_index, welcome.host_index)
+        self._joined = True
+        self._crashes.joined(welcome.controller)
         self._applied = self._acked = 0
         self._loop = asyncio.get_running_loop()
         if self._pulse is None:
@@ -191,6 +204,7 @@ class WorkerAgent(CommandApplier):
         self._next_client = self._next_companions = None
         self._incoming.clear()
         self._programs.clear()
+        self._refused.clear()
         self._tasks.clear()
 
     def stop(self, code: int = EXIT_SHUTDOWN) -> None:
@@ -266,6 +280,10 @@ class WorkerAgent(CommandApplier):
                 if isinstance(command, m.CallPython):
                     await self._load(command.executable)
                 elif isinstance(command, m.Execute):
+                    if command.executable in self._refused:
+                        self._fail_refused(command)
+                        self._applied += m.weight(command)
+                        continue
                     await self._load(command.executable)
                     if self.host is not None and self.host.is_collective(command.executable):
                         await self.host.collective_settled(command.executable,
@@ -361,6 +379,16 @@ class WorkerAgent(CommandApplier):
         reason, at = self._last_loss
         return reason if time.monotonic() - at < 2 * LOSS_REASON_WAIT else ""
 
+    def _fail_refused(self, command: m.Execute) -> None:
+        """An Execute of a program the controller refused: its outputs here hold the error."""
+        if self.host is None:
+            return
+        error, device_ids = self._refused[command.executable]
+        positions = self.host.local_positions(device_ids)
+        for base in command.results:
+            for p in positions:
+                self.host.fail(BufferId(base + p), error)
+
     async def _load(self, executable: int) -> None:
         """Compiles a known program that the current client lacks (the group re-formed, or
         the program came with `Load`), before the Execute that needs it is applied. A
@@ -369,9 +397,12 @@ class WorkerAgent(CommandApplier):
         if host is None or request is None or host.knows(executable):
             return
         try:
-            await host.compile(executable, request)
+            info = await host.compile(executable, request)
         except Exception:  # noqa: BLE001 - the host keeps the error for the Execute
             logger.warning("compiling program %s again failed", executable, exc_info=True)
+            return
+        if info is not None:
+            self._crashes.compiled(executable, info.name)
 
     # ---- collective groups ---------------------------------------------------------------
 

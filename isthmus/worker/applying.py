@@ -17,6 +17,7 @@ from isthmus.transport.base import answered
 from isthmus.transport.links import ControllerLink, PeerClient
 from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.commands import _Incoming, _request, write_fetched
+from isthmus.worker.crashes import CrashRecord
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.programs import CompileRequest
 
@@ -29,6 +30,8 @@ class CommandApplier:
     host: DeviceHost | None
     _incoming: dict[int, _Incoming]
     _programs: dict[int, CompileRequest | ColocatedProgram]
+    _refused: dict[int, tuple[errors.IsthmusError, tuple[int, ...]]]
+    _crashes: CrashRecord
     _link: ControllerLink
     _peers: PeerClient
 
@@ -46,7 +49,13 @@ class CommandApplier:
     def _apply(self, c: Any) -> None:
         host = self._require_host()
         if isinstance(c, m.Execute):
-            host.execute(c.executable, c.args, c.results, c.copy_first)
+            # The crash record names the program while jaxlib dispatches it (`crashes.py`).
+            running = self._crashes.running
+            running(c.executable)
+            try:
+                host.execute(c.executable, c.args, c.results, c.copy_first)
+            finally:
+                running(0)
         elif isinstance(c, m.PutBegin):
             self._incoming[c.buffer] = _Incoming(Assembly(c.nbytes), c.device, c.memory_kind,
                                                  m.dtype_of(c.dtype), c.shape)
@@ -91,6 +100,10 @@ class CommandApplier:
         elif isinstance(c, m.DropExecutable):
             self._programs.pop(c.executable, None)
             host.drop_executable(c.executable)
+        elif isinstance(c, m.Refuse):
+            self._refused[c.executable] = (c.error, tuple(c.device_ids))
+            self._programs.pop(c.executable, None)
+            host.drop_executable(c.executable)
         elif isinstance(c, m.Ready):
             if host.all_ready(c.buffers):  # the common case of a small step: answer now
                 self._reply(c.request)
@@ -115,6 +128,7 @@ class CommandApplier:
 
     async def _compile(self, host: DeviceHost, c: m.Compile) -> Any:
         info = await host.compile(c.executable, self._programs[c.executable])
+        self._crashes.compiled(c.executable, info.name)
         return dataclasses.replace(info, param_avals=())
 
     async def _send_buffer(self, request: int, fetched: Any) -> Any:

@@ -8,15 +8,24 @@ at the same address, and joins it. A worker that was told to leave (the controll
 on purpose), refused, or that found no controller within its timeout ends the supervisor
 with the same exit code. Local fleets (`isthmus up`) and Slurm steps have their own
 supervisors and run workers directly.
+
+Every child gets the same crash-record path (`worker/crashes.py`): a child that a program
+crashed is followed by one that reports the program, and the controller refuses it, so one
+bad request costs one restart (and a quick one: it counts toward MAX_QUICK_FAILURES).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+
+from isthmus.worker.crashes import CRASH_RECORD_ENV
 
 FINAL_CODES = {0, 2, 3, 5}  # shutdown, refused, no controller in time, no platform
 QUICK_FAILURE = 60.0  # a child that ran less than this and died counts toward the limit
@@ -24,11 +33,19 @@ MAX_QUICK_FAILURES = 10
 ENVIRONMENT = "ISTHMUS_WORKER_SUPERVISED"
 
 
-def supervise(argv: Sequence[str]) -> int:
-    """Runs `isthmus worker ARGV` in child processes until one ends for good."""
-    import os
+def supervise(argv: Sequence[str], crash_record: str | None = None) -> int:
+    """Runs `isthmus worker ARGV` in child processes until one ends for good. The children
+    keep their crash records at `crash_record` (None: in a directory made for them)."""
+    own = None if crash_record else tempfile.mkdtemp(prefix="isthmus-worker-")
+    try:
+        return _supervise(argv, crash_record or os.path.join(own or "", "worker"))
+    finally:
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
-    env = {**os.environ, ENVIRONMENT: "1"}
+
+def _supervise(argv: Sequence[str], crash_record: str) -> int:
+    env = {**os.environ, ENVIRONMENT: "1", CRASH_RECORD_ENV: crash_record}
     command = [sys.executable, "-m", "isthmus.cli", *argv]
     child: subprocess.Popen[bytes] | None = None
     stopping = False
