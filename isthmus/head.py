@@ -137,7 +137,8 @@ class Head:
                 config.fleet, fleet,
                 ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir,
                               heartbeat_timeout=config.heartbeat_timeout),
-                on_slice_down=controller.poison_slice)
+                on_slice_down=controller.poison_slice, on_crash=controller.crashed,
+                last_program=controller.last_program)
             self.fleet_service = FleetServicer(self.manager, config.fleet_token, config.tls)
             await self.fleet_service.start(config.host, config.fleet_port)
             extra_methods = self.fleet_service.methods()

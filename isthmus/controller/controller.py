@@ -2,7 +2,8 @@
 
 It owns the fleet, hands out buffer and executable ids, keeps the account of live buffers per
 worker, and caches compiled programs by (program, options, devices) so that two sessions
-compiling the same step share one executable.
+compiling the same step share one executable. A program that crashed a worker process
+(`crashed`) is refused from then on, on any devices (`program_digest`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from isthmus import errors
 from isthmus.controller.arrays import Buffer, BufferGroup
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
-from isthmus.worker.programs import CompiledInfo, CompileRequest
+from isthmus.transport.messages import CrashReport
+from isthmus.worker.programs import CompiledInfo, CompileRequest, canonical_digest
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,8 @@ class Executable:
 
     __slots__ = ("id", "key", "devices", "device_ids", "positions", "parts", "workers",
                  "compiled", "info", "refs", "error", "request", "epoch", "holders",
-                 "output_specs", "input_specs")
+                 "output_specs", "input_specs", "param_specs", "dispatched",
+                 "refused")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
                  request: CompileRequest) -> None:
@@ -61,10 +64,17 @@ class Executable:
         self.workers = tuple(self.parts)  # where its commands go (the controller interns it)
         self.output_specs: list | None = None  # per output, worked out at the first Execute
         self.input_specs: list | None = None  # per input of a colocated Python program
+        # per parameter: (sharding it must arrive in, or None: unknown; memory kind), worked
+        # out at the first Execute
+        self.param_specs: list | None = None
         self.compiled: asyncio.Future[CompiledInfo] | None = None
         self.info: CompiledInfo | None = None
         self.error: errors.IsthmusError | None = None
         self.refs = 0
+        # When an Execute of it was last dispatched (`Controller.ensure_loaded`'s count): a
+        # lost worker's error names the last program it was given.
+        self.dispatched = 0
+        self.refused: str | None = None  # why it is refused (it crashed a worker), if it is
 
 
 class Controller:
@@ -79,6 +89,10 @@ class Controller:
         self._live: dict[BufferId, BufferGroup] = {}  # by base id
         self._executables: dict[bytes, Executable] = {}
         self._idle: dict[bytes, Executable] = {}  # released executables, oldest first
+        self._dispatches = itertools.count(1)
+        # Programs that crashed a worker: `program_digest` -> why they are refused.
+        self._refused: dict[bytes, str] = {}
+        self._digests: dict[bytes, bytes] = {}  # SHA-256 of a program -> its program_digest
         self.sessions: set[object] = set()
 
     # ---- buffers -------------------------------------------------------------------------
@@ -181,6 +195,10 @@ class Controller:
         else:
             key = hashlib.sha256(request.module).digest() + hashlib.sha256(
                 request.compile_options).digest() + repr([d.id for d in devices]).encode()
+            if self._refused:
+                refused = self._refused.get(self.program_digest(key, request))
+                if refused is not None:
+                    raise errors.ProgramRefused(refused)
         executable = self._executables.get(key)
         if executable is not None and executable.error is None:
             self._idle.pop(key, None)
@@ -206,15 +224,84 @@ class Controller:
         """Gives the program to every current worker of `executable` that lacks it (one that
         replaced a lost worker), ahead of the Execute being dispatched. Called at dispatch
         time, so it sees the channels the Execute will go to; O(1) while the fleet is
-        unchanged."""
+        unchanged. A refused program is refused to them instead (their Executes fail)."""
+        executable.dispatched = next(self._dispatches)
         if executable.epoch == self.fleet.epoch:
             return
+        refused = executable.refused
         for worker in executable.parts:
             channel = self.fleet.channel(worker)
             if executable.holders.get(worker) is not channel:
-                channel.load(executable.id, executable.request)
+                if refused is None:
+                    channel.load(executable.id, executable.request)
+                else:
+                    channel.refuse(executable.id, executable.device_ids,
+                                   errors.ProgramRefused(refused))
                 executable.holders[worker] = channel
         executable.epoch = self.fleet.epoch
+
+    def program_digest(self, key: bytes, request: CompileRequest) -> bytes:
+        """What names a program for refusing it: the SHA-256 of its bytes without debug
+        information (`canonical_digest`), so that the same function from another script, or
+        at another line, is the same program; and not its options, which carry the device
+        assignment: a program refused on some devices is refused on all. Parsing costs a
+        few ms per program; only done while some program is refused, once per program."""
+        raw = key[:32]  # the SHA-256 of the program's bytes
+        digest = self._digests.get(raw)
+        if digest is None:
+            try:
+                digest = canonical_digest(request.module)
+            except Exception:  # noqa: BLE001 - it does not parse: it will not compile either
+                digest = raw
+            self._digests[raw] = digest
+        return digest
+
+    def last_program(self, worker: WorkerId) -> str | None:
+        """The name of the last program dispatched to `worker`, if the controller still
+        knows it (for the error of a worker that was lost)."""
+        last: Executable | None = None
+        for executable in self._executables.values():
+            if executable.dispatched and worker in executable.parts and (
+                    last is None or executable.dispatched > last.dispatched):
+                last = executable
+        return last.info.name if last is not None and last.info is not None else None
+
+    def crashed(self, report: CrashReport, where: str) -> None:
+        """A worker process died of a fatal signal while dispatching `report.executable`
+        (its successor in the slot says so; `where` names the worker): that program is
+        refused from now on, on every device, until this process ends. Its executables are
+        refused to their workers now (their Executes fail there) and to workers that join
+        later (`ensure_loaded`); its Compile is refused here (`executable`)."""
+        executable = next((e for e in self._executables.values()
+                           if e.id == report.executable), None) if report.executable else None
+        if executable is None or getattr(executable.request, "private", False):
+            logger.warning("worker %s died of a fatal signal (%s) %s; see its log", where,
+                           report.fatal, f"while dispatching executable {report.executable}, "
+                           "which this controller no longer knows" if report.executable
+                           else "outside any program")
+            return
+        digest = self.program_digest(executable.key, executable.request)
+        if digest in self._refused:
+            return
+        name = executable.info.name if executable.info is not None else "(unnamed)"
+        self._refused[digest] = message = (
+            f"program {name} crashed worker {where} with "
+            f"\"{report.fatal or 'a fatal signal'}\"; this server refuses to compile or run it "
+            "until its controller restarts. Change the program or its inputs (the worker's "
+            "log has the fatal traceback), or restart the controller to try it again.")
+        logger.warning("%s", message)
+        for other in self._executables.values():
+            # The same program has the same name (the module's): only those are digested.
+            if other is executable or (
+                    other.info is not None and other.info.name == name
+                    and not getattr(other.request, "private", False)
+                    and self.program_digest(other.key, other.request) == digest):
+                other.refused = message
+                other.epoch = -1  # `ensure_loaded` refuses it to workers that join later
+                for worker in other.parts:
+                    channel = self.fleet.channel(worker)
+                    channel.refuse(other.id, other.device_ids, errors.ProgramRefused(message))
+                    other.holders[worker] = channel
 
     async def _compile(self, executable: Executable, request: CompileRequest) -> CompiledInfo:
         executable.epoch = self.fleet.epoch

@@ -14,6 +14,11 @@ as a new *generation*: every worker builds a fresh jaxlib client on a new coordi
 service and moves its buffers into it (computations stuck on the lost peer are abandoned),
 and executables are compiled again on first use. A slice comes back when all its host slots
 are members again.
+
+A worker whose predecessor in its slot died of a fatal signal says so when it registers
+(`Register.crash`, from the slot's crash records); `on_crash` then refuses the program that
+was being dispatched. Reports name executables of one controller process (`incarnation`,
+sent in the Welcome and kept in the records): a report from another one is only logged.
 """
 
 from __future__ import annotations
@@ -66,12 +71,20 @@ class FleetManager:
 
     def __init__(self, spec: FleetSpec, fleet: Fleet, config: ManagerConfig | None = None,
                  on_slice_down: Callable[[SliceId, errors.IsthmusError], None] | None = None,
-                 on_generation: Callable[[int], None] | None = None) -> None:
+                 on_generation: Callable[[int], None] | None = None,
+                 on_crash: Callable[[m.CrashReport, str], None] | None = None,
+                 last_program: Callable[[WorkerId], str | None] | None = None) -> None:
+        """`on_crash(report, worker)`: a worker process of this controller died of a fatal
+        signal; `last_program(slot)`: the name of the last program given to a slot's
+        worker, for the error when it is lost."""
         self.spec = spec
         self.fleet = fleet
         self.config = config or ManagerConfig()
         self._on_slice_down = on_slice_down or (lambda s, e: None)
         self._on_generation = on_generation or (lambda g: None)
+        self._on_crash = on_crash or (lambda r, w: None)
+        self._last_program = last_program or (lambda w: None)
+        self.incarnation = secrets.randbits(63) | 1  # this controller process (never 0)
         self.members: dict[WorkerId, RemoteWorker] = {}  # slots in the current group
         self._tokens: dict[str, RemoteWorker] = {}  # live memberships by pulse token
         self._losses: list[str] = []  # losses since the group last formed (for errors)
@@ -200,13 +213,26 @@ class FleetManager:
         self.fleet.attach(slot, channel)
         logger.info("worker %s:%s joined as slice %s host %s", message.hostname, message.pid,
                     slice_index, host)
+        if message.crash is not None:
+            self._crash_reported(message, slice_index, host)
         self._form_wanted.set()
         return channel
+
+    def _crash_reported(self, message: m.Register, slice_index: int, host: int) -> None:
+        crash = message.crash
+        assert crash is not None
+        where = f"{message.hostname}:{crash.pid} (slice {slice_index}, host {host})"
+        if crash.controller == self.incarnation:
+            self._on_crash(crash, where)
+        else:
+            logger.warning("worker %s died of a fatal signal (%s) while serving another "
+                           "controller process; see its log", where, crash.fatal)
 
     def welcome(self, channel: RemoteWorker) -> m.Welcome:
         device = self._slot_devices(channel.slot)[0]
         return m.Welcome(channel.slot, device.slice_index, device.host_index,
-                         self.config.heartbeat_interval, self._probe(channel), channel.token)
+                         self.config.heartbeat_interval, self._probe(channel), channel.token,
+                         self.incarnation)
 
     def alive(self, token: str) -> bytes:
         """A worker's pulse: what it should do (`messages.ALIVE_*`)."""
@@ -253,6 +279,9 @@ class FleetManager:
             return
         device = self._slot_devices(channel.slot)[0]
         register = channel.register
+        program = self._last_program(channel.slot)
+        if program is not None:
+            reason += f"; the last program it was given was {program}"
         error = errors.WorkerLost(
             f"worker {register.hostname}:{register.pid} (slice {device.slice_index}, host "
             f"{device.host_index}) was lost: {reason}. Arrays on slice {device.slice_index} "

@@ -41,7 +41,7 @@ def test_slots_device_ids_and_refusals():
         b = manager.register(register(slice_index=1, pid=11), sent.append, "peer")
         assert (a.slot, b.slot) == (2, 3)  # slice 1, hosts 0 and 1
         assert manager.welcome(b) == m.Welcome(3, 1, 1, manager.config.heartbeat_interval,
-                                               token=b.token)
+                                               token=b.token, controller=manager.incarnation)
         assert a.token != b.token and len(b.token) == 16
         # Pulses: a member carries on; a lost (or unknown) membership starts afresh.
         assert manager.alive(b.token) == m.ALIVE_OK
