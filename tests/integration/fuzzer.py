@@ -596,7 +596,9 @@ class Sess:
                     out.handle = outputs[0].array_handle
                 for i in program.donate:
                     if i < len(inputs):
-                        self.end(inputs[i])
+                        # Built with odd options, the program may keep what it was given.
+                        self.end(inputs[i]) if exe.trusted else setattr(
+                            inputs[i], "state", max(inputs[i].state, State.MAYBE))
             self.add(out) if out.handle else None
 
         if not server_minted:
