@@ -32,6 +32,15 @@ _USER_LOG_LEVEL = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
 logger = logging.getLogger("isthmus.cli")
 
 
+def _default_max_array_bytes() -> int:
+    """Half of this machine's physical memory (1 TiB where it cannot be read): an array made
+    from host data is cut into its shards in the controller's memory."""
+    try:
+        return min(1 << 40, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
 def _server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1)")
@@ -75,8 +84,10 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-buffer-timeout", type=float, default=10.0,
                         help="seconds a request waits for its host data to start arriving "
                              "(default: 10)")
-    parser.add_argument("--max-array-bytes", type=int, default=1 << 40,
-                        help="largest array the server accepts, in bytes")
+    parser.add_argument("--max-array-bytes", type=int, default=_default_max_array_bytes(),
+                        help="largest array made from host data (and largest upload) the "
+                             "server accepts, in bytes; such arrays pass through the "
+                             "controller's memory (default: half of this machine's memory)")
     parser.add_argument("--shared-dir", default="auto",
                         help="directory where clients on this machine hand over large host "
                              "buffers through shared memory; 'auto' makes one under /dev/shm, "

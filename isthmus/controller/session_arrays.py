@@ -244,10 +244,13 @@ class SessionArrays(SessionCore):
             array.delete_sent = True  # deleted in dispatch order: earlier reads see it
 
         def run() -> None:
-            for array in arrays:
+            # An array already deleted or donated (earlier in dispatch order) owns nothing
+            # any more: its buffers are gone, or another array's now.
+            live = [a for a in arrays if not a.deleted]
+            for array in live:
                 array.consume()
-            self.controller.free_groups([a.group for a in arrays if a.group is not None])
-            self.controller.free_buffers([b for a in arrays if a.group is None
+            self.controller.free_groups([a.group for a in live if a.group is not None])
+            self.controller.free_buffers([b for a in live if a.group is None
                                           for b in a.shards])
             result.set_result(None)
 

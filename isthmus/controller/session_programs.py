@@ -60,9 +60,11 @@ class SessionPrograms(SessionArrays):
                     f"expects {aval.dtype.kind}{list(aval.shape)}.")
             _check_placement(executable, index, array, *specs[index])
             refs.append(self._argument(executable, index, array))
-        outputs = self._outputs(executable)
         donated = frozenset(info.donated_inputs) - non_donatable
         copy_first = frozenset(info.donated_inputs) & non_donatable
+        if donated and len(args) > 1:
+            _check_donations(donated, refs, len(executable.devices))
+        outputs = self._outputs(executable)
         dependencies: list[BufferGroup | asyncio.Future] = list(groups_of(args))
         results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
 
@@ -186,3 +188,21 @@ def _check_placement(executable: Executable, index: int, array: Array,
             f"argument {index} is in memory kind {kind!r} but the program reads it from "
             f"{memory_kind!r}; copy it there first (jax.device_put with a sharding of that "
             "memory kind).")
+
+
+def _check_donations(donated: frozenset[int], refs: Sequence[int | tuple[BufferId, ...]],
+                     count: int) -> None:
+    """Refuses a donated argument whose buffers another argument also reads (jaxlib would
+    free them under the other read)."""
+    def ids(ref: int | tuple[BufferId, ...]) -> set[int]:
+        return set(range(ref, ref + count)) if isinstance(ref, int) else set(ref)
+
+    for index in sorted(donated):
+        if index >= len(refs):
+            continue
+        mine = ids(refs[index])
+        for other, ref in enumerate(refs):
+            if other != index and not mine.isdisjoint(ids(ref)):
+                raise errors.InvalidRequest(
+                    f"argument {index} is donated to the program, but argument {other} "
+                    "reads the same buffers; pass a copy as one of them, or do not donate it.")

@@ -9,7 +9,7 @@ against the buffer's actual size before any byte is read.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -121,6 +121,30 @@ def _strides(body: Any) -> tuple[int, ...] | None:
     return tuple(body.byte_strides.strides) if body.HasField("byte_strides") else None
 
 
+def check_upload_strides(dtype: dtypes.DType, shape: Sequence[int],
+                         byte_strides: tuple[int, ...] | None) -> None:
+    """Byte strides of host data must match the shape's rank and keep every element in
+    bytes of its own: a zero or overlapping stride would let a few uploaded bytes stand for
+    an array of any size (the stock client never sends one: it refuses them itself)."""
+    if byte_strides is None or dtype.is_string:
+        return
+    if len(byte_strides) != len(shape):
+        raise errors.InvalidRequest(
+            f"byte_strides {list(byte_strides)} do not match the rank of shape {list(shape)}.")
+    if any(s < 0 for s in byte_strides):
+        raise errors.InvalidRequest(
+            f"byte_strides {list(byte_strides)} contain a negative stride; isthmus needs "
+            "non-negative strides.")
+    extent = dtype.itemsize  # bytes spanned by the dimensions checked so far
+    for stride, dim in sorted((s, d) for s, d in zip(byte_strides, shape) if d > 1):
+        if stride < extent:
+            raise errors.InvalidRequest(
+                f"byte_strides {list(byte_strides)} make the elements of shape {list(shape)} "
+                f"and dtype {dtype.kind} overlap (stride {stride} where at least {extent} "
+                "bytes are needed); send each element once (np.ascontiguousarray).")
+        extent = stride * (dim - 1) + extent
+
+
 class _HostShard:
     """A shard's (or a whole array's) host buffer, as the controller takes it (`HostShard`):
     decoded and handed on in the turn it is here."""
@@ -155,9 +179,7 @@ def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> No
     dtype, shape = serdes.dtype(body.dtype), serdes.shape(body.shape)
     sharding = serdes.sharding(body.sharding)
     strides = _strides(body)
-    if strides is not None and len(strides) != len(shape):
-        raise errors.InvalidRequest(
-            f"byte_strides {list(strides)} do not match the rank of shape {list(shape)}.")
+    check_upload_strides(dtype, shape, strides)
     if body.HasField("layout"):
         _check_default_layout(session, body.layout, len(shape))
     host = _HostShard(session, body.host_buffer_handle, dtype, shape, strides)
@@ -219,8 +241,11 @@ def _array_from_shards(session: Any, spec: Any) -> Any:
             raise errors.InvalidRequest(
                 f"a host shard has dtype {dtype.kind} but the array is "
                 f"{array_spec.dtype.kind}.")
+        shape = session.ctl.validate_shape(dtype, shape)
+        strides = _strides(buffer)
+        check_upload_strides(dtype, shape, strides)
         pieces.append((tuple(indices.indices), _HostShard(
-            session, buffer.host_buffer_handle, dtype, shape, _strides(buffer))))
+            session, buffer.host_buffer_handle, dtype, shape, strides)))
     return session.ctl.make_array_from_shards(
         array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
 

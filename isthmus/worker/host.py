@@ -78,6 +78,10 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
         # Outputs of programs that span other hosts -> those programs' devices: when the
         # group re-forms without one of them, such an output still being computed never will.
         self._spans: dict[BufferId, frozenset[int]] = {}
+        # buffer -> reads in flight (a fetch or readiness wait that found it not computed
+        # yet): a later program that donates it gets a copy instead, so that commands act
+        # in the order they came (the read sees the value, not a donated husk).
+        self._reads: dict[BufferId, int] = {}
         # Output shards of the last program over several devices (see `collective_pending`).
         self._last_collective: list[Any] = []
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
@@ -289,7 +293,32 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             values = [self._get(b) for b in buffer_ids]
         except errors.IsthmusError as e:
             return _failed(e)
-        return self._wait_ready(values)
+        if all(v.is_ready() for v in values):  # answered now: a later donation cannot race
+            try:
+                for value in values:
+                    value.block_until_ready()  # returns at once, or raises the stored error
+            except Exception as e:  # noqa: BLE001
+                return _failed(computation_error(e))
+            return _done()
+        return self._reading(buffer_ids, self._wait_ready(values))
+
+    def _reading(self, buffer_ids: Sequence[BufferId], read: Awaitable[Any]) -> Awaitable[Any]:
+        """`read`, with `buffer_ids` counted as read in flight (see `_reads`) from now (the
+        commands applied after this one see them) until it ends."""
+        for b in buffer_ids:
+            self._reads[b] = self._reads.get(b, 0) + 1
+        return self._read_ends(buffer_ids, read)
+
+    async def _read_ends(self, buffer_ids: Sequence[BufferId], read: Awaitable[Any]) -> Any:
+        try:
+            return await read
+        finally:
+            for b in buffer_ids:
+                left = self._reads[b] - 1
+                if left:
+                    self._reads[b] = left
+                else:
+                    del self._reads[b]
 
     async def _wait_ready(self, values: list[Any]) -> None:
         pending = [v for v in values if not v.is_ready()]
@@ -307,6 +336,14 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
         except Exception as e:  # noqa: BLE001
             raise computation_error(e) from None
 
+    def _read_args(self, args: Sequence[int | Sequence[BufferId]], positions: Sequence[int],
+                   donated: Sequence[int]) -> frozenset[int]:
+        """The donated arguments some shard of which a read in flight still needs."""
+        return frozenset(i for i in donated if i < len(args) and any(
+            b in self._reads for b in (
+                [BufferId(args[i] + p) for p in positions]  # type: ignore[operator]
+                if isinstance(args[i], int) else [args[i][p] for p in positions])))  # type: ignore[index]
+
     def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
         """Resolves to the host copy of one buffer, once it is computed (`nbytes`, the
         controller's size of it, matters only to channels that choose a path by size)."""
@@ -320,7 +357,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             return _failed(e)
         except Exception:  # noqa: BLE001 - a failed computation: reported as below
             pass
-        return self._wait_value(value)
+        return self._reading([buffer_id], self._wait_value(value))
 
     async def _wait_value(self, value: Any) -> np.ndarray:
         try:
@@ -416,6 +453,9 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
                 raise errors.InternalError(
                     f"executable {executable_id} is not loaded on this host; this is a bug in "
                     "isthmus: please report it.")
+            if self._reads and loaded.info.donated_inputs:
+                copy_first = copy_first | self._read_args(args, positions,
+                                                          loaded.info.donated_inputs)
             arrays = []
             for index, ref in enumerate(args):
                 if isinstance(ref, int):
