@@ -258,7 +258,9 @@ class Sess:
         code, message = status_of(p.response)
         self.f.statuses[code] += 1
         if code:
-            self.f.errors[(p.label.split("[")[0], code)] += 1
+            key = (p.label.split("[")[0], code)
+            self.f.errors[key] += 1
+            self.f.error_examples.setdefault(key, f"{self.describe(p)} -> {message}")
         if code == INTERNAL or "bug in isthmus" in message:
             self.f.find("internal", p.label, self.describe(p), f"{code}: {message}")
         elif code == 0 and not has_body(p.response):
@@ -375,6 +377,8 @@ class Sess:
                memory: str = "", reuse: float = 0.7) -> Arr:
         """A live f32 array of that shape and sharding: one the session holds, or a new one."""
         devices = tuple(devices)
+        if layout == "grid" and len(devices) != 4:  # for a program built over other devices
+            layout = "tiled"
         if self.f.rng.random() < reuse:
             found = self.pick(lambda a: a.devices == devices and a.layout == layout and
                               a.value.shape == tuple(shape) and a.memory == memory and
@@ -672,6 +676,7 @@ class Fuzzer:
         self.kinds: collections.Counter[str] = collections.Counter()
         self.statuses: collections.Counter[int] = collections.Counter()
         self.errors: collections.Counter[tuple[str, int]] = collections.Counter()  # by episode
+        self.error_examples: dict[tuple[str, int], str] = {}  # the first of each
         self.ran: collections.Counter[str] = collections.Counter()
         self.findings: list[Finding] = []
         self.episode_log: list[str] = []  # the requests of the current episode

@@ -270,16 +270,25 @@ def test_execute_with_permuted_devices(any_client: Client, order: list[int]) -> 
 
 # ---- 4. one host buffer named twice ------------------------------------------------------
 
-def test_two_arrays_on_one_host_buffer(client: Client) -> None:
+@pytest.mark.parametrize("earlier", [False, True])
+def test_two_arrays_on_one_host_buffer(client: Client, earlier: bool) -> None:
+    """`earlier`: a request before them still waits for its own upload (the fuzzer found
+    the second one then accepted, failing DEADLINE_EXCEEDED after --host-buffer-timeout)."""
     c = client
     host = c.handle()
     first, second = c.handle(), c.handle()
     sharding = c.replicated(c.devices[:1])
+    if earlier:
+        waiting_host, waiting = c.handle(), c.handle()
+        c.raw.send("make_array_from_host_buffer_request",
+                   c.make_body(Y, sharding, waiting_host, waiting))
     op1 = c.raw.send("make_array_from_host_buffer_request",
                      c.make_body(X, sharding, host, first))
     op2 = c.raw.send("make_array_from_host_buffer_request",
-                     c.make_body(X, sharding, host, second))
+                     c.make_body(X, c.replicated(c.devices[1:2]), host, second))
     c.raw.store(host, X.tobytes())
+    if earlier:
+        c.raw.store(waiting_host, Y.tobytes())
     s1, s2 = status_of(c.raw.wait(op1, 10)), status_of(c.raw.wait(op2, 10))
     assert s1[0] == OK, s1
     status, got = c.read(first)
