@@ -44,7 +44,7 @@ def _mutated_execute(s: Sess, change: Callable[[Exe, list[Arr]], list[Arr] | Non
 def _swap_layout(s: Sess, exe: Exe, args: list[Arr]) -> list[Arr] | None:
     """Defect 1's shape: a tiled argument given replicated or the reverse."""
     spots = [i for i, a in enumerate(exe.program.args) if a.layout in ("tiled", "replicated")]
-    if not spots or exe.program.devices == 1:
+    if not spots or len(exe.devices) == 1:
         return None
     i = s.f.rng.choice(spots)
     wrong = "replicated" if exe.program.args[i].layout == "tiled" else "tiled"
@@ -55,7 +55,7 @@ def _swap_layout(s: Sess, exe: Exe, args: list[Arr]) -> list[Arr] | None:
 def _permute(s: Sess, exe: Exe, args: list[Arr]) -> list[Arr] | None:
     """Defect 3's shape: a tiled argument over the program's devices in another order."""
     spots = [i for i, a in enumerate(exe.program.args) if a.layout in ("tiled", "grid")]
-    if not spots or exe.program.devices == 1:
+    if not spots or len(set(exe.devices)) < 2:  # (a program built over one device)
         return None
     i = s.f.rng.choice(spots)
     devices = list(exe.devices)
