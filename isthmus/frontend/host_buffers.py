@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 _CLAIMED = ("host buffer {handle} is already used by another request (or twice in this one) "
             "of this session; upload each buffer under a handle of its own.")
 
+USED_KEPT = 1 << 16  # handles of used buffers remembered per session (about 6 MiB at most)
+
 Receiver = Callable[[memoryview | None, errors.IsthmusError | None], None]
 
 
@@ -51,6 +53,9 @@ class HostBufferStore:
         self._closed: errors.IsthmusError | None = None
         self.bytes_held = 0
         self._waiting: dict[int, _Entry] = {}  # taken, their uploads not begun
+        # The handles of the last USED_KEPT buffers a request took: naming one again is
+        # refused at once (it would otherwise wait for an upload that never comes).
+        self._used: dict[int, None] = {}
         self._watchdog: asyncio.TimerHandle | None = None
 
     def _entry(self, handle: int) -> _Entry:
@@ -66,6 +71,8 @@ class HostBufferStore:
         """An upload started: requests waiting on it no longer time out."""
         if self._closed is not None:
             raise self._closed
+        if handle in self._used:
+            raise errors.InvalidRequest(_CLAIMED.format(handle=handle))
         entry = self._entry(handle)
         if entry.started or entry.future.done():
             raise errors.InvalidRequest(
@@ -97,9 +104,9 @@ class HostBufferStore:
         """Removes an uploaded buffer from the store and calls `receiver(data, None)` with
         it (or `receiver(None, error)`): at once if it is here, else in the turn its upload
         ends (or fails, or times out: see `_check`). What `receiver` raises is logged."""
-        entry = self._entry(handle)
         self._activity = time.monotonic()  # a new request counts as the session moving
-        if entry.receiver is not None:  # a buffer feeds one request; the first keeps it
+        entry = None if handle in self._used else self._entry(handle)
+        if entry is None or entry.receiver is not None:  # a buffer feeds one request
             try:
                 receiver(None, errors.InvalidRequest(_CLAIMED.format(handle=handle)))
             except Exception:  # noqa: BLE001
@@ -118,11 +125,15 @@ class HostBufferStore:
         seen: set[int] = set()
         for handle in handles:
             entry = self._entries.get(handle)
-            if handle in seen or (entry is not None and entry.receiver is not None):
+            if handle in seen or handle in self._used or (
+                    entry is not None and entry.receiver is not None):
                 raise errors.InvalidRequest(_CLAIMED.format(handle=handle))
             seen.add(handle)
 
     def _deliver(self, handle: int, entry: _Entry) -> None:
+        self._used[handle] = None
+        if len(self._used) > USED_KEPT:
+            del self._used[next(iter(self._used))]
         receiver, entry.receiver = entry.receiver, None
         self._waiting.pop(handle, None)
         error = entry.future.exception()  # done, never cancelled (nothing awaits it)

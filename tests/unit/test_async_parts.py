@@ -120,6 +120,34 @@ def test_when_ready_hands_a_buffer_over_in_the_turn_it_is_there():
     run(main())
 
 
+def test_a_host_buffer_feeds_one_request():
+    """A second claim of a handle (while the first waits, or after the first took it) is
+    refused at once, and the first claim still gets the buffer; so is a handle named twice
+    in one request, and an upload under a handle already used."""
+    async def main():
+        store = HostBufferStore(start_timeout=5)
+        got = []
+        store.when_ready(1, lambda data, error: got.append(("first", data, error)))
+        with pytest.raises(errors.InvalidRequest, match="already used"):
+            store.check_unclaimed([1])
+        store.when_ready(1, lambda data, error: got.append(("second", data, error)))
+        assert got[0][0] == "second" and "already used" in got[0][2].message
+        store.begin(1, 2)
+        store.complete(1, memoryview(b"ab"))
+        assert got[1][0] == "first" and bytes(got[1][1]) == b"ab"
+        with pytest.raises(errors.InvalidRequest, match="already used"):
+            store.check_unclaimed([1])  # after it was taken
+        store.when_ready(1, lambda data, error: got.append(("late", data, error)))
+        assert got[2][0] == "late" and isinstance(got[2][2], errors.InvalidRequest)
+        with pytest.raises(errors.InvalidRequest):
+            store.begin(1, 2)  # uploaded again under a used handle
+        with pytest.raises(errors.InvalidRequest, match="twice in this one"):
+            store.check_unclaimed([5, 6, 5])
+        store.check_unclaimed([5, 6])  # fresh handles pass
+        assert store.bytes_held == 0
+    run(main())
+
+
 def test_close_fails_waiters():
     async def main():
         store = HostBufferStore(start_timeout=5)
