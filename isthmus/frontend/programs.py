@@ -127,7 +127,7 @@ class CompileOptionsVetter:
 # miscompiles): the server's defaults stand. The device assignment, written above from the
 # client's, is the one source of devices.
 _DROPPED_BUILD_OPTIONS = ("result_layout", "comp_envs", "run_backend_only",
-                          "device_memory_size", "slice_size", "fdo_profile")
+                          "device_memory_size", "slice_size", "gpu_topology", "fdo_profile")
 _DROPPED_OPTIONS = ("serialized_multi_slice_config", "target_config", "compiler_variant",
                     "allow_in_place_mlir_modification")
 
@@ -137,10 +137,11 @@ def _vet_build_options(options: Any, devices: int, replicas: int) -> None:
     that name devices or layouts another way. Raises InvalidRequest naming the field."""
     build = options.executable_build_options
     build.device_ordinal = -1  # the assignment names the devices
-    for field in _DROPPED_BUILD_OPTIONS:
-        build.ClearField(field)
-    for field in _DROPPED_OPTIONS:
-        options.ClearField(field)
+    for message, fields in ((build, _DROPPED_BUILD_OPTIONS), (options, _DROPPED_OPTIONS)):
+        known = message.DESCRIPTOR.fields_by_name  # jaxlib versions differ in their fields
+        for field in fields:
+            if field in known:
+                message.ClearField(field)
     if options.argument_layouts:
         raise errors.Unimplemented(
             "compile_options.argument_layouts (custom argument layouts) are not supported by "
@@ -156,13 +157,17 @@ def _vet_build_options(options: Any, devices: int, replicas: int) -> None:
             raise errors.InvalidRequest(
                 f"compile_options.executable_build_options.{field} is {value} but the device "
                 f"assignment has {expected}; make them agree (or leave {field} unset).")
-    if not 0 <= build.process_index < max(build.process_count, 1):
+    if "process_index" in build.DESCRIPTOR.fields_by_name and not (
+            0 <= build.process_index < max(build.process_count, 1)):
         raise errors.InvalidRequest(
             f"compile_options.executable_build_options.process_index is "
             f"{build.process_index}, outside 0..{max(build.process_count, 1) - 1}; leave it "
             "unset (the server places the program on its hosts).")
-    mesh, ids = list(build.auto_spmd_partitioning_mesh_shape), list(
-        build.auto_spmd_partitioning_mesh_ids)
+    known = build.DESCRIPTOR.fields_by_name
+    mesh = list(build.auto_spmd_partitioning_mesh_shape) if (
+        "auto_spmd_partitioning_mesh_shape" in known) else []
+    ids = list(build.auto_spmd_partitioning_mesh_ids) if (
+        "auto_spmd_partitioning_mesh_ids" in known) else []
     if mesh or ids:
         size = 1
         for d in mesh:
