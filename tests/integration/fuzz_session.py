@@ -313,8 +313,10 @@ class Sess:
         self.f.sent += 1
         self.f.reads += 1
         if state == State.GONE:
+            same = data == np.ascontiguousarray(value).tobytes()
             self.f.find("read_gone", self.label, f"read of {self._about(arr)}",
-                        f"{len(data)} bytes came back")
+                        f"{len(data)} bytes came back "
+                        f"({'its value before' if same else 'not its value before'})")
         elif data != np.ascontiguousarray(value).tobytes():
             if arr.family in self.f.tainted:
                 return  # a wrong value already reported, seen again through a sharer
