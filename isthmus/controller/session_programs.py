@@ -73,6 +73,9 @@ class SessionPrograms(SessionArrays):
             if error is not None:
                 for out in outputs:
                     out.group.error = error  # type: ignore[union-attr]
+                for index in donated:  # donated is gone, whether the program ran or not
+                    if args[index].problem() is None:
+                        args[index].consume()
                 return
             self.controller.ensure_loaded(executable)
             self.fleet.multicast(executable.workers, "execute", executable.id, tuple(refs),

@@ -20,7 +20,7 @@ from tests.integration.fuzz_programs import BY_NAME, lowered
 from tests.integration.rawclient import (RawSession, has_body, replicated_sharding,
                                          status_of, tiled_sharding)
 
-OK, INVALID, DEADLINE, EXHAUSTED, INTERNAL = 0, 3, 4, 8, 13
+OK, INVALID, DEADLINE, EXHAUSTED, FAILED_PRECONDITION, INTERNAL = 0, 3, 4, 8, 9, 13
 ARGS = ["--host-buffer-timeout", "2"]
 
 
@@ -504,4 +504,24 @@ def test_one_array_as_a_donated_and_a_plain_argument(any_client: Client, program
     if status[0] == OK:
         status = c.read(out)[0]
     assert _refused(status, INVALID), status
+    c.assert_up()
+
+
+def test_a_donation_holds_even_when_the_program_does_not_run(client: Client) -> None:
+    """x donated to a call whose other argument carries an error: the call fails with that
+    error, and x is gone all the same (the client counts it donated at dispatch); a read of
+    it must not hand back its old bytes. Found by the fuzzer (seed 78 on a 2x1x2 fleet)."""
+    c = client
+    device = c.devices[:1]
+    exe = c.compile("addxy_donate", device)
+    x = c.put(X, c.replicated(device))
+    bad, host = c.handle(), c.handle()
+    c.raw.store(host, b"\0" * 12)  # 3 floats for an f32[8]: the array carries the error
+    assert status_of(c.raw.call("make_array_from_host_buffer_request",
+                                c.make_body(Y, c.replicated(device), host, bad)))[0] == OK
+    out, status = c.execute(exe, [x, bad])
+    assert status[0] == OK, status
+    assert _refused(c.ready(out), INVALID), c.ready(out)
+    status, got = c.read(x)
+    assert _refused(status, FAILED_PRECONDITION) and "deleted" in status[1], (status, got)
     c.assert_up()
