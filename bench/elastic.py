@@ -176,7 +176,8 @@ def recovery(devices_per_host: int = 4, kill_at_step: int = 15, steps: int = 100
     }
 
 
-def _rss_mib(pid: int) -> float:
+def rss_mib(pid: int) -> float:
+    """A process's resident set (VmRSS) in MiB, NaN when it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -189,9 +190,9 @@ def _rss_mib(pid: int) -> float:
 
 def _memory(server: LocalServer) -> dict[str, float]:
     status = server.status()
-    sizes = {"controller": _rss_mib(server.process.pid)}  # type: ignore[union-attr]
+    sizes = {"controller": rss_mib(server.process.pid)}  # type: ignore[union-attr]
     for slot, entry in sorted(status["fleet"].items()):
-        sizes[f"worker {slot}"] = _rss_mib(entry["pid"])
+        sizes[f"worker {slot}"] = rss_mib(entry["pid"])
     return sizes
 
 

@@ -15,22 +15,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from bench.elastic import rss_mib
 from isthmus.testing import LocalServer
 from tests.integration.fuzzer import Fuzzer, Summary
 
 ARGS = ["--host-buffer-timeout", "2"]
-
-
-def rss_mib(pid: int) -> float:
-    """The process's resident set (VmRSS) in MiB, NaN when it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
 
 
 def run(server: LocalServer, requests: int, seed: int, exclude: list[str]

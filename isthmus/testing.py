@@ -117,6 +117,19 @@ class LocalServer:
         slots = sorted({d["worker"] for d in status["devices"] if d["slice"] == slice_index})
         return [status["fleet"][str(s)]["pid"] for s in slots if str(s) in status["fleet"]]
 
+    def wait_status(self, condition: Callable[[dict[str, Any]], bool], timeout: float,
+                    what: str) -> dict[str, Any]:
+        """Polls `status()` until `condition` holds (returns that status); raises
+        AssertionError saying `what` did not happen, with the last status and the log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.status()
+            if condition(status):
+                return status
+            time.sleep(0.2)
+        raise AssertionError(f"{what} within {timeout} s; last status: {self.status()}\n"
+                             f"server log:\n{self.log()}")
+
     def slice_up(self, slice_index: int) -> bool:
         return str(slice_index) not in self.status()["slices_down"]
 

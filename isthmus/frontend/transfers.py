@@ -39,14 +39,7 @@ def decode_host_array(session: Any, data: memoryview, dtype: dtypes.DType,
         value[:] = list(contents.strings)
         return value.reshape(shape)
     itemsize = dtype.itemsize
-    if byte_strides is not None:
-        if len(byte_strides) != len(shape):
-            raise errors.InvalidRequest(
-                f"byte_strides {list(byte_strides)} do not match the rank of shape {shape}.")
-        if any(s < 0 for s in byte_strides):
-            raise errors.InvalidRequest(
-                f"byte_strides {list(byte_strides)} contain a negative stride; isthmus needs "
-                "non-negative strides.")
+    if byte_strides is not None:  # checked at the request: `check_upload_strides`
         extent = 0 if count == 0 else itemsize + sum(
             (d - 1) * s for d, s in zip(shape, byte_strides))
     else:
@@ -128,13 +121,7 @@ def check_upload_strides(dtype: dtypes.DType, shape: Sequence[int],
     an array of any size (the stock client never sends one: it refuses them itself)."""
     if byte_strides is None or dtype.is_string:
         return
-    if len(byte_strides) != len(shape):
-        raise errors.InvalidRequest(
-            f"byte_strides {list(byte_strides)} do not match the rank of shape {list(shape)}.")
-    if any(s < 0 for s in byte_strides):
-        raise errors.InvalidRequest(
-            f"byte_strides {list(byte_strides)} contain a negative stride; isthmus needs "
-            "non-negative strides.")
+    _check_rank_and_sign(byte_strides, shape)
     extent = dtype.itemsize  # bytes spanned by the dimensions checked so far
     for stride, dim in sorted((s, d) for s, d in zip(byte_strides, shape) if d > 1):
         if stride < extent:
@@ -250,13 +237,20 @@ def _array_from_shards(session: Any, spec: Any) -> Any:
         array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
 
 
-def _check_download_strides(session: Any, array: Any, strides: tuple[int, ...]) -> None:
-    """A download's byte strides must be non-negative and span no more memory than the
-    server allows an array (strides can ask for any size of buffer)."""
-    if any(s < 0 for s in strides):
+def _check_rank_and_sign(byte_strides: tuple[int, ...], shape: Sequence[int]) -> None:
+    if len(byte_strides) != len(shape):
         raise errors.InvalidRequest(
-            f"byte_strides {list(strides)} contain a negative stride; isthmus needs "
+            f"byte_strides {list(byte_strides)} do not match the rank of shape {list(shape)}.")
+    if any(s < 0 for s in byte_strides):
+        raise errors.InvalidRequest(
+            f"byte_strides {list(byte_strides)} contain a negative stride; isthmus needs "
             "non-negative strides.")
+
+
+def _check_download_strides(session: Any, array: Any, strides: tuple[int, ...]) -> None:
+    """A download's byte strides must match the rank, be non-negative and span no more
+    memory than the server allows an array (strides can ask for any size of buffer)."""
+    _check_rank_and_sign(strides, array.shape)
     if array.dtype.is_string or not array.size:
         return
     extent = array.dtype.itemsize + sum((d - 1) * s for d, s in zip(array.shape, strides))
@@ -272,10 +266,6 @@ def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
     body = request.copy_to_host_buffer_request
     array = session.array(body.array_handle)
     strides = _strides(body)
-    if strides is not None and len(strides) != len(array.shape):
-        raise errors.InvalidRequest(
-            f"byte_strides {list(strides)} do not match the rank of the array's shape "
-            f"{list(array.shape)}.")
     if strides is not None:
         _check_download_strides(session, array, strides)
     fetched = session.ctl.fetch(array)

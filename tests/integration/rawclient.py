@@ -142,13 +142,7 @@ def status_of(response: Any) -> tuple[int, str]:
 
 def hlo_sharding(s: Any, device_ids: list[int]) -> Any:
     """A one-device-per-entry replicated HloSharding ShardingProto."""
-    hlo = s["xla.ifrt.HloShardingProto"]()
-    hlo.devices.device_ids.extend(device_ids)
-    hlo.xla_op_sharding.SetInParent()
-    sharding = s["xla.ifrt.ShardingProto"]()
-    sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
-    sharding.serialized_sharding.data = hlo.SerializeToString()
-    return sharding
+    return replicated_sharding(s, device_ids)
 
 
 OTHER = 3  # xla.OpSharding.Type.OTHER: a tiled sharding
@@ -163,19 +157,19 @@ def tiled_sharding(s: Any, device_ids: list[int], tiles: list[int],
         count *= t
     op = s["xla.OpSharding"](type=OTHER, tile_assignment_dimensions=tiles,
                              tile_assignment_devices=list(range(count)))
-    hlo = s["xla.ifrt.HloShardingProto"](xla_op_sharding=op, memory_kind=memory_kind)
-    hlo.devices.device_ids.extend(device_ids)
-    sharding = s["xla.ifrt.ShardingProto"]()
-    sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
-    sharding.serialized_sharding.data = hlo.SerializeToString()
-    return sharding
+    return _hlo_sharding_proto(s, device_ids, op, memory_kind)
 
 
 def replicated_sharding(s: Any, device_ids: list[int], memory_kind: str = "") -> Any:
     """`hlo_sharding` with a memory kind ("" leaves the default)."""
+    return _hlo_sharding_proto(s, device_ids, s["xla.OpSharding"](), memory_kind)
+
+
+def _hlo_sharding_proto(s: Any, device_ids: list[int], op: Any, memory_kind: str) -> Any:
     hlo = s["xla.ifrt.HloShardingProto"](memory_kind=memory_kind)
-    hlo.devices.device_ids.extend(device_ids)
+    hlo.xla_op_sharding.CopyFrom(op)
     hlo.xla_op_sharding.SetInParent()
+    hlo.devices.device_ids.extend(device_ids)
     sharding = s["xla.ifrt.ShardingProto"]()
     sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
     sharding.serialized_sharding.data = hlo.SerializeToString()

@@ -5,7 +5,6 @@ crash each restarted worker in turn."""
 
 import json
 import os
-import time
 
 import numpy as np
 
@@ -56,17 +55,6 @@ print(json.dumps(out), flush=True)
 """
 
 
-def _wait(server, condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = server.status()
-        if condition(status):
-            return status
-        time.sleep(0.2)
-    raise AssertionError(f"{what} within {timeout} s; last status: {server.status()}\n"
-                         f"server log:\n{server.log()}")
-
-
 def test_a_program_that_crashes_a_worker_fails_its_slice_once_and_is_refused_after():
     env = {**os.environ, TEST_CRASH_ENV: "crash_me"}
     x = np.arange(16, dtype=np.float32).reshape(4, 4)
@@ -76,7 +64,7 @@ def test_a_program_that_crashes_a_worker_fails_its_slice_once_and_is_refused_aft
         restarted = []
 
         def slice0_back(_line):
-            status = _wait(server, lambda s: slice_pid(s, 0) not in (None, first)
+            status = server.wait_status(lambda s: slice_pid(s, 0) not in (None, first)
                            and "0" not in s["slices_down"], 90, "slice 0 did not come back")
             restarted.append(slice_pid(status, 0))
 

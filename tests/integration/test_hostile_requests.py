@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from isthmus.testing import LocalServer, process_alive
-from tests.integration.fuzz_programs import BY_NAME, lowered
+from tests.integration.fuzz_programs import lowered
 from tests.integration.rawclient import (RawSession, has_body, replicated_sharding,
                                          status_of, tiled_sharding)
 

@@ -14,17 +14,6 @@ FLEET = (2, 1, 2)  # 2 slices x 1 host x 2 devices: slice 1 is devices 2 and 3
 
 
 
-def _wait(server, condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = server.status()
-        if condition(status):
-            return status
-        time.sleep(0.2)
-    raise AssertionError(f"{what} within {timeout} s; last status: {server.status()}\n"
-                         f"server log:\n{server.log()}")
-
-
 PROGRAM = """
 import json
 import jax, jax.numpy as jnp, numpy as np
@@ -42,7 +31,7 @@ def test_a_killed_worker_is_restarted_and_its_slice_works_again():
         before = slice_pid(server.status(), 1)
         assert before is not None
         os.kill(before, signal.SIGKILL)
-        _wait(server, lambda s: slice_pid(s, 1) not in (None, before)
+        server.wait_status(lambda s: slice_pid(s, 1) not in (None, before)
               and "1" not in s["slices_down"], 60, "slice 1 did not come back")
         result = run_python(PROGRAM, server.address, timeout=60)
         assert result.returncode == 0, result.stderr[-5000:]
@@ -61,7 +50,7 @@ def test_with_no_restart_a_killed_worker_stays_dead():
         before = slice_pid(server.status(), 1)
         assert before is not None
         os.kill(before, signal.SIGKILL)
-        _wait(server, lambda s: "1" in s["slices_down"], 30, "slice 1 was not marked down")
+        server.wait_status(lambda s: "1" in s["slices_down"], 30, "slice 1 was not marked down")
         deadline = time.monotonic() + 3.0  # time enough for several restarts, were they on
         while time.monotonic() < deadline:
             status = server.status()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from isthmus import dtypes, errors
-from isthmus.frontend.transfers import decode_host_array, encode_host_array
+from isthmus.frontend.transfers import check_upload_strides, decode_host_array, encode_host_array
 from isthmus.protocol.schema import schema
 
 SESSION = types.SimpleNamespace(schema=schema())
@@ -23,9 +23,28 @@ def test_size_mismatch_is_refused():
     with pytest.raises(errors.InvalidRequest, match="needs 16"):
         decode_host_array(SESSION, memoryview(b"\0" * 12), dtypes.BY_KIND["KIND_F32"], (2, 2),
                           None)
-    with pytest.raises(errors.InvalidRequest, match="negative"):
-        decode_host_array(SESSION, memoryview(b"\0" * 64), dtypes.BY_KIND["KIND_F32"], (2, 2),
-                          (-8, 4))
+
+
+
+@pytest.mark.parametrize("shape,strides,says", [
+    ((2, 2), (-8, 4), "negative"),
+    ((2, 2), (8,), "rank"),
+    ((1 << 22,), (0,), "overlap"),  # 4 bytes standing for 16 MiB
+    ((4, 4), (4, 8), "overlap"),  # rows interleave with columns
+])
+def test_upload_strides_keep_elements_apart(shape, strides, says):
+    with pytest.raises(errors.InvalidRequest, match=says):
+        check_upload_strides(dtypes.BY_KIND["KIND_F32"], shape, strides)
+
+
+@pytest.mark.parametrize("shape,strides", [
+    ((3, 4), (16, 4)),  # C order
+    ((3, 4), (4, 12)),  # Fortran order
+    ((3, 1, 4), (16, 0, 4)),  # a dimension of 1 may have any stride
+    ((2, 3), (32, 8)),  # gaps are fine
+])
+def test_upload_strides_that_are_fine(shape, strides):
+    check_upload_strides(dtypes.BY_KIND["KIND_F32"], shape, strides)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.bool_, ml_dtypes.bfloat16, np.complex128])
