@@ -40,8 +40,10 @@ class SessionMoves(SessionArrays):
                 raise errors.InvalidRequest(
                     f"copying an array on {len(array.sharding.devices)} devices to "
                     f"{len(targets)} devices; give as many target devices as the array has.")
-            shardings.append(array.sharding.with_devices(tuple(d.id for d in targets),
-                                                         memory_kind))
+            # No memory kind given keeps the array's own (IFRT's WithDeviceAssignment).
+            shardings.append(array.sharding.with_devices(
+                tuple(d.id for d in targets),
+                memory_kind if memory_kind is not None else array.sharding.memory_kind))
         return self.reshard(arrays, shardings, donate)
 
     def reshard(self, arrays: Sequence[Array], shardings: Sequence[sh.Sharding],

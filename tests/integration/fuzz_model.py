@@ -38,6 +38,10 @@ class Arr:
     memory: str = ""  # the sharding's memory kind ("" = default)
     big: bool = False  # never read back (checked with CheckValueReady only)
 
+    def __post_init__(self) -> None:
+        if self.layout == "grid" and len(self.devices) != 4:
+            raise ValueError(f"a grid over {len(self.devices)} devices")
+
 
 @dataclasses.dataclass(eq=False)
 class Exe:
@@ -116,6 +120,8 @@ def shard_groups(layout: str, shape: Sequence[int], n: int
         return [([i], (slice(min(i * step, shape[0]), min((i + 1) * step, shape[0])),
                        *full[1:])) for i in range(n)]
     if layout == "grid":
+        if n != 4 or len(shape) != 2:
+            raise ValueError(f"a grid over {n} devices of shape {list(shape)}")
         h, w = shape[0] // 2, shape[1] // 2
         return [([2 * r + c], (slice(r * h, (r + 1) * h), slice(c * w, (c + 1) * w)))
                 for r in range(2) for c in range(2)]

@@ -525,3 +525,27 @@ def test_a_donation_holds_even_when_the_program_does_not_run(client: Client) -> 
     status, got = c.read(x)
     assert _refused(status, FAILED_PRECONDITION) and "deleted" in status[1], (status, got)
     c.assert_up()
+
+
+def test_a_copy_without_a_memory_kind_keeps_the_arrays_own(client: Client) -> None:
+    """CopyArrays that names no memory kind keeps each array's (IFRT's
+    WithDeviceAssignment): a pinned_host array copied to another device is pinned_host
+    there, so a bitcast that says so is accepted and reads the same bytes. Found by the
+    fuzzer (the copy landed in device memory while the client counted it pinned)."""
+    c = client
+    x = c.put(X, c.replicated(c.devices[:1], "pinned_host"))
+    copy = c.handle()
+    reply = c.raw.call("copy_arrays_request", c.raw.msg(
+        "CopyArraysRequest", array_handles=[x], device_ids=[c.devices[1]],
+        result_handles=[copy]))
+    assert status_of(reply)[0] == OK, status_of(reply)
+    cast = c.handle()
+    body = c.raw.msg("BitcastArraysRequest", array_handles=[copy], result_handles=[cast])
+    spec = body.array_specs.add()
+    spec.dtype.kind = c.s["xla.ifrt.DTypeProto"].KIND_F32
+    spec.shape.dims.extend(X.shape)
+    spec.sharding.CopyFrom(c.replicated(c.devices[1:2], "pinned_host"))
+    reply = c.raw.call("bitcast_arrays_request", body)
+    assert status_of(reply)[0] == OK, status_of(reply)
+    assert c.value(cast) == X.tobytes()
+    c.assert_up()
