@@ -84,6 +84,10 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-buffer-timeout", type=float, default=10.0,
                         help="seconds a request waits for its host data to start arriving "
                              "(default: 10)")
+    parser.add_argument("--executable-cache", type=int, default=256, metavar="N",
+                        help="compiled programs kept loaded after every session released "
+                             "them, for the next session that compiles the same (each holds "
+                             "its machine code on the workers; default: 256)")
     parser.add_argument("--max-array-bytes", type=int, default=_default_max_array_bytes(),
                         help="largest array made from host data (and largest upload) the "
                              "server accepts, in bytes; such arrays pass through the "
@@ -217,7 +221,8 @@ def _head_config(args: argparse.Namespace) -> object:
         fleet_token=token, tls=_tls(args),
         shared_dir=_shared_dir(args.shared_dir),
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
-                                    max_array_bytes=args.max_array_bytes),
+                                    max_array_bytes=args.max_array_bytes,
+                                    compile_cache_size=args.executable_cache),
         max_host_buffer_bytes=args.max_array_bytes, client_transport=args.client_transport)
 
 
