@@ -159,6 +159,12 @@ class Sess:
     def family(self) -> int:
         return self.f.new_handle()
 
+    def maybe_end(self, arr: Arr) -> None:
+        """`arr` may be deleted or donated (and so may its sharers)."""
+        before = arr.state
+        self.end(arr)
+        arr.state = max(before, State.MAYBE)
+
     def end(self, arr: Arr, sharers: State = State.MAYBE) -> None:
         """`arr` is deleted or donated: it is gone, its sharers may be."""
         arr.state = State.GONE
@@ -482,9 +488,9 @@ class Sess:
                     out.handle = outputs[0].array_handle
                 for i in program.donate:
                     if i < len(inputs):
-                        # Built with odd options, the program may keep what it was given.
-                        self.end(inputs[i]) if exe.trusted else setattr(
-                            inputs[i], "state", max(inputs[i].state, State.MAYBE))
+                        # Built with odd options, the program may keep what it was given;
+                        # either way its sharers may be gone with it.
+                        self.end(inputs[i]) if exe.trusted else self.maybe_end(inputs[i])
             self.add(out) if out.handle else None
 
         if not server_minted:
