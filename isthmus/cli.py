@@ -416,7 +416,13 @@ def _status(args: argparse.Namespace) -> int:
     try:
         status = fetch_status(args.controller, timeout=args.timeout)
     except Exception as e:  # noqa: BLE001 - report any connection failure plainly
-        print(f"isthmus status: cannot reach {args.controller}: {e}", file=sys.stderr)
+        # A gRPC error's str() is a multi-line dump; its code and details are the one line.
+        code, details = getattr(e, "code", None), getattr(e, "details", None)
+        why = (f"{code().name}: {details()}" if callable(code) and callable(details)
+               else str(e))
+        why = " ".join(why.split())  # one line, whatever the transport says
+        print(f"isthmus status: cannot reach {args.controller} ({why}); is the server "
+              "running there (isthmus up prints its address)?", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))

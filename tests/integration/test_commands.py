@@ -59,6 +59,8 @@ def test_status_command(server):
         assert "devices 0..7" in result.stdout
     bad = _isthmus("status", "--controller", "127.0.0.1:1", "--timeout", "2", timeout=60)
     assert bad.returncode == 1 and "cannot reach" in bad.stderr
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "UNAVAILABLE" in lines[0], bad.stderr  # one line, no dump
 
 
 def test_connect_in_the_script(server):
