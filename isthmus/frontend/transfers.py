@@ -122,6 +122,8 @@ def check_upload_strides(dtype: dtypes.DType, shape: Sequence[int],
     if byte_strides is None or dtype.is_string:
         return
     _check_rank_and_sign(byte_strides, shape)
+    if 0 in shape:  # no element, nothing to overlap (numpy gives such arrays any strides)
+        return
     extent = dtype.itemsize  # bytes spanned by the dimensions checked so far
     for stride, dim in sorted((s, d) for s, d in zip(byte_strides, shape) if d > 1):
         if stride < extent:

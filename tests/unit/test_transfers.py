@@ -42,6 +42,7 @@ def test_upload_strides_keep_elements_apart(shape, strides, says):
     ((3, 4), (4, 12)),  # Fortran order
     ((3, 1, 4), (16, 0, 4)),  # a dimension of 1 may have any stride
     ((2, 3), (32, 8)),  # gaps are fine
+    ((0, 3), (0, 0)),  # no element: numpy gives an empty array such strides
 ])
 def test_upload_strides_that_are_fine(shape, strides):
     check_upload_strides(dtypes.BY_KIND["KIND_F32"], shape, strides)
