@@ -117,7 +117,7 @@ class SessionPrograms(SessionArrays):
         for index in range(len(info.params)):
             if len(device_ids) == 1:
                 sharding: sh.Sharding | None = sh.Sharding.single(device_ids[0])
-            elif info.param_shardings is not None:
+            elif info.param_shardings is not None and index < len(info.param_shardings):
                 sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, None,
                                        info.param_shardings[index])
             else:
