@@ -21,7 +21,7 @@ BACKENDS = {"embedded": {"devices": 4},
             "fleet": {"devices": None, "fleet": (2, 1, 2)}}
 # Requests and a time cap per backend for the default suite (the fleet answers ~5x slower).
 SHORT = {"embedded": (1500, 15.0), "fleet": (400, 15.0)}
-LONG = {"embedded": (30000, 300.0), "fleet": (6000, 300.0)}
+LONG = {"embedded": (100000, 600.0), "fleet": (40000, 600.0)}
 
 
 @pytest.fixture(scope="module", params=list(BACKENDS))
