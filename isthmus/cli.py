@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -410,29 +409,6 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    from isthmus.wire.servicer import fetch_status
-
-    try:
-        status = fetch_status(args.controller, timeout=args.timeout)
-    except Exception as e:  # noqa: BLE001 - report any connection failure plainly
-        # A gRPC error's str() is a multi-line dump; its code and details are the one line.
-        code, details = getattr(e, "code", None), getattr(e, "details", None)
-        why = (f"{code().name}: {details()}" if callable(code) and callable(details)
-               else str(e))
-        why = " ".join(why.split())  # one line, whatever the transport says
-        print(f"isthmus status: cannot reach {args.controller} ({why}); is the server "
-              "running there (isthmus up prints its address)?", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(status, indent=2, sort_keys=True))
-        return 0
-    from isthmus.status import render
-
-    print(render(status))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="isthmus", description="An open single-controller runtime for JAX.")
@@ -481,7 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.subcommand == "status":
-        return _status(args)
+        from isthmus.status import command as status_command
+
+        return status_command(args.controller, args.timeout, args.json)
     if args.subcommand == "worker":
         return _worker(args, argv)
     if args.subcommand == "k8s":

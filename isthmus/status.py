@@ -1,8 +1,30 @@
-"""Text rendering of a server's status (for `isthmus status`)."""
+"""`isthmus status`: asks a server for its status and shows it (text, or JSON)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
+
+
+def command(controller: str, timeout: float, as_json: bool) -> int:
+    """Prints the status of the server at `controller`; 1 (and one line on stderr) when it
+    cannot be reached."""
+    from isthmus.wire.servicer import fetch_status
+
+    try:
+        status = fetch_status(controller, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - report any connection failure plainly
+        # A gRPC error's str() is a multi-line dump; its code and details are the one line.
+        code, details = getattr(e, "code", None), getattr(e, "details", None)
+        why = (f"{code().name}: {details()}" if callable(code) and callable(details)
+               else str(e))
+        why = " ".join(why.split())  # one line, whatever the transport says
+        print(f"isthmus status: cannot reach {controller} ({why}); is the server running "
+              "there (isthmus up prints its address)?", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2, sort_keys=True) if as_json else render(status))
+    return 0
 
 
 def _device_memory(account: dict[str, Any]) -> str:

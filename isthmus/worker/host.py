@@ -27,6 +27,7 @@ from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.persistence import Persistence
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
+from isthmus.worker.reads import ReadsInFlight
 from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
                                   _Unloadable, computation_error, make_cpu_client, move,
                                   place)
@@ -78,10 +79,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
         # Outputs of programs that span other hosts -> those programs' devices: when the
         # group re-forms without one of them, such an output still being computed never will.
         self._spans: dict[BufferId, frozenset[int]] = {}
-        # buffer -> reads in flight (a fetch or readiness wait that found it not computed
-        # yet): a later program that donates it gets a copy instead, so that commands act
-        # in the order they came (the read sees the value, not a donated husk).
-        self._reads: dict[BufferId, int] = {}
+        self._reads = ReadsInFlight()  # a later program donates a copy of what they read
         # Output shards of the last program over several devices (see `collective_pending`).
         self._last_collective: list[Any] = []
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
@@ -300,25 +298,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             except Exception as e:  # noqa: BLE001
                 return _failed(computation_error(e))
             return _done()
-        return self._reading(buffer_ids, self._wait_ready(values))
-
-    def _reading(self, buffer_ids: Sequence[BufferId], read: Awaitable[Any]) -> Awaitable[Any]:
-        """`read`, with `buffer_ids` counted as read in flight (see `_reads`) from now (the
-        commands applied after this one see them) until it ends."""
-        for b in buffer_ids:
-            self._reads[b] = self._reads.get(b, 0) + 1
-        return self._read_ends(buffer_ids, read)
-
-    async def _read_ends(self, buffer_ids: Sequence[BufferId], read: Awaitable[Any]) -> Any:
-        try:
-            return await read
-        finally:
-            for b in buffer_ids:
-                left = self._reads[b] - 1
-                if left:
-                    self._reads[b] = left
-                else:
-                    del self._reads[b]
+        return self._reads.track(buffer_ids, self._wait_ready(values))
 
     async def _wait_ready(self, values: list[Any]) -> None:
         pending = [v for v in values if not v.is_ready()]
@@ -336,14 +316,6 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
         except Exception as e:  # noqa: BLE001
             raise computation_error(e) from None
 
-    def _read_args(self, args: Sequence[int | Sequence[BufferId]], positions: Sequence[int],
-                   donated: Sequence[int]) -> frozenset[int]:
-        """The donated arguments some shard of which a read in flight still needs."""
-        return frozenset(i for i in donated if i < len(args) and any(
-            b in self._reads for b in (
-                [BufferId(args[i] + p) for p in positions]  # type: ignore[operator]
-                if isinstance(args[i], int) else [args[i][p] for p in positions])))  # type: ignore[index]
-
     def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
         """Resolves to the host copy of one buffer, once it is computed (`nbytes`, the
         controller's size of it, matters only to channels that choose a path by size)."""
@@ -357,7 +329,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
             return _failed(e)
         except Exception:  # noqa: BLE001 - a failed computation: reported as below
             pass
-        return self._reading([buffer_id], self._wait_value(value))
+        return self._reads.track([buffer_id], self._wait_value(value))
 
     async def _wait_value(self, value: Any) -> np.ndarray:
         try:
@@ -454,8 +426,8 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
                     f"executable {executable_id} is not loaded on this host; this is a bug in "
                     "isthmus: please report it.")
             if self._reads and loaded.info.donated_inputs:
-                copy_first = copy_first | self._read_args(args, positions,
-                                                          loaded.info.donated_inputs)
+                copy_first = copy_first | self._reads.donated_in_flight(
+                    args, positions, loaded.info.donated_inputs)
             arrays = []
             for index, ref in enumerate(args):
                 if isinstance(ref, int):

@@ -180,3 +180,25 @@ def test_dispatcher_runs_in_order_and_waits_for_inputs():
         await dispatcher.flush()
         assert order == ["a", "b", "c"]
     run(main())
+
+
+def test_reads_in_flight_name_the_donated_arguments_they_need():
+    """A read counts from the moment it is made until it ends; a donated argument (group
+    base or ids per position) that one of its local shards is read by is named."""
+    from isthmus.worker.reads import ReadsInFlight
+
+    async def main():
+        reads = ReadsInFlight()
+        gate = asyncio.get_running_loop().create_future()
+        assert not reads
+        read = reads.track([11, 21], gate)
+        assert reads and 11 in reads  # counted before the read starts running
+        again = asyncio.ensure_future(reads.track([11], asyncio.sleep(0)))
+        assert reads.donated_in_flight([10, (20, 21), 30], (0, 1), (0, 1, 2)) == {0, 1}
+        assert reads.donated_in_flight([10, (20, 21)], (0,), (0, 1)) == set()  # 21 not local
+        await again
+        assert 11 in reads  # the other read of 11 still runs
+        gate.set_result("done")
+        assert await read == "done"
+        assert not reads and 11 not in reads
+    run(main())
