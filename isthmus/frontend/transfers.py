@@ -40,8 +40,7 @@ def decode_host_array(session: Any, data: memoryview, dtype: dtypes.DType,
         return value.reshape(shape)
     itemsize = dtype.itemsize
     if byte_strides is not None:  # checked at the request: `check_upload_strides`
-        extent = 0 if count == 0 else itemsize + sum(
-            (d - 1) * s for d, s in zip(shape, byte_strides))
+        extent = strided_extent(shape, byte_strides, itemsize)
     else:
         extent = count * itemsize
     if len(data) < extent or (byte_strides is None and len(data) != extent):
@@ -67,15 +66,19 @@ def encode_host_array(session: Any, value: np.ndarray, dtype: dtypes.DType,
         value = value.astype(dtype.numpy)
     if byte_strides is None or tuple(byte_strides) == _c_strides(value.shape, dtype.itemsize):
         return memoryview(byte_view(value))
-    if len(byte_strides) != value.ndim or any(s < 0 for s in byte_strides):
-        raise errors.InvalidRequest(
-            f"byte_strides {list(byte_strides)} do not fit an array of shape {value.shape}.")
-    extent = 0 if value.size == 0 else dtype.itemsize + sum(
-        (d - 1) * s for d, s in zip(value.shape, byte_strides))
+    _check_rank_and_sign(byte_strides, value.shape)
+    extent = strided_extent(value.shape, byte_strides, dtype.itemsize)
     out = bytearray(extent)
     if value.size:
         np.ndarray(value.shape, dtype=value.dtype, buffer=out, strides=byte_strides)[...] = value
     return memoryview(out)
+
+
+def strided_extent(shape: Sequence[int], byte_strides: Sequence[int], itemsize: int) -> int:
+    """Bytes from the first element to the end of the last, laid out by `byte_strides`."""
+    if 0 in shape:
+        return 0
+    return itemsize + sum((d - 1) * s for d, s in zip(shape, byte_strides))
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -253,9 +256,9 @@ def _check_download_strides(session: Any, array: Any, strides: tuple[int, ...]) 
     """A download's byte strides must match the rank, be non-negative and span no more
     memory than the server allows an array (strides can ask for any size of buffer)."""
     _check_rank_and_sign(strides, array.shape)
-    if array.dtype.is_string or not array.size:
+    if array.dtype.is_string:
         return
-    extent = array.dtype.itemsize + sum((d - 1) * s for d, s in zip(array.shape, strides))
+    extent = strided_extent(array.shape, strides, array.dtype.itemsize)
     limit = session.ctl.controller.config.max_array_bytes
     if extent > limit:
         raise errors.TooLarge(
