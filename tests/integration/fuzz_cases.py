@@ -210,14 +210,7 @@ def reshard(s: Sess) -> None:
                  copy_semantics=semantics)
     body.array_specs.append(array_spec(s.s, kind, list(arr.value.shape),
                                        s.sharding(layout, devices, rank=arr.value.ndim)))
-    before = arr.state
-
-    def then(response: Any, ok: bool) -> None:
-        out.state = before if ok else State.GONE
-        s.add(out)
-        if ok and semantics == DONATE_INPUT:
-            s.end(arr)
-            out.state = before
+    then = _derived(s, arr, out, semantics)
 
     s.request("reshard_arrays_request", body, needs=[arr], then=then)
     s.read(out)
@@ -238,14 +231,7 @@ def bitcast(s: Sess) -> None:
     body.array_specs.append(array_spec(s.s, S32 if to_int else F32, list(value.shape),
                                        s.sharding(arr.layout, arr.devices, arr.memory,
                                                   arr.value.ndim)))
-    before = arr.state
-
-    def then(response: Any, ok: bool) -> None:
-        out.state = before if ok else State.GONE
-        s.add(out)
-        if ok and semantics == DONATE_INPUT:
-            s.end(arr)
-            out.state = before
+    then = _derived(s, arr, out, semantics)
 
     s.request("bitcast_arrays_request", body, needs=[arr], then=then)
     s.read(out)
@@ -312,14 +298,7 @@ def replicated_shard(s: Sess) -> None:
               arr.family, arr.memory)
     body = s.msg("FullyReplicatedShardRequest", array_handle=arr.handle,
                  copy_semantics=semantics, result_handle=out.handle)
-    before = arr.state
-
-    def then(response: Any, ok: bool) -> None:
-        out.state = before if ok else State.GONE
-        s.add(out)
-        if ok and semantics == DONATE_INPUT:
-            s.end(arr)
-            out.state = before
+    then = _derived(s, arr, out, semantics)
 
     s.request("fully_replicated_shard_request", body, needs=[arr], then=then)
     s.read(out)
@@ -405,3 +384,18 @@ def error_arrays(s: Sess) -> None:
         s.add(arr)
     s.request("make_error_arrays_request", body)
     s.read(arrays[0])
+
+
+def _derived(s: Sess, arr: Arr, out: Arr, semantics: int) -> Callable[[Any, bool], None]:
+    """The `then` of a request that makes `out` from `arr`: `out` is as good as `arr` was
+    if the request succeeded (gone if not), and a DONATE_INPUT request ends `arr`."""
+    before = arr.state
+
+    def then(response: Any, ok: bool) -> None:
+        out.state = before if ok else State.GONE
+        s.add(out)
+        if ok and semantics == DONATE_INPUT:
+            s.end(arr)
+            out.state = before
+
+    return then

@@ -282,14 +282,7 @@ def hb_dup_make(s: Sess) -> None:
     arrays = []
     for _ in range(2):
         d = rng.choice(s.devices)
-        arr = s.add(Arr(s.new(), value, (d,), "single", State.MAYBE, s.family()))
-        body = s.msg("MakeArrayFromHostBufferRequest", host_buffer_handle=hb,
-                     array_handle=arr.handle)
-        body.dtype.kind = s.s["xla.ifrt.DTypeProto"].KIND_F32
-        body.shape.dims.extend([8])
-        body.sharding.CopyFrom(s.sharding("single", (d,)))
-        s.request("make_array_from_host_buffer_request", body, expect="any",
-                  then=lambda r, ok, arr=arr: None if ok else setattr(arr, "state", State.GONE))
+        arr = _make_on(s, hb, value, d)
         arrays.append(arr)
     s.store(hb, value.tobytes())
     for arr in arrays:
@@ -354,14 +347,7 @@ def hb_reupload(s: Sess) -> None:
     for _ in range(2):
         value = s.value((8,))
         s.store(hb, value.tobytes())
-        arr = s.add(Arr(s.new(), value, (d,), "single", State.MAYBE, s.family()))
-        body = s.msg("MakeArrayFromHostBufferRequest", host_buffer_handle=hb,
-                     array_handle=arr.handle)
-        body.dtype.kind = s.s["xla.ifrt.DTypeProto"].KIND_F32
-        body.shape.dims.extend([8])
-        body.sharding.CopyFrom(s.sharding("single", (d,)))
-        s.request("make_array_from_host_buffer_request", body, expect="any",
-                  then=lambda r, ok, arr=arr: None if ok else setattr(arr, "state", State.GONE))
+        arr = _make_on(s, hb, value, d)
         s.read(arr)
         s.settle()
         if s.broken:
@@ -735,3 +721,16 @@ EPISODES: dict[str, tuple[float, Episode]] = {
     "session/abandon": (0.2, session_abandon),
 }
 
+
+def _make_on(s: Sess, hb: int, value: np.ndarray, device: int) -> Arr:
+    """MakeArrayFromHostBuffer of f32 `value` on `device` from host buffer `hb`, which may
+    be refused (the array is then gone)."""
+    arr = s.add(Arr(s.new(), value, (device,), "single", State.MAYBE, s.family()))
+    body = s.msg("MakeArrayFromHostBufferRequest", host_buffer_handle=hb,
+                 array_handle=arr.handle)
+    body.dtype.kind = s.s["xla.ifrt.DTypeProto"].KIND_F32
+    body.shape.dims.extend(value.shape)
+    body.sharding.CopyFrom(s.sharding("single", (device,)))
+    s.request("make_array_from_host_buffer_request", body, expect="any",
+              then=lambda r, ok: None if ok else setattr(arr, "state", State.GONE))
+    return arr
