@@ -16,6 +16,9 @@ from typing import NoReturn
 
 from isthmus import gctune
 from isthmus.deploy.commands import add_deploy_commands, k8s_command, slurm_command
+from isthmus.shared_commands import (add_client_arguments, add_leases_command,
+                                     add_server_arguments, leases_command, service_run,
+                                     shared_config)
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
 from isthmus.transport.tls import from_options as tls_from_options
@@ -103,6 +106,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                              "Default: auto, or $ISTHMUS_CLIENT_TRANSPORT")
     parser.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"),
                         help="logging level of the server (default: WARNING)")
+    add_server_arguments(parser)
 
 
 def _refuse(message: str) -> NoReturn:
@@ -222,7 +226,8 @@ def _head_config(args: argparse.Namespace) -> object:
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes,
                                     compile_cache_size=args.executable_cache),
-        max_host_buffer_bytes=args.max_array_bytes, client_transport=args.client_transport)
+        max_host_buffer_bytes=args.max_array_bytes, client_transport=args.client_transport,
+        shared=shared_config(args))
 
 
 def _shared_dir(value: str) -> str | None:
@@ -419,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="start a server, run a command against it, stop the server",
         usage="isthmus run [server options] -- CMD [ARGS...]")
     _server_arguments(run)
+    add_client_arguments(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
     worker = commands.add_parser("worker", help="serve this host's devices to a controller")
     worker.add_argument("--controller", required=True, help="HOST:PORT of the controller")
@@ -450,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--controller", required=True, help="HOST:PORT of the server")
     status.add_argument("--json", action="store_true", help="print raw JSON")
     status.add_argument("--timeout", type=float, default=10.0)
+    add_leases_command(commands)
     return parser
 
 
@@ -466,6 +473,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return k8s_command(args)
     if args.subcommand == "slurm":
         return slurm_command(args)
+    if args.subcommand == "leases":
+        return leases_command(args)
+    if args.subcommand == "run" and args.service:
+        command = list(args.command)
+        command = command[1:] if command[:1] == ["--"] else command
+        if not command:
+            _refuse("give a command after --, e.g. isthmus run --service HOST:PORT -- python "
+                    "train.py")
+        return service_run(args, command, child_environment)
     _prepare_server_process(args)
     try:
         if args.subcommand == "up":

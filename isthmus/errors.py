@@ -9,12 +9,19 @@
     |   +-- VersionMismatch         FAILED_PRECONDITION: no protocol version both sides speak
     |   +-- TooLarge                RESOURCE_EXHAUSTED: over a configured limit
     +-- HostBufferMissing           DEADLINE_EXCEEDED: host data never arrived
+    +-- ServiceRefusal              a shared service turned the client away
+    |   +-- Unauthenticated         UNAUTHENTICATED: no identity, or a wrong one
+    |   +-- NotPermitted            PERMISSION_DENIED: the tenant may not do this
+    |   +-- OverQuota               RESOURCE_EXHAUSTED: more slices than the tenant's quota
+    |   +-- NoCapacity              RESOURCE_EXHAUSTED: nothing free and no wait asked for
+    |   +-- LeaseEnded              FAILED_PRECONDITION: the lease expired, was revoked or lost
     +-- ProgramError                the user's program failed (kept apart from system faults)
     |   +-- CompileError            the program does not parse or compile
     |   +-- ExecutionError          the program failed while running
     |   +-- ProgramRefused          FAILED_PRECONDITION: it crashed a worker; not run again
     +-- SystemFault                 isthmus or its fleet failed, not the user's program
         +-- WorkerLost              DATA_LOSS: a worker (host) of the fleet went away
+        |   +-- SliceReclaimed      DATA_LOSS: a higher priority took an elastic lease's slice
         +-- SessionClosed           CANCELLED: the session ended while work was pending
         +-- InternalError           INTERNAL: a bug in isthmus; please report it
 
@@ -99,6 +106,32 @@ class HostBufferMissing(IsthmusError):
     code = Code.DEADLINE_EXCEEDED
 
 
+class ServiceRefusal(IsthmusError):
+    """A shared service turned the client away (identity, quota, capacity, lease)."""
+
+    code = Code.PERMISSION_DENIED
+
+
+class Unauthenticated(ServiceRefusal):
+    code = Code.UNAUTHENTICATED
+
+
+class NotPermitted(ServiceRefusal):
+    code = Code.PERMISSION_DENIED
+
+
+class OverQuota(ServiceRefusal):
+    code = Code.RESOURCE_EXHAUSTED
+
+
+class NoCapacity(ServiceRefusal):
+    code = Code.RESOURCE_EXHAUSTED
+
+
+class LeaseEnded(ServiceRefusal):
+    code = Code.FAILED_PRECONDITION
+
+
 class ProgramError(IsthmusError):
     """The user's program failed; isthmus itself is fine."""
 
@@ -134,6 +167,10 @@ class SystemFault(IsthmusError):
 
 class WorkerLost(SystemFault):
     code = Code.DATA_LOSS
+
+
+class SliceReclaimed(WorkerLost):
+    """A higher-priority lease took a slice of an elastic lease; it comes back when free."""
 
 
 class PeerFailure(WorkerLost):

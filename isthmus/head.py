@@ -54,6 +54,21 @@ class HeadConfig:
     # What serves the client port: "h2" (wire/h2server.py), "grpc" (grpc.aio), or "auto"
     # (h2 when the h2 library is installed).
     client_transport: str = "auto"
+    shared: SharedConfig | None = None  # serve as a shared service (leases, identities)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SharedConfig:
+    """A shared service: who may use it, and how clients reach it (docs/shared.md)."""
+
+    tenants: str  # the tenants file (controller/tenants.py)
+    # The TLS certificate and key of the client port; None: a self-signed pair made at start
+    # in `state_dir` (users are handed its service-cert.pem).
+    cert: str | None = None
+    key: str | None = None
+    state_dir: str | None = None  # None: a directory beside the tenants file
+    unix_socket: str | None = None  # also serve tunnels here (clients on this machine)
+    allow_plain_connect: bool = False  # accept credentials in clear over TCP
 
 
 def embedded_fleet(num_devices: int, platform: str = "cpu",
@@ -102,6 +117,8 @@ class Head:
         self._own_shared_dir = False
         self._hosts: list[Any] = []
         self.fleet_service: Any = None  # the workers' control streams (a fleet only)
+        self.shared: Any = None  # a shared service's leases (frontend/shared.py)
+        self.service_cert: str | None = None  # the certificate clients of it trust
 
     @property
     def address(self) -> str:
@@ -142,12 +159,19 @@ class Head:
             self.fleet_service = FleetServicer(self.manager, config.fleet_token, config.tls)
             await self.fleet_service.start(config.host, config.fleet_port)
             extra_methods = self.fleet_service.methods()
+        # Clients' files in the shared directory are named by handle, not by session: a
+        # shared service takes none (its workers still use it among themselves).
         self.frontend = Frontend(controller, schema(), FrontendConfig(
-            max_host_buffer_bytes=config.max_host_buffer_bytes, shared_dir=self.shared_dir))
+            max_host_buffer_bytes=config.max_host_buffer_bytes,
+            shared_dir=None if config.shared is not None else self.shared_dir))
         if self.manager is not None:
             self.frontend.extra_status = self.manager.status
+        gate = None
+        if config.shared is not None:
+            gate = self._make_shared(controller, extra_methods)
         self.server, self.port = await start_server(
-            self.frontend, config.host, config.port, extra_methods, config.client_transport)
+            self.frontend, config.host, config.port, extra_methods, config.client_transport,
+            gate=gate, unix_path=config.shared.unix_socket if config.shared else None)
         if self.manager is not None:
             self.manager.start()
             spec = config.fleet
@@ -168,8 +192,42 @@ class Head:
             except BaseException:
                 await self.stop()
                 raise
+        if self.shared is not None:
+            self.shared.start()
         logger.info("serving %d devices at %s", len(fleet.devices), self.address)
         return self.address
+
+    def _make_shared(self, controller: Controller, methods: dict[str, Any]) -> Any:
+        """The leases, the gate and the lease methods of a shared service."""
+        import os
+
+        from isthmus.controller import tenants as tenants_file
+        from isthmus.frontend.shared import SharedService
+        from isthmus.transport import service_tls
+        from isthmus.wire import shared_service
+        from isthmus.wire.gate import Gate
+
+        config = self.config
+        shared = config.shared
+        assert shared is not None
+        tenants = tenants_file.load(shared.tenants)
+        fleet = controller.fleet
+        self.shared = SharedService(
+            tenants, controller, lambda: sorted({d.slice_index for d in fleet.devices}))
+        self.frontend.shared = self.shared
+        if shared.cert is not None and shared.key is not None:
+            certificate = service_tls.ServiceCertificate(shared.cert, shared.key)
+        else:
+            directory = shared.state_dir or os.path.join(
+                os.path.dirname(os.path.abspath(shared.tenants)), "isthmus-service")
+            certificate = service_tls.self_signed(
+                directory, service_tls.default_names(config.host, config.advertise_host))
+            logger.warning("made a self-signed certificate for the client port: hand users "
+                           "%s (--service-ca)", certificate.cert)
+        self.service_cert = certificate.cert
+        methods.update(shared_service.methods(self.shared))
+        return Gate(self.shared.authenticate, self.shared.lease_for,
+                    certificate.server_context(), shared.allow_plain_connect)
 
     def _make_shared_dir(self) -> str | None:
         import os
@@ -184,7 +242,7 @@ class Head:
 
     def client_environment(self) -> dict[str, str]:
         """Environment variables for a client on this machine (beyond the target)."""
-        if self.shared_dir is None:
+        if self.shared_dir is None or self.config.shared is not None:
             return {}
         return {"IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY": self.shared_dir,
                 "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES":
@@ -194,6 +252,8 @@ class Head:
         if self.launcher is not None:
             # Before the workers are told to shut down: their exits are no failures.
             self.launcher.stop_restarting()
+        if self.shared is not None:
+            await self.shared.stop()
         if self.manager is not None:
             await self.manager.stop()
         if self.server is not None:

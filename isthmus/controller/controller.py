@@ -167,6 +167,14 @@ class Controller:
                 if device.slice_index == slice_index and group.error_at(position) is None:
                     group.set_error(position, error)
 
+    def evict_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
+        """Every buffer on the slice is dropped from its (live) workers and reports `error`
+        on use: the slice was taken from the lease that made them (a shared service)."""
+        self.poison_slice(slice_index, error)
+        self.free_buffers([Buffer(group, position) for group in list(self._live.values())
+                           for position, device in enumerate(group.devices)
+                           if device.slice_index == slice_index])
+
     def accounting(self) -> dict[WorkerId, dict[str, int]]:
         """Live buffers and bytes per worker, as the controller counts them."""
         result: dict[WorkerId, dict[str, int]] = {
@@ -194,7 +202,8 @@ class Controller:
             key = b"python:%d" % next(self._private_keys)
         else:
             key = hashlib.sha256(request.module).digest() + hashlib.sha256(
-                request.compile_options).digest() + repr([d.id for d in devices]).encode()
+                request.compile_options).digest() + repr([d.id for d in devices]).encode() + (
+                getattr(request, "namespace", "").encode())
             if self._refused:
                 refused = self._refused.get(self.program_digest(key, request))
                 if refused is not None:

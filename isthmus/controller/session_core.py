@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import Any
 
 from isthmus import errors
 from isthmus.controller.arrays import Array
@@ -19,9 +20,11 @@ from isthmus.controller.dispatch import OrderedDispatcher
 class SessionCore:
     """The controller, queue, arrays, executables and background tasks of one session."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, fleet: Any = None, namespace: str = "") -> None:
         self.controller = controller
-        self.fleet = controller.fleet
+        # What the session may use: the whole fleet, or a lease's part of it (`FleetView`).
+        self.fleet = fleet if fleet is not None else controller.fleet
+        self.namespace = namespace  # a shared service's tenant (its own executables)
         self.dispatcher = OrderedDispatcher()
         self._arrays: set[Array] = set()
         self._executables: list[Executable] = []

@@ -5,6 +5,7 @@ the program's devices and a new array (one buffer group) made for each output.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 
 from isthmus import errors
@@ -31,6 +32,8 @@ class SessionPrograms(SessionArrays):
             raise errors.InvalidRequest(
                 "the program spans accelerators and colocated CPU devices; run it on one "
                 "kind of device (jax.device_put the arrays across first).")
+        if self.namespace:
+            request = dataclasses.replace(request, namespace=self.namespace)
         executable = self.controller.executable(request, devices)
         self._executables.append(executable)
         return executable

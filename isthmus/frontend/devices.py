@@ -37,6 +37,8 @@ def init(session: Any, request: Any, response: Any) -> None:
     out.runtime_type = platform["runtime_type"]
     fleet = session.fleet
     devices = fleet.all_devices
+    # A lease's sessions see its slices numbered from 0 (`FleetView.slice_label`).
+    slice_of = getattr(fleet, "slice_label", lambda device: device.slice_index)
     for position, device in enumerate(devices):
         kinds = device.memory_kinds
         ids = [memory_id(position, k, len(kinds)) for k in range(len(kinds))]
@@ -46,7 +48,7 @@ def init(session: Any, request: Any, response: Any) -> None:
             platform_name=device.platform, device_kind=device.kind, debug_string=debug,
             to_string=text, default_memory_id=ids[0])
         d.memory_ids.extend(ids)
-        _attribute(d.attributes, SLICE_INDEX, device.slice_index)
+        _attribute(d.attributes, SLICE_INDEX, slice_of(device))
         _attribute(d.attributes, HOST_INDEX, device.host_index)
         # jax's colocated_cpu_devices() matches a device with the CPU device of equal
         # colocation_id: on a CPU fleet each device is its own, on an accelerator fleet each

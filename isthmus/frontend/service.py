@@ -24,6 +24,7 @@ from isthmus.frontend.programs import CompileOptionsVetter
 from isthmus.frontend.registry import HANDLERS
 from isthmus.frontend.serdes import Serdes
 from isthmus.frontend.session import FrontendSession
+from isthmus.frontend.shared import SharedService
 from isthmus.hostmem import aligned_empty, shared_empty
 from isthmus.ids import HostBufferHandle, SessionId
 from isthmus.protocol import versions
@@ -64,6 +65,8 @@ class Frontend:
         self.sessions: dict[SessionId, FrontendSession] = {}
         self._session_ids = itertools.count(1)
         self.extra_status: Callable[[], dict[str, Any]] | None = None
+        # A shared service's leases (None: whoever reaches the port uses every device).
+        self.shared: SharedService | None = None
         # Open while the workers keep up; sessions read no new requests while it is closed.
         self.flow = controller.fleet.flow
         self._version_response = schema["xla.ifrt.proxy.GrpcGetVersionResponse"]
@@ -81,7 +84,9 @@ class Frontend:
     def implemented_requests() -> list[str]:
         return sorted(HANDLERS)
 
-    def get_version(self, request: Any) -> Any:
+    def get_version(self, request: Any, identity: Any = None) -> Any:
+        if self.shared is not None:
+            self.shared.lease_of(identity)  # a stranger learns nothing, not even versions
         low, high = request.min_version, request.max_version
         version = versions.negotiate(
             low.protocol_version, high.protocol_version, high.ifrt_serdes_version_number,
@@ -95,7 +100,10 @@ class Frontend:
         return response
 
     def open_session(self, metadata: bytes | None, send: Callable[[Any], None],
-                     peer: str = "") -> FrontendSession:
+                     peer: str = "", identity: Any = None) -> FrontendSession:
+        lease = None
+        if self.shared is not None:
+            lease = self.shared.lease_of(identity)
         if metadata is None:
             raise errors.InvalidRequest(
                 "the session carries no ifrt-proxy-grpc-ifrt-session-metadata-bin header; "
@@ -108,10 +116,19 @@ class Frontend:
             parsed.version.protocol_version, parsed.version.protocol_version,
             parsed.version.ifrt_serdes_version_number)
         session_id = SessionId(next(self._session_ids))
+        if lease is not None:
+            assert self.shared is not None
+            controller_session = ControllerSession(self.controller, self.shared.view(lease),
+                                                   lease.tenant.name)
+        else:
+            controller_session = ControllerSession(self.controller)
         session = FrontendSession(
-            session_id, version, self.schema, self.serdes, ControllerSession(self.controller),
+            session_id, version, self.schema, self.serdes, controller_session,
             HostBufferStore(self.controller.config.host_buffer_timeout), send,
             self.platform, self.vetter, peer, on_close=self._closed)
+        session.lease = lease
+        if lease is not None:
+            SharedService.sessions(lease).add(session)
         self.sessions[session_id] = session
         logger.info("session %s opened from %s (protocol %s)", session_id, peer,
                     version.protocol)
@@ -119,6 +136,8 @@ class Frontend:
 
     def _closed(self, session: FrontendSession) -> None:
         self.sessions.pop(session.id, None)
+        if session.lease is not None:
+            SharedService.sessions(session.lease).discard(session)
         logger.info("session %s closed after %s requests", session.id, session.requests)
 
     def parse_store_metadata(self, metadata: bytes | None) -> StoreHeader:
@@ -165,8 +184,12 @@ class Frontend:
         return map_shared_file(self.config.shared_dir, header.handle,
                                self.check_host_buffer_size(header.buffer_size))
 
-    def host_buffers(self, session_id: int) -> HostBufferStore:
+    def host_buffers(self, session_id: int, identity: Any = None) -> HostBufferStore:
+        """The host buffers of a session; on a shared service, only of the caller's lease."""
         session = self.sessions.get(SessionId(session_id))
+        if session is not None and self.shared is not None and (
+                getattr(identity, "lease_id", None) != session.lease.id):
+            session = None  # another tenant's (or lease's) session is not there for it
         if session is None:
             raise errors.UnknownHandle(
                 f"session {session_id} is not open on this server; host buffers belong to a "
@@ -190,6 +213,8 @@ class Frontend:
                                      "host_buffer_bytes": s.host_buffers.bytes_held}
                          for s in self.sessions.values()},
             **self.controller.stats(),
+            # A shared service's figures only: tenants and leases are for admins (leases).
+            **({"shared": self.shared.figures()} if self.shared is not None else {}),
         }
 
     async def close(self) -> None:

@@ -61,6 +61,7 @@ class FrontendSession:
         self._handles = itertools.count(SERVER_HANDLE_BASE)
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
+        self.lease: Any = None  # on a shared service, the lease it runs under
         self.requests = 0
         self._seq = itertools.count()  # numbers OK responses, as the client expects
 
@@ -199,6 +200,11 @@ class FrontendSession:
         return value
 
     # ---- lifecycle -----------------------------------------------------------------------
+
+    def end(self, error: errors.IsthmusError) -> None:
+        """Ends the session's stream with `error` as its status (its lease ended)."""
+        if not self.closed:
+            self._send(error)
 
     async def close(self) -> None:
         """Frees everything the session holds; pending responses are dropped."""

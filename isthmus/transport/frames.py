@@ -284,7 +284,7 @@ def keep_alive(writer: FrameStream | asyncio.BaseTransport, idle: int = 10,
     """TCP keepalive on the stream's socket, so that an end whose machine vanished (no FIN
     ever comes) is noticed within about idle + interval * count seconds."""
     sock: Any = writer.get_extra_info("socket")
-    if sock is None:
+    if sock is None or sock.family == socket.AF_UNIX:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),

@@ -327,6 +327,7 @@ class Compile:
     compile_options: bytes
     device_ids: tuple[int, ...]  # global ids of the program, in device-assignment order
     replicas: int
+    namespace: str = ""  # the tenant's, on a shared service: its own compile-cache entries
 
 
 @_message
@@ -339,6 +340,7 @@ class Load:
     compile_options: bytes
     device_ids: tuple[int, ...]
     replicas: int
+    namespace: str = ""
 
 
 @_message

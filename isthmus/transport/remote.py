@@ -264,7 +264,8 @@ class RemoteWorker:
             self._command(m.CompilePython(number, executable_id, request))
             return future
         self._command(m.Compile(number, executable_id, request.module, request.compile_options,
-                                tuple(request.device_ids), request.replicas))
+                                tuple(request.device_ids), request.replicas,
+                                request.namespace))
         return future
 
     def load(self, executable_id: ExecutableId, request: Any) -> None:
@@ -272,7 +273,7 @@ class RemoteWorker:
             self._command(m.LoadPython(executable_id, request))
             return
         self._command(m.Load(executable_id, request.module, request.compile_options,
-                             tuple(request.device_ids), request.replicas))
+                             tuple(request.device_ids), request.replicas, request.namespace))
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self._command(m.DropExecutable(executable_id))

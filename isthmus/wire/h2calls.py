@@ -27,8 +27,12 @@ class Abort(Exception):
 class Context:
     """What a handler sees of its call (the part of grpc.aio's ServicerContext used)."""
 
-    def __init__(self, metadata: tuple[tuple[str, Any], ...], peer: str) -> None:
+    def __init__(self, metadata: tuple[tuple[str, Any], ...], peer: str,
+                 identity: Any = None) -> None:
         self._metadata, self._peer = metadata, peer
+        # Who the connection is, on a shared service (`frontend.shared.Identity`; None: a
+        # connection without credentials).
+        self.identity = identity
 
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
         return self._metadata

@@ -35,7 +35,7 @@ from isthmus.wire.h2direct import Direct
 from isthmus.wire.h2frames import LARGE, Frames, Held, Wire
 from isthmus.wire.h2calls import (STREAM_WINDOW, Abort, Call, Context, metadata,
                                   percent_encode, whole)
-from isthmus.wire.methods import Batch, Method, Pieces
+from isthmus.wire.methods import Batch, Method, Pieces, Refused
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class _Connection:
         self._flush_scheduled = False
         self.direct = Direct(self)
         self.peer = "ipv4:?:0"
+        self.identity: Any = None  # a shared service's gate sets who the connection is
 
     def _made(self, transport: asyncio.Transport) -> None:
         keep_alive(transport, idle=30, interval=10, count=2)  # notice clients that vanished
@@ -139,7 +140,7 @@ class _Connection:
             self.trailers(stream, grpc.StatusCode.UNIMPLEMENTED,
                            f"method {path} is not served here")
             return
-        context = Context(metadata(headers), self.peer)
+        context = Context(metadata(headers), self.peer, self.identity)
         if method.sink is not None:
             self.direct.start(stream, method, context)
             size = getattr(stream.sink, "size", None)
@@ -192,7 +193,7 @@ class _Connection:
                 if response is not None:
                     await self._send(stream, response)
             self.trailers(stream, grpc.StatusCode.OK, "")
-        except Abort as e:
+        except (Abort, Refused) as e:
             self.trailers(stream, e.code, e.message)
         except (asyncio.CancelledError, ConnectionError, h2.exceptions.StreamClosedError):
             pass  # the client went away, or reset this call
@@ -315,24 +316,56 @@ async def _unknown(request: Any, context: Context) -> None:
 class H2Server:
     """Serves `methods` (by path, "/package.Service/Method") on a TCP port."""
 
-    def __init__(self, methods: dict[str, Method]) -> None:
+    def __init__(self, methods: dict[str, Method], gate: Any = None) -> None:
         self.methods = methods
+        # A shared service's `gate.Gate`: connections say who they are before HTTP/2.
+        self.gate = gate
         self._server: asyncio.AbstractServer | None = None
+        self._unix: asyncio.AbstractServer | None = None
+        self._listener: Any = None
         self._connections: set[_Connection] = set()
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
+        if self.gate is not None:
+            from isthmus.wire.gate import GatedListener
+
+            self._listener = GatedListener(self.gate, self._connected, self._identified)
+            return self._listener.listen(host, port)
         self._server = await loop.create_server(self._connected, host.strip("[]"), port)
         return self._server.sockets[0].getsockname()[1]
 
+    async def start_unix(self, path: str) -> None:
+        """Also serves a Unix socket at `path` (only this user may connect: mode 0600),
+        where a shared service's tunnels need no TLS."""
+        import os
+
+        from isthmus.wire.gate import Preamble
+
+        assert self.gate is not None
+        old = os.umask(0o177)
+        try:
+            self._unix = await asyncio.get_running_loop().create_unix_server(
+                lambda: Preamble(self.gate, self._identified, True), path)
+        finally:
+            os.umask(old)
+
     def _connected(self) -> Wire:
+        return self._identified(None)
+
+    def _identified(self, identity: Any) -> Wire:
         connection = _Connection(self.methods)
+        connection.identity = identity
         self._connections.add(connection)
         task = asyncio.get_running_loop().create_task(connection.run())
         task.add_done_callback(lambda _: self._connections.discard(connection))
         return connection.wire
 
     async def stop(self, grace: float | None = None) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._unix is not None:
+            self._unix.close()
         if self._server is not None:
             self._server.close()
         for connection in list(self._connections):

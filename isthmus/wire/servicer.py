@@ -77,7 +77,8 @@ class _Upload:
         try:
             header = frontend.parse_store_metadata(metadata.get(STORE_METADATA_KEY))
             self.handle = header.handle
-            self.store = frontend.host_buffers(header.session_id)
+            self.store = frontend.host_buffers(header.session_id,
+                                               getattr(context, "identity", None))
             self.size = frontend.check_host_buffer_size(header.buffer_size)
             self.store.begin(header.handle, self.size)
         except errors.TooLarge as e:
@@ -177,7 +178,8 @@ class _SessionStream:
         self.parse = frontend.schema["xla.ifrt.proxy.IfrtRequest"].FromString
         try:
             self.session = frontend.open_session(
-                metadata.get(SESSION_METADATA_KEY), self.queue.put_nowait, peer=context.peer())
+                metadata.get(SESSION_METADATA_KEY), self.queue.put_nowait, peer=context.peer(),
+                identity=getattr(context, "identity", None))
         except errors.IsthmusError as e:
             raise Refused(_status(e.code), e.message) from None
 
@@ -205,6 +207,8 @@ class _SessionStream:
         try:
             async for item in drain(self.queue):
                 yield item
+        except errors.IsthmusError as e:  # the session was ended (its lease ended)
+            raise Refused(_status(e.code), e.message) from None
         finally:
             await self.session.close()
 
@@ -224,7 +228,7 @@ class IfrtProxyServicer:
 
     async def get_version(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return self.frontend.get_version(request)
+            return self.frontend.get_version(request, getattr(context, "identity", None))
         except errors.IsthmusError as e:
             await context.abort(_status(e.code), e.message)
 
@@ -281,7 +285,8 @@ class IfrtProxyServicer:
     async def host_buffer_lookup(self, request: Any, context: grpc.aio.ServicerContext
                                  ) -> AsyncIterator[bytes]:
         try:
-            store = self.frontend.host_buffers(request.session_id)
+            store = self.frontend.host_buffers(request.session_id,
+                                               getattr(context, "identity", None))
             data = await store.lookup(request.handle)
         except errors.IsthmusError as e:
             await context.abort(_status(e.code), e.message)
@@ -295,19 +300,22 @@ class IfrtProxyServicer:
     def lookup_now(self, request: Any, context: Any) -> Any:
         """HostBufferLookup without a task when the buffer is ready and small: its
         serialized response; otherwise the streaming handler."""
-        data = self.frontend.host_buffers(request.session_id).ready(request.handle)
+        data = self.frontend.host_buffers(
+            request.session_id, getattr(context, "identity", None)).ready(request.handle)
         if data is None or len(data) > DIRECT_LOOKUP_BYTES:
             return self.host_buffer_lookup(request, context)
         return b"".join(bytes_message(data)) if len(data) else b""
 
-    def delete_now(self, request: Any) -> bytes:
-        self.frontend.host_buffers(request.session_id).delete(request.handle)
+    def delete_now(self, request: Any, context: Any) -> bytes:
+        self.frontend.host_buffers(
+            request.session_id, getattr(context, "identity", None)).delete(request.handle)
         return b""  # an empty GrpcHostBufferDeleteResponse
 
     async def host_buffer_delete(self, request: Any, context: grpc.aio.ServicerContext
                                  ) -> Any:
         try:
-            self.frontend.host_buffers(request.session_id).delete(request.handle)
+            self.frontend.host_buffers(
+                request.session_id, getattr(context, "identity", None)).delete(request.handle)
         except errors.IsthmusError as e:
             await context.abort(_status(e.code), e.message)
         return self.schema["xla.ifrt.proxy.GrpcHostBufferDeleteResponse"]()
@@ -316,7 +324,8 @@ class IfrtProxyServicer:
                                          context: grpc.aio.ServicerContext) -> Any:
         header = self.frontend.parse_store_metadata(request.metadata.SerializeToString())
         try:
-            store = self.frontend.host_buffers(header.session_id)
+            store = self.frontend.host_buffers(header.session_id,
+                                               getattr(context, "identity", None))
             store.begin(header.handle, header.buffer_size)
         except errors.IsthmusError as e:
             await context.abort(_status(e.code), e.message)
@@ -364,7 +373,7 @@ class IfrtProxyServicer:
             "HostBufferDelete": dataclasses.replace(
                 rpc("unary_unary", self.host_buffer_delete, "GrpcHostBufferDeleteRequest",
                     "GrpcHostBufferDeleteResponse"),
-                sink=lambda context: _Unary(self.delete_now,
+                sink=lambda context: _Unary(lambda r: self.delete_now(r, context),
                                             s[p + "GrpcHostBufferDeleteRequest"].FromString)),
             "HostBufferReadFromDisk": rpc("unary_unary", self.host_buffer_read_from_disk,
                                           "GrpcHostBufferReadFromDiskRequest",
@@ -412,12 +421,16 @@ class CannotListen(OSError):
 
 async def start_server(frontend: Frontend, host: str, port: int,
                        extra_methods: dict[str, Method] | None = None,
-                       transport: str = "grpc") -> tuple[Any, int]:
+                       transport: str = "grpc", gate: Any = None,
+                       unix_path: str | None = None) -> tuple[Any, int]:
     """Starts serving; returns the server and the port it bound (for port 0, a free one).
 
     `extra_methods` (the fleet service workers connect to) share the port. `transport`:
-    "h2" (`wire/h2server.py`), "grpc" (grpc.aio) or "auto" (h2 when it is installed)."""
+    "h2" (`wire/h2server.py`), "grpc" (grpc.aio) or "auto" (h2 when it is installed). A
+    shared service's `gate` (`wire/gate.py`) needs h2; it may also serve `unix_path`."""
     methods = {**IfrtProxyServicer(frontend).methods(), **(extra_methods or {})}
+    if gate is not None:
+        transport = "h2"
     if transport == "auto":
         try:
             import h2  # noqa: F401
@@ -433,11 +446,19 @@ async def start_server(frontend: Frontend, host: str, port: int,
     if transport == "h2":
         from isthmus.wire.h2server import H2Server
 
-        h2_server = H2Server(methods)
+        h2_server = H2Server(methods, gate)
         try:
-            return h2_server, await h2_server.start(host, port)
+            bound = await h2_server.start(host, port)
         except OSError:
             raise cannot from None
+        if unix_path is not None:
+            try:
+                await h2_server.start_unix(unix_path)
+            except OSError as e:
+                await h2_server.stop()
+                raise CannotListen(f"cannot serve the Unix socket {unix_path}: "
+                                   f"{e.strerror or e}; pick another --unix-socket") from None
+        return h2_server, bound
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers(grpc_handlers(methods))
     try:

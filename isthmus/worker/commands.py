@@ -43,7 +43,7 @@ def _reads(path: str, token: str) -> bool:
 
 
 def _request(c: m.Compile | m.Load) -> CompileRequest:
-    return CompileRequest(c.module, c.compile_options, c.device_ids, c.replicas)
+    return CompileRequest(c.module, c.compile_options, c.device_ids, c.replicas, c.namespace)
 
 
 def _unpack(commands: tuple[Any, ...]) -> Iterator[Any]:

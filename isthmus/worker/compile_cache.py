@@ -70,7 +70,8 @@ class CompileCache:
 
     @staticmethod
     def key(client: Any, devices: Sequence[Any], program_digest: bytes,
-            compile_options: bytes, device_ids: Sequence[int], replicas: int) -> str:
+            compile_options: bytes, device_ids: Sequence[int], replicas: int,
+            namespace: str = "") -> str:
         """`program_digest`: the program's SHA-256 without debug information
         (`programs.canonical_digest`)."""
         import jaxlib
@@ -83,6 +84,8 @@ class CompileCache:
             digest.update(repr(part).encode() + b"\0")
         digest.update(program_digest)
         digest.update(hashlib.sha256(compile_options).digest())
+        if namespace:  # a shared service's tenant: entries apart from other tenants'
+            digest.update(b"namespace\0" + namespace.encode())
         return digest.hexdigest()
 
     def _path(self, key: str) -> str:

@@ -29,6 +29,8 @@ class CompileRequest:
     compile_options: bytes  # serialized xla.CompileOptionsProto, already vetted
     device_ids: tuple[int, ...]  # global ids of the program's devices, replica-major
     replicas: int = 1  # the device assignment is device_ids as [replicas, computations]
+    # A shared service's tenant: its executables are cached apart from other tenants'.
+    namespace: str = ""
 
 
 @CODEC.record  # travels in compile replies
@@ -185,7 +187,8 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     key = executable = None
     if cache is not None:
         key = cache.key(client, devices, canonical_digest(request.module),
-                        request.compile_options, request.device_ids, request.replicas)
+                        request.compile_options, request.device_ids, request.replicas,
+                        request.namespace)
         executable = cache.load(key, client, device_list, options)
     if executable is None:
         try:

@@ -1,0 +1,163 @@
+"""Who may use a shared service: the tenants file (`isthmus up --tenants FILE`).
+
+The file is TOML, one table per tenant, plus service-wide settings:
+
+    grace_seconds = 60                 # a disconnected lease is kept this long
+    admins = ["ops"]                   # tenants that may list and revoke leases
+
+    [tenants.alice]
+    token_file = "alice.token"         # relative to this file; or token_sha256 = "<hex>"
+    max_slices = 2                     # quota: slices held at once, over all leases
+    priority = 10                      # higher is served first (default 0)
+    max_lease_seconds = 86400          # a lease ends this long after its grant (default: none)
+
+Tokens are compared by their SHA-256, in constant time; the file never needs to hold one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+from isthmus import errors
+
+DEFAULT_GRACE_SECONDS = 60.0
+NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tenant:
+    """One user or team of a shared service."""
+
+    name: str
+    token_sha256: bytes = dataclasses.field(repr=False)  # digest of its secret token
+    max_slices: int  # slices it may hold at once, over all its leases
+    priority: int = 0  # higher first in the queue; may reclaim slices of lower elastic leases
+    max_lease_seconds: float | None = None  # a lease ends this long after its grant
+    admin: bool = False  # may list every lease and the queue, and revoke
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tenants:
+    """The parsed tenants file."""
+
+    by_name: Mapping[str, Tenant]
+    grace_seconds: float = DEFAULT_GRACE_SECONDS  # a lease without its client is kept this long
+    path: str = ""  # where it was read from
+
+    def authenticate(self, name: str, token: str) -> Tenant:
+        """The tenant `name` if `token` is its secret; `Unauthenticated` otherwise (the same
+        message whether the name or the token is wrong)."""
+        digest = hashlib.sha256(token.encode()).digest()
+        if not name:  # the token alone names its tenant (tokens are unique)
+            name = next((t.name for t in self.by_name.values()
+                         if hmac.compare_digest(t.token_sha256, digest)), "")
+        tenant = self.by_name.get(name)
+        expected = tenant.token_sha256 if tenant is not None else bytes(32)
+        if not hmac.compare_digest(digest, expected) or tenant is None or not token:
+            raise errors.Unauthenticated(
+                f"tenant {name!r} with this token is not known to the service; check "
+                "--token-file (and the tenant name) with the service's operator.")
+        return tenant
+
+
+def token_digest(token: str) -> str:
+    """The hex SHA-256 of a token, for `token_sha256` in a tenants file."""
+    return hashlib.sha256(token.strip().encode()).hexdigest()
+
+
+def read_token(path: str) -> str:
+    """A token from its file (surrounding whitespace dropped); ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the token file {path}: {e.strerror or e}") from None
+    if not token:
+        raise ValueError(f"the token file {path} is empty; put the tenant's secret in it")
+    return token
+
+
+def load(path: str) -> Tenants:
+    """Reads a tenants file; ValueError with one line naming the file, table and field."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read the tenants file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"the tenants file {path} is not TOML: {e}") from None
+    return parse(data, os.path.dirname(os.path.abspath(path)), path)
+
+
+def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") -> Tenants:
+    unknown = set(data) - {"tenants", "admins", "grace_seconds"}
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {sorted(unknown)}; a tenants file has "
+                         "[tenants.NAME] tables, admins and grace_seconds")
+    tables = data.get("tenants")
+    if not isinstance(tables, dict) or not tables:
+        raise ValueError(f"{path}: no [tenants.NAME] table; add one per user or team")
+    admins = data.get("admins", [])
+    if not isinstance(admins, list) or not all(isinstance(a, str) for a in admins):
+        raise ValueError(f"{path}: admins must be a list of tenant names")
+    missing = sorted(set(admins) - set(tables))
+    if missing:
+        raise ValueError(f"{path}: admins {missing} have no [tenants.NAME] table")
+    grace = data.get("grace_seconds", DEFAULT_GRACE_SECONDS)
+    if not isinstance(grace, (int, float)) or isinstance(grace, bool) or not grace >= 0 or (
+            grace == math.inf):
+        raise ValueError(f"{path}: grace_seconds must be a number of seconds >= 0")
+    by_name = {name: _tenant(name, table, directory, path, name in admins)
+               for name, table in tables.items()}
+    digests = [t.token_sha256 for t in by_name.values()]
+    if len(set(digests)) != len(digests):
+        raise ValueError(f"{path}: two tenants share a token; give each its own")
+    return Tenants(by_name, float(grace), path)
+
+
+def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Tenant:
+    where = f"{path}: [tenants.{name}]"
+    if not name or not set(name) <= NAME_CHARACTERS:
+        raise ValueError(f"{where}: a tenant name is letters, digits, '_', '.' and '-'")
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table")
+    known = {"token_file", "token_sha256", "max_slices", "priority", "max_lease_seconds"}
+    unknown = set(table) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)} (known: {sorted(known)})")
+    if ("token_file" in table) == ("token_sha256" in table):
+        raise ValueError(f"{where}: give exactly one of token_file and token_sha256")
+    if "token_file" in table:
+        token_path = os.path.join(directory, str(table["token_file"]))
+        digest = hashlib.sha256(read_token(token_path).encode()).digest()
+    else:
+        try:
+            digest = bytes.fromhex(str(table["token_sha256"]))
+        except ValueError:
+            digest = b""
+        if len(digest) != 32:
+            raise ValueError(f"{where}: token_sha256 must be 64 hex digits "
+                             "(isthmus token-hash FILE prints them)")
+    max_slices = table.get("max_slices")
+    if not _is_int(max_slices) or max_slices < 0:
+        raise ValueError(f"{where}: max_slices must be a whole number >= 0")
+    priority = table.get("priority", 0)
+    if not _is_int(priority):
+        raise ValueError(f"{where}: priority must be a whole number")
+    seconds = table.get("max_lease_seconds")
+    if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(
+            seconds, bool) or not seconds > 0):
+        raise ValueError(f"{where}: max_lease_seconds must be a number of seconds > 0")
+    return Tenant(name, digest, max_slices, priority,
+                  None if seconds is None else float(seconds), admin)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,365 @@
+"""Using a shared isthmus service: lease slices, and run jax on them.
+
+    with isthmus.shared.connect("service.example:8470", slices=2,
+                                token_file="~/.isthmus/token", ca="service-cert.pem"):
+        import jax
+        print(jax.devices())          # the leased slices' devices, and nothing else
+
+`connect` asks the service for a lease and waits in its queue (a line on stderr every few
+seconds with the position and the time waited), then points this process's jax at a
+*forwarder*: a Unix socket in a private directory whose connections are tunnelled to the
+service over TLS with the tenant's token (or over the service's Unix socket when the address
+is `unix:PATH`). The stock jax client needs no credentials of its own and never sends one
+in clear. Leaving the block (or the process exiting) releases the lease; a client that dies
+keeps its lease for the service's grace period, and `connect` with the same `name` gets it
+back. `isthmus run --service` does the same for a command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CA_ENVIRONMENT = "ISTHMUS_SERVICE_CA"
+TOKEN_ENVIRONMENT = "ISTHMUS_SERVICE_TOKEN_FILE"
+PIPE_CHUNK = 1 << 20
+
+
+class LeaseRefused(RuntimeError):
+    """The service refused the lease (credentials, quota, capacity) or it ended; the message
+    is one line naming the reason."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Grant:
+    """A granted lease."""
+
+    lease: str  # its id on the service
+    slices: tuple[int, ...]  # the service's slices it holds
+    target: str  # JAX_BACKEND_TARGET for jax in this process or a child
+
+
+# ---- the forwarder -------------------------------------------------------------------------
+
+
+class Forwarder:
+    """Local Unix sockets whose connections are tunnelled to the service with the tenant's
+    credentials (an HTTP CONNECT, over TLS unless the service is a Unix socket).
+
+    Runs an event loop in a thread of its own; `listen(authority)` returns a socket path."""
+
+    def __init__(self, service: str, token: str, ca: str | None = None, tenant: str = "",
+                 timeout: float = 10.0) -> None:
+        self.service = service
+        self.credentials = base64.b64encode(f"{tenant}:{token}".encode()).decode()
+        self.ca = ca
+        self.timeout = timeout
+        self.directory = tempfile.mkdtemp(prefix="isthmus-tunnel-")  # mode 0700
+        self.loop = asyncio.new_event_loop()
+        self._servers: list[asyncio.AbstractServer] = []
+        self._thread = threading.Thread(target=self.loop.run_forever, name="isthmus-forwarder",
+                                        daemon=True)
+        self._thread.start()
+        self._tls: Any = None
+        if not service.startswith("unix:"):
+            from isthmus.transport.service_tls import client_context
+
+            self._tls = client_context(ca)
+
+    def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    async def _open(self, authority: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A tunnel to the service for `authority`; LeaseRefused with the service's reason."""
+        try:
+            if self.service.startswith("unix:"):
+                opening = asyncio.open_unix_connection(self.service.removeprefix("unix:"))
+            else:
+                host, _, port = self.service.rpartition(":")
+                host = host.strip("[]")
+                opening = asyncio.open_connection(host, int(port), ssl=self._tls,
+                                                  server_hostname=host,
+                                                  limit=PIPE_CHUNK)
+            reader, writer = await asyncio.wait_for(opening, self.timeout)
+        except (OSError, ValueError, asyncio.TimeoutError) as e:
+            raise LeaseRefused(f"cannot reach the service at {self.service}: "
+                               f"{_reason(e)}") from None
+        writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
+                     f"Proxy-Authorization: Basic {self.credentials}\r\n\r\n".encode())
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                asyncio.TimeoutError) as e:
+            writer.close()
+            raise LeaseRefused(f"the service at {self.service} did not open a tunnel: "
+                               f"{_reason(e)}") from None
+        status = head.split(b"\r\n", 1)[0].split(b" ")
+        if len(status) < 2 or status[1] != b"200":
+            body = b""
+            with contextlib.suppress(Exception):
+                body = await asyncio.wait_for(reader.read(4096), 1.0)
+            writer.close()
+            raise LeaseRefused(body.decode(errors="replace").strip() or
+                               f"the service refused the tunnel ({head[:80]!r})")
+        return reader, writer
+
+    def check(self) -> None:
+        """Opens one control tunnel: LeaseRefused (e.g. a wrong token) before anything else."""
+        async def probe() -> None:
+            _, writer = await self._open("control")
+            writer.close()
+        self._run(probe(), self.timeout * 2)
+
+    def listen(self, authority: str, name: str) -> str:
+        """A Unix socket here whose connections tunnel to `authority`."""
+        path = os.path.join(self.directory, f"{name}.sock")
+
+        async def serve() -> None:
+            self._servers.append(await asyncio.start_unix_server(
+                lambda r, w: self._tunnel(r, w, authority), path, limit=PIPE_CHUNK))
+        self._run(serve(), self.timeout)
+        return path
+
+    async def _tunnel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      authority: str) -> None:
+        try:
+            upstream_reader, upstream_writer = await self._open(authority)
+        except LeaseRefused as e:
+            logger.warning("isthmus: %s", e)
+            print(f"isthmus: {e}", file=sys.stderr)
+            writer.close()
+            return
+        try:
+            await asyncio.gather(_pipe(reader, upstream_writer),
+                                 _pipe(upstream_reader, writer))
+        except asyncio.CancelledError:  # the forwarder closes
+            writer.close()
+            upstream_writer.close()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for server in self._servers:
+                server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            self._run(stop(), 5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            data = await reader.read(PIPE_CHUNK)
+            if not data:
+                break
+            writer.write(data)
+            if writer.transport.get_write_buffer_size() > PIPE_CHUNK:
+                await writer.drain()
+    except (OSError, asyncio.CancelledError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            writer.close()
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return "no answer in time"
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+# ---- the lease -------------------------------------------------------------------------------
+
+
+class LeaseClient:
+    """Asks for a lease through a forwarder's control tunnel and holds it (a thread reads
+    its stream) until `release`."""
+
+    def __init__(self, forwarder: Forwarder, report: Callable[[str], None]) -> None:
+        import grpc
+
+        self.forwarder = forwarder
+        self.report = report
+        control = forwarder.listen("control", "control")
+        self.channel = grpc.insecure_channel(f"unix:{control}")
+        self._lease = self.channel.unary_stream("/isthmus.Shared/Lease")
+        self._release = self.channel.unary_unary("/isthmus.Shared/Release")
+        self.call: Any = None
+        self.grant: Grant | None = None
+        self.ended: str | None = None  # why the lease ended, once it did
+        self._reader: threading.Thread | None = None
+
+    def acquire(self, slices: int, wait: float | None = None, name: str = "",
+                elastic: bool = False) -> Grant:
+        """Blocks until granted; `wait`: seconds in the queue at most (0: fail at once when
+        nothing is free; None: no limit). Ctrl-C leaves the queue."""
+        import grpc
+
+        ask = {"slices": slices, "name": name, "elastic": elastic, "wait": wait != 0}
+        self.call = self._lease(json.dumps(ask).encode())
+        started = time.monotonic()
+        updates = iter(self.call)
+        deadline = None if not wait else started + wait
+        timer = None
+        if deadline is not None:
+            timer = threading.Timer(wait, self.call.cancel)
+            timer.daemon = True
+            timer.start()
+        try:
+            for raw in updates:
+                update = json.loads(raw)
+                if "queued" in update:
+                    q = update["queued"]
+                    self.report(f"isthmus: waiting for {slices} slice(s): position "
+                                f"{q['position']} in the queue, {q['waited']:.0f} s waited, "
+                                f"{q['free']} free")
+                elif "granted" in update:
+                    g = update["granted"]
+                    path = self.forwarder.listen(f"lease/{g['lease']}", "jax")
+                    self.grant = Grant(g["lease"], tuple(g["slices"]), f"grpc://unix:{path}")
+                    self._reader = threading.Thread(target=self._hold, args=(updates,),
+                                                    name="isthmus-lease", daemon=True)
+                    self._reader.start()
+                    return self.grant
+                elif "ended" in update:
+                    raise LeaseRefused(update["ended"]["reason"])
+            raise LeaseRefused("the service closed the lease stream before a grant.")
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and deadline is not None:
+                raise LeaseRefused(f"no {slices} slice(s) were granted within {wait:g} s; "
+                                   "the request left the queue (wait longer with "
+                                   "--wait).") from None
+            raise LeaseRefused(e.details() or str(e.code())) from None
+        except BaseException:  # Ctrl-C while queued: leave the queue
+            self.call.cancel()
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _hold(self, updates: Iterator[bytes]) -> None:
+        import grpc
+
+        try:
+            for raw in updates:
+                update = json.loads(raw)
+                if "ended" in update:
+                    self.ended = update["ended"]["reason"]
+                    if not update["ended"]["reason"].endswith("released by its client."):
+                        self.report(f"isthmus: {self.ended}")
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.ended = e.details() or str(e.code())
+                self.report(f"isthmus: the lease stream broke ({self.ended}); the service "
+                            "keeps the lease for its grace period.")
+
+    def release(self) -> None:
+        """Ends the lease on the service (its arrays are freed); then the stream closes."""
+        if self.grant is not None and self.ended is None:
+            with contextlib.suppress(Exception):
+                self._release(json.dumps({"lease": self.grant.lease}).encode(), timeout=10)
+        if self.call is not None:
+            self.call.cancel()
+        if self._reader is not None:
+            self._reader.join(5)
+        self.channel.close()
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def read_token_file(path: str | None) -> str:
+    from isthmus.controller.tenants import read_token
+
+    path = path or os.environ.get(TOKEN_ENVIRONMENT)
+    if not path:
+        raise LeaseRefused(f"no token: give token_file= (or --token-file, or "
+                           f"${TOKEN_ENVIRONMENT}) with the secret the service's operator "
+                           "gave you.")
+    try:
+        return read_token(os.path.expanduser(path))
+    except ValueError as e:
+        raise LeaseRefused(str(e)) from None
+
+
+@contextlib.contextmanager
+def lease(service: str, *, slices: int = 1, token_file: str | None = None,
+          ca: str | None = None, tenant: str = "", wait: float | None = None, name: str = "",
+          elastic: bool = False, report: Callable[[str], None] = _stderr) -> Iterator[Grant]:
+    """A lease held for the block, without touching jax in this process (for a child's:
+    `Grant.target`). Raises LeaseRefused with the service's one-line reason."""
+    token = read_token_file(token_file)
+    ca = ca or os.environ.get(CA_ENVIRONMENT) or None
+    if service.startswith("grpc://"):
+        service = service.removeprefix("grpc://")
+    forwarder = Forwarder(service, token, os.path.expanduser(ca) if ca else None, tenant)
+    client = None
+    try:
+        forwarder.check()
+        client = LeaseClient(forwarder, report)
+        yield client.acquire(slices, wait, name, elastic)
+    finally:
+        if client is not None:
+            client.release()
+        forwarder.close()
+
+
+@contextlib.contextmanager
+def connect(service: str, *, slices: int = 1, token_file: str | None = None,
+            ca: str | None = None, tenant: str = "", wait: float | None = None,
+            name: str = "", elastic: bool = False,
+            initialize_pathwaysutils: bool = True) -> Iterator[Grant]:
+    """Leases `slices` slices of the shared service at `service` and makes this process's
+    jax use them, for the block (the shape of pathwaysutils' `isc_pathways.connect`).
+
+    Args:
+      service: the service's HOST:PORT (its --port), or unix:PATH (its --unix-socket).
+      slices: how many slices to lease.
+      token_file: the file with the tenant's secret (default: $ISTHMUS_SERVICE_TOKEN_FILE).
+      ca: the service's certificate to trust (default: $ISTHMUS_SERVICE_CA, else the
+        system's CAs); not used for unix:PATH.
+      tenant: the tenant's name (default: the one the token belongs to).
+      wait: seconds to wait in the queue at most (0: fail at once when nothing is free;
+        None: as long as it takes).
+      name: a name for the lease: a client that restarts within the service's grace period
+        gets the same lease back by giving the same name (a notebook's kernel).
+      elastic: the job tolerates losing slices (pathwaysutils' elastic Manager): a higher
+        priority may reclaim some while it runs; they come back when free.
+      initialize_pathwaysutils: call `pathwaysutils.initialize()` when it is installed.
+
+    Raises:
+      LeaseRefused: with the service's one-line reason (credentials, quota, capacity).
+    """
+    from isthmus.client import connect as connect_jax
+
+    with lease(service, slices=slices, token_file=token_file, ca=ca, tenant=tenant,
+               wait=wait, name=name, elastic=elastic) as grant:
+        connect_jax(grant.target)
+        if initialize_pathwaysutils:
+            try:
+                import pathwaysutils
+            except ImportError:
+                pass
+            else:
+                pathwaysutils.initialize()
+        yield grant

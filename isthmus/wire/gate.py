@@ -1,0 +1,245 @@
+"""Who is on the line: the gate of a shared service's client port.
+
+On a shared service (`isthmus up --tenants FILE`) every connection of the client port is
+looked at before HTTP/2 starts, by its first byte:
+
+- TLS (a handshake record, 0x16): decrypted with the service's certificate, then as below
+  with credentials allowed;
+- `CONNECT` (an HTTP/1.1 proxy request): the tunnel of a tenant's client. It must carry
+  `Proxy-Authorization: Basic base64(tenant:token)`; its authority says what the tunnel is
+  for: `control` (asking for leases), `lease/ID` (jax's connection under that lease), or
+  anything else (the stock client's own `grpc_proxy` route: the tenant's one live lease).
+  Allowed over TLS and on the Unix socket; in clear over TCP only with
+  `--allow-plain-connect`, since it carries the token;
+- `PRI` (HTTP/2 at once): a connection without identity, for the fleet's workers and
+  `isthmus status`; IFRT calls on it are refused as unauthenticated.
+
+A refused tunnel gets one HTTP status line and one line of reason, and is closed; nothing is
+left behind. After `200 Connection established` the bytes are HTTP/2, served by the same
+`h2server` connection as any other, which carries the identity into every call's context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from isthmus import errors
+
+logger = logging.getLogger(__name__)
+
+PREAMBLE_SECONDS = 10.0  # a connection must say who it is within this long
+MAX_PREAMBLE = 8192  # bytes of a CONNECT request, headers included
+TLS_RECORD = 0x16
+
+
+class Gate:
+    """Establishes identities for the connections of a shared service's client port.
+
+    `authenticate(tenant, token, lease_id)` returns the identity or raises an
+    `IsthmusError`; `lease_for(identity)` binds a tunnel without a lease id (the stock
+    client's `grpc_proxy` route) to the tenant's one live lease."""
+
+    def __init__(self, authenticate: Callable[[str, str, str | None], Any],
+                 lease_for: Callable[[Any], Any],
+                 tls: ssl.SSLContext | None, allow_plain_connect: bool = False) -> None:
+        self.authenticate = authenticate
+        self.lease_for = lease_for
+        self.tls = tls
+        self.allow_plain_connect = allow_plain_connect
+        self.refused = 0
+
+    def identify(self, head: bytes, secure: bool) -> Any:
+        """The identity a CONNECT request (`head`, up to its blank line) establishes."""
+        if not secure and not self.allow_plain_connect:
+            raise errors.Unauthenticated(
+                "credentials in clear are refused here: connect over TLS (isthmus run "
+                "--service and isthmus.shared.connect do) or through the service's Unix "
+                "socket; the operator may allow it with --allow-plain-connect.")
+        try:
+            lines = head.decode("latin-1").split("\r\n")
+            method, authority, _version = lines[0].split(" ")
+        except ValueError:
+            raise errors.InvalidRequest("the CONNECT request line is malformed.") from None
+        if method != "CONNECT":
+            raise errors.InvalidRequest("only CONNECT is served before HTTP/2.")
+        credentials = None
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "proxy-authorization":
+                scheme, _, encoded = value.strip().partition(" ")
+                if scheme.lower() == "basic":
+                    try:
+                        credentials = base64.b64decode(encoded.strip(), validate=True).decode()
+                    except (binascii.Error, UnicodeDecodeError):
+                        raise errors.Unauthenticated(
+                            "the Proxy-Authorization header is not valid base64.") from None
+        if credentials is None or ":" not in credentials:
+            raise errors.Unauthenticated(
+                "the tunnel carries no credentials (Proxy-Authorization: Basic "
+                "tenant:token); connect with isthmus run --service --token-file FILE.")
+        tenant, _, token = credentials.partition(":")
+        if authority == "control":
+            return self.authenticate(tenant, token, None)
+        if authority.startswith("lease/"):
+            return self.authenticate(tenant, token, authority.removeprefix("lease/"))
+        return self.lease_for(self.authenticate(tenant, token, None))
+
+
+class Preamble(asyncio.Protocol):
+    """A connection of a shared service until it has said who it is; then HTTP/2."""
+
+    def __init__(self, gate: Gate, connect: Callable[[Any], Any], secure: bool) -> None:
+        self.gate = gate
+        self.connect = connect  # identity -> a fresh h2server connection (its `wire`)
+        self.secure = secure
+        self.buffer = b""
+        self.transport: Any = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.timer = asyncio.get_running_loop().call_later(
+            PREAMBLE_SECONDS, self._refuse, 408, "Request Timeout",
+            "the connection said nothing within 10 s.")
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        buffer = self.buffer
+        if buffer.startswith(b"PRI ") or (len(buffer) < 4 and b"PRI ".startswith(buffer)):
+            if len(buffer) >= 4:
+                self._switch(None, buffer)
+            return
+        if not (buffer.startswith(b"CONNECT ") or b"CONNECT ".startswith(buffer[:8])):
+            self._refuse(400, "Bad Request", "this port serves gRPC (HTTP/2) and CONNECT.")
+            return
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > MAX_PREAMBLE:
+                self._refuse(431, "Request Header Fields Too Large", "the CONNECT request "
+                             "is too large.")
+            return
+        try:
+            identity = self.gate.identify(buffer[:end], self.secure)
+        except errors.IsthmusError as e:
+            status = {errors.Code.UNAUTHENTICATED: (407, "Proxy Authentication Required"),
+                      errors.Code.INVALID_ARGUMENT: (400, "Bad Request")}.get(
+                e.code, (403, "Forbidden"))
+            self._refuse(*status, e.message)
+            return
+        self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        self._switch(identity, buffer[end + 4:])
+
+    def _switch(self, identity: Any, rest: bytes) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        wire = self.connect(identity)
+        self.transport.set_protocol(wire)
+        wire.connection_made(self.transport)
+        view = memoryview(rest)
+        while view:
+            target = wire.get_buffer(len(view))
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            wire.buffer_updated(n)
+            view = view[n:]
+
+    def _refuse(self, status: int, phrase: str, reason: str) -> None:
+        self.gate.refused += 1
+        logger.info("refused a connection: %s", reason)
+        body = (reason.replace("\n", " ") + "\n").encode()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\n"
+                                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                                 % (status, phrase.encode(), len(body), body))
+            self.transport.close()
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class GatedListener:
+    """Accepts TCP connections and sorts them by their first byte (module docstring)."""
+
+    def __init__(self, gate: Gate, plain: Callable[[], Any],
+                 connect: Callable[[Any], Any]) -> None:
+        self.gate = gate
+        self.plain = plain  # () -> the protocol of a connection without identity (HTTP/2)
+        self.connect = connect
+        self.sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._sorting: set[asyncio.Task[None]] = set()
+
+    def listen(self, host: str, port: int) -> int:
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, port), family=family, backlog=1024)
+        self.sock.setblocking(False)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        return int(self.sock.getsockname()[1])
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self.sock is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self.sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as e:  # out of descriptors, or a connection reset while queued
+                logger.warning("accepting a connection failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            task = loop.create_task(self._sort(conn))
+            self._sorting.add(task)
+            task.add_done_callback(self._sorting.discard)
+
+    async def _sort(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await asyncio.wait_for(readable, PREAMBLE_SECONDS)
+            first = conn.recv(1, socket.MSG_PEEK)
+        except (asyncio.TimeoutError, OSError):
+            first = b""
+        finally:
+            loop.remove_reader(conn.fileno())
+        if not first:
+            conn.close()
+            return
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if first[0] == TLS_RECORD:
+                if self.gate.tls is None:
+                    conn.close()
+                    return
+                await loop.connect_accepted_socket(
+                    lambda: Preamble(self.gate, self.connect, True), conn, ssl=self.gate.tls,
+                    ssl_handshake_timeout=PREAMBLE_SECONDS)
+            elif first == b"C":
+                await loop.connect_accepted_socket(
+                    lambda: Preamble(self.gate, self.connect, False), conn)
+            else:
+                await loop.connect_accepted_socket(self.plain, conn)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError) as e:
+            logger.info("a connection failed before it said who it is: %s", e)
+            conn.close()
+
+    def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for task in list(self._sorting):
+            task.cancel()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None

@@ -1,0 +1,217 @@
+"""The tenants file of a shared service: parsing, validation (one ValueError per mistake) and
+authentication by token digest. Plain dicts through `tenants.parse`, and real files in tmp_path
+through `tenants.load`."""
+
+import hashlib
+
+import pytest
+
+from isthmus import errors
+from isthmus.controller import tenants
+
+ALICE = tenants.token_digest("alice-secret")
+BOB = tenants.token_digest("bob-secret")
+
+
+def valid():
+    """A file with two tenants, one of them an admin; tests change one thing in it."""
+    return {
+        "grace_seconds": 30,
+        "admins": ["bob"],
+        "tenants": {
+            "alice": {"token_sha256": ALICE, "max_slices": 2, "priority": 10,
+                      "max_lease_seconds": 3600},
+            "bob": {"token_sha256": BOB, "max_slices": 1},
+        },
+    }
+
+
+def test_valid_file_parses_every_field():
+    parsed = tenants.parse(valid(), ".", "t.toml")
+    assert sorted(parsed.by_name) == ["alice", "bob"]
+    assert parsed.grace_seconds == 30.0 and isinstance(parsed.grace_seconds, float)
+    assert parsed.path == "t.toml"
+    alice, bob = parsed.by_name["alice"], parsed.by_name["bob"]
+    assert alice.token_sha256 == hashlib.sha256(b"alice-secret").digest()
+    assert (alice.max_slices, alice.priority, alice.max_lease_seconds) == (2, 10, 3600.0)
+    assert (bob.max_slices, bob.priority, bob.max_lease_seconds) == (1, 0, None)
+    assert (alice.admin, bob.admin) == (False, True)
+
+
+def test_defaults_when_settings_are_left_out():
+    parsed = tenants.parse({"tenants": {"alice": {"token_sha256": ALICE, "max_slices": 0}}})
+    assert parsed.grace_seconds == tenants.DEFAULT_GRACE_SECONDS == 60.0
+    assert parsed.by_name["alice"].admin is False
+    assert parsed.by_name["alice"].max_slices == 0
+
+
+def test_token_digest_is_hex_sha256_of_the_stripped_token():
+    assert tenants.token_digest("  alice-secret\n") == hashlib.sha256(b"alice-secret").hexdigest()
+
+
+def test_authenticate_right_token():
+    parsed = tenants.parse(valid())
+    assert parsed.authenticate("alice", "alice-secret") is parsed.by_name["alice"]
+    assert parsed.authenticate("bob", "bob-secret").name == "bob"
+
+
+@pytest.mark.parametrize("name, token", [
+    ("alice", "bob-secret"),        # another tenant's token
+    ("alice", "alice-secret "),     # close, but not the token
+    ("carol", "alice-secret"),      # unknown name with a known token
+    ("carol", "carol-secret"),      # unknown name
+    ("alice", ""),                  # empty token
+])
+def test_authenticate_refuses_with_one_message(name, token):
+    parsed = tenants.parse(valid())
+    with pytest.raises(errors.Unauthenticated) as caught:
+        parsed.authenticate(name, token)
+    assert type(caught.value) is errors.Unauthenticated
+    assert caught.value.code is errors.Code.UNAUTHENTICATED
+    # The message names only what the client sent: it does not tell a wrong name from a
+    # wrong token.
+    assert caught.value.message.startswith(f"tenant {name!r} with this token is not known")
+
+
+def test_empty_token_refused_even_when_its_digest_is_configured():
+    data = {"tenants": {"alice": {"token_sha256": tenants.token_digest(""), "max_slices": 1}}}
+    parsed = tenants.parse(data)
+    with pytest.raises(errors.Unauthenticated):
+        parsed.authenticate("alice", "")
+
+
+def test_load_reads_toml_and_token_file_relative_to_it(tmp_path):
+    (tmp_path / "tokens").mkdir()
+    (tmp_path / "tokens" / "alice.token").write_text("  alice-secret\n\n")
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        'grace_seconds = 5.5\n'
+        'admins = ["alice"]\n'
+        '[tenants.alice]\n'
+        'token_file = "tokens/alice.token"\n'
+        'max_slices = 3\n'
+        'priority = -1\n'
+        f'[tenants.bob]\ntoken_sha256 = "{BOB.upper()}"\nmax_slices = 1\n'
+        'max_lease_seconds = 0.5\n')
+    parsed = tenants.load(str(path))
+    assert parsed.path == str(path)
+    assert parsed.grace_seconds == 5.5
+    alice = parsed.authenticate("alice", "alice-secret")
+    assert (alice.max_slices, alice.priority, alice.admin) == (3, -1, True)
+    assert parsed.authenticate("bob", "bob-secret").max_lease_seconds == 0.5
+
+
+def test_load_missing_file_names_it(tmp_path):
+    path = tmp_path / "nowhere.toml"
+    with pytest.raises(ValueError, match=f"cannot read the tenants file {path}"):
+        tenants.load(str(path))
+
+
+def test_load_not_toml_names_it(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.alice\n")
+    with pytest.raises(ValueError, match=f"the tenants file {path} is not TOML"):
+        tenants.load(str(path))
+
+
+def test_missing_token_file_names_it(tmp_path):
+    data = {"tenants": {"alice": {"token_file": "alice.token", "max_slices": 1}}}
+    with pytest.raises(ValueError, match="cannot read the token file .*alice.token"):
+        tenants.parse(data, str(tmp_path))
+
+
+def test_empty_token_file_refused(tmp_path):
+    (tmp_path / "alice.token").write_text(" \n")
+    data = {"tenants": {"alice": {"token_file": "alice.token", "max_slices": 1}}}
+    with pytest.raises(ValueError, match="token file .*alice.token is empty"):
+        tenants.parse(data, str(tmp_path))
+
+
+def with_alice(**changes):
+    """valid() with alice's table changed (None removes a field)."""
+    data = valid()
+    alice = data["tenants"]["alice"]
+    for field, value in changes.items():
+        if value is None:
+            alice.pop(field, None)
+        else:
+            alice[field] = value
+    return data
+
+
+@pytest.mark.parametrize("data, message", [
+    ({}, r"t.toml: no \[tenants.NAME\] table"),
+    ({"tenants": {}}, r"t.toml: no \[tenants.NAME\] table"),
+    ({"tenants": ["alice"]}, r"t.toml: no \[tenants.NAME\] table"),
+    ({**valid(), "grace": 3}, r"t.toml: unknown settings \['grace'\]"),
+    ({**valid(), "admins": "bob"}, "admins must be a list of tenant names"),
+    ({**valid(), "admins": ["carol"]}, r"admins \['carol'\] have no \[tenants.NAME\] table"),
+    ({**valid(), "grace_seconds": -1}, "grace_seconds must be a number of seconds >= 0"),
+    ({**valid(), "grace_seconds": "60s"}, "grace_seconds must be a number of seconds >= 0"),
+    ({**valid(), "grace_seconds": True}, "grace_seconds must be a number of seconds >= 0"),
+    (with_alice(colour="red"), r"\[tenants.alice\]: unknown fields \['colour'\]"),
+    (with_alice(token_file="alice.token"), "give exactly one of token_file and token_sha256"),
+    (with_alice(token_sha256=None), "give exactly one of token_file and token_sha256"),
+    (with_alice(token_sha256="abc"), "token_sha256 must be 64 hex digits"),
+    (with_alice(token_sha256="zz" * 32), "token_sha256 must be 64 hex digits"),
+    (with_alice(token_sha256=ALICE + "00"), "token_sha256 must be 64 hex digits"),
+    (with_alice(max_slices=None), "max_slices must be a whole number >= 0"),
+    (with_alice(max_slices=-1), "max_slices must be a whole number >= 0"),
+    (with_alice(max_slices=1.5), "max_slices must be a whole number >= 0"),
+    (with_alice(max_slices=True), "max_slices must be a whole number >= 0"),
+    (with_alice(priority="high"), "priority must be a whole number"),
+    (with_alice(priority=1.0), "priority must be a whole number"),
+    (with_alice(priority=False), "priority must be a whole number"),
+    (with_alice(max_lease_seconds=0), "max_lease_seconds must be a number of seconds > 0"),
+    (with_alice(max_lease_seconds=-5), "max_lease_seconds must be a number of seconds > 0"),
+    (with_alice(max_lease_seconds="1h"), "max_lease_seconds must be a number of seconds > 0"),
+    (with_alice(max_lease_seconds=True), "max_lease_seconds must be a number of seconds > 0"),
+    ({"tenants": {"alice": 3}}, r"\[tenants.alice\] must be a table"),
+    ({"tenants": {"al ice": {"token_sha256": ALICE, "max_slices": 1}}},
+     "a tenant name is letters, digits"),
+    ({"tenants": {"": {"token_sha256": ALICE, "max_slices": 1}}},
+     "a tenant name is letters, digits"),
+    ({"tenants": {"al/ice": {"token_sha256": ALICE, "max_slices": 1}}},
+     "a tenant name is letters, digits"),
+    ({"tenants": {"alice": {"token_sha256": ALICE, "max_slices": 1},
+                  "bob": {"token_sha256": ALICE.upper(), "max_slices": 1}}},
+     "two tenants share a token"),
+])
+def test_validation_errors(data, message):
+    with pytest.raises(ValueError, match=message):
+        tenants.parse(data, ".", "t.toml")
+
+
+def test_duplicate_token_between_file_and_digest(tmp_path):
+    (tmp_path / "a.token").write_text("alice-secret\n")
+    data = {"tenants": {"alice": {"token_file": "a.token", "max_slices": 1},
+                        "bob": {"token_sha256": ALICE, "max_slices": 1}}}
+    with pytest.raises(ValueError, match="two tenants share a token"):
+        tenants.parse(data, str(tmp_path))
+
+
+def test_edge_values_accepted():
+    data = {"grace_seconds": 0, "tenants": {
+        "A.b_c-9": {"token_sha256": ALICE, "max_slices": 0, "priority": -3,
+                    "max_lease_seconds": 0.001}}}
+    parsed = tenants.parse(data)
+    tenant = parsed.by_name["A.b_c-9"]
+    assert (parsed.grace_seconds, tenant.priority, tenant.max_lease_seconds) == (0.0, -3, 0.001)
+
+
+@pytest.mark.parametrize("field", ["grace_seconds", "max_lease_seconds"])
+def test_nan_seconds_refused(tmp_path, field):
+    path = tmp_path / "tenants.toml"
+    alice = f'[tenants.alice]\ntoken_sha256 = "{ALICE}"\nmax_slices = 1\n'
+    if field == "grace_seconds":
+        path.write_text("grace_seconds = nan\n" + alice)
+    else:
+        path.write_text(alice + "max_lease_seconds = nan\n")
+    with pytest.raises(ValueError, match=f"{field} must be a number of seconds"):
+        tenants.load(str(path))
+
+
+def test_tenant_repr_hides_the_digest():
+    alice = tenants.parse(valid()).by_name["alice"]
+    assert "token_sha256" not in repr(alice)
+    assert ALICE not in repr(alice)
