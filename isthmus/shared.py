@@ -363,3 +363,50 @@ def connect(service: str, *, slices: int = 1, token_file: str | None = None,
             else:
                 pathwaysutils.initialize()
         yield grant
+
+
+# ---- arrays kept for the lease's next client ---------------------------------------------------
+
+
+def keep(name: str, tree: Any) -> None:
+    """Keeps the arrays of `tree` (a pytree of jax arrays) on the service under `name`, for
+    as long as the lease lives: a client that comes back to the lease (a restarted notebook
+    kernel: `connect(..., name=...)` again within the grace period) gets them with `take`.
+    Keeping under a name again replaces what was kept there. Needs pathwaysutils."""
+    import jax
+    from pathwaysutils.plugin_executable import PluginExecutable
+
+    leaves = jax.tree_util.tree_leaves(tree)
+    names = [f"{name}/{i}" for i in range(len(leaves))]
+    program = PluginExecutable(json.dumps({"isthmusKeep": {"names": names}}))
+    _, done = program.call(in_arr=leaves)
+    done.result()
+
+
+def take(name: str, like: Any) -> Any:
+    """The arrays kept under `name`, as a pytree shaped like `like` (a pytree of
+    `jax.ShapeDtypeStruct`s with shardings, or arrays): each must match what was kept in
+    dtype, shape and sharding (rebuild the same mesh). Raises (NOT_FOUND) when nothing is
+    kept under that name."""
+    import jax
+    from jax._src import core
+    from pathwaysutils.persistence import helper
+    from pathwaysutils.plugin_executable import PluginExecutable
+
+    leaves, structure = jax.tree_util.tree_flatten(like)
+    requests = []
+    for i, leaf in enumerate(leaves):
+        sharding = leaf.sharding
+        requests.append({
+            "b64_location": helper.string_to_base64("kept"),
+            "b64_name": helper.string_to_base64(f"{name}/{i}"),
+            "b64_hlo_sharding_string": helper.get_hlo_sharding_string(sharding, len(leaf.shape)),
+            "shape": helper.get_shape_info(leaf.dtype, leaf.shape),
+            "devices": {"device_ids": [d.id for d in sharding._device_assignment]},
+        })
+    program = PluginExecutable(json.dumps({"isthmusTake": {"read_requests": requests}}))
+    arrays, done = program.call(out_shardings=[leaf.sharding for leaf in leaves],
+                                out_avals=[core.ShapedArray(leaf.shape, leaf.dtype)
+                                           for leaf in leaves])
+    done.result()
+    return jax.tree_util.tree_unflatten(structure, arrays)

@@ -106,6 +106,8 @@ class LeaseBook:
         self.clock = clock
         self.leases: dict[str, Lease] = {}  # live ones (queued or active)
         self.scrubbing: set[SliceId] = set()
+        # Why recent leases ended, for the clients that still name them (the last 1024).
+        self.ended: dict[str, errors.IsthmusError] = {}
         self._order = itertools.count()
         self._ids = itertools.count(1)
         # Figures of the shared service (the six of Shared Pathways Service, and more).
@@ -189,6 +191,8 @@ class LeaseBook:
     def lease(self, lease_id: str) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None:
+            if lease_id in self.ended:
+                raise self.ended[lease_id]
             raise errors.LeaseEnded(
                 f"lease {lease_id} is not live on this service (it ended, or the service "
                 "restarted); ask for a new lease.")
@@ -220,6 +224,9 @@ class LeaseBook:
         if lease.state is LeaseState.ENDED:
             return
         self.leases.pop(lease.id, None)
+        self.ended[lease.id] = reason
+        while len(self.ended) > 1024:
+            del self.ended[next(iter(self.ended))]
         was_active = lease.state is LeaseState.ACTIVE
         lease.state, lease.ended = LeaseState.ENDED, reason
         freed, lease.slices = lease.slices, []

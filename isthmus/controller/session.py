@@ -17,13 +17,13 @@ import asyncio
 import logging
 
 from isthmus.controller.session_moves import SessionMoves
-from isthmus.controller.session_persistence import SessionPersistence
+from isthmus.controller.session_persistence import SessionKept
 from isthmus.controller.session_sharing import SessionSharing
 
 logger = logging.getLogger(__name__)
 
 
-class Session(SessionSharing, SessionMoves, SessionPersistence):
+class Session(SessionSharing, SessionMoves, SessionKept):
     """Arrays and executables of one client session."""
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -175,3 +175,113 @@ class SessionPersistence(SessionPython):
 def executable_specs(plan: PersistencePlan) -> list[tuple[Aval, sh.Sharding, tuple[int, ...]]]:
     return [(Aval(a.dtype, a.shape), a.sharding,
              sh.shard_nbytes(a.sharding, a.shape, a.dtype.itemsize)) for a in plan.arrays]
+
+
+# ---- arrays kept for a lease's next client (a shared service) ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeptSpec:
+    """One array of a keep or take: its name, and for a take what the client expects."""
+
+    name: str
+    dtype: dtypes.DType | None = None  # take only
+    shape: tuple[int, ...] = ()
+    sharding: sh.Sharding | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeepPlan:
+    """`keep` (the call's arguments are kept under the names) or take (its outputs)."""
+
+    keep: bool
+    arrays: tuple[KeptSpec, ...]
+    private: ClassVar[bool] = True
+    on_hosts: ClassVar[bool] = False
+
+
+class KeptArrays:
+    """Arrays a lease keeps for its next client, by name (`isthmus.shared.keep`). They are
+    held by a session of their own, which the lease's end closes (freeing them)."""
+
+    def __init__(self, keeper: SessionPersistence) -> None:
+        self.keeper = keeper
+        self.arrays: dict[str, Array] = {}
+
+    def describe(self) -> dict[str, object]:
+        return {name: {"dtype": dtype_name(a.dtype), "shape": list(a.shape),
+                       "devices": list(a.sharding.devices)}
+                for name, a in self.arrays.items()}
+
+    async def close(self) -> None:
+        self.arrays.clear()
+        await self.keeper.close()  # type: ignore[attr-defined]
+
+
+class SessionKept(SessionPersistence):
+    """Keeping arrays for a lease's next client, and taking them back."""
+
+    def compile_kept(self, plan: KeepPlan) -> Executable:
+        specs = [a for a in plan.arrays if a.sharding is not None]
+        device_ids = tuple(dict.fromkeys(d for a in specs for d in a.sharding.devices))  # type: ignore[union-attr]
+        devices = self.fleet.devices_of(device_ids) if device_ids else tuple(self.fleet.devices[:1])
+        outputs = () if plan.keep else tuple(Aval(a.dtype, a.shape) for a in plan.arrays)  # type: ignore[arg-type]
+        info = CompiledInfo(
+            name="isthmus_keep" if plan.keep else "isthmus_take",
+            params=(), outputs=outputs, param_shardings=None, output_shardings=None,
+            param_layouts=(), output_layouts=tuple(_default_layout(a.shape) for a in outputs),
+            output_memory_kinds=("",) * len(outputs),
+            donated_inputs=(), fingerprint=hashlib.sha256(repr(plan).encode()).digest(),
+            cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0)
+        executable = self.controller.executable(plan, devices, info)
+        self._executables.append(executable)
+        return executable
+
+    def run_kept(self, executable: Executable, args: Sequence[Array], kept: KeptArrays | None
+                 ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
+        plan: KeepPlan = executable.request  # type: ignore[assignment]
+        if kept is None:
+            raise errors.Unimplemented(
+                "keeping arrays for a later client needs a lease of a shared service "
+                "(isthmus.shared.connect); on a server of your own, keep the process.")
+        if plan.keep:
+            if len(args) != len(plan.arrays):
+                raise errors.InvalidRequest(f"keep names {len(plan.arrays)} arrays but "
+                                            f"{len(args)} were given.")
+            for spec, array in zip(plan.arrays, args):
+                old = kept.arrays.pop(spec.name, None)
+                if old is not None:
+                    kept.keeper._arrays.discard(old)
+                    self.release([old])  # in this session's order: after its earlier work
+                kept.arrays[spec.name] = kept.keeper._share(
+                    array.dtype, array.shape, array.sharding, array.shards, array.error)
+            outputs: list[Array] = []
+        else:
+            if args:
+                raise errors.InvalidRequest("take takes no arrays.")
+            outputs = []
+            for spec in plan.arrays:
+                array = kept.arrays.get(spec.name)
+                if array is None:
+                    self.release(outputs)
+                    raise errors.UnknownHandle(
+                        f"no array is kept under {spec.name!r} for this lease (kept: "
+                        f"{sorted(kept.arrays)[:8]}); keep it first, within the same lease.")
+                assert spec.sharding is not None
+                if (array.dtype != spec.dtype or array.shape != spec.shape or
+                        sh.shard_boxes(array.sharding, array.shape) != sh.shard_boxes(
+                            spec.sharding, spec.shape) or
+                        tuple(array.sharding.devices) != tuple(spec.sharding.devices)):
+                    self.release(outputs)
+                    raise errors.InvalidRequest(
+                        f"{spec.name!r} is kept as {dtype_name(array.dtype)}"
+                        f"{list(array.shape)} on devices {list(array.sharding.devices)}; take "
+                        "it with that dtype, shape and sharding.")
+                outputs.append(self._share(array.dtype, array.shape, array.sharding,
+                                           array.shards, array.error))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+
+        async def status() -> None:
+            await done
+        return outputs, status

@@ -6,7 +6,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.frontend.colocated import is_python
-from isthmus.frontend.persistence import is_persistence
+from isthmus.frontend.persistence import is_kept, is_persistence
 from isthmus.frontend.registry import handles
 
 
@@ -29,6 +29,9 @@ def execute(session: Any, request: Any, response: Any) -> None:
     options = body.execute_options
     if is_persistence(executable):
         outputs, status = session.ctl.run_persistence(executable, args)
+    elif is_kept(executable):
+        kept = session.kept() if session.lease is not None else None
+        outputs, status = session.ctl.run_kept(executable, args, kept)
     elif is_python(executable):
         # Calls from one client thread (its execution stream) run in order on the hosts.
         outputs, status = session.ctl.call_python(

@@ -18,13 +18,16 @@ from typing import Any
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.session_persistence import PersistencePlan, Saved
+from isthmus.controller.session_persistence import KeepPlan, KeptSpec, PersistencePlan, Saved
 from isthmus.ids import DeviceId
 
 PREFIX = b"__serialized_plugin_program "
 
 
-def plan_of(data: bytes) -> PersistencePlan:
+KEPT = "kept"  # the location of arrays kept for a lease's next client (isthmus.shared.keep)
+
+
+def plan_of(data: bytes) -> PersistencePlan | KeepPlan:
     """The plan of a plugin program's bytes; InvalidRequest/Unimplemented naming the field."""
     if not data.startswith(PREFIX):
         raise errors.InvalidRequest("the PluginProgram does not start with "
@@ -45,6 +48,19 @@ def plan_of(data: bytes) -> PersistencePlan:
     if "bulk_persistence_read_request" in request:
         items = _list(request["bulk_persistence_read_request"], "read_requests")
         return PersistencePlan(False, tuple(_saved(r, False) for r in items))
+    if "isthmusKeep" in request:
+        names = request["isthmusKeep"].get("names") if isinstance(
+            request["isthmusKeep"], dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise errors.InvalidRequest("isthmusKeep needs a list of array names.")
+        return KeepPlan(True, tuple(KeptSpec(f"{KEPT}/{n}") for n in names))
+    if "isthmusTake" in request:
+        items = _list(request["isthmusTake"], "read_requests")
+        specs = [_saved(r, False) for r in items]
+        if any(not s.location.startswith(KEPT + "/") for s in specs):
+            raise errors.InvalidRequest(f"isthmusTake reads from location {KEPT!r} only.")
+        return KeepPlan(False, tuple(KeptSpec(s.location, s.dtype, s.shape, s.sharding)
+                                     for s in specs))
     raise errors.Unimplemented(
         f"plugin programs {sorted(request)[:4]} are not supported; isthmus serves "
         "pathwaysutils' persistence requests (persistenceWriteRequest, persistenceReadRequest "
@@ -102,9 +118,16 @@ def compile_plugin(session: Any, program: Any) -> Any:
     """Starts a Compile of a PluginProgram: the session's executable for the plan."""
     plan = plan_of(bytes(program.data))
     for saved in plan.arrays:
-        session.fleet.devices_of(saved.sharding.devices)  # unknown ids: NOT_FOUND now
+        if saved.sharding is not None:
+            session.fleet.devices_of(saved.sharding.devices)  # unknown ids: NOT_FOUND now
+    if isinstance(plan, KeepPlan):
+        return session.ctl.compile_kept(plan)
     return session.ctl.compile_persistence(plan)
 
 
 def is_persistence(executable: Any) -> bool:
     return isinstance(executable.request, PersistencePlan)
+
+
+def is_kept(executable: Any) -> bool:
+    return isinstance(executable.request, KeepPlan)

@@ -126,7 +126,7 @@ class Frontend:
             session_id, version, self.schema, self.serdes, controller_session,
             HostBufferStore(self.controller.config.host_buffer_timeout), send,
             self.platform, self.vetter, peer, on_close=self._closed)
-        session.lease = lease
+        session.lease, session.shared_service = lease, self.shared
         if lease is not None:
             SharedService.sessions(lease).add(session)
         self.sessions[session_id] = session

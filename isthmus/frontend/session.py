@@ -62,6 +62,7 @@ class FrontendSession:
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
         self.lease: Any = None  # on a shared service, the lease it runs under
+        self.shared_service: Any = None  # ... and the service (frontend/shared.py)
         self.requests = 0
         self._seq = itertools.count()  # numbers OK responses, as the client expects
 
@@ -200,6 +201,10 @@ class FrontendSession:
         return value
 
     # ---- lifecycle -----------------------------------------------------------------------
+
+    def kept(self) -> Any:
+        """The arrays this session's lease keeps for its next client (a shared service)."""
+        return self.shared_service.kept(self.lease)
 
     def end(self, error: errors.IsthmusError) -> None:
         """Ends the session's stream with `error` as its status (its lease ended)."""

@@ -20,6 +20,8 @@ from isthmus import errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.lease_view import FleetView, reclaimed_error
 from isthmus.controller.leases import Hooks, Lease, LeaseBook, LeaseState
+from isthmus.controller.session import Session as ControllerSession
+from isthmus.controller.session_persistence import KeptArrays
 from isthmus.controller.tenants import Tenant, Tenants
 from isthmus.ids import SliceId
 
@@ -109,6 +111,14 @@ class SharedService:
 
     def view(self, lease: Lease) -> FleetView:
         return FleetView(self.controller.fleet, lease)
+
+    def kept(self, lease: Lease) -> KeptArrays:
+        """The arrays `lease` keeps for its next client (made on first use)."""
+        kept = lease.attached.get("kept")
+        if kept is None:
+            keeper = ControllerSession(self.controller, self.view(lease), lease.tenant.name)
+            kept = lease.attached["kept"] = KeptArrays(keeper)
+        return kept
 
     @staticmethod
     def sessions(lease: Lease) -> set[Any]:
@@ -208,7 +218,7 @@ class SharedService:
                 for session in sessions:
                     await session.close()
                 if kept is not None:
-                    kept.clear()
+                    await kept.close()
             finally:
                 self.book.scrubbed(slices)
         self._spawn(scrub())

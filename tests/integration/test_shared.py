@@ -1,0 +1,280 @@
+"""A shared service on a 3-slice CPU fleet: leases, the queue, identities, isolation, grace.
+
+The test process holds leases itself (`isthmus.shared.lease`: a forwarder and a lease
+stream, no jax), and runs the stock jax client in subprocesses through the lease's tunnel;
+`isthmus run --service` is driven as a user runs it. Every result is compared with numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from isthmus import shared
+from isthmus.testing import LocalServer, run_python
+from tests.integration.rawclient import RawSession, status_of
+
+GRACE = 3.0
+
+JOB = """
+import jax, jax.numpy as jnp, numpy as np
+devices = jax.devices()
+print("DEVICES", [d.id for d in devices], sorted({d.slice_index for d in devices}))
+x = jnp.arange(32.0).reshape(4, 8)
+from jax.experimental import mesh_utils
+n = len({d.slice_index for d in devices})
+mesh = jax.sharding.Mesh(
+    mesh_utils.create_hybrid_device_mesh((len(devices) // n,), (n,), devices), ("d",))
+y = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "d")))
+print("RESULT", float(jax.jit(lambda a: (a @ a.T).sum() * 0.5)(y)))
+"""
+EXPECTED = float((np.arange(32.0).reshape(4, 8) @ np.arange(32.0).reshape(4, 8).T).sum() * 0.5)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tenants")
+    for name in ("alice", "bob", "carol", "ops"):
+        (directory / f"{name}.token").write_text(f"{name}-secret-{os.getpid()}\n")
+    (directory / "tenants.toml").write_text(f"""
+admins = ["ops"]
+grace_seconds = {GRACE}
+[tenants.alice]
+token_file = "alice.token"
+max_slices = 2
+[tenants.bob]
+token_file = "bob.token"
+max_slices = 1
+priority = 5
+[tenants.carol]
+token_file = "carol.token"
+max_slices = 3
+[tenants.ops]
+token_file = "ops.token"
+max_slices = 0
+""")
+    with LocalServer(fleet=(3, 1, 2), args=["--tenants", str(directory / "tenants.toml")]
+                     ) as server:
+        server.tokens = {name: str(directory / f"{name}.token")
+                         for name in ("alice", "bob", "carol", "ops")}
+        server.ca = str(directory / "isthmus-service" / "service-cert.pem")
+        server.service = server.address.removeprefix("grpc://")
+        yield server
+
+
+def lease(service, who, **options):
+    return shared.lease(service.service, token_file=service.tokens[who], ca=service.ca,
+                        report=lambda line: None, **options)
+
+
+def resumed(service, who, name):
+    """The lease `name` again, once the service saw its last client go (a few ms)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            context = lease(service, who, slices=1, name=name)
+            grant = context.__enter__()
+        except shared.LeaseRefused as e:
+            if "in use by another client" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        break
+
+    class Held:
+        def __enter__(self):
+            return grant
+
+        def __exit__(self, *exc):
+            return context.__exit__(*exc)
+    return Held()
+
+
+def figures(service):
+    return service.status()["shared"]
+
+
+def devices_of(result):
+    line = next(line for line in result.stdout.splitlines() if line.startswith("DEVICES"))
+    return line
+
+
+def result_of(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    return float(line.split()[1])
+
+
+def wait_until(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_two_tenants_run_and_a_third_waits_its_turn(service):
+    with lease(service, "alice", slices=2) as a, lease(service, "bob", slices=1) as b:
+        assert sorted(a.slices + b.slices) == [0, 1, 2]
+        ran_a = run_python(JOB, a.target)
+        ran_b = run_python(JOB, b.target)
+        assert result_of(ran_a) == EXPECTED and result_of(ran_b) == EXPECTED
+        # Each sees its own slices' devices, numbered from slice 0.
+        ids_a = {2 * s + i for s in a.slices for i in range(2)}
+        ids_b = {2 * s + i for s in b.slices for i in range(2)}
+        assert devices_of(ran_a) == f"DEVICES {sorted(ids_a)} [0, 1]"
+        assert devices_of(ran_b) == f"DEVICES {sorted(ids_b)} [0]"
+        # The pool is full: carol's job waits in the queue, and says so.
+        queued = subprocess.Popen(
+            [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
+             "--service-ca", service.ca, "--token-file", service.tokens["carol"],
+             "--slices", "1", "--", sys.executable, "-c", JOB],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()})
+        try:
+            assert queued.stderr is not None
+            line = queued.stderr.readline()
+            assert "position 1 in the queue" in line, line
+            assert figures(service)["users_waiting"] == 1
+        except BaseException:
+            queued.kill()
+            raise
+    # bob's and alice's leases ended: carol's job starts and finishes.
+    stdout, stderr = queued.communicate(timeout=120)
+    assert queued.returncode == 0, stderr[-3000:]
+    assert f"RESULT {EXPECTED}" in stdout
+    wait_until(lambda: figures(service)["capacity_in_use"] == 0, 10, "the leases to end")
+
+
+def test_a_stranger_is_refused_and_leaves_nothing(service, tmp_path):
+    before = service.status()
+    wrong = tmp_path / "wrong.token"
+    wrong.write_text("not-a-tenant\n")
+    with pytest.raises(shared.LeaseRefused, match="not known to the service"):
+        with shared.lease(service.service, token_file=str(wrong), ca=service.ca):
+            pass
+    # Without a tunnel at all: the stock client's calls are refused as unauthenticated.
+    with pytest.raises(grpc.RpcError) as refused:
+        RawSession(service.address, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "shared isthmus service" in refused.value.details()
+    after = service.status()
+    assert after["sessions"] == before["sessions"] == {}
+    assert after["shared"]["capacity_in_use"] == before["shared"]["capacity_in_use"]
+
+
+def test_over_quota_and_no_wait_are_refused_in_one_line(service):
+    with pytest.raises(shared.LeaseRefused, match="over its quota"):
+        with lease(service, "bob", slices=2):
+            pass
+    with lease(service, "carol", slices=3):
+        with pytest.raises(shared.LeaseRefused, match="no 1 slices are free now"):
+            with lease(service, "alice", slices=1, wait=0):
+                pass
+    result = subprocess.run(
+        [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
+         "--service-ca", service.ca, "--token-file", service.tokens["bob"], "--slices", "2",
+         "--", "true"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "over its quota" in result.stderr
+
+
+def test_another_tenants_devices_and_host_buffers_are_not_found(service):
+    with lease(service, "alice", slices=1) as a, lease(service, "bob", slices=1) as b:
+        with RawSession(a.target) as sa, RawSession(b.target) as sb:
+            init_a = sa.call("init_request").init_response
+            init_b = sb.call("init_request").init_response
+            ids_a = {d.id for d in init_a.all_devices}
+            ids_b = {d.id for d in init_b.all_devices}
+            assert ids_a and ids_b and not ids_a & ids_b
+            foreign = sorted(ids_b)[0]
+            body = sa.msg("GetDefaultLayoutRequest", dims=[4], device_id=foreign)
+            body.dtype.kind = body.dtype.KIND_F32
+            code, message = status_of(sa.call("get_default_layout_request", body))
+            assert code == 5 and "not one of lease" in message  # NOT_FOUND
+            # bob's host buffer is not there for alice, even by bob's session id.
+            sb.store(7, b"\x01" * 16)
+            sa.session_id = init_b.session_id
+            with pytest.raises(Exception, match="not open on this server"):
+                sa.lookup(7)
+
+
+def test_a_killed_clients_lease_waits_its_grace_then_frees(service):
+    script = (
+        "import sys, jax, jax.numpy as jnp\n"
+        "from isthmus import shared\n"
+        "shared.keep('state', {'w': jnp.arange(8.0) * 3})\n"
+        "print('KEPT', flush=True); sys.stdin.readline()\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
+         "--service-ca", service.ca, "--token-file", service.tokens["carol"], "--slices", "1",
+         "--lease-name", "notebook", "--", sys.executable, "-c", script],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "KEPT", holder.stderr.read()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # the client and its jax die at once
+        holder.wait(10)
+    # Within the grace period the lease lives on, with its arrays: the same name gets both.
+    assert figures(service)["capacity_in_use"] == 1
+    with resumed(service, "carol", "notebook") as again:
+        took = run_python(
+            "import jax, jax.numpy as jnp\n"
+            "from isthmus import shared\n"
+            "like = {'w': jax.ShapeDtypeStruct((8,), jnp.float32,"
+            " sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}\n"
+            "print('RESULT', float((shared.take('state', like)['w'] ** 2).sum()))\n",
+            again.target)
+        assert result_of(took) == float(((np.arange(8.0) * 3) ** 2).sum())
+    wait_until(lambda: figures(service)["capacity_in_use"] == 0, 10, "the lease to end")
+    # A client that dies and does not come back: its lease ends after the grace period.
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
+         "--service-ca", service.ca, "--token-file", service.tokens["carol"], "--slices", "2",
+         "--", sys.executable, "-c", "import sys; print('UP', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "UP"
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+    killed = time.monotonic()
+    assert figures(service)["capacity_in_use"] == 2
+    wait_until(lambda: figures(service)["capacity_in_use"] == 0, GRACE + 10,
+               "the grace period to end the lease")
+    assert time.monotonic() - killed >= GRACE - 0.5
+
+
+def test_an_admin_lists_and_revokes_leases(service):
+    with lease(service, "alice", slices=1) as held:
+        listing = subprocess.run(
+            [sys.executable, "-m", "isthmus.cli", "leases", "--controller", service.service,
+             "--service-ca", service.ca, "--token-file", service.tokens["ops"]],
+            capture_output=True, text=True, timeout=60)
+        assert listing.returncode == 0, listing.stderr
+        assert f"{held.lease}" in listing.stdout and "alice" in listing.stdout
+        refused = subprocess.run(
+            [sys.executable, "-m", "isthmus.cli", "leases", "--controller", service.service,
+             "--service-ca", service.ca, "--token-file", service.tokens["bob"]],
+            capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "not an admin" in refused.stderr
+        revoked = subprocess.run(
+            [sys.executable, "-m", "isthmus.cli", "leases", "--controller", service.service,
+             "--service-ca", service.ca, "--token-file", service.tokens["ops"],
+             "--revoke", held.lease], capture_output=True, text=True, timeout=60)
+        assert revoked.returncode == 0 and f"revoked {held.lease}" in revoked.stdout
+        # The revoked lease's tunnel opens no session any more.
+        ran = run_python(JOB, held.target, env={**os.environ, "ISTHMUS_CONNECT_TIMEOUT": "3"})
+        assert ran.returncode != 0 and "revoked by the service's admin ops" in ran.stderr
+    wait_until(lambda: figures(service)["capacity_in_use"] == 0, 10, "the slice to be free")
