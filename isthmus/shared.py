@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 CA_ENVIRONMENT = "ISTHMUS_SERVICE_CA"
 TOKEN_ENVIRONMENT = "ISTHMUS_SERVICE_TOKEN_FILE"
 PIPE_CHUNK = 1 << 20
+RESUME_SECONDS = 60.0  # how long a client whose lease stream broke tries to come back
 
 
 class LeaseRefused(RuntimeError):
@@ -207,6 +208,7 @@ class LeaseClient:
         self.grant: Grant | None = None
         self.ended: str | None = None  # why the lease ended, once it did
         self._reader: threading.Thread | None = None
+        self._released = False
 
     def acquire(self, slices: int, wait: float | None = None, name: str = "",
                 elastic: bool = False) -> Grant:
@@ -257,23 +259,67 @@ class LeaseClient:
                 timer.cancel()
 
     def _hold(self, updates: Iterator[bytes]) -> None:
+        """Reads the lease's stream until it ends; when it breaks (the network, or the
+        service restarting), comes back to the lease, or says clearly that it is gone."""
         import grpc
 
-        try:
-            for raw in updates:
-                update = json.loads(raw)
-                if "ended" in update:
-                    self.ended = update["ended"]["reason"]
-                    if not update["ended"]["reason"].endswith("released by its client."):
-                        self.report(f"isthmus: {self.ended}")
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                self.ended = e.details() or str(e.code())
-                self.report(f"isthmus: the lease stream broke ({self.ended}); the service "
-                            "keeps the lease for its grace period.")
+        while True:
+            try:
+                for raw in updates:
+                    update = json.loads(raw)
+                    if "ended" in update:
+                        self.ended = update["ended"]["reason"]
+                        if not self.ended.endswith("released by its client."):
+                            self.report(f"isthmus: {self.ended}")
+                        return
+                return
+            except grpc.RpcError as e:
+                if self._released or e.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    self.ended = e.details() or str(e.code())
+                    self.report(f"isthmus: lease {self.grant.lease if self.grant else ''} is "
+                                f"gone: {self.ended}")
+                    return
+                broke = e.details() or str(e.code())
+            updates = self._resume(broke)
+            if updates is None:
+                return
+
+    def _resume(self, broke: str) -> Iterator[bytes] | None:
+        """A new stream to the lease, retried while the service is unreachable."""
+        import grpc
+
+        assert self.grant is not None
+        self.report(f"isthmus: lost the service ({broke}); coming back to lease "
+                    f"{self.grant.lease}")
+        deadline = time.monotonic() + RESUME_SECONDS
+        while not self._released and time.monotonic() < deadline:
+            time.sleep(0.5)
+            self.call = self._lease(json.dumps({"resume": self.grant.lease}).encode())
+            updates = iter(self.call)
+            try:
+                first = json.loads(next(updates))
+            except StopIteration:
+                continue
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    continue
+                if not self._released:
+                    self.ended = e.details() or str(e.code())
+                    self.report(f"isthmus: lease {self.grant.lease} is gone: {self.ended}")
+                return None
+            if "granted" in first:
+                self.report(f"isthmus: back on lease {self.grant.lease}")
+                return updates
+        if not self._released:
+            self.ended = f"the service was unreachable for {RESUME_SECONDS:g} s"
+            self.report(f"isthmus: lease {self.grant.lease} is gone: {self.ended}")
+        return None
 
     def release(self) -> None:
         """Ends the lease on the service (its arrays are freed); then the stream closes."""
+        self._released = True
         if self.grant is not None and self.ended is None:
             with contextlib.suppress(Exception):
                 self._release(json.dumps({"lease": self.grant.lease}).encode(), timeout=10)

@@ -78,4 +78,14 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"session {sid} from {s['peer']}: {s['arrays']} array handles, "
                      f"{s['requests']} requests, {_bytes(s['host_buffer_bytes'])} host data "
                      "held")
+    shared = status.get("shared")
+    if shared is not None:
+        median = shared["assignment_seconds_median"]
+        lines.append(
+            f"shared service: {shared['active_users']} users active, "
+            f"{shared['users_waiting']} waiting; slices leased {shared['capacity_in_use']} of "
+            f"{shared['capacity_total']}, requested {shared['requested_capacity']}; "
+            f"{shared['successful_requests']} leases granted"
+            + (f" (median {median:.3f} s to grant)" if median is not None else "")
+            + f", {shared['refused_requests']} refused (isthmus leases lists them)")
     return "\n".join(lines)

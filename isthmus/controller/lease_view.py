@@ -21,6 +21,7 @@ from isthmus import errors
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.leases import Lease
 from isthmus.ids import DeviceId, SliceId
+from isthmus.transport.flow import ScopedFlow
 
 
 class FleetView:
@@ -35,6 +36,8 @@ class FleetView:
         self.devices = tuple(d for d in fleet.devices if d.slice_index in labels)
         self.companions = tuple(d for d in fleet.companions if d.slice_index in labels)
         self._by_id = {d.id: d for d in self.devices + self.companions}
+        # Only the lease's own workers' backlogs hold its sessions back.
+        self.flow = ScopedFlow(fleet.flow, frozenset(d.worker for d in self.devices))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fleet, name)

@@ -135,8 +135,15 @@ class SharedService:
         slices = ask.get("slices", 1)
         if not isinstance(slices, int) or isinstance(slices, bool):
             raise errors.InvalidRequest("slices must be a whole number.")
-        lease = self.book.ask(identity.tenant, slices, name=str(ask.get("name") or ""),
-                              elastic=bool(ask.get("elastic")), wait=bool(ask.get("wait", True)))
+        if ask.get("resume"):  # a client whose stream broke comes back to its lease
+            lease = self.book.lease(str(ask["resume"]))
+            if lease.tenant.name != identity.tenant.name:
+                raise errors.LeaseEnded(f"lease {lease.id} is not live for tenant "
+                                        f"{identity.tenant.name}.")
+        else:
+            lease = self.book.ask(identity.tenant, slices, name=str(ask.get("name") or ""),
+                                  elastic=bool(ask.get("elastic")),
+                                  wait=bool(ask.get("wait", True)))
         changed = asyncio.Event()
         lease.watchers.append(changed.set)
         self.book.hold(lease)

@@ -29,6 +29,7 @@ class FlowGate:
         self._congested: set[Hashable] = set()
         self._open = asyncio.Event()
         self._open.set()
+        self._eased: asyncio.Event | None = None  # set when some worker caught up
         self.closed_count = 0  # how often the gate closed (for status and tests)
 
     @property
@@ -50,6 +51,34 @@ class FlowGate:
         self._congested.discard(key)
         if not self._congested:
             self._open.set()
+        if self._eased is not None:
+            self._eased.set()
+            self._eased = None
 
     async def wait(self) -> None:
         await self._open.wait()
+
+    def open_for(self, keys: frozenset[Hashable]) -> bool:
+        return not self._congested or not (self._congested & keys)
+
+    async def wait_for(self, keys: frozenset[Hashable]) -> None:
+        """Until none of the workers `keys` is congested."""
+        while not self.open_for(keys):
+            if self._eased is None:
+                self._eased = asyncio.Event()
+            await self._eased.wait()
+
+
+class ScopedFlow:
+    """The gate as the clients of some workers see it (a shared service's lease): only
+    those workers' backlogs hold them back, so one tenant's flood never stalls another."""
+
+    def __init__(self, gate: FlowGate, keys: frozenset[Hashable]) -> None:
+        self.gate, self.keys = gate, keys
+
+    @property
+    def is_open(self) -> bool:
+        return self.gate.open_for(self.keys)
+
+    async def wait(self) -> None:
+        await self.gate.wait_for(self.keys)

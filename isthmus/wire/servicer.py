@@ -196,7 +196,7 @@ class _SessionStream:
         """Hands a request to the session; flow control: when a worker is far behind, or
         this session's uploads are, what to wait for before the next one."""
         self.session.handle(request)
-        flow = self.frontend.flow
+        flow = self.session.fleet.flow  # a lease's session: its own workers' backlogs only
         if not flow.is_open:
             return flow.wait()
         if not self.session.has_room:

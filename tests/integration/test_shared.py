@@ -7,6 +7,8 @@ stream, no jax), and runs the stock jax client in subprocesses through the lease
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 
 from isthmus import shared
-from isthmus.testing import LocalServer, run_python
+from isthmus.testing import LocalServer, run_python, run_python_with_pause
 from tests.integration.rawclient import RawSession, status_of
 
 GRACE = 3.0
@@ -278,3 +280,111 @@ def test_an_admin_lists_and_revokes_leases(service):
         ran = run_python(JOB, held.target, env={**os.environ, "ISTHMUS_CONNECT_TIMEOUT": "3"})
         assert ran.returncode != 0 and "revoked by the service's admin ops" in ran.stderr
     wait_until(lambda: figures(service)["capacity_in_use"] == 0, 10, "the slice to be free")
+
+
+
+def test_a_lost_worker_fails_only_its_lease_and_comes_back_to_it(service):
+    code = """
+import sys
+import jax, jax.numpy as jnp
+held = jnp.ones(8) * 2
+held.block_until_ready()
+print("READY", flush=True); sys.stdin.readline()
+try:
+    float(held.sum())
+    print("KEPT")
+except Exception as e:
+    print("LOST", "DATA_LOSS" in str(e))
+fresh = jnp.arange(32.0).reshape(4, 8)  # made again: the old arrays were on the lost host
+print("AGAIN", float(jax.jit(lambda a: (a @ a.T).sum() * 0.5)(fresh)))
+"""
+    with lease(service, "alice", slices=1) as a, lease(service, "bob", slices=1) as b:
+        victim = a.slices[0]
+
+        def kill(_line):
+            service.kill_worker(victim)
+            service.wait_status(lambda s: str(victim) in s["slices_down"], 20,
+                                f"slice {victim} to be down")
+            assert result_of(run_python(JOB, b.target)) == EXPECTED  # bob: untouched
+            # The restarted worker comes back to alice's lease, which is still hers.
+            service.wait_status(lambda s: str(victim) not in s["slices_down"], 90,
+                                f"slice {victim} to come back")
+
+        ran = run_python_with_pause(code, a.target, kill)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert "LOST True" in ran.stdout and f"AGAIN {EXPECTED}" in ran.stdout, ran.stdout
+        assert figures(service)["capacity_in_use"] == 2
+
+
+def test_a_client_that_names_a_lease_the_service_does_not_know_hears_it_is_gone(service):
+    """What every client hears after the service restarted: its lease is gone, said once."""
+    token = shared.read_token_file(service.tokens["alice"])
+    forwarder = shared.Forwarder(service.service, token, service.ca)
+    try:
+        client = shared.LeaseClient(forwarder, lambda line: None)
+        call = client._lease(json.dumps({"resume": "L999"}).encode())
+        with pytest.raises(grpc.RpcError) as gone:
+            next(iter(call))
+        assert gone.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "lease L999 is not live on this service" in gone.value.details()
+        assert "restarted" in gone.value.details()
+        client.release()
+    finally:
+        forwarder.close()
+
+
+ELASTIC_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                              "elastic_train.py")
+
+
+def _records(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")[:-1]
+    return [json.loads(line) for line in lines if line]
+
+
+@pytest.mark.slow
+def test_a_higher_priority_reclaims_a_slice_of_an_elastic_job(service, tmp_path):
+    """carol trains elastically on 2 slices, alice holds the third; bob (priority 5) asks
+    for one: carol's second slice is reclaimed (DATA_LOSS there), her training goes on on
+    one slice, and when bob is done the slice comes back and training scales up again."""
+    pytest.importorskip("optax")
+    log = tmp_path / "train.jsonl"
+    out = open(tmp_path / "train.out", "w")
+    with lease(service, "alice", slices=1):
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
+             "--service-ca", service.ca, "--token-file", service.tokens["carol"],
+             "--slices", "2", "--elastic", "--", sys.executable, ELASTIC_SCRIPT,
+             "--steps", "80", "--snapshot-every", "5", "--poll-interval", "0.5",
+             "--step-delay", "0.05", "--print-every", "10", "--log-json", str(log)],
+            stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            def steps():
+                return [r for r in _records(log) if r["kind"] == "step"]
+            wait_until(lambda: len(steps()) >= 10 or trainer.poll() is not None, 120,
+                       "10 steps on 2 slices")
+            assert trainer.poll() is None, (tmp_path / "train.out").read_text()[-4000:]
+            with lease(service, "bob", slices=1) as b:
+                ran = run_python(JOB, b.target)
+                assert result_of(ran) == EXPECTED
+                on_one = len(steps())
+                wait_until(lambda: any(s["slices"] == [0] for s in steps()) or
+                           trainer.poll() is not None, 60, "steps on the remaining slice")
+            trainer.wait(180)
+        finally:
+            if trainer.poll() is None:
+                os.killpg(trainer.pid, signal.SIGKILL)
+            out.close()
+    output = (tmp_path / "train.out").read_text()
+    assert trainer.returncode == 0, output[-4000:]
+    records = _records(log)
+    attempts = [r for r in records if r["kind"] == "attempt"]
+    assert [a["slices"] for a in attempts] == [[0, 1], [0], [0, 1]], attempts
+    assert [a["end"] for a in attempts] == ["error", "scale_up", "done"], attempts
+    assert "DATA_LOSS" in attempts[0]["error"] and "reclaimed" in attempts[0]["error"]
+    done = [r for r in records if r["kind"] == "step"]
+    assert {s["step"] for s in done} == set(range(1, 81)) and on_one >= 10
+    assert all(math.isfinite(s["loss"]) for s in done)
