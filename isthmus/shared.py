@@ -182,6 +182,83 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.close()
 
 
+class ForwarderProcess:
+    """A `Forwarder` in a child process, for a process that runs jax itself: jax's client
+    may hold the interpreter's lock while it waits for the server, and a forwarder in a
+    thread of the same interpreter would then wait for it in turn. Same interface; the
+    child exits when this process does (its stdin closes)."""
+
+    def __init__(self, service: str, token: str, ca: str | None = None, tenant: str = "",
+                 timeout: float = 10.0) -> None:
+        import subprocess
+
+        self.timeout = timeout
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from isthmus.shared import forwarder_main; "
+             "forwarder_main()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._ask({"service": service, "token": token, "ca": ca, "tenant": tenant,
+                   "timeout": timeout})
+
+    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        try:
+            self.process.stdin.write(json.dumps(message) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except OSError:
+            line = ""
+        if not line:
+            raise LeaseRefused("the forwarder process ended; see its output above.")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise LeaseRefused(answer["error"])
+        return answer
+
+    def check(self) -> None:
+        self._ask({"op": "check"})
+
+    def listen(self, authority: str, name: str) -> str:
+        return str(self._ask({"op": "listen", "authority": authority, "name": name})["path"])
+
+    def close(self) -> None:
+        import subprocess
+
+        if self.process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def forwarder_main() -> None:
+    """The child of `ForwarderProcess`: a forwarder driven by JSON lines on stdin."""
+    config = json.loads(sys.stdin.readline())
+    try:
+        forwarder = Forwarder(config["service"], config["token"], config["ca"],
+                              config["tenant"], config["timeout"])
+    except Exception as e:  # noqa: BLE001 - a bad CA file, say: said to the parent
+        print(json.dumps({"error": f"cannot start the forwarder: {e}"}), flush=True)
+        return
+    print(json.dumps({"ok": True}), flush=True)
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            try:
+                if command["op"] == "check":
+                    forwarder.check()
+                    answer: dict[str, Any] = {"ok": True}
+                else:
+                    answer = {"path": forwarder.listen(command["authority"], command["name"])}
+            except LeaseRefused as e:
+                answer = {"error": str(e)}
+            print(json.dumps(answer), flush=True)
+    finally:
+        forwarder.close()
+
+
 def _reason(e: BaseException) -> str:
     if isinstance(e, asyncio.TimeoutError):
         return "no answer in time"
@@ -195,7 +272,8 @@ class LeaseClient:
     """Asks for a lease through a forwarder's control tunnel and holds it (a thread reads
     its stream) until `release`."""
 
-    def __init__(self, forwarder: Forwarder, report: Callable[[str], None]) -> None:
+    def __init__(self, forwarder: Forwarder | ForwarderProcess,
+                 report: Callable[[str], None]) -> None:
         import grpc
 
         self.forwarder = forwarder
@@ -351,14 +429,17 @@ def read_token_file(path: str | None) -> str:
 @contextlib.contextmanager
 def lease(service: str, *, slices: int = 1, token_file: str | None = None,
           ca: str | None = None, tenant: str = "", wait: float | None = None, name: str = "",
-          elastic: bool = False, report: Callable[[str], None] = _stderr) -> Iterator[Grant]:
-    """A lease held for the block, without touching jax in this process (for a child's:
-    `Grant.target`). Raises LeaseRefused with the service's one-line reason."""
+          elastic: bool = False, report: Callable[[str], None] = _stderr,
+          separate_process: bool = False) -> Iterator[Grant]:
+    """A lease held for the block (for jax in a child process: `Grant.target`; with
+    `separate_process`, the tunnels run in a process of their own, so that jax may run in
+    this one). Raises LeaseRefused with the service's one-line reason."""
     token = read_token_file(token_file)
     ca = ca or os.environ.get(CA_ENVIRONMENT) or None
     if service.startswith("grpc://"):
         service = service.removeprefix("grpc://")
-    forwarder = Forwarder(service, token, os.path.expanduser(ca) if ca else None, tenant)
+    kind = ForwarderProcess if separate_process else Forwarder
+    forwarder = kind(service, token, os.path.expanduser(ca) if ca else None, tenant)
     client = None
     try:
         forwarder.check()
@@ -399,7 +480,7 @@ def connect(service: str, *, slices: int = 1, token_file: str | None = None,
     from isthmus.client import connect as connect_jax
 
     with lease(service, slices=slices, token_file=token_file, ca=ca, tenant=tenant,
-               wait=wait, name=name, elastic=elastic) as grant:
+               wait=wait, name=name, elastic=elastic, separate_process=True) as grant:
         connect_jax(grant.target)
         if initialize_pathwaysutils:
             try:

@@ -50,8 +50,9 @@ def _bytes(n: int) -> str:
 
 def render(status: dict[str, Any]) -> str:
     """The fleet as a few lines: slices, their hosts and health, arrays held, sessions."""
+    sessions = status.get("sessions_open", len(status.get("sessions", {})))
     lines = [f"platform: {status['platform']['name']}  collective group: "
-             f"{status.get('generation', 0)}  sessions: {len(status['sessions'])}  "
+             f"{status.get('generation', 0)}  sessions: {sessions}  "
              f"executables: {status['executables']}"]
     hosts: dict[int, dict[int, list[dict[str, Any]]]] = {}
     for d in status["devices"]:
@@ -74,7 +75,7 @@ def render(status: dict[str, Any]) -> str:
                 f"  host {host} ({who}): devices {devices[0]['id']}..{devices[-1]['id']}  "
                 f"arrays: {account.get('buffers', 0)} buffers, "
                 f"{_bytes(account.get('bytes', 0))}" + _device_memory(account))
-    for sid, s in sorted(status["sessions"].items()):
+    for sid, s in sorted(status.get("sessions", {}).items()):
         lines.append(f"session {sid} from {s['peer']}: {s['arrays']} array handles, "
                      f"{s['requests']} requests, {_bytes(s['host_buffer_bytes'])} host data "
                      "held")

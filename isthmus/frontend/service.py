@@ -196,7 +196,19 @@ class Frontend:
                 "live session.")
         return session.host_buffers
 
-    def status(self) -> dict[str, Any]:
+    def status(self, identity: Any = None) -> dict[str, Any]:
+        """The fleet, its sessions and arrays. On a shared service only an admin's tunnel
+        sees sessions and memory figures (they are other tenants'); anyone sees the fleet's
+        health and the service's aggregate figures."""
+        status = self._status()
+        if self.shared is not None and not getattr(
+                getattr(identity, "tenant", None), "admin", False):
+            status["sessions_open"] = len(status.pop("sessions"))
+            status["workers"] = {slot: {} for slot in status["workers"]}
+            status["redacted"] = "sessions and memory figures are for the service's admins"
+        return status
+
+    def _status(self) -> dict[str, Any]:
         fleet = self.controller.fleet
         return {
             "platform": self.platform,

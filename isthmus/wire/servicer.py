@@ -342,7 +342,8 @@ class IfrtProxyServicer:
     # ---- admin ---------------------------------------------------------------------------
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return json.dumps(self.frontend.status(), sort_keys=True).encode()
+        return json.dumps(self.frontend.status(getattr(context, "identity", None)),
+                          sort_keys=True).encode()
 
     def methods(self) -> dict[str, Method]:
         """Every method of the client port, by path (for either transport)."""

@@ -62,8 +62,11 @@ max_slices = 3
 token_file = "ops.token"
 max_slices = 0
 """)
-    with LocalServer(fleet=(3, 1, 2), args=["--tenants", str(directory / "tenants.toml")]
-                     ) as server:
+    socket_path = directory / "service.sock"
+    with LocalServer(fleet=(3, 1, 2), args=[
+            "--tenants", str(directory / "tenants.toml"), "--unix-socket", str(socket_path),
+            "--allow-plain-connect"]) as server:
+        server.unix = f"unix:{socket_path}"
         server.tokens = {name: str(directory / f"{name}.token")
                          for name in ("alice", "bob", "carol", "ops")}
         server.ca = str(directory / "isthmus-service" / "service-cert.pem")
@@ -169,8 +172,11 @@ def test_a_stranger_is_refused_and_leaves_nothing(service, tmp_path):
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "shared isthmus service" in refused.value.details()
     after = service.status()
-    assert after["sessions"] == before["sessions"] == {}
+    assert after["sessions_open"] == before["sessions_open"] == 0
     assert after["shared"]["capacity_in_use"] == before["shared"]["capacity_in_use"]
+    assert after["shared"]["successful_requests"] == before["shared"]["successful_requests"]
+    # Nobody without an admin's tunnel sees sessions or memory figures.
+    assert "sessions" not in after and all(w == {} for w in after["workers"].values())
 
 
 def test_over_quota_and_no_wait_are_refused_in_one_line(service):
@@ -331,6 +337,58 @@ def test_a_client_that_names_a_lease_the_service_does_not_know_hears_it_is_gone(
         client.release()
     finally:
         forwarder.close()
+
+
+def test_connect_in_python_through_the_unix_socket_with_pathwaysutils(service):
+    """isthmus.shared.connect as a notebook uses it, here over the service's Unix socket
+    (no TLS: client and service share the machine); pathwaysutils.initialize() is called."""
+    pytest.importorskip("pathwaysutils")
+    code = f"""
+import isthmus.shared, numpy as np
+with isthmus.shared.connect({service.unix!r}, slices=2, token_file={service.tokens['carol']!r}
+                            ) as grant:
+    import jax, jax.numpy as jnp, pathwaysutils
+    assert pathwaysutils.is_pathways_backend_used()
+    print("SLICES", sorted({{d.slice_index for d in jax.devices()}}), len(grant.slices))
+    print("RESULT", float(jax.jit(lambda a: (a @ a.T).sum() * 0.5)(
+        jnp.arange(32.0).reshape(4, 8))))
+"""
+    ran = run_python(code, None)
+    assert "SLICES [0, 1] 2" in ran.stdout, ran.stderr[-3000:]
+    assert result_of(ran) == EXPECTED
+    wait_until(lambda: figures(service)["capacity_in_use"] == 0, 10, "the lease to end")
+
+
+def test_the_stock_clients_own_proxy_route_when_the_operator_allows_it(service):
+    """With --allow-plain-connect, the stock client alone reaches its tenant's lease through
+    grpc_proxy=http://TENANT:TOKEN@service (credentials in clear: opt-in only)."""
+    token = shared.read_token_file(service.tokens["alice"])
+    with lease(service, "alice", slices=1) as held:
+        env = {**os.environ, "grpc_proxy": f"http://alice:{token}@{service.service}",
+               "no_grpc_proxy": "", "no_proxy": ""}
+        ran = run_python(JOB, service.address, env=env)
+        assert result_of(ran) == EXPECTED
+        assert devices_of(ran) == f"DEVICES {[2 * held.slices[0], 2 * held.slices[0] + 1]} [0]"
+
+
+def test_ctrl_c_while_queued_leaves_the_queue(service):
+    with lease(service, "carol", slices=3):
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
+             "--service-ca", service.ca, "--token-file", service.tokens["alice"],
+             "--slices", "1", "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        try:
+            assert waiting.stderr is not None
+            assert "position 1 in the queue" in waiting.stderr.readline()
+            waiting.send_signal(signal.SIGINT)
+            assert waiting.wait(20) == 130
+            assert "left the queue" in waiting.stderr.read()
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+        wait_until(lambda: figures(service)["users_waiting"] == 0, 10, "the queue to empty")
+        assert figures(service)["capacity_in_use"] == 3
 
 
 ELASTIC_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
