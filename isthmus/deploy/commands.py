@@ -9,6 +9,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from isthmus.deploy.kubernetes import TENANTS_DIR, TENANTS_FILE
+from isthmus.shared_commands import add_server_arguments, shared_config
+
 
 def add_deploy_commands(commands: Any,
                         platform_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -26,6 +29,8 @@ def add_deploy_commands(commands: Any,
     slurm.add_argument("--address-file", default=None, metavar="PATH",
                        help="write grpc://HOST:PORT here for clients outside the job")
     slurm.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"))
+    # A shared service (--tenants FILE ...): the options of `isthmus up`, passed on as given.
+    add_server_arguments(slurm)
     slurm.add_argument("command", nargs=argparse.REMAINDER, help="the client to run")
     k8s = commands.add_parser("k8s", help="Kubernetes manifests for a fleet")
     k8s_commands = k8s.add_subparsers(dest="k8s_command", required=True)
@@ -47,6 +52,13 @@ def add_deploy_commands(commands: Any,
                              "Deployment and a StatefulSet per slice (default: jobset)")
     render.add_argument("--compile-cache", default=None, metavar="URL",
                         help="a compilation cache every pod reaches (gs://..., s3://...)")
+    render.add_argument("--tenants-secret", default=None, metavar="SECRET",
+                        help="serve as a shared service (docs/shared.md): the Secret with "
+                             f"{TENANTS_FILE} and the token files it names, mounted at "
+                             f"{TENANTS_DIR}; needs --service-tls-secret")
+    render.add_argument("--service-tls-secret", default=None, metavar="SECRET",
+                        help="a shared service's client port certificate: a kubernetes.io/tls "
+                             "Secret (e.g. cert-manager's) naming NAME-controller")
     render.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
 
 
@@ -65,18 +77,22 @@ def slurm_command(args: argparse.Namespace) -> int:
         platform += ["--compile-cache", args.compile_cache, "--compile-cache-namespace",
                      args.compile_cache_namespace, "--compile-cache-size",
                      args.compile_cache_size]
+    service = service_options(args)
     try:
         cli._platform(args)  # refuses bad platform options before anything starts
         fleet = slurm.plan(os.environ, args.hosts_per_slice, args.devices_per_host, args.port)
+        arguments = slurm.server_arguments(fleet, [*platform, "--log-level", args.log_level],
+                                           command, service)
     except ValueError as e:
         cli._refuse(str(e))
-    server = cli.build_parser().parse_args(slurm.server_arguments(
-        fleet, [*platform, "--log-level", args.log_level], command))
+    server = cli.build_parser().parse_args(arguments)
+    shared_config(server)  # refuses a bad tenants file before any worker starts
     cli._prepare_server_process(server)
     step = slurm.start_workers(fleet, platform, os.environ)  # type: ignore[arg-type]
     slurm.write_address(args.address_file, fleet)
+    role = f"shared service (tenants: {args.tenants})" if args.tenants else "controller"
     print(f"isthmus slurm: job {fleet.job_id}, {fleet.workers} workers in {fleet.slices} "
-          f"slices; controller at grpc://{fleet.host}:{fleet.port}", file=sys.stderr,
+          f"slices; {role} at grpc://{fleet.host}:{fleet.port}", file=sys.stderr,
           flush=True)
     try:
         return asyncio.run(cli._run(server) if command else cli._up(server))
@@ -84,6 +100,20 @@ def slurm_command(args: argparse.Namespace) -> int:
         return 0
     finally:
         slurm.stop_workers(step)
+
+
+def service_options(args: argparse.Namespace) -> list[str]:
+    """The shared service's options given to `isthmus slurm`, as `isthmus up` takes them:
+    each option of `add_server_arguments` that differs from its default."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_server_arguments(defaults)
+    options: list[str] = []
+    for dest, default in vars(defaults.parse_args([])).items():
+        value = getattr(args, dest)
+        if value != default:
+            flag = "--" + dest.replace("_", "-")
+            options += [flag] if value is True else [flag, str(value)]
+    return options
 
 
 def k8s_command(args: argparse.Namespace) -> int:
@@ -94,7 +124,9 @@ def k8s_command(args: argparse.Namespace) -> int:
     try:
         shape = FleetShape(args.slices, args.hosts_per_slice, args.devices_per_host,
                            args.platform, args.image, args.name, args.namespace,
-                           compile_cache=args.compile_cache)
+                           compile_cache=args.compile_cache,
+                           tenants_secret=args.tenants_secret,
+                           service_tls_secret=args.service_tls_secret)
         text = to_yaml(render(shape, args.variant))
     except ValueError as e:
         cli._refuse(str(e))

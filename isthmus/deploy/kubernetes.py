@@ -13,17 +13,29 @@ a Secret holding the fleet token (mounted as a file by every pod), and a Network
 lets only the fleet's pods, and pods labelled as its clients, reach it: the stock client
 speaks plain gRPC, so the client port must not be open to the whole cluster. GPU workers
 request `nvidia.com/gpu`.
+
+With `tenants_secret` the controller serves a shared service (`isthmus up --tenants`,
+docs/shared.md): the tenants file and its tokens come from that Secret, the client port's
+certificate from a TLS Secret (`service_tls_secret`, e.g. cert-manager's), and a second
+NetworkPolicy opens the client port, and only it, to every source: tenants come through TLS
+with their own tokens, not as members of the fleet.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from typing import Any
 
 GRPC_PORT = 8470
 FLEET_PORT = 8471
 TOKEN_DIR = "/etc/isthmus"
+# Beside TOKEN_DIR, not in it: a mount inside a Secret's mount needs a directory the
+# read-only Secret volume cannot make.
+TENANTS_DIR = "/etc/isthmus-tenants"  # the tenants Secret: tenants.toml, its token files
+TENANTS_FILE = "tenants.toml"  # the key of the tenants file in that Secret
+SERVICE_TLS_DIR = "/etc/isthmus-service"  # the TLS Secret: tls.crt, tls.key
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,6 +49,11 @@ class FleetShape:
     namespace: str | None = None
     token: str | None = None  # None: a fresh one in the Secret
     compile_cache: str | None = None  # a URL every pod can reach (gs://...), or None
+    # A shared service: the Secret with tenants.toml and the token files it names, and the
+    # kubernetes.io/tls Secret of the client port's certificate. Both or neither: the
+    # controller cannot write a self-signed certificate into a Secret's read-only mount.
+    tenants_secret: str | None = None
+    service_tls_secret: str | None = None
 
     def __post_init__(self) -> None:
         for field in ("slices", "hosts_per_slice", "devices_per_host"):
@@ -48,6 +65,33 @@ class FleetShape:
                 self.name != self.name.lower()) or len(self.name) > 40:
             raise ValueError(f"--name {self.name!r} must be a lowercase DNS label of at most "
                              "40 characters")
+        for flag, value in (("--tenants-secret", self.tenants_secret),
+                            ("--service-tls-secret", self.service_tls_secret)):
+            if value is not None and not _is_object_name(value):
+                raise ValueError(f"{flag} {value!r} must name a Secret: lowercase letters, "
+                                 "digits, '-' and '.', at most 253 characters")
+        if f"{self.name}-token" in (self.tenants_secret, self.service_tls_secret):
+            raise ValueError(f"{self.name}-token is the fleet token's Secret, made by the "
+                             "render: give the shared service's Secrets other names")
+        if self.tenants_secret and not self.service_tls_secret:
+            raise ValueError("--tenants-secret needs --service-tls-secret NAME: a "
+                             "kubernetes.io/tls Secret (e.g. cert-manager's) whose certificate "
+                             f"names {self.name}-controller (docs/kubernetes.md)")
+        if self.service_tls_secret and not self.tenants_secret:
+            raise ValueError("--service-tls-secret is for a shared service: add "
+                             "--tenants-secret NAME")
+
+    @property
+    def shared(self) -> bool:
+        return self.tenants_secret is not None
+
+
+# A DNS subdomain (RFC 1123), as Kubernetes names Secrets.
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _is_object_name(value: str) -> bool:
+    return len(value) <= 253 and _OBJECT_NAME.fullmatch(value) is not None
 
 
 def render(shape: FleetShape, variant: str = "jobset") -> list[dict[str, Any]]:
@@ -55,6 +99,8 @@ def render(shape: FleetShape, variant: str = "jobset") -> list[dict[str, Any]]:
     if variant not in ("jobset", "plain"):
         raise ValueError(f"--variant must be jobset or plain, not {variant!r}")
     common = [_secret(shape), _service(shape), _network_policy(shape)]
+    if shape.shared:
+        common.append(_service_network_policy(shape))
     if variant == "jobset":
         return [*common, _jobset(shape)]
     return [*common, _controller_deployment(shape),
@@ -103,11 +149,40 @@ def _network_policy(shape: FleetShape) -> dict[str, Any]:
                      "ingress": [{"from": [fleet]}]}}
 
 
-def _token_volume(shape: FleetShape) -> tuple[dict[str, Any], dict[str, Any]]:
-    volume = {"name": "token", "secret": {"secretName": f"{shape.name}-token",
-                                          "defaultMode": 0o400}}
-    mount = {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}
+def _service_network_policy(shape: FleetShape) -> dict[str, Any]:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _metadata(shape, f"{shape.name}-service"),
+            "spec": {"podSelector": {"matchLabels": _selector(shape, "controller")},
+                     "policyTypes": ["Ingress"],
+                     # A shared service's tenants, from anywhere, to the client port alone:
+                     # it serves programs there only under a tenant's lease, over TLS.
+                     "ingress": [{"ports": [{"protocol": "TCP", "port": GRPC_PORT}]}]}}
+
+
+def _secret_volume(name: str, secret: str, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    volume = {"name": name, "secret": {"secretName": secret, "defaultMode": 0o400}}
+    mount = {"name": name, "mountPath": path, "readOnly": True}
     return volume, mount
+
+
+def _token_volume(shape: FleetShape) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _secret_volume("token", f"{shape.name}-token", TOKEN_DIR)
+
+
+def _controller_volumes(shape: FleetShape) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    volumes = [_token_volume(shape)]
+    if shape.tenants_secret and shape.service_tls_secret:
+        volumes += [_secret_volume("tenants", shape.tenants_secret, TENANTS_DIR),
+                    _secret_volume("service-tls", shape.service_tls_secret, SERVICE_TLS_DIR)]
+    return volumes
+
+
+def _service_args(shape: FleetShape) -> list[str]:
+    if not shape.shared:
+        return []
+    return ["--tenants", f"{TENANTS_DIR}/{TENANTS_FILE}",
+            "--service-cert", f"{SERVICE_TLS_DIR}/tls.crt",
+            "--service-key", f"{SERVICE_TLS_DIR}/tls.key"]
 
 
 def _cache_args(shape: FleetShape) -> list[str]:
@@ -115,18 +190,17 @@ def _cache_args(shape: FleetShape) -> list[str]:
 
 
 def _controller_container(shape: FleetShape) -> dict[str, Any]:
-    _, mount = _token_volume(shape)
     command = ["isthmus", "up", "--no-launch", "--host", "0.0.0.0",
                "--advertise-host", f"{shape.name}-controller", "--port", str(GRPC_PORT),
                "--fleet-port", str(FLEET_PORT), "--slices", str(shape.slices),
                "--hosts-per-slice", str(shape.hosts_per_slice),
                "--devices-per-host", str(shape.devices_per_host), "--platform", shape.platform,
                "--token-file", f"{TOKEN_DIR}/token", "--fleet-timeout", "900",
-               "--log-level", "INFO", *_cache_args(shape)]
+               "--log-level", "INFO", *_cache_args(shape), *_service_args(shape)]
     return {"name": "controller", "image": shape.image, "command": command,
             "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
                       {"name": "fleet", "containerPort": FLEET_PORT}],
-            "volumeMounts": [mount],
+            "volumeMounts": [mount for _, mount in _controller_volumes(shape)],
             "readinessProbe": {"tcpSocket": {"port": GRPC_PORT}, "periodSeconds": 5},
             "resources": {"requests": {"cpu": "1", "memory": "2Gi"}}}
 
@@ -147,20 +221,30 @@ def _worker_container(shape: FleetShape, slice_value: str) -> dict[str, Any]:
             "volumeMounts": [mount], "resources": resources}
 
 
-def _pod_spec(shape: FleetShape, container: dict[str, Any], restart: str) -> dict[str, Any]:
-    volume, _ = _token_volume(shape)
-    return {"restartPolicy": restart, "containers": [container], "volumes": [volume]}
+def _pod_spec(container: dict[str, Any], restart: str,
+              volumes: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    return {"restartPolicy": restart, "containers": [container],
+            "volumes": [volume for volume, _ in volumes]}
+
+
+def _controller_pod_spec(shape: FleetShape, restart: str) -> dict[str, Any]:
+    return _pod_spec(_controller_container(shape), restart, _controller_volumes(shape))
+
+
+def _worker_pod_spec(shape: FleetShape, container: dict[str, Any],
+                     restart: str) -> dict[str, Any]:
+    return _pod_spec(container, restart, [_token_volume(shape)])
 
 
 def _jobset(shape: FleetShape) -> dict[str, Any]:
     controller_pod = {"metadata": {"labels": _selector(shape, "controller")},
-                      "spec": _pod_spec(shape, _controller_container(shape), "Never")}
+                      "spec": _controller_pod_spec(shape, "Never")}
     worker = _worker_container(shape, "$(SLICE)")
     worker["env"].append({"name": "SLICE", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}})
     worker_pod = {"metadata": {"labels": _selector(shape, "worker")},
                   # A worker that crashes restarts in place and rejoins its slice.
-                  "spec": _pod_spec(shape, worker, "OnFailure")}
+                  "spec": _worker_pod_spec(shape, worker, "OnFailure")}
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
             "metadata": _metadata(shape, shape.name),
             "spec": {"failurePolicy": {"maxRestarts": 3},
@@ -184,8 +268,7 @@ def _controller_deployment(shape: FleetShape) -> dict[str, Any]:
             "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                      "selector": {"matchLabels": labels},
                      "template": {"metadata": {"labels": labels},
-                                  "spec": _pod_spec(shape, _controller_container(shape),
-                                                    "Always")}}}
+                                  "spec": _controller_pod_spec(shape, "Always")}}}
 
 
 def _slice_statefulset(shape: FleetShape, slice_index: int) -> dict[str, Any]:
@@ -197,7 +280,7 @@ def _slice_statefulset(shape: FleetShape, slice_index: int) -> dict[str, Any]:
                      "podManagementPolicy": "Parallel",
                      "selector": {"matchLabels": labels},
                      "template": {"metadata": {"labels": labels},
-                                  "spec": _pod_spec(shape, _worker_container(
+                                  "spec": _worker_pod_spec(shape, _worker_container(
                                       shape, str(slice_index)), "Always")}}}
 
 

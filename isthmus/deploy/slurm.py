@@ -7,7 +7,9 @@ consecutive tasks (Slurm's node order) share a slice. The fleet token is generat
 the job has none, and reaches the workers through the step's environment (srun exports it).
 With a command after `--`, the command runs as the client in the job and the fleet stops
 when it ends. Without one, the fleet serves until the job is cancelled, and clients outside
-the job connect to the address written to `--address-file`.
+the job connect to the address written to `--address-file`. With `--tenants FILE` the
+controller is a shared service (docs/shared.md) at that same address: tenants lease slices
+with `isthmus run --service`, over TLS with the certificate it is given or makes.
 """
 
 from __future__ import annotations
@@ -75,12 +77,18 @@ def worker_step(fleet: SlurmFleet, worker_options: Sequence[str]) -> list[str]:
 
 
 def server_arguments(fleet: SlurmFleet, platform_options: Sequence[str],
-                     command: Sequence[str]) -> list[str]:
-    """`isthmus run`/`up` options for the controller of this fleet."""
+                     command: Sequence[str], service_options: Sequence[str] = ()) -> list[str]:
+    """`isthmus run`/`up` options for the controller of this fleet; `service_options`
+    (`--tenants FILE ...`) make it a shared service, which serves until the job ends."""
+    if service_options and command:
+        raise ValueError("a shared service (--tenants) serves its tenants until the job ends: "
+                         "drop the command after --, and run clients with isthmus run "
+                         "--service HOST:PORT (docs/shared.md)")
     head = ["run" if command else "up", "--no-launch", "--host", "0.0.0.0",
             "--advertise-host", fleet.host, "--port", str(fleet.port),
             "--slices", str(fleet.slices), "--hosts-per-slice", str(fleet.hosts_per_slice),
-            "--devices-per-host", str(fleet.devices_per_host), *platform_options]
+            "--devices-per-host", str(fleet.devices_per_host), *platform_options,
+            *service_options]
     return [*head, "--", *command] if command else head
 
 

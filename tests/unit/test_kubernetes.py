@@ -1,15 +1,19 @@
 """`isthmus k8s render`: the manifests validate against the Kubernetes schemas
 (kubernetes-validate, strict), the JobSet's job templates validate as batch/v1 Jobs and its
 own fields against the JobSet v1alpha2 fields it uses, every container runs a command line
-that isthmus's own parser accepts, and bad shapes are refused with one line."""
+that isthmus's own parser accepts, and bad shapes are refused with one line. A shared
+service's controller runs `isthmus up --tenants` from its Secrets' mounts, which load as the
+controller loads them, and only its client port is opened beyond the fleet."""
 
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from isthmus.cli import build_parser
-from isthmus.deploy.kubernetes import FleetShape, render, to_yaml
+from isthmus.deploy.kubernetes import (SERVICE_TLS_DIR, TENANTS_DIR, FleetShape, render,
+                                       to_yaml)
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 VERSION = "1.30.0"
@@ -35,20 +39,26 @@ JOBSET_SCHEMA = {
                         "template": {"type": "object", "required": ["spec"]}}}}}}}}
 
 
+SHARED = FleetShape(2, 2, 4, name="svc", namespace="ml", tenants_secret="svc-tenants",
+                    service_tls_secret="svc-tls")
+
+
 def shapes():
     return [FleetShape(2, 2, 4), FleetShape(3, 1, 8, "cuda", "example.com/isthmus:1",
-                                            "train", "ml", compile_cache="gs://b/cache")]
+                                            "train", "ml", compile_cache="gs://b/cache"),
+            SHARED]
 
 
 @pytest.mark.parametrize("variant", ["jobset", "plain"])
-@pytest.mark.parametrize("shape", shapes(), ids=["cpu", "cuda"])
+@pytest.mark.parametrize("shape", shapes(), ids=["cpu", "cuda", "shared"])
 def test_manifests_validate(shape, variant):
     import jsonschema
 
     manifests = render(shape, variant)
     kinds = [m["kind"] for m in manifests]
-    expected = (["Secret", "Service", "NetworkPolicy", "JobSet"] if variant == "jobset" else
-                ["Secret", "Service", "NetworkPolicy", "Deployment"] +
+    policies = ["NetworkPolicy"] * (2 if shape.tenants_secret else 1)
+    expected = (["Secret", "Service", *policies, "JobSet"] if variant == "jobset" else
+                ["Secret", "Service", *policies, "Deployment"] +
                 ["StatefulSet"] * shape.slices)
     assert kinds == expected
     for manifest in manifests:
@@ -110,9 +120,98 @@ def test_jobset_workers_take_their_slice_from_the_job_index():
     assert env["SLICE"] == "metadata.annotations['jobset.sigs.k8s.io/job-index']"
 
 
+def secret_volumes(pod):
+    return {v["name"]: v["secret"]["secretName"] for v in pod["spec"]["volumes"]}
+
+
+@pytest.mark.parametrize("variant", ["jobset", "plain"])
+def test_a_shared_service_runs_its_controller_from_the_secrets(variant, tmp_path):
+    from isthmus.controller.tenants import load
+    from isthmus.shared_commands import shared_config
+    from isthmus.transport.service_tls import self_signed
+
+    # The Secrets' files where the pod mounts them, here under tmp_path.
+    tenants_dir = tmp_path / TENANTS_DIR.lstrip("/")
+    tenants_dir.mkdir(parents=True)
+    (tenants_dir / "tenants.toml").write_text(
+        'admins = ["ops"]\n[tenants.alice]\ntoken_file = "alice.token"\nmax_slices = 2\n'
+        '[tenants.ops]\ntoken_file = "ops.token"\nmax_slices = 0\n')
+    (tenants_dir / "alice.token").write_text("alice-secret\n")
+    (tenants_dir / "ops.token").write_text("ops-secret\n")
+    made = self_signed(str(tmp_path / "made"), ["svc-controller"])
+    tls_dir = tmp_path / SERVICE_TLS_DIR.lstrip("/")
+    tls_dir.mkdir(parents=True)
+    shutil.copy(made.cert, tls_dir / "tls.crt")
+    shutil.copy(made.key, tls_dir / "tls.key")
+
+    parser = build_parser()
+    manifests = render(SHARED, variant)
+    seen = set()
+    for pod, container in containers(manifests):
+        command = [c.replace("$(SLICE)", "1").replace("$(POD_IP)", "10.0.0.7")
+                   for c in container["command"]]
+        args = parser.parse_args(command[1:])
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert all(m["readOnly"] for m in container["volumeMounts"])
+        seen.add(args.subcommand)
+        if args.subcommand == "worker":  # workers see neither the tenants nor the key
+            assert secret_volumes(pod) == {"token": "svc-token"}
+            assert mounts == {"token": "/etc/isthmus"}
+            assert args.controller == "svc-controller:8470"
+            continue
+        assert secret_volumes(pod) == {"token": "svc-token", "tenants": "svc-tenants",
+                                       "service-tls": "svc-tls"}
+        assert mounts == {"token": "/etc/isthmus", "tenants": TENANTS_DIR,
+                          "service-tls": SERVICE_TLS_DIR}
+        assert args.tenants == f"{TENANTS_DIR}/tenants.toml"
+        assert (args.service_cert, args.service_key) == (f"{SERVICE_TLS_DIR}/tls.crt",
+                                                         f"{SERVICE_TLS_DIR}/tls.key")
+        assert not args.allow_plain_connect and args.unix_socket is None
+        assert args.port == 8470 and args.no_launch and args.host == "0.0.0.0"
+        # The same options, pointed at the files laid out as the Secrets are, load as the
+        # controller loads them.
+        local = parser.parse_args([str(tmp_path) + c if c.startswith(
+            (TENANTS_DIR, SERVICE_TLS_DIR)) else c for c in command[1:]])
+        shared = shared_config(local)
+        assert shared.tenants == str(tenants_dir / "tenants.toml")
+        assert (shared.cert, shared.key) == (str(tls_dir / "tls.crt"),
+                                             str(tls_dir / "tls.key"))
+        tenants = load(shared.tenants)
+        assert tenants.authenticate("", "alice-secret").name == "alice"
+        assert tenants.by_name["ops"].admin
+    assert seen == {"up", "worker"}
+
+    # The one address users are given stays the Service's client port, and only that port
+    # is opened beyond the fleet.
+    service = next(m for m in manifests if m["kind"] == "Service")
+    assert service["metadata"]["name"] == "svc-controller"
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 8470,
+                                                                       "fleet": 8471}
+    policies = {m["metadata"]["name"]: m["spec"] for m in manifests
+                if m["kind"] == "NetworkPolicy"}
+    assert policies["svc-fleet-only"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": {"isthmus/fleet": "svc"}}}]}]
+    assert policies["svc-service"]["podSelector"] == {
+        "matchLabels": {"isthmus/fleet": "svc", "isthmus/role": "controller"}}
+    assert policies["svc-service"]["ingress"] == [{"ports": [{"protocol": "TCP",
+                                                             "port": 8470}]}]
+    # Without a shared service nothing of it is rendered.
+    plain = render(FleetShape(2, 2, 4, name="svc"), variant)
+    assert "svc-service" not in {m["metadata"]["name"] for m in plain}
+    assert "--tenants" not in to_yaml(plain)
+
+
 def test_bad_shapes_are_refused_with_one_line(tmp_path):
     for args, message in ((["--slices", "0"], "--slices must be at least 1"),
-                          (["--name", "Bad_Name"], "--name 'Bad_Name' must be a lowercase")):
+                          (["--name", "Bad_Name"], "--name 'Bad_Name' must be a lowercase"),
+                          (["--tenants-secret", "t"], "--tenants-secret needs "
+                                                      "--service-tls-secret NAME"),
+                          (["--service-tls-secret", "t"], "--service-tls-secret is for a "
+                                                          "shared service"),
+                          (["--tenants-secret", "Tenants", "--service-tls-secret", "t"],
+                           "--tenants-secret 'Tenants' must name a Secret"),
+                          (["--tenants-secret", "isthmus-token", "--service-tls-secret", "t"],
+                           "isthmus-token is the fleet token's Secret")):
         result = subprocess.run([sys.executable, "-m", "isthmus.cli", "k8s", "render", *args],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
