@@ -163,3 +163,16 @@ def test_options_are_checked():
     for namespace in ("", "a/b", ".hidden"):
         with pytest.raises(ValueError, match="namespace"):
             CacheConfig("/tmp/x", namespace)
+
+
+def test_a_shared_services_tenants_do_not_share_entries(client, tmp_path):
+    """One cache (one --compile-cache namespace), two tenants of a shared service: the
+    request's namespace keys the entry, so one tenant never loads the other's."""
+    import dataclasses
+
+    cache = CompileCache(CacheConfig(str(tmp_path)))
+    compile_with(client, cache, dataclasses.replace(request(), namespace="alice"))
+    compile_with(client, cache, dataclasses.replace(request(), namespace="bob"))
+    assert cache.hits == 0 and len(entries(tmp_path)) == 2
+    compile_with(client, cache, dataclasses.replace(request(), namespace="bob"))
+    assert cache.hits == 1
