@@ -240,16 +240,23 @@ def test_a_worker_waits_for_its_controller_then_says_why_it_gives_up():
 
 
 def test_a_worker_started_first_waits_for_its_controller():
-    import time
+    import socket
 
     port = _free_port()
+    # Something listens on the controller's port first, to see the worker try it.
+    stand_in = socket.create_server(("127.0.0.1", port))
+    stand_in.settimeout(60)
     log = tempfile.TemporaryFile(mode="w+")
     worker = subprocess.Popen([sys.executable, "-m", "isthmus.cli", "worker", "--controller",
                                f"127.0.0.1:{port}", "--devices", "1", "--connect-timeout", "60",
                                "--log-level", "INFO"],
                               stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
-        time.sleep(3)  # the worker is up (and refused) before the controller listens
+        try:
+            attempt, _ = stand_in.accept()  # the worker is up and tried its controller
+        finally:
+            stand_in.close()
+        attempt.close()  # ... and is refused: it must wait for the real one
         with LocalServer(devices=None, fleet=(1, 1, 1), args=["--no-launch", "--port", str(port)],
                          start_timeout=120) as server:
             # Its ready line means the worker registered with it.

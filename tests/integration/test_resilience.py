@@ -60,6 +60,8 @@ while not os.path.exists(os.environ["STOP_FILE"]):
         assert np.array_equal(np.asarray(d), x)
         assert float(e) == float(want.sum()), (float(e), want.sum())
     rounds += 4
+    if rounds == 4:
+        print("UNDER_WAY", flush=True)
 print("ROUNDS", rounds, flush=True)
 """
 
@@ -78,7 +80,9 @@ def test_killing_workers_of_one_slice_never_touches_another_busy_slice(tmp_path)
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         replacements = []
         try:
-            time.sleep(3.0)  # the client is under way
+            assert client.stdout is not None
+            under_way = client.stdout.readline()  # its first round checked: under way
+            assert under_way.strip() == "UNDER_WAY", client.communicate()
             for kill in range(KILLS):
                 assert client.poll() is None, f"the client died:\n{client.communicate()}"
                 victim = server.worker_pids(0)[kill % 2]

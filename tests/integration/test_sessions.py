@@ -33,15 +33,19 @@ def test_deletion_frees_server_memory():
             address = __import__("os").environ["JAX_BACKEND_TARGET"]
             def held():
                 return sum(w["worker_bytes"] for w in fetch_status(address)["workers"].values())
+            def settled(expected):  # the workers apply frees in order, soon: wait for it
+                deadline = time.monotonic() + 10
+                while held() != expected and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                return held()
             x = jax.device_put(np.ones((1024, 1024), np.float32))   # 4 MiB
             y = jax.jit(lambda a: a * 2)(x)
             y.block_until_ready()
             emit("with_arrays", held())
             x.delete()
-            time.sleep(0.3)
-            emit("after_delete", held())
-            del y; gc.collect(); time.sleep(0.3)
-            emit("after_drop", held())
+            emit("after_delete", settled(4 << 20))
+            del y; gc.collect()
+            emit("after_drop", settled(0))
             emit("y_value_was", 2.0)
         """, server.address)
         assert out["with_arrays"] == 8 << 20
