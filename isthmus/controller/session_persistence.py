@@ -58,14 +58,8 @@ class SessionPersistence(SessionPython):
         devices = self.fleet.devices_of(device_ids)
         outputs = () if plan.write else tuple(
             Aval(a.dtype, a.shape) for a in plan.arrays)  # type: ignore[arg-type]
-        info = CompiledInfo(
-            name="persistence_write" if plan.write else "persistence_read",
-            params=(), outputs=outputs, param_shardings=None, output_shardings=None,
-            param_layouts=(), output_layouts=tuple(_default_layout(a.shape) for a in outputs),
-            output_memory_kinds=("",) * len(outputs),
-            donated_inputs=(), fingerprint=hashlib.sha256(repr(plan).encode()).digest(),
-            cost_analysis={}, hlo_text="",
-            memory_stats={}, generated_code_bytes=0)
+        info = plugin_info("persistence_write" if plan.write else "persistence_read",
+                           outputs, plan)
         executable = self.controller.executable(plan, devices, info)
         self._executables.append(executable)
         return executable
@@ -172,6 +166,16 @@ class SessionPersistence(SessionPython):
         return outputs
 
 
+def plugin_info(name: str, outputs: tuple[Aval, ...], plan: object) -> CompiledInfo:
+    """What the client learns of a plugin program that runs nothing on the devices."""
+    return CompiledInfo(
+        name=name, params=(), outputs=outputs, param_shardings=None, output_shardings=None,
+        param_layouts=(), output_layouts=tuple(_default_layout(a.shape) for a in outputs),
+        output_memory_kinds=("",) * len(outputs), donated_inputs=(),
+        fingerprint=hashlib.sha256(repr(plan).encode()).digest(), cost_analysis={},
+        hlo_text="", memory_stats={}, generated_code_bytes=0)
+
+
 def executable_specs(plan: PersistencePlan) -> list[tuple[Aval, sh.Sharding, tuple[int, ...]]]:
     return [(Aval(a.dtype, a.shape), a.sharding,
              sh.shard_nbytes(a.sharding, a.shape, a.dtype.itemsize)) for a in plan.arrays]
@@ -222,17 +226,14 @@ class SessionKept(SessionPersistence):
     """Keeping arrays for a lease's next client, and taking them back."""
 
     def compile_kept(self, plan: KeepPlan) -> Executable:
-        specs = [a for a in plan.arrays if a.sharding is not None]
-        device_ids = tuple(dict.fromkeys(d for a in specs for d in a.sharding.devices))  # type: ignore[union-attr]
-        devices = self.fleet.devices_of(device_ids) if device_ids else tuple(self.fleet.devices[:1])
-        outputs = () if plan.keep else tuple(Aval(a.dtype, a.shape) for a in plan.arrays)  # type: ignore[arg-type]
-        info = CompiledInfo(
-            name="isthmus_keep" if plan.keep else "isthmus_take",
-            params=(), outputs=outputs, param_shardings=None, output_shardings=None,
-            param_layouts=(), output_layouts=tuple(_default_layout(a.shape) for a in outputs),
-            output_memory_kinds=("",) * len(outputs),
-            donated_inputs=(), fingerprint=hashlib.sha256(repr(plan).encode()).digest(),
-            cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0)
+        device_ids = tuple(dict.fromkeys(d for a in plan.arrays if a.sharding is not None
+                                         for d in a.sharding.devices))
+        # A keep names no devices (its arguments do): it is the session's, on its first one.
+        devices = (self.fleet.devices_of(device_ids) if device_ids
+                   else tuple(self.fleet.devices[:1]))
+        outputs = () if plan.keep else tuple(
+            Aval(a.dtype, a.shape) for a in plan.arrays)  # type: ignore[arg-type]
+        info = plugin_info("isthmus_keep" if plan.keep else "isthmus_take", outputs, plan)
         executable = self.controller.executable(plan, devices, info)
         self._executables.append(executable)
         return executable
