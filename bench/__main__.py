@@ -2,7 +2,9 @@
 
 Starts its own servers (an embedded one and a local fleet of 2 slices x 2 hosts), runs the
 same client programs through them and on local jax, and prints one table; JSON and a PNG of
-the dispatch-threshold curve go to bench/out/. No figure here is a test assertion.
+the dispatch-threshold curve go to bench/out/. The shared service's section (a queued job's
+start, a lease's grant, three tenants at once) is bench/shared.py, on a fleet of its own.
+No figure here is a test assertion.
 """
 
 from __future__ import annotations
@@ -205,6 +207,13 @@ def main() -> int:
     hosts = [16, 64, 256, 1024]
     scale = scaling(hosts, 0.3 if quick else 2.0)
 
+    # The shared service (bench/shared.py): its own servers and client processes.
+    from bench import shared as shared_service
+
+    began = time.monotonic()
+    service = shared_service.run(quick)
+    STAGES.append(("shared.py", time.monotonic() - began))
+
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {'quick' if quick else 'full'} mode; medians")
     columns = list(metrics)
@@ -251,6 +260,9 @@ def main() -> int:
         print(f"  {n:5d} hosts: {scale[n]:9.0f} programs/s  ({scale[n] / scale[hosts[0]]:.1%} "
               f"of {hosts[0]} hosts)")
 
+    print()
+    print("\n".join(shared_service.report(service)))
+
     print("\ncompilation of one program (ms):")
     for name, value in compile_times.items():
         print(f"  {name:26} {value['compile_ms']:9.1f}")
@@ -265,6 +277,7 @@ def main() -> int:
                                "ratio_to_device": ratios}
                         for name, (local, ratios) in simulated.items()},
                     "threshold_ms": thresholds, "scaling_programs_per_s": scale,
+                    "shared_service": service,
                     "compile_ms": {k: v["compile_ms"] for k, v in compile_times.items()}})
     (OUT / "results.json").write_text(json.dumps(results, indent=2))
     png = plot({**{name: (local["step_ms"], ratios) for name, (local, ratios) in curves.items()},

@@ -17,3 +17,26 @@ def test_scaling_stand_ins_receive_every_program():
     # programs_per_second raises if a stand-in host missed a program's Execute.
     for hosts in (16, 64):
         assert asyncio.run(programs_per_second(hosts, 0.05)) > 0
+
+
+def test_shared_service_section_names_every_figure_and_column():
+    from bench.shared import TARGETS, report
+
+    row = {"alone_us": 400.0, "three_us": 1000.0, "ratio": 0.4, "ratio_worst": 0.38,
+           "aggregate_speedup": 1.2,
+           "cpu_us_per_program_alone": {"client": 130.0, "controller": 200.0},
+           "cpu_us_per_program_three": {"client": 150.0, "controller": 210.0},
+           "cores_busy_three": 1.9, "cores_other_three": 0.05}
+    results = {"fleet": "3x1x1",
+               "handover": {"total_ms": 220.0, "release_to_grant_ms": 8.0,
+                            "grant_to_result_ms": 212.0, "connect_ms": 70.0,
+                            "first_program_ms": 140.0, "repeats": 5},
+               "grant": {"grant_ms": 25.0, "release_ms": 6.0, "repeats": 10},
+               "tenants": {"isthmus shared": row, "local jax": row}}
+    text = "\n".join(report(results))
+    for figure in ("220.0 ms", "8.0 ms", "70.0 ms", "140.0 ms", "25.0 ms",
+                   f"<= {TARGETS['handover_ms']:.0f}", f"<= {TARGETS['grant_ms']:.0f}",
+                   "controller 200/210", "0.40"):
+        assert figure in text, figure
+    assert sum(line.lstrip().startswith(("isthmus shared", "local jax"))
+               for line in text.splitlines()) == 2

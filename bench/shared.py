@@ -1,0 +1,491 @@
+"""The shared service (issue 24): a queued job's start, a lease's grant, three tenants at once.
+
+    python -m bench.shared [--quick]
+
+Starts a shared server (`--tenants`, a self-signed TLS port) on a local fleet of 3 slices x
+1 host x 1 device and measures, as clients of the service do it (`isthmus.shared`):
+
+- *handover*: one tenant holds all three slices; a second job waits in the queue for one.
+  Its jax process is already started, with jax and isthmus imported (a job queued with
+  `isthmus run --service` starts its command only once granted; the import is the job's own
+  cost, not the service's). From the first lease's release: the queued lease's grant (its
+  lease stream reports it), then, in the child, jax connected to the lease's tunnel and the
+  first program's result (a program not compiled before: compile, run, fetch).
+- *grant*: `shared.lease(...).__enter__()` on a free pool (a tunnel, TLS, the lease stream).
+- *tenants*: a dispatch-bound loop (pipelined tiny jitted programs, timed in windows of at
+  least 0.1 s) in one tenant's process alone, then in three tenants' processes at once, each
+  on its own 1-slice lease through its own tunnel (`isthmus run --service -- python ...`, as
+  users run a job: the lease and its forwarder live in that process); the ratio is
+  per-program time alone / with three. For reference, the same loop on the same fleet without
+  the shared mode (three clients, one slice's device each, no tunnel) and on local jax (three
+  processes on the same cores: what the machine's CPU contention alone does), with the CPU
+  each kind of process spends per program.
+
+Prints a table; JSON to bench/out/shared.json. `run(quick)` is the section of
+`python -m bench`. No figure here is a test assertion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+FLEET = (3, 1, 1)  # slices, hosts per slice, devices per host
+WINDOW = 50  # programs per batch of the loop (pipelined, then waited for)
+# A timed window of the loop: longer than the kernel's time slice, so that sharing the cores
+# with the other tenants shows in each window (not only between them).
+WINDOW_SECONDS = 0.1
+TARGETS = {"handover_ms": 1000.0, "grant_ms": 300.0, "ratio": 0.9}
+
+
+# ---- the client processes (this file as a script) ------------------------------------------
+
+
+def queued_child() -> None:
+    """The queued job: imports first, then waits for its lease's target on stdin."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import jax
+    import numpy as np
+
+    from isthmus._bootstrap.jax_plugins import isthmus_proxy  # noqa: F401 (imported early)
+    from isthmus.client import connect
+
+    scale = float(sys.argv[2])  # a program of its own each time: compiled cold
+    print("READY", flush=True)
+    target = sys.stdin.readline().strip()
+    got = time.monotonic()
+    connect(target)
+    jax.devices()
+    connected = time.monotonic()
+    value = float(jax.jit(lambda a: (a * scale + 1).sum())(np.arange(8.0, dtype=np.float32)))
+    done = time.monotonic()
+    print(json.dumps({"got": got, "connected": connected, "result": done, "value": value}),
+          flush=True)
+
+
+def loop_child() -> None:
+    """A tenant's dispatch-bound loop: `go START SECONDS` runs from START (time.monotonic)
+    for SECONDS, in windows of at least WINDOW_SECONDS (batches of WINDOW pipelined programs,
+    then a wait), and answers the windows' median per-program time; `quit` ends. On the jax
+    its environment names (a lease's, or local), on device $ISTHMUS_BENCH_DEVICE (0)."""
+    import jax
+    import numpy as np
+
+    device = jax.devices()[int(os.environ.get("ISTHMUS_BENCH_DEVICE", "0"))]
+    f = jax.jit(lambda a: a + 1)
+    y = jax.device_put(np.float32(0), device)
+    for _ in range(2 * WINDOW):
+        y = f(y)
+    done = 2 * WINDOW
+    if float(y) != done:
+        raise SystemExit(f"the loop's result is {float(y)}, not {done}")
+    print("READY", os.getpid(), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words[0] == "quit":
+            break
+        start, seconds = float(words[1]), float(words[2])
+        time.sleep(max(0.0, start - time.monotonic()))
+        windows, programs = [], 0
+        while time.monotonic() < start + seconds:
+            began, count = time.perf_counter(), 0
+            while time.perf_counter() - began < WINDOW_SECONDS:
+                for _ in range(WINDOW):
+                    y = f(y)
+                y.block_until_ready()
+                count += WINDOW
+            windows.append((time.perf_counter() - began) / count)
+            programs += count
+        done += programs
+        print(json.dumps({"per_program_s": statistics.median(windows),
+                          "programs": programs}), flush=True)
+    if done < 1 << 24 and float(y) != done:  # float32 counts exactly up to 2**24
+        raise SystemExit(f"the loop's result is {float(y)}, not {done}")
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_BACKEND_TARGET")}
+
+
+class Child:
+    """This file as a client process; its stdout lines arrive on a queue (a thread reads)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()
+                 ) -> None:
+        """Runs `python THIS_FILE args`, after `prefix` (`isthmus run --service ... --`)."""
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            [*prefix, sys.executable, __file__, *args], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self.tunnelled = bool(prefix)  # the process is `isthmus run`, with the loop under it
+        self.pid = self.process.pid  # the loop's (from its READY line, when tunnelled)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, prefix: str, timeout: float = 120.0) -> str:
+        """The next stdout line that starts with `prefix`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"no {prefix!r} line from a client in {timeout} s:\n"
+                                   f"{self.stderr()}") from None
+            if line is None:
+                self.process.wait(10)
+                raise RuntimeError(f"a client ended ({self.process.returncode}) before its "
+                                   f"{prefix!r} line:\n{self.stderr()}")
+            if line.startswith(prefix):
+                return line
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-4000:]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.send("quit")
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._stderr.close()
+
+
+@contextlib.contextmanager
+def service() -> Iterator[dict[str, Any]]:
+    """A shared server on the local fleet, with tenants `holder` (3 slices), `queued`, `t1`,
+    `t2` and `t3` (1 slice each)."""
+    from isthmus.testing import LocalServer
+
+    names = {"holder": 3, "queued": 1, "t1": 1, "t2": 1, "t3": 1}
+    with tempfile.TemporaryDirectory(prefix="isthmus-bench-tenants-") as directory:
+        folder = pathlib.Path(directory)
+        tables = []
+        for name, slices in names.items():
+            (folder / f"{name}.token").write_text(f"{name}-bench-{os.getpid()}\n")
+            tables.append(f'[tenants.{name}]\ntoken_file = "{name}.token"\n'
+                          f"max_slices = {slices}\n")
+        (folder / "tenants.toml").write_text("grace_seconds = 2\n" + "\n".join(tables))
+        with LocalServer(devices=None, fleet=FLEET,
+                         args=["--tenants", str(folder / "tenants.toml")]) as server:
+            yield {"server": server, "service": server.address.removeprefix("grpc://"),
+                   "ca": str(folder / "isthmus-service" / "service-cert.pem"),
+                   "tokens": {name: str(folder / f"{name}.token") for name in names}}
+
+
+def _lease(svc: dict[str, Any], who: str, slices: int = 1, report: Any = None) -> Any:
+    from isthmus import shared
+
+    return shared.lease(svc["service"], slices=slices, token_file=svc["tokens"][who],
+                        ca=svc["ca"], report=report or (lambda line: None))
+
+
+def _pool_free(svc: dict[str, Any], timeout: float = 30.0) -> None:
+    """Waits until no slice is leased, then a moment more for the last one's scrub."""
+    deadline = time.monotonic() + timeout
+    while svc["server"].status()["shared"]["capacity_in_use"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"slices still leased after {timeout} s")
+        time.sleep(0.05)
+    time.sleep(0.2)
+
+
+def handover(svc: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """Slice freed -> the queued job's first program result (ms, medians; see the top)."""
+    import numpy as np
+
+    runs = []
+    for repeat in range(repeats):
+        _pool_free(svc)
+        scale = 1.5 + repeat
+        child = Child(["--queued", str(scale)], _base_env())
+        try:
+            child.expect("READY")
+            holder = _lease(svc, "holder", slices=3)
+            holder.__enter__()
+            try:
+                waiting, granted, leave = threading.Event(), {}, threading.Event()
+
+                def report(line: str) -> None:
+                    if "in the queue" in line:
+                        waiting.set()
+
+                def queued() -> None:
+                    try:
+                        with _lease(svc, "queued", report=report) as grant:
+                            granted["at"] = time.monotonic()
+                            child.send(grant.target)
+                            leave.wait(120)
+                    except BaseException as e:  # shown by the main thread
+                        granted["error"] = e
+                        waiting.set()
+
+                thread = threading.Thread(target=queued, daemon=True)
+                thread.start()
+                if not waiting.wait(30) or "error" in granted:
+                    raise RuntimeError(f"the second lease did not queue: "
+                                       f"{granted.get('error')!r}")
+                time.sleep(0.2)
+            finally:
+                released = time.monotonic()
+                holder.__exit__(None, None, None)
+            release_call = time.monotonic() - released
+            stamps = json.loads(child.expect("{"))
+            leave.set()
+            thread.join(30)
+            if "error" in granted:
+                raise RuntimeError(f"the queued lease failed: {granted['error']!r}")
+            expected = float((np.arange(8.0) * scale + 1).sum())
+            if stamps["value"] != expected:
+                raise RuntimeError(f"the queued job's result is {stamps['value']}, "
+                                   f"not {expected}")
+            runs.append({"release_to_grant_ms": (granted["at"] - released) * 1e3,
+                         "grant_to_result_ms": (stamps["result"] - granted["at"]) * 1e3,
+                         "connect_ms": (stamps["connected"] - stamps["got"]) * 1e3,
+                         "first_program_ms": (stamps["result"] - stamps["connected"]) * 1e3,
+                         "total_ms": (stamps["result"] - released) * 1e3,
+                         "release_call_ms": release_call * 1e3})
+        finally:
+            child.close()
+    return {**{key: statistics.median(run[key] for run in runs) for key in runs[0]},
+            "repeats": repeats, "runs": runs}
+
+
+def grant(svc: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """`shared.lease(...).__enter__()` on a free pool, and its `__exit__` (ms, medians)."""
+    enter, leave = [], []
+    for _ in range(repeats):
+        _pool_free(svc)
+        holding = _lease(svc, "t1")
+        began = time.monotonic()
+        holding.__enter__()
+        enter.append(time.monotonic() - began)
+        began = time.monotonic()
+        holding.__exit__(None, None, None)
+        leave.append(time.monotonic() - began)
+    return {"grant_ms": statistics.median(enter) * 1e3,
+            "release_ms": statistics.median(leave) * 1e3, "repeats": repeats,
+            "grant_ms_all": [t * 1e3 for t in enter]}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux; 0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU time all of the machine's cores spent busy since boot (Linux /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def at_once(children: list[Child], rounds: int, seconds: float,
+            servers: dict[str, list[int]]) -> dict[str, Any]:
+    """Per-program time of one child alone (a different one each round) and of all at once:
+    medians over rounds of the alone time and of the median and the worst over the children;
+    the CPU per program of each kind of process (`servers`: role -> pids), and how many
+    cores they kept busy with three."""
+    roles = {"client": [c.pid for c in children],
+             "tunnel": [c.process.pid for c in children if c.tunnelled], **servers}
+
+    def go(group: list[Child]) -> tuple[list[float], dict[str, float], float, float]:
+        """Per-program times; CPU µs per program by role; cores busy with these processes,
+        and with any other (the machine is shared)."""
+        start = time.monotonic() + 0.3
+        for child in group:
+            child.send(f"go {start} {seconds}")
+        time.sleep(max(0.0, start - time.monotonic()))
+        machine = machine_busy_seconds()
+        before = {role: sum(map(cpu_seconds, pids)) for role, pids in roles.items()}
+        began = time.monotonic()
+        answers = [json.loads(child.expect("{", 60 + seconds)) for child in group]
+        wall = time.monotonic() - began
+        used = {role: sum(map(cpu_seconds, pids)) - before[role]
+                for role, pids in roles.items() if pids}
+        machine = machine_busy_seconds() - machine
+        programs = sum(a["programs"] for a in answers)
+        ours = sum(used.values())
+        return ([a["per_program_s"] for a in answers],
+                {role: t / programs * 1e6 for role, t in used.items()},
+                ours / wall, max(0.0, machine - ours) / wall)
+
+    alone, together, worst, cpu_alone, cpu, cores, others = [], [], [], [], [], [], []
+    for r in range(rounds):
+        one, used, _, _ = go([children[r % len(children)]])
+        alone.append(one[0])
+        cpu_alone.append(used)
+        each, used, busy, other = go(children)
+        together.append(statistics.median(each))
+        worst.append(max(each))
+        cpu.append(used)
+        cores.append(busy)
+        others.append(other)
+    return {"alone_us": statistics.median(alone) * 1e6,
+            "three_us": statistics.median(together) * 1e6,
+            "three_worst_us": statistics.median(worst) * 1e6,
+            "ratio": statistics.median(a / t for a, t in zip(alone, together)),
+            "ratio_worst": statistics.median(a / w for a, w in zip(alone, worst)),
+            "aggregate_speedup": statistics.median(
+                len(children) * a / t for a, t in zip(alone, together)),
+            "cpu_us_per_program_alone": {role: statistics.median(c[role] for c in cpu_alone)
+                                         for role in cpu[0]},
+            "cpu_us_per_program_three": {role: statistics.median(c[role] for c in cpu)
+                                         for role in cpu[0]},
+            # CPU time of all these processes per second with three (of os.cpu_count())
+            "cores_busy_three": statistics.median(cores),
+            # and of every other process on the machine meanwhile (this bench's driver,
+            # other users)
+            "cores_other_three": statistics.median(others),
+            "rounds": rounds, "seconds": seconds}
+
+
+def loops(commands: list[tuple[dict[str, str], tuple[str, ...]]], rounds: int,
+          seconds: float, servers: dict[str, list[int]]) -> dict[str, Any]:
+    """Three loop processes (each: its environment, the command before it), at_once."""
+    children = [Child(["--loop"], env, prefix) for env, prefix in commands]
+    try:
+        for child in children:
+            child.pid = int(child.expect("READY", 180).split()[1])
+        return at_once(children, rounds, seconds, servers)
+    finally:
+        for child in children:
+            child.close()
+
+
+def server_pids(server: Any) -> dict[str, list[int]]:
+    fleet = server.status().get("fleet") or {}
+    return {"controller": [server.process.pid],
+            "workers": [w["pid"] for w in fleet.values() if w.get("pid")]}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """The three measurements; the loop also on the same fleet without the shared mode and
+    on local jax (about 2 minutes on 2 cores; quick: about 1)."""
+    from isthmus.cli import child_environment
+    from isthmus.testing import LocalServer
+
+    began = time.monotonic()
+    stages: dict[str, float] = {}
+
+    def stage(name: str) -> None:
+        stages[name] = time.monotonic() - began - sum(stages.values())
+
+    rounds, seconds = (2, 1.5) if quick else (3, 3.0)
+    tenants: dict[str, dict[str, Any]] = {}
+    with service() as svc:
+        stage("server_start")
+        results: dict[str, Any] = {"fleet": "x".join(map(str, FLEET)),
+                                   "handover": handover(svc, 3 if quick else 5)}
+        stage("handover")
+        results["grant"] = grant(svc, 5 if quick else 10)
+        stage("grant")
+        # Each tenant's job as users start one: `isthmus run --service` holds the lease and
+        # its forwarder, and starts the loop with its jax pointed at the lease's tunnel.
+        _pool_free(svc)
+        tenants["isthmus shared"] = loops(
+            [(_base_env(), (sys.executable, "-m", "isthmus.cli", "run", "--service",
+                            svc["service"], "--service-ca", svc["ca"], "--token-file",
+                            svc["tokens"][who], "--slices", "1", "--"))
+             for who in ("t1", "t2", "t3")], rounds, seconds, server_pids(svc["server"]))
+        stage("loop_shared")
+    # The same fleet without --tenants: each client on its own slice's device, no tunnel.
+    with LocalServer(devices=None, fleet=FLEET) as server:
+        tenants["isthmus fleet, not shared"] = loops(
+            [(child_environment(server.address, {**_base_env(),
+                                                 "ISTHMUS_BENCH_DEVICE": str(i)}), ())
+             for i in range(3)], rounds, seconds, server_pids(server))
+    stage("loop_fleet_not_shared")
+    tenants["local jax"] = loops([({**_base_env(), "JAX_PLATFORMS": "cpu"}, ())] * 3,
+                                 rounds, seconds, {})
+    stage("loop_local_jax")
+    results["tenants"] = tenants
+    results["seconds"] = {**stages, "all": time.monotonic() - began}
+    return results
+
+
+def report(results: dict[str, Any]) -> list[str]:
+    """The section's lines in the table of `python -m bench`."""
+    h, g, t = results["handover"], results["grant"], results["tenants"]
+    lines = [
+        f"shared service (fleet {results['fleet']} with --tenants, TLS tunnels; medians; "
+        "targets in brackets):",
+        f"  slice freed -> queued job's first program  {h['total_ms']:8.1f} ms  (<= "
+        f"{TARGETS['handover_ms']:.0f}; {h['repeats']} repeats, jax already imported)",
+        f"    release -> grant on the lease stream     {h['release_to_grant_ms']:8.1f} ms",
+        f"    grant -> first program's result          {h['grant_to_result_ms']:8.1f} ms",
+        f"      jax connected to the lease's tunnel    {h['connect_ms']:8.1f} ms",
+        f"      first program: compile, run, fetch     {h['first_program_ms']:8.1f} ms",
+        f"  lease granted on a free pool               {g['grant_ms']:8.1f} ms  (<= "
+        f"{TARGETS['grant_ms']:.0f}; {g['repeats']} leases; release {g['release_ms']:.1f} ms)",
+        f"  a loop of tiny jitted programs, 1 tenant alone vs 3 at once (alone/3 >= "
+        f"{TARGETS['ratio']}; worst: the slowest of the 3;",
+        "  aggr.: programs/s of all 3 over 1's; cores: CPU-seconds per second of all these",
+        "  processes with 3, + of other processes on the machine meanwhile; CPU µs per",
+        "  program by process, alone/with 3):",
+        f"    {'':26}{'alone µs':>9}{'3 at once':>10}{'alone/3':>8}{'worst':>6}{'aggr.':>6}"
+        f"{'cores':>11}   CPU per program",
+    ]
+    for name, row in t.items():
+        cpu = ", ".join(f"{role} {row['cpu_us_per_program_alone'][role]:.0f}/{us:.0f}"
+                        for role, us in row["cpu_us_per_program_three"].items())
+        lines.append(f"    {name:26}{row['alone_us']:9.1f}{row['three_us']:10.1f}"
+                     f"{row['ratio']:8.2f}{row['ratio_worst']:6.2f}"
+                     f"{row['aggregate_speedup']:6.2f}{row['cores_busy_three']:6.2f} + "
+                     f"{row['cores_other_three']:.2f}   {cpu}")
+    return lines
+
+
+def main() -> int:
+    quick = "--quick" in sys.argv
+    results = run(quick)
+    print(f"{os.cpu_count()} cores; {'quick' if quick else 'full'} mode")
+    print("\n".join(report(results)))
+    out = pathlib.Path(__file__).parent / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shared.json").write_text(json.dumps(results, indent=2))
+    print(f"\nJSON: {out / 'shared.json'}   ({results['seconds']['all']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    if "--queued" in sys.argv:
+        queued_child()
+    elif "--loop" in sys.argv:
+        loop_child()
+    else:
+        sys.exit(main())
