@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from isthmus import gctune
+from isthmus import gctune, logs
 from isthmus.deploy.commands import add_deploy_commands, k8s_command, slurm_command
 from isthmus.shared_commands import (add_client_arguments, add_leases_command,
                                      add_server_arguments, leases_command, service_run,
@@ -106,6 +106,10 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                              "Default: auto, or $ISTHMUS_CLIENT_TRANSPORT")
     parser.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"),
                         help="logging level of the server (default: WARNING)")
+    parser.add_argument("--log-format", choices=logs.FORMATS,
+                        default=os.environ.get("ISTHMUS_LOG_FORMAT", "text"),
+                        help="text, or json: one JSON object per line, with an `event` field "
+                             "for the fleet's events (default: text, or $ISTHMUS_LOG_FORMAT)")
     add_server_arguments(parser)
 
 
@@ -262,8 +266,8 @@ def _fleet_token(args: argparse.Namespace) -> str:
 
 
 def _prepare_server_process(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format)
+    os.environ["ISTHMUS_LOG_FORMAT"] = args.log_format  # the workers it launches log alike
     # XLA's C++ warnings (the coordination service's, at every group formation) read like
     # trouble in a healthy server; errors still show. Workers inherit the level.
     if _USER_LOG_LEVEL is None:
@@ -388,8 +392,8 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         # processes it starts (in $ISTHMUS_CRASH_RECORD, or a directory of its own).
         return supervise.supervise(argv, os.environ.get(CRASH_RECORD_ENV) or None)
     block_stop_signals()  # before any thread starts
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    logs.configure(args.log_level, os.environ.get("ISTHMUS_LOG_FORMAT", "text"),
+                   "%(asctime)s %(levelname)s worker %(name)s: %(message)s")
     platform = _platform(args)
     try:
         prepare_process(platform)  # before jax is imported: GPUs owned, memory settings

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 
+from isthmus.logs import event
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker.crashes import CRASH_RECORD_ENV
@@ -282,7 +283,9 @@ class LocalLauncher:
         slot.restart_at = now + delay
         logger.warning("%s (slice %s, host %s); restarting it in %.1f s (attempt %d of %d); "
                        "its log: %s", how, slot.slice_index, slot.host, delay, attempt,
-                       self.restart.max_restarts, slot.log_path)
+                       self.restart.max_restarts, slot.log_path, extra=event(
+                           "worker_restarting", slice=slot.slice_index, host=slot.host,
+                           attempt=attempt))
 
     def _spawn(self, slot: WorkerSlot) -> None:
         """Starts the slot's worker, appending to its log. Call with `_lock` held."""
@@ -304,4 +307,6 @@ class LocalLauncher:
                 return
         if slot.restarts:
             logger.info("restarted the worker of slice %s host %s as pid %s",
-                        slot.slice_index, slot.host, slot.process.pid)
+                        slot.slice_index, slot.host, slot.process.pid, extra=event(
+                            "worker_restarted", slice=slot.slice_index, host=slot.host,
+                            pid=slot.process.pid))

@@ -20,6 +20,7 @@ from isthmus import errors
 from isthmus.controller.arrays import Buffer, BufferGroup
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
+from isthmus.logs import event
 from isthmus.transport.messages import CrashReport
 from isthmus.worker.programs import CompiledInfo, CompileRequest, canonical_digest
 
@@ -298,7 +299,7 @@ class Controller:
             f"\"{report.fatal or 'a fatal signal'}\"; this server refuses to compile or run it "
             "until its controller restarts. Change the program or its inputs (the worker's "
             "log has the fatal traceback), or restart the controller to try it again.")
-        logger.warning("%s", message)
+        logger.warning("%s", message, extra=event("program_refused", program=name))
         for other in self._executables.values():
             # The same program has the same name (the module's): only those are digested.
             if other is executable or (
@@ -330,6 +331,9 @@ class Controller:
             raise error from None
         if executable.info is None:
             executable.info = infos[0]
+        logger.info("compiled %s for devices %s", executable.info.name, executable.device_ids,
+                    extra=event("compiled", program=executable.info.name,
+                                devices=len(executable.devices)))
         return executable.info
 
     def release_executable(self, executable: Executable) -> None:

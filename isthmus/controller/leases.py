@@ -27,6 +27,7 @@ from typing import Any
 from isthmus import errors
 from isthmus.controller.tenants import Tenant, Tenants
 from isthmus.ids import SliceId
+from isthmus.logs import event
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,9 @@ class LeaseBook:
                         raise errors.NotPermitted(
                             f"lease {name!r} ({lease.id}) is in use by another client of "
                             f"tenant {tenant.name}; end that client or pick another name.")
-                    logger.info("lease %s (%s) of %s resumed", lease.id, name, tenant.name)
+                    logger.info("lease %s (%s) of %s resumed", lease.id, name, tenant.name,
+                                extra=event("lease_resumed", lease=lease.id,
+                                            tenant=tenant.name))
                     return lease
         if slices < 1:
             self.refused_count += 1
@@ -232,7 +235,8 @@ class LeaseBook:
         freed, lease.slices = lease.slices, []
         lease.reclaimed = []
         self.ended_count += was_active
-        logger.info("lease %s of %s ended: %s", lease.id, lease.tenant.name, reason.message)
+        logger.info("lease %s of %s ended: %s", lease.id, lease.tenant.name, reason.message,
+                    extra=event("lease_ended", lease=lease.id, tenant=lease.tenant.name))
         self.scrubbing.update(freed)
         if self.hooks.ended is not None:
             self.hooks.ended(lease, freed)
@@ -289,7 +293,9 @@ class LeaseBook:
         lease.granted_at = self.clock()
         self.granted_count += 1
         self.assign_seconds = (self.assign_seconds + [lease.granted_at - lease.asked_at])[-100:]
-        logger.info("lease %s of %s granted slices %s", lease.id, lease.tenant.name, slices)
+        logger.info("lease %s of %s granted slices %s", lease.id, lease.tenant.name, slices,
+                    extra=event("lease_granted", lease=lease.id, tenant=lease.tenant.name,
+                                slices=list(slices)))
         if self.hooks.granted is not None:
             self.hooks.granted(lease)
         lease.changed()
@@ -313,7 +319,8 @@ class LeaseBook:
     def _reclaim(self, lease: Lease, slice_index: SliceId) -> None:
         lease.slices.remove(slice_index)
         lease.reclaimed.append(slice_index)
-        logger.info("slice %s of elastic lease %s reclaimed", slice_index, lease.id)
+        logger.info("slice %s of elastic lease %s reclaimed", slice_index, lease.id,
+                    extra=event("slice_reclaimed", lease=lease.id, slice=slice_index))
         if self.hooks.reclaimed is not None:
             self.hooks.reclaimed(lease, slice_index)
         lease.changed()
@@ -325,7 +332,8 @@ class LeaseBook:
                 lease.reclaimed.remove(slice_index)
                 lease.slices.append(slice_index)
                 free.discard(slice_index)
-                logger.info("slice %s returned to elastic lease %s", slice_index, lease.id)
+                logger.info("slice %s returned to elastic lease %s", slice_index, lease.id,
+                            extra=event("slice_returned", lease=lease.id, slice=slice_index))
                 if self.hooks.returned is not None:
                     self.hooks.returned(lease, slice_index)
                 lease.changed()

@@ -36,6 +36,7 @@ from typing import Any
 from isthmus import errors
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import DeviceId, SliceId, WorkerId
+from isthmus.logs import event
 from isthmus.transport import messages as m
 from isthmus.transport.remote import RemoteWorker
 
@@ -212,7 +213,8 @@ class FleetManager:
         self._tokens[token] = channel
         self.fleet.attach(slot, channel)
         logger.info("worker %s:%s joined as slice %s host %s", message.hostname, message.pid,
-                    slice_index, host)
+                    slice_index, host, extra=event("worker_joined", slice=slice_index, host=host,
+                                                   pid=message.pid))
         if message.crash is not None:
             self._crash_reported(message, slice_index, host)
         self._form_wanted.set()
@@ -226,7 +228,8 @@ class FleetManager:
             self._on_crash(crash, where)
         else:
             logger.warning("worker %s died of a fatal signal (%s) while serving another "
-                           "controller process; see its log", where, crash.fatal)
+                           "controller process; see its log", where, crash.fatal,
+                           extra=event("worker_crashed", worker=where))
 
     def welcome(self, channel: RemoteWorker) -> m.Welcome:
         device = self._slot_devices(channel.slot)[0]
@@ -287,7 +290,8 @@ class FleetManager:
             f"{device.host_index}) was lost: {reason}. Arrays on slice {device.slice_index} "
             "are gone; start a worker for that slice (`isthmus worker --slice "
             f"{device.slice_index}`) and recreate them, or continue on the other slices.")
-        logger.warning("%s", error.message)
+        logger.warning("%s", error.message, extra=event(
+            "worker_lost", slice=device.slice_index, host=device.host_index, pid=register.pid))
         self._losses.append(error.message)
         self.fleet.detach(channel.slot)
         self.members.pop(channel.slot, None)
@@ -360,7 +364,8 @@ class FleetManager:
                 self._services.append(
                     await loop.run_in_executor(None, serve, companion_address))
             logger.info("forming collective group %s with %s workers at %s", generation,
-                        len(members), address)
+                        len(members), address,
+                        extra=event("group_forming", generation=generation))
             # What was dispatched before this point runs in the old group: shared commands
             # still in the fleet's outbox go out ahead of the FormGroup.
             self.fleet.flush()
@@ -403,8 +408,9 @@ class FleetManager:
                     self.fleet.mark_up(slice_index)
             self._on_generation(generation)
             self._formed.set()
-            logger.info("collective group %s formed; slices up: %s", generation,
-                        [s for s in self.slices() if self.fleet.slice_error(s) is None])
+            up = [s for s in self.slices() if self.fleet.slice_error(s) is None]
+            logger.info("collective group %s formed; slices up: %s", generation, up,
+                        extra=event("group_formed", generation=generation, slices_up=up))
 
     async def wait_complete(self, timeout: float) -> None:
         """Waits until every slice of the spec is up."""

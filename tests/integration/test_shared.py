@@ -65,7 +65,7 @@ max_slices = 0
     socket_path = directory / "service.sock"
     with LocalServer(fleet=(3, 1, 2), args=[
             "--tenants", str(directory / "tenants.toml"), "--unix-socket", str(socket_path),
-            "--allow-plain-connect"]) as server:
+            "--allow-plain-connect", "--log-format", "json"]) as server:
         server.unix = f"unix:{socket_path}"
         server.tokens = {name: str(directory / f"{name}.token")
                          for name in ("alice", "bob", "carol", "ops")}
@@ -157,6 +157,13 @@ def test_two_tenants_run_and_a_third_waits_its_turn(service):
     assert queued.returncode == 0, stderr[-3000:]
     assert f"RESULT {EXPECTED}" in stdout
     wait_until(lambda: figures(service)["capacity_in_use"] == 0, 10, "the leases to end")
+    # --log-format json: the fleet's events, one JSON object per line, at the default level.
+    events = [json.loads(line) for line in service.log().splitlines() if line.startswith("{")]
+    kinds = {e.get("event") for e in events}
+    assert {"worker_joined", "group_formed", "lease_granted", "lease_ended"} <= kinds, kinds
+    granted = [e for e in events if e.get("event") == "lease_granted"]
+    assert {"alice", "bob", "carol"} <= {e["tenant"] for e in granted}
+    assert all(e["level"] == "INFO" and "time" in e for e in granted)
 
 
 def test_a_stranger_is_refused_and_leaves_nothing(service, tmp_path):
