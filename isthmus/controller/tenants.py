@@ -144,7 +144,7 @@ def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Te
             digest = b""
         if len(digest) != 32:
             raise ValueError(f"{where}: token_sha256 must be 64 hex digits "
-                             "(isthmus token-hash FILE prints them)")
+                             "(the SHA-256 of the token: `tr -d '\\n' < FILE | sha256sum`)")
     max_slices = table.get("max_slices")
     if not _is_int(max_slices) or max_slices < 0:
         raise ValueError(f"{where}: max_slices must be a whole number >= 0")
