@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from isthmus import gctune, logs
 from isthmus.deploy.commands import add_deploy_commands, k8s_command, slurm_command
+from isthmus.observe.options import add_observe_arguments, keep_event_records, observe_config
 from isthmus.shared_commands import (add_client_arguments, add_leases_command,
                                      add_server_arguments, leases_command, service_run,
                                      shared_config)
@@ -28,6 +29,7 @@ from isthmus.worker.platforms import (DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Pl
                                       prepare_process, resolve)
 
 READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
+METRICS_PREFIX = "isthmus: metrics at "  # then the URL, on stderr (`--metrics-port`)
 # The user's own C++ log level, read before jax is imported (importing jax sets it to 1).
 _USER_LOG_LEVEL = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
 
@@ -111,6 +113,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text, or json: one JSON object per line, with an `event` field "
                              "for the fleet's events (default: text, or $ISTHMUS_LOG_FORMAT)")
     add_server_arguments(parser)
+    add_observe_arguments(parser)
 
 
 def _refuse(message: str) -> NoReturn:
@@ -231,7 +234,14 @@ def _head_config(args: argparse.Namespace) -> object:
                                     max_array_bytes=args.max_array_bytes,
                                     compile_cache_size=args.executable_cache),
         max_host_buffer_bytes=args.max_array_bytes, client_transport=args.client_transport,
-        shared=shared_config(args))
+        shared=shared_config(args), observe=_observe_config(args))
+
+
+def _observe_config(args: argparse.Namespace) -> object:
+    try:
+        return observe_config(args)
+    except ValueError as e:
+        _refuse(str(e))
 
 
 def _shared_dir(value: str) -> str | None:
@@ -267,6 +277,7 @@ def _fleet_token(args: argparse.Namespace) -> str:
 
 def _prepare_server_process(args: argparse.Namespace) -> None:
     logs.configure(args.log_level, args.log_format)
+    keep_event_records(args)  # the live view's events, whatever the console's level
     os.environ["ISTHMUS_LOG_FORMAT"] = args.log_format  # the workers it launches log alike
     # XLA's C++ warnings (the coordination service's, at every group formation) read like
     # trouble in a healthy server; errors still show. Workers inherit the level.
@@ -316,6 +327,7 @@ async def _up(args: argparse.Namespace) -> int:
         return 0
     address = starting.result()
     gctune.settle()
+    _announce_observer(head)
     print(f"{READY_PREFIX}{address}", flush=True)
     extra = head.client_environment()
     if extra:
@@ -327,6 +339,13 @@ async def _up(args: argparse.Namespace) -> int:
     finally:
         await head.stop()
     return 0
+
+
+def _announce_observer(head: object) -> None:
+    observer = getattr(head, "observer", None)
+    if observer is not None:
+        print(f"{METRICS_PREFIX}{observer.url}/metrics (live view: {observer.url}/)",
+              file=sys.stderr, flush=True)
 
 
 def child_environment(address: str, base: dict[str, str] | None = None,
@@ -362,6 +381,7 @@ async def _run(args: argparse.Namespace) -> int:
     head = Head(_head_config(args))  # type: ignore[arg-type]
     address = await head.start()
     gctune.settle()
+    _announce_observer(head)
     try:
         child = await asyncio.create_subprocess_exec(
             *command, env=child_environment(address, extra=head.client_environment()),

@@ -8,6 +8,7 @@
     |   +-- Unimplemented           UNIMPLEMENTED: a request kind isthmus does not serve
     |   +-- VersionMismatch         FAILED_PRECONDITION: no protocol version both sides speak
     |   +-- TooLarge                RESOURCE_EXHAUSTED: over a configured limit
+    |   +-- ProfileRunning          FAILED_PRECONDITION: another profile of the fleet runs
     +-- HostBufferMissing           DEADLINE_EXCEEDED: host data never arrived
     +-- ServiceRefusal              a shared service turned the client away
     |   +-- Unauthenticated         UNAUTHENTICATED: no identity, or a wrong one
@@ -100,6 +101,10 @@ class VersionMismatch(RequestError):
 
 class TooLarge(RequestError):
     code = Code.RESOURCE_EXHAUSTED
+
+
+class ProfileRunning(RequestError):
+    code = Code.FAILED_PRECONDITION
 
 
 class HostBufferMissing(IsthmusError):

@@ -17,6 +17,7 @@ from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
 from isthmus.ids import COMPANION_BASE, DeviceId, SliceId, WorkerId
 from isthmus.launch import RestartPolicy
+from isthmus.observe.options import ObserveConfig
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker.platforms import Platform
 
@@ -55,6 +56,7 @@ class HeadConfig:
     # (h2 when the h2 library is installed).
     client_transport: str = "auto"
     shared: SharedConfig | None = None  # serve as a shared service (leases, identities)
+    observe: ObserveConfig | None = None  # serve metrics and the live view (isthmus/observe)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,6 +121,7 @@ class Head:
         self.fleet_service: Any = None  # the workers' control streams (a fleet only)
         self.shared: Any = None  # a shared service's leases (frontend/shared.py)
         self.service_cert: str | None = None  # the certificate clients of it trust
+        self.observer: Any = None  # metrics and the live view (`observe.observer.Observer`)
 
     @property
     def address(self) -> str:
@@ -136,6 +139,11 @@ class Head:
 
         config = self.config
         extra_methods: dict[str, Any] = {}
+        if config.observe is not None:
+            from isthmus.observe.observer import Observer
+
+            self.observer = Observer(config.observe, self)
+            self.observer.attach_events()  # the fleet's first events are seen too
         self.shared_dir = self._make_shared_dir()
         if config.fleet is None:
             fleet, host = embedded_fleet(config.devices, config.platform.name,
@@ -169,6 +177,12 @@ class Head:
         gate = None
         if config.shared is not None:
             gate = self._make_shared(controller, extra_methods)
+        if self.observer is not None:
+            try:
+                await self.observer.start()
+            except BaseException:
+                await self.stop()
+                raise
         self.server, self.port = await start_server(
             self.frontend, config.host, config.port, extra_methods, config.client_transport,
             gate=gate, unix_path=config.shared.unix_socket if config.shared else None)
@@ -249,6 +263,9 @@ class Head:
                     str(SHARED_TRANSFER_THRESHOLD)}
 
     async def stop(self, grace: float = 2.0) -> None:
+        if self.observer is not None:
+            await self.observer.stop()
+            self.observer = None
         if self.launcher is not None:
             # Before the workers are told to shut down: their exits are no failures.
             self.launcher.stop_restarting()

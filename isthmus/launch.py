@@ -135,6 +135,7 @@ class LocalLauncher:
         self.restart = restart
         self.log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="isthmus-workers-"))
         self.slots: list[WorkerSlot] = []
+        self.restarted = 0  # workers started again after an exit (for the metrics)
         self._env: dict[str, str] = {}
         self._lock = threading.Lock()
         self._restarting = False
@@ -306,6 +307,7 @@ class LocalLauncher:
                 self._exited(slot, slot.started_at, f"starting a worker failed: {e}")
                 return
         if slot.restarts:
+            self.restarted += 1
             logger.info("restarted the worker of slice %s host %s as pid %s",
                         slot.slice_index, slot.host, slot.process.pid, extra=event(
                             "worker_restarted", slice=slot.slice_index, host=slot.host,

@@ -42,7 +42,7 @@ class BufferGroup:
 
     __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "refs", "shard_refs",
                  "defined", "_waiting", "error", "errors", "deleted", "deleted_at", "freed",
-                 "freed_at", "pins", "free_pending")
+                 "freed_at", "pins", "free_pending", "dispatched")
 
     def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
                  nbytes: tuple[int, ...], memory_kind: str | None = None) -> None:
@@ -64,6 +64,9 @@ class BufferGroup:
         self.freed_at: set[int] | None = None
         self.pins: dict[int, int] | None = None  # position -> transfers still reading it
         self.free_pending: set[int] | None = None  # freed once unpinned
+        # A program's output: [perf_counter() at its dispatch], shared by its outputs, until
+        # a client's wait times it (`counts.Counts.waited`); None otherwise.
+        self.dispatched: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.devices)

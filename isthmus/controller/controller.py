@@ -18,6 +18,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.controller.arrays import Buffer, BufferGroup
+from isthmus.controller.counts import Counts
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.logs import event
@@ -42,7 +43,7 @@ class Executable:
     __slots__ = ("id", "key", "devices", "device_ids", "positions", "parts", "workers",
                  "compiled", "info", "refs", "error", "request", "epoch", "holders",
                  "output_specs", "input_specs", "param_specs", "dispatched",
-                 "refused")
+                 "refused", "runs", "slices")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
                  request: CompileRequest) -> None:
@@ -76,6 +77,8 @@ class Executable:
         # lost worker's error names the last program it was given.
         self.dispatched = 0
         self.refused: str | None = None  # why it is refused (it crashed a worker), if it is
+        self.runs = 0  # Executes dispatched (for the metrics)
+        self.slices = tuple(sorted({d.slice_index for d in devices}))  # the slices it runs on
 
 
 class Controller:
@@ -95,6 +98,8 @@ class Controller:
         self._refused: dict[bytes, str] = {}
         self._digests: dict[bytes, bytes] = {}  # SHA-256 of a program -> its program_digest
         self.sessions: set[object] = set()
+        self.profile: Any = None  # the fleet's profile being taken (session_profiles.py)
+        self.counts = Counts()  # for the metrics (isthmus/observe)
 
     # ---- buffers -------------------------------------------------------------------------
 
@@ -213,11 +218,14 @@ class Controller:
         if executable is not None and executable.error is None:
             self._idle.pop(key, None)
             executable.refs += 1
+            self.counts.compile_hits += 1
             return executable
         down = self.fleet.unavailable(devices)
         if down is not None:
             raise down
         executable = Executable(ExecutableId(next(self._executable_ids)), key, devices, request)
+        if not getattr(request, "private", False):
+            self.counts.compile_misses += 1
         executable.workers = self.fleet.worker_set(executable.parts)
         executable.refs = 1
         executable.info = info
@@ -342,6 +350,7 @@ class Controller:
             return
         if getattr(executable.request, "private", False):
             self._executables.pop(executable.key, None)
+            self.counts.retire(executable.slices, executable.runs)
             if getattr(executable.request, "on_hosts", True):
                 for worker in executable.parts:
                     self.fleet.channel(worker).drop_executable(executable.id)
@@ -351,8 +360,19 @@ class Controller:
             key = next(iter(self._idle))
             old = self._idle.pop(key)
             self._executables.pop(key, None)
+            self.counts.retire(old.slices, old.runs)
             for worker in old.parts:
                 self.fleet.channel(worker).drop_executable(old.id)
+
+    def program_runs(self) -> dict[int, int]:
+        """Slice -> Executes dispatched on it (a program over several slices counts on
+        each), since this controller started."""
+        runs = dict(self.counts.retired_runs)
+        for executable in self._executables.values():
+            if executable.runs:
+                for s in executable.slices:
+                    runs[s] = runs.get(s, 0) + executable.runs
+        return runs
 
     def stats(self) -> dict[str, object]:
         """Per worker: what the controller accounts ("buffers", "bytes") beside what the

@@ -53,6 +53,11 @@ class OrderedDispatcher:
         self._room.set()
 
     @property
+    def depth(self) -> int:
+        """Operations waiting for their inputs (for the metrics)."""
+        return len(self._queue)
+
+    @property
     def has_room(self) -> bool:
         return self._room.is_set()
 

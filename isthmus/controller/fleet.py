@@ -280,6 +280,12 @@ class LostChannel:
     def read_shards(self, *args: Any, **kwargs: Any) -> Any:
         return self._fail()
 
+    def start_profile(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
+    def stop_profile(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fail()
+
     def stats(self) -> dict[str, int]:
         return {}
 

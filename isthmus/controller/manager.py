@@ -89,6 +89,7 @@ class FleetManager:
         self.members: dict[WorkerId, RemoteWorker] = {}  # slots in the current group
         self._tokens: dict[str, RemoteWorker] = {}  # live memberships by pulse token
         self._losses: list[str] = []  # losses since the group last formed (for errors)
+        self.lost_count = 0  # workers lost since start (for the metrics)
         fleet.members = set()
         self._services: list[Any] = []  # coordination services of every generation
         self._form_lock = asyncio.Lock()
@@ -293,6 +294,7 @@ class FleetManager:
         logger.warning("%s", error.message, extra=event(
             "worker_lost", slice=device.slice_index, host=device.host_index, pid=register.pid))
         self._losses.append(error.message)
+        self.lost_count += 1
         self.fleet.detach(channel.slot)
         self.members.pop(channel.slot, None)
         self.fleet.members = set(self.members)

@@ -7,8 +7,8 @@ or an awaitable the caller may wait on. Nothing here waits for device work.
 The session's parts live beside this module, one mixin each over `SessionCore`
 (session_core.py, the shared state): creating and freeing arrays (session_arrays.py), arrays
 over existing buffers (session_sharing.py), moving data (session_moves.py), programs
-(session_programs.py), colocated Python (session_python.py) and checkpoints written by the
-workers (session_persistence.py).
+(session_programs.py), colocated Python (session_python.py), checkpoints written by the
+workers (session_persistence.py) and profiles of the fleet (session_profiles.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import logging
 
 from isthmus.controller.session_moves import SessionMoves
 from isthmus.controller.session_persistence import SessionKept
+from isthmus.controller.session_profiles import SessionProfiles
 from isthmus.controller.session_sharing import SessionSharing
 
 logger = logging.getLogger(__name__)
 
 
-class Session(SessionSharing, SessionMoves, SessionKept):
+class Session(SessionSharing, SessionMoves, SessionKept, SessionProfiles):
     """Arrays and executables of one client session."""
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -36,6 +37,7 @@ class Session(SessionSharing, SessionMoves, SessionKept):
         self.release(list(self._arrays))
         for executable in list(self._executables):
             self.release_executable(executable)
+        self.close_profiles()
         try:
             await asyncio.wait_for(self.dispatcher.flush(), 60)
         except asyncio.TimeoutError:

@@ -221,6 +221,7 @@ class SessionArrays(SessionCore):
             placed.append(p)
             waits.append(self.fleet.channel(device.worker).put(
                 BufferId(group.base + p), device.id, value, group.memory_kind))
+            self.controller.counts.put_bytes += value.nbytes
         return placed, waits
 
     @staticmethod

@@ -8,18 +8,35 @@ between workers and host reads finish in background tasks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, Buffer, first_error, groups_of
+from isthmus.controller.arrays import Array, Buffer, BufferGroup, first_error, groups_of
+from isthmus.controller.controller import Executable
 from isthmus.controller.session_arrays import SessionArrays
 from isthmus.controller.session_core import _as_error
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport.base import answered
+from isthmus.worker.programs import Aval, CompiledInfo
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReshardPlan:
+    """pathwaysutils' reshard program (`frontend/reshard.py`): its arguments, laid out by
+    `sources`, come back as outputs laid out by `targets`, position by position."""
+
+    sources: tuple[sh.Sharding, ...]  # what each argument must be
+    targets: tuple[sh.Sharding, ...]  # what each output becomes
+    donate: bool  # the arguments are consumed, as by jax.device_put(..., donate=True)
+    private: ClassVar[bool] = True  # the session's own executable (`Controller.executable`)
+    on_hosts: ClassVar[bool] = False  # nothing to load on the workers
 
 
 class SessionMoves(SessionArrays):
@@ -75,6 +92,84 @@ class SessionMoves(SessionArrays):
 
         self.dispatcher.submit(inputs, run)
         return results
+
+    def compile_reshard(self, plan: ReshardPlan) -> Executable:
+        """The session's executable for a reshard plan. Its devices are its arguments'
+        (jaxlib's `execute_sharded` wants each argument to have a shard on each of them)."""
+        devices = self.fleet.devices_of(dict.fromkeys(
+            d for s in plan.sources for d in s.devices))
+        # Dtypes and shapes come with the first call's arguments, so output layouts are
+        # unknown here (None: the client then takes each output's default layout).
+        info = CompiledInfo(
+            name="reshard", params=(), outputs=(), param_shardings=None,
+            output_shardings=tuple(s.op_sharding for s in plan.targets), param_layouts=(),
+            output_layouts=None, output_memory_kinds=tuple(
+                s.memory_kind or "" for s in plan.targets),
+            donated_inputs=tuple(range(len(plan.sources))) if plan.donate else (),
+            fingerprint=hashlib.sha256(repr(plan).encode()).digest(), cost_analysis={},
+            hlo_text="", memory_stats={}, generated_code_bytes=0)
+        executable = self.controller.executable(plan, devices, info)
+        self._executables.append(executable)
+        return executable
+
+    def run_reshard(self, executable: Executable, args: Sequence[Array],
+                    non_donatable: frozenset[int] = frozenset()
+                    ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
+        """`reshard` of the arguments to the plan's targets; the status resolves when the
+        outputs are computed. The client keeps the first call's output types for later
+        calls, so every call must bring arguments of the first call's dtypes and shapes."""
+        plan: ReshardPlan = executable.request  # type: ignore[assignment]
+        if len(args) != len(plan.sources):
+            raise errors.InvalidRequest(
+                f"the reshard program moves {len(plan.sources)} arrays (reshardRequest."
+                f"inSharding) but {len(args)} were given.")
+        if executable.output_specs is None:
+            first = [Aval(a.dtype, a.shape) for a in args]
+        else:
+            first = [aval for aval, *_ in executable.output_specs]
+        default_kind = executable.devices[0].memory_kinds[0]
+        for index, (array, source, target, aval) in enumerate(
+                zip(args, plan.sources, plan.targets, first)):
+            if (array.dtype, array.shape) != (aval.dtype, aval.shape):
+                raise errors.InvalidRequest(
+                    f"argument {index} is {array.dtype.kind}{list(array.shape)} but this "
+                    f"reshard program was first called with {aval.dtype.kind}"
+                    f"{list(aval.shape)}; compile a reshard program for each signature.")
+            for field, sharding in (("inSharding", source), ("outSharding", target)):
+                try:
+                    sh.shard_boxes(sharding, array.shape)
+                except errors.IsthmusError as e:
+                    raise errors.InvalidRequest(
+                        f"reshardRequest.{field}[{index}] does not fit argument {index} "
+                        f"({array.dtype.kind}{list(array.shape)}): {e.message}") from None
+            problem = (None if set(array.sharding.devices) == set(source.devices) else
+                       f"lives on devices {sorted(array.sharding.devices)}, not "
+                       f"{sorted(source.devices)}")
+            problem = problem or sh.placement_mismatch(array.sharding, source, array.shape)
+            kind = array.sharding.memory_kind or default_kind
+            if problem is None and kind != (source.memory_kind or default_kind):
+                problem = f"is in memory kind {kind!r}"
+            if problem is not None:
+                raise errors.InvalidRequest(
+                    f"argument {index} {problem}; it does not match reshardRequest."
+                    f"inSharding[{index}]. Build the request from the arrays' own shardings.")
+        donated = [i for i in range(len(args)) if plan.donate and i not in non_donatable]
+        if donated and len(args) > 1:
+            _check_shared(args, frozenset(donated))
+        outputs = self.reshard(args, plan.targets)
+        if executable.output_specs is None:
+            executable.output_specs = [(aval, out.sharding, None)
+                                       for aval, out in zip(first, outputs)]
+        for index in donated:  # after the reshard read them, as a donating device_put
+            self._donate_in_order(args[index])
+        computed = self.ready(outputs)
+        computed.add_done_callback(  # type: ignore[attr-defined]
+            lambda f: f.cancelled() or f.exception())
+
+        async def status() -> None:
+            await asyncio.shield(computed)
+
+        return outputs, status
 
     def _reshard_one(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
                      dst_box: sh.Box) -> None:
@@ -145,6 +240,7 @@ class SessionMoves(SessionArrays):
         self.controller.pin(src)
         work = self.fleet.channel(dst.device.worker).pull(
             src.id, address, dst.id, dst.device.id, memory_kind)
+        self.controller.counts.peer_bytes += src.nbytes
 
         async def finish() -> None:
             error = None
@@ -219,6 +315,7 @@ class SessionMoves(SessionArrays):
                 wanted.setdefault(box, buffer)
             pieces = [(box, self.fleet.channel(b.device.worker).fetch(b.id, b.nbytes))
                       for box, b in wanted.items()]
+            self.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
             if all(answered(p) for _, p in pieces):  # all on the host already (in-process)
                 result.set_result(_assembled(array, [(box, p.result()) for box, p in pieces]))
                 return
@@ -229,8 +326,16 @@ class SessionMoves(SessionArrays):
                 return
             self._spawn(_assemble_host(array, pieces, result))
 
-        self.dispatcher.submit(array.groups, run)
+        groups = array.groups
+        self.dispatcher.submit(groups, run)
+        result.add_done_callback(lambda f: self._waited(f, groups))
         return result
+
+    def _waited(self, wait: asyncio.Future, groups: Sequence[BufferGroup]) -> None:
+        """A client's fetch or readiness wait ended: it times the programs that made the
+        groups, if it went well (the metrics' program latency)."""
+        if not wait.cancelled() and wait.exception() is None:
+            self.controller.counts.waited(groups)
 
     def ready(self, arrays: Sequence[Array]) -> Awaitable[None]:
         """Resolves when every array is computed; fails with the first error."""
@@ -248,8 +353,22 @@ class SessionMoves(SessionArrays):
             waits = [self.fleet.channel(w).ready(ids) for w, ids in by_worker.items()]
             self._spawn(_settle(asyncio.gather(*waits), result))
 
-        self.dispatcher.submit(groups_of(arrays), run)
+        groups = groups_of(arrays)
+        self.dispatcher.submit(groups, run)
+        result.add_done_callback(lambda f: self._waited(f, groups))
         return result
+
+
+def _check_shared(args: Sequence[Array], donated: frozenset[int]) -> None:
+    """Refuses a donated argument whose buffers another argument also reads."""
+    owners: dict[tuple[int, int], int] = {}
+    for index, array in enumerate(args):
+        for buffer in array.shards:
+            other = owners.setdefault((id(buffer.group), buffer.position), index)
+            if other != index and (other in donated or index in donated):
+                raise errors.InvalidRequest(
+                    f"arguments {other} and {index} share buffers and the reshard donates "
+                    "one of them; pass a copy as one of them, or do not donate.")
 
 
 def _pieces(sources: Sequence[tuple[Buffer, sh.Box]], dst_box: sh.Box

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from isthmus import errors
@@ -85,6 +86,10 @@ class SessionPrograms(SessionArrays):
                                  results, copy_first)
             for index in donated:
                 args[index].consume()
+            executable.runs += 1
+            stamp = [time.perf_counter()]  # timed by the first wait on an output (metrics)
+            for out in outputs:
+                out.group.dispatched = stamp  # type: ignore[union-attr]
 
         self.dispatcher.submit(dependencies, run)
 
@@ -105,6 +110,7 @@ class SessionPrograms(SessionArrays):
                         if not (group.freed_position(p) or group.deleted_position(p)))
             await asyncio.gather(*(self.fleet.channel(w).ready(ids)
                                    for w, ids in by_worker.items() if ids))
+            self.controller.counts.waited(out.group for out in outputs)
 
         return outputs, status
 

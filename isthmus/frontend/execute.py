@@ -7,7 +7,9 @@ from typing import Any
 from isthmus import errors
 from isthmus.frontend.colocated import is_python
 from isthmus.frontend.persistence import is_kept, is_persistence
+from isthmus.frontend.profile import is_profile
 from isthmus.frontend.registry import handles
+from isthmus.frontend.reshard import is_reshard
 
 
 @handles("loaded_executable_execute_request",
@@ -29,6 +31,11 @@ def execute(session: Any, request: Any, response: Any) -> None:
     options = body.execute_options
     if is_persistence(executable):
         outputs, status = session.ctl.run_persistence(executable, args)
+    elif is_reshard(executable):
+        outputs, status = session.ctl.run_reshard(
+            executable, args, frozenset(int(i) for i in options.non_donatable_input_indices))
+    elif is_profile(executable):
+        outputs, status = session.ctl.run_profile(executable, args)
     elif is_kept(executable):
         kept = session.kept() if session.lease is not None else None
         outputs, status = session.ctl.run_kept(executable, args, kept)

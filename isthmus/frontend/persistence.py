@@ -19,6 +19,7 @@ from typing import Any
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.session_persistence import KeepPlan, KeptSpec, PersistencePlan, Saved
+from isthmus.frontend import profile, reshard
 from isthmus.ids import DeviceId
 
 PREFIX = b"__serialized_plugin_program "
@@ -38,6 +39,10 @@ def plan_of(data: bytes) -> PersistencePlan | KeepPlan:
         raise errors.InvalidRequest(f"the plugin program is not JSON ({e}).") from None
     if not isinstance(request, dict):
         raise errors.InvalidRequest("the plugin program must be a JSON object.")
+    if "reshardRequest" in request:
+        return reshard.plan_of(request["reshardRequest"])  # type: ignore[return-value]
+    if "profileRequest" in request:
+        return profile.plan_of(request["profileRequest"])  # type: ignore[return-value]
     if "persistenceWriteRequest" in request:
         return PersistencePlan(True, (_saved(request["persistenceWriteRequest"], True),))
     if "bulk_persistence_write_request" in request:
@@ -117,6 +122,10 @@ def _saved(body: Any, write: bool) -> Saved:
 def compile_plugin(session: Any, program: Any) -> Any:
     """Starts a Compile of a PluginProgram: the session's executable for the plan."""
     plan = plan_of(bytes(program.data))
+    if isinstance(plan, reshard.ReshardPlan):
+        return reshard.compile_reshard(session, plan)
+    if isinstance(plan, profile.ProfilePlan):
+        return profile.compile_profile(session, plan)
     for saved in plan.arrays:
         if saved.sharding is not None:
             session.fleet.devices_of(saved.sharding.devices)  # unknown ids: NOT_FOUND now

@@ -290,8 +290,12 @@ def metadata(session: Any, request: Any, response: Any) -> None:
             out.output_shardings.shardings.add().ParseFromString(op)
     out.parameter_layouts_list.SetInParent()
     _layouts(info.param_layouts, out.parameter_layouts_list)
-    out.output_layouts_list.SetInParent()
-    _layouts(info.output_layouts, out.output_layouts_list)
+    if info.output_layouts is None:  # known at the first call (pathwaysutils' reshard)
+        out.output_layouts_error.code = int(errors.Code.UNIMPLEMENTED)
+        out.output_layouts_error.message = "output layouts are known at the first call"
+    else:
+        out.output_layouts_list.SetInParent()
+        _layouts(info.output_layouts, out.output_layouts_list)
     kinds = out.output_memory_kinds.memory_kind_lists.add()
     kinds.memory_kinds.extend(info.output_memory_kinds)
     out.donated_input_indices.SetInParent()

@@ -120,3 +120,14 @@ class WorkerChannel(Protocol):
 
     def stats(self) -> dict[str, int]:
         """Live buffers and bytes on the worker."""
+
+    def start_profile(self, trace: str, options: Any) -> Awaitable[bool]:
+        """Starts jax's profiler in the worker's process for profile `trace` (options: a
+        `worker.profiler.TraceOptions`); programs run after this command are in it. Resolves
+        to False when that process records the trace already (an in-process host shares its
+        controller's process)."""
+
+    def stop_profile(self, trace: str, directory: str, label: str) -> Awaitable[str | None]:
+        """Stops profile `trace` and writes the worker's XSpace as
+        `directory/<machine>-<label>.xplane.pb` (fsspec; `directory` "" drops it); resolves
+        to the path, or None when the worker's process did not record the trace."""

@@ -20,7 +20,7 @@ from isthmus.transport.frames import Parts, Tailed
 
 __all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
 
-PROTOCOL_VERSION = 8  # bump when a message changes shape
+PROTOCOL_VERSION = 9  # bump when a message changes shape
 PIECE_BYTES = 64 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
@@ -442,6 +442,29 @@ class Fetch:
 @_message
 class Shutdown:
     reason: str
+
+
+@_message
+class StartProfile:
+    """Start jax's profiler in the worker's process for profile `trace`; answers whether it
+    started (False: that process already records it). `worker/profiler.py`."""
+
+    request: int
+    trace: str
+    host_tracer_level: int
+    python_tracer_level: int
+    advanced: tuple[tuple[str, Any], ...]  # (name, bool | int | str): tracer options
+
+
+@_message
+class StopProfile:
+    """Stop profile `trace` and write the worker's XSpace as `directory`/HOST-`label`
+    .xplane.pb (`directory` "": drop it); answers the path, or None if it did not record."""
+
+    request: int
+    trace: str
+    directory: str
+    label: str
 
 
 def weight(command: Any) -> int:

@@ -25,6 +25,7 @@ from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
 from isthmus.transport.flow import FlowGate
+from isthmus.worker.profiler import TraceOptions
 from isthmus.worker.programs import CompileRequest
 
 logger = logging.getLogger(__name__)
@@ -310,6 +311,17 @@ class RemoteWorker:
                     items: Sequence[tuple[BufferId, int, Any]]) -> Awaitable[None]:
         number, future = self._request()
         self._command(m.ReadShards(number, location, dtype, tuple(shape), tuple(items)))
+        return future
+
+    def start_profile(self, trace: str, options: TraceOptions) -> Awaitable[bool]:
+        number, future = self._request()
+        self._command(m.StartProfile(number, trace, options.host_tracer_level,
+                                     options.python_tracer_level, tuple(options.advanced)))
+        return future
+
+    def stop_profile(self, trace: str, directory: str, label: str) -> Awaitable[str | None]:
+        number, future = self._request()
+        self._command(m.StopProfile(number, trace, directory, label))
         return future
 
     def deliver(self, commands: Commands) -> None:

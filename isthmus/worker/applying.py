@@ -19,6 +19,7 @@ from isthmus.worker.colocated import ColocatedProgram
 from isthmus.worker.commands import _Incoming, _request, write_fetched
 from isthmus.worker.crashes import CrashRecord
 from isthmus.worker.host import DeviceHost
+from isthmus.worker.profiler import TraceOptions
 from isthmus.worker.programs import CompileRequest
 
 SMALL_FETCH_BYTES = 64 << 10  # a fetched buffer this small travels inside its Reply
@@ -123,6 +124,11 @@ class CommandApplier:
             self._spawn(c.request, write_fetched(host.fetch(c.buffer), c.path), c)
         elif isinstance(c, m.Pull):
             self._spawn(c.request, self._pull(host, c))
+        elif isinstance(c, m.StartProfile):
+            self._spawn(c.request, host.start_profile(c.trace, TraceOptions(
+                c.host_tracer_level, c.python_tracer_level, tuple(c.advanced))))
+        elif isinstance(c, m.StopProfile):
+            self._spawn(c.request, host.stop_profile(c.trace, c.directory, c.label))
         else:
             raise errors.InternalError(f"unknown command {type(c).__name__}")
 

@@ -26,6 +26,7 @@ from isthmus.worker import colocated, programs
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.persistence import Persistence
+from isthmus.worker.profiler import HostProfiles
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.reads import ReadsInFlight
 from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
@@ -38,7 +39,7 @@ __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
 logger = logging.getLogger(__name__)
 
 
-class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
+class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
     """Buffers and executables of the local devices of one jaxlib client.
 
     Devices are named by their global (fleet-wide) ids; `device_map` turns them into the
@@ -240,9 +241,11 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
                 **cache, **self.device_memory()}
 
     def device_memory(self) -> dict[str, int]:
-        """The client's own memory figures, summed over its devices (GPU clients keep them;
-        jaxlib's CPU client does not, and then there are none)."""
+        """The client's own memory figures, summed over its devices, and per device as
+        `memory/<global id>/<figure>` (GPU clients keep them; jaxlib's CPU client does
+        not, and then there are none)."""
         totals: dict[str, int] = {}
+        global_ids: dict[Any, int] | None = None
         for device in self.client.local_devices():
             try:
                 stats = device.memory_stats()
@@ -250,9 +253,13 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence):
                 return {}
             if not stats:
                 return {}
+            if global_ids is None:
+                global_ids = {d: g for g, d in getattr(self, "devices", {}).items()}
             for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
                 if key in stats:
                     totals[f"device_{key}"] = totals.get(f"device_{key}", 0) + int(stats[key])
+                    if device in global_ids:
+                        totals[f"memory/{global_ids[device]}/{key}"] = int(stats[key])
         return totals
 
     def _missing(self, buffer_id: BufferId) -> errors.IsthmusError:

@@ -53,7 +53,7 @@ class CompiledInfo:
     param_shardings: tuple[bytes, ...] | None  # xla.OpSharding per parameter; None: 1 device
     output_shardings: tuple[bytes, ...] | None  # xla.OpSharding per output; None: 1 device
     param_layouts: tuple[str, ...]  # e.g. "{1,0}"
-    output_layouts: tuple[str, ...]
+    output_layouts: tuple[str, ...] | None  # None: unknown until the first call (a reshard)
     output_memory_kinds: tuple[str, ...]
     donated_inputs: tuple[int, ...]  # parameters the program may consume
     fingerprint: bytes | None

@@ -1,0 +1,106 @@
+"""What a head starts when it is given a metrics port: the event ring, the loop-lag timer,
+the metrics registry and the web server with its three routes."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib.resources
+import json
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from isthmus.observe.events import EventLog
+from isthmus.observe.metrics import FleetCollector
+from isthmus.observe.options import ObserveConfig
+from isthmus.observe.sources import Sources
+from isthmus.observe.state import view_state
+from isthmus.observe.web import WebServer
+
+logger = logging.getLogger(__name__)
+
+# The loggers whose events the view shows (every isthmus module logs under this name).
+EVENT_LOGGER = "isthmus"
+
+
+class LoopLag:
+    """How late the event loop runs a timer: one every `interval` s; `value` is the worst
+    lateness of the last `window` of them."""
+
+    def __init__(self, interval: float = 0.5, window: int = 10) -> None:
+        self.interval = interval
+        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._schedule(loop, loop.time())
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
+        due = now + self.interval
+        self._handle = loop.call_at(due, self._tick, loop, due)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        now = loop.time()
+        self._recent.append(max(0.0, now - due))
+        self._schedule(loop, now)
+
+    def value(self) -> float:
+        return max(self._recent, default=0.0)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+class Observer:
+    """Metrics and the live view of one head (`isthmus.head.Head`)."""
+
+    def __init__(self, config: ObserveConfig, head: Any) -> None:
+        self.config = config
+        self.events = EventLog(config.events)
+        self.lag = LoopLag()
+        self.sources = Sources(head, self.lag.value)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(FleetCollector(self.sources))
+        self._page = importlib.resources.files(__package__).joinpath(
+            "page.html").read_bytes()
+        self._started = time.monotonic()
+        self.web = WebServer({"/": self._view, "/index.html": self._view,
+                              "/metrics": self._metrics, "/api/state": self._state})
+        self.url = ""
+
+    def attach_events(self) -> None:
+        """Starts keeping the isthmus loggers' events (before the fleet gathers, so that
+        its first joins are seen)."""
+        logging.getLogger(EVENT_LOGGER).addHandler(self.events)
+
+    async def start(self) -> str:
+        """Serves the routes; returns the base URL."""
+        self.attach_events()
+        self.lag.start()
+        port = await self.web.start(self.config.host, self.config.port)
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        await self.web.stop()
+        self.lag.stop()
+        logging.getLogger(EVENT_LOGGER).removeHandler(self.events)
+
+    def _view(self) -> tuple[str, bytes]:
+        return "text/html; charset=utf-8", self._page
+
+    def _metrics(self) -> tuple[str, bytes]:
+        return CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+    def _state(self) -> tuple[str, bytes]:
+        state = view_state(self.sources, self.events, self._started)
+        return "application/json", json.dumps(state, default=str).encode()
