@@ -23,7 +23,8 @@ class Counts:
     """Counters of one controller. Read them; only the controller and its sessions add."""
 
     __slots__ = ("put_bytes", "fetch_bytes", "peer_bytes", "compile_hits", "compile_misses",
-                 "retired_runs", "program_buckets", "program_seconds", "program_count")
+                 "retired_runs", "program_buckets", "program_seconds", "program_count",
+                 "timing")
 
     def __init__(self) -> None:
         self.put_bytes = 0  # host data placed on devices (per shard stored)
@@ -40,6 +41,9 @@ class Counts:
         self.program_buckets = [0] * (len(PROGRAM_BUCKETS) + 1)
         self.program_seconds = 0.0
         self.program_count = 0
+        # Whether dispatches are stamped for that timing (a timestamp and a list per
+        # program): only while someone reads the metrics (`observe.Observer`).
+        self.timing = False
 
     def retire(self, slices: Iterable[int], runs: int) -> None:
         """An executable with `runs` runs over `slices` leaves the cache."""

@@ -87,9 +87,10 @@ class SessionPrograms(SessionArrays):
             for index in donated:
                 args[index].consume()
             executable.runs += 1
-            stamp = [time.perf_counter()]  # timed by the first wait on an output (metrics)
-            for out in outputs:
-                out.group.dispatched = stamp  # type: ignore[union-attr]
+            if self.controller.counts.timing:  # the first wait on an output times it
+                stamp = [time.perf_counter()]
+                for out in outputs:
+                    out.group.dispatched = stamp  # type: ignore[union-attr]
 
         self.dispatcher.submit(dependencies, run)
 

@@ -1,23 +1,23 @@
 """What a head starts when it is given a metrics port: the event ring, the loop-lag timer,
-the metrics registry and the web server with its three routes."""
+the metrics collector and the web server with its routes. Each route reads the server on
+the event loop and writes its answer out on a thread beside it."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import importlib.resources
-import json
 import logging
 import time
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from isthmus.observe import state
 from isthmus.observe.events import EventLog
-from isthmus.observe.metrics import FleetCollector
+from isthmus.observe.metrics import Collected, FleetCollector, Snapshot, families
 from isthmus.observe.options import ObserveConfig
 from isthmus.observe.sources import Sources
-from isthmus.observe.state import view_state
 from isthmus.observe.web import WebServer
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,7 @@ class Observer:
         self.events = EventLog(config.events)
         self.lag = LoopLag()
         self.sources = Sources(head, self.lag.value)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(FleetCollector(self.sources))
+        self.collector = FleetCollector(self.sources)
         self._page = importlib.resources.files(__package__).joinpath(
             "page.html").read_bytes()
         self._started = time.monotonic()
@@ -83,6 +82,7 @@ class Observer:
         """Serves the routes; returns the base URL."""
         self.attach_events()
         self.lag.start()
+        self.sources.controller.counts.timing = True
         port = await self.web.start(self.config.host, self.config.port)
         host = self.config.host
         if host in ("0.0.0.0", "::", ""):
@@ -98,9 +98,18 @@ class Observer:
     def _view(self) -> tuple[str, bytes]:
         return "text/html; charset=utf-8", self._page
 
-    def _metrics(self) -> tuple[str, bytes]:
-        return CONTENT_TYPE_LATEST, generate_latest(self.registry)
+    async def _metrics(self) -> tuple[str, bytes]:
+        snapshot = self.collector.snapshot()  # read here, on the loop; written out aside
+        text = await asyncio.get_running_loop().run_in_executor(None, _exposition, snapshot)
+        return CONTENT_TYPE_LATEST, text
 
-    def _state(self) -> tuple[str, bytes]:
-        state = view_state(self.sources, self.events, self._started)
-        return "application/json", json.dumps(state, default=str).encode()
+    async def _state(self) -> tuple[str, bytes]:
+        snapshot = state.snapshot(self.sources, self.events, self._started)
+        body = await asyncio.get_running_loop().run_in_executor(None, state.render, snapshot)
+        return "application/json", body
+
+
+def _exposition(snapshot: Snapshot | None) -> bytes:
+    """Prometheus text of a snapshot (on any thread)."""
+    metrics = list(families(snapshot)) if snapshot is not None else []
+    return generate_latest(Collected(metrics))  # type: ignore[arg-type]

@@ -1,10 +1,14 @@
 """The web view's data (`/api/state`): the fleet as a tree, the counters, sessions, leases
 and recent events, in one JSON object. Rates are the page's to work out, from the
 difference between two polls of the counters.
+
+As for the metrics, `snapshot` reads the server on its event loop and `render` (the hosts'
+entries and the JSON text, most of the work on a large fleet) may run on another thread.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -15,19 +19,34 @@ from isthmus.observe.sources import Host, Sources
 
 
 def view_state(sources: Sources, events: EventLog | None, started: float) -> dict[str, Any]:
+    """The view's data as plain JSON values."""
+    return _plain(snapshot(sources, events, started))
+
+
+def render(state: dict[str, Any]) -> bytes:
+    """A snapshot as the JSON the page reads (on any thread)."""
+    return json.dumps(_plain(state), default=str).encode()
+
+
+def snapshot(sources: Sources, events: EventLog | None, started: float) -> dict[str, Any]:
+    """Reads the server (on its event loop): the view's data, with each slice's hosts as
+    `Host` records (which `render` writes out)."""
     controller = sources.controller
     if controller is None:
         return {"time": time.time(), "starting": True}
     counts = controller.counts
     fleet = controller.fleet
     hosts = sources.hosts()
+    by_slice: dict[int, list[Host]] = {}
+    for host in hosts:
+        by_slice.setdefault(host.slice_index, []).append(host)
     down = fleet.down_slices
     slices = []
     for s in sources.slices():
         error = down.get(s)
         slices.append({"index": s, "up": error is None,
                        "why": error.message if error is not None else None,
-                       "hosts": [_host(h) for h in hosts if h.slice_index == s]})
+                       "hosts": by_slice.get(s, [])})
     runs = controller.program_runs()
     book = sources.shared_book()
     return {
@@ -62,6 +81,13 @@ def view_state(sources: Sources, events: EventLog | None, started: float) -> dic
         "shared": book,
         "events": events.recent() if events is not None else [],
     }
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    if "slices" not in state:
+        return state
+    return {**state, "slices": [{**s, "hosts": [_host(h) for h in s["hosts"]]}
+                                for s in state["slices"]]}
 
 
 def _host(host: Host) -> dict[str, Any]:

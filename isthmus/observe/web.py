@@ -1,9 +1,10 @@
 """A small HTTP/1.1 server for GET (and HEAD) only, on the server's event loop.
 
-Each route is a function that returns (content type, body); it runs on the loop's thread,
-between the server's other work, so what it reads is consistent. One request per
-connection (`Connection: close`): the view polls once a second and Prometheus scrapes
-every few, so keeping connections would buy nothing. Every read and write has a deadline.
+Each route is a function that returns (content type, body), or an awaitable of them; it
+runs on the loop's thread, between the server's other work, so what it reads is consistent
+(it may hand the writing-out to a thread). One request per connection (`Connection:
+close`): the view polls once a second and Prometheus scrapes every few, so keeping
+connections would buy nothing. Every read and write has a deadline.
 
 On a loopback address, requests must name a loopback host (`Host:`), so that a web page
 elsewhere cannot reach the port through a DNS name that points at 127.0.0.1.
@@ -12,13 +13,14 @@ elsewhere cannot reach the port through a DNS name that points at 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import ipaddress
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
-Route = Callable[[], tuple[str, bytes]]
+Route = Callable[[], "tuple[str, bytes] | Awaitable[tuple[str, bytes]]"]
 IO_TIMEOUT = 10.0  # seconds a client has to send its request, or to take the answer
 MAX_HEAD = 16384  # bytes of request line and headers
 
@@ -61,7 +63,7 @@ class WebServer:
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                     asyncio.TimeoutError, ConnectionError):
                 return
-            status, headers, body, method = self._answer(head)
+            status, headers, body, method = await self._answer(head)
             lines = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers),
                      f"Content-Length: {len(body)}", "Connection: close",
                      "Cache-Control: no-store", "X-Content-Type-Options: nosniff", "", ""]
@@ -75,7 +77,7 @@ class WebServer:
             self._writers.discard(writer)
             writer.close()
 
-    def _answer(self, head: bytes) -> tuple[str, list[tuple[str, str]], bytes, str]:
+    async def _answer(self, head: bytes) -> tuple[str, list[tuple[str, str]], bytes, str]:
         """(status, headers, body, method) for a request head."""
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
@@ -97,7 +99,10 @@ class WebServer:
             return _text("404 Not Found", f"no page at {target[:200]}; try /, /metrics or "
                          "/api/state\n") + (method,)
         try:
-            content_type, body = route()
+            answer = route()
+            if inspect.isawaitable(answer):
+                answer = await answer
+            content_type, body = answer
         except Exception:  # noqa: BLE001 - a broken route must not end the server
             logger.exception("the observer's page %s failed", target[:200])
             return _text("500 Internal Server Error", "this page failed; the server's log "

@@ -2,6 +2,7 @@
 stand-in fleet, the counts it reads, the event ring, the console levels with metrics on,
 and the web server's answers."""
 
+import asyncio
 import logging
 import os
 import types
@@ -18,6 +19,7 @@ from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.logs import event
 from isthmus.observe.events import EventLog
 from isthmus.observe.metrics import FleetCollector
+from isthmus.observe.observer import _exposition
 from isthmus.observe.options import keep_event_records
 from isthmus.observe.sources import Sources
 from isthmus.observe.state import view_state
@@ -51,9 +53,13 @@ def make_head(shared=None):
 
 
 def scrape(head, lag=0.25):
+    """The exposition as the observer writes it (a snapshot, then the text), checked to be
+    what a plain registry over the same collector writes."""
+    collector = FleetCollector(Sources(head, lambda: lag))
+    text = _exposition(collector.snapshot()).decode()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(Sources(head, lambda: lag)))
-    text = generate_latest(registry).decode()
+    registry.register(collector)
+    assert generate_latest(registry).decode() == text
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
@@ -201,16 +207,21 @@ def test_web_server_answers_get_only_for_a_loopback_host():
     def broken():
         raise RuntimeError("no")
 
-    server = WebServer({"/": lambda: ("text/plain", b"hi"), "/broken": broken})
+    async def later():
+        return "text/plain", b"later"
+
+    server = WebServer({"/": lambda: ("text/plain", b"hi"), "/broken": broken,
+                        "/later": later})
     server._loopback = True
 
     def answer(request):
-        status, headers, body, method = server._answer(request.encode())
+        status, headers, body, method = asyncio.run(server._answer(request.encode()))
         return status.split()[0], dict(headers), body
 
     assert answer("GET /?x=1 HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n") == (
         "200", {"Content-Type": "text/plain"}, b"hi")
     assert answer("HEAD / HTTP/1.1\r\nHost: localhost\r\n\r\n")[0] == "200"
+    assert answer("GET /later HTTP/1.1\r\nHost: localhost\r\n\r\n")[2] == b"later"
     assert answer("GET /none HTTP/1.1\r\nHost: [::1]:9\r\n\r\n")[0] == "404"
     assert answer("DELETE / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")[1]["Allow"] == "GET, HEAD"
     assert answer("GET / HTTP/1.1\r\nHost: attacker.example\r\n\r\n")[0] == "403"
