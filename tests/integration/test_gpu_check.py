@@ -6,9 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
+# The slowest default test (72 s of 1287 s here): run with `scripts/test -m slow`, and on a
+# lent GPU machine as scripts/gpu-check itself. CI's 20-minute budget.
+@pytest.mark.slow
 def test_gpu_check_on_the_cpu(tmp_path):
     out = tmp_path / "check.json"
     result = subprocess.run(
