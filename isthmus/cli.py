@@ -12,20 +12,17 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from isthmus import gctune, logs
 from isthmus.deploy.commands import add_deploy_commands, k8s_command, slurm_command
 from isthmus.observe.options import add_observe_arguments, keep_event_records, observe_config
+from isthmus.options import (platform_arguments, platform_config, refuse, tls_arguments,
+                             tls_config)
 from isthmus.shared_commands import (add_client_arguments, add_leases_command,
                                      add_server_arguments, leases_command, service_run,
                                      shared_config)
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
-from isthmus.transport.tls import TlsConfig
-from isthmus.transport.tls import from_options as tls_from_options
-from isthmus.worker.compile_cache import CacheConfig, CompileCache, parse_size
-from isthmus.worker.platforms import (DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Platform,
-                                      PlatformUnavailable, check_local_cuda, parse_gpus,
+from isthmus.worker.platforms import (Platform, PlatformUnavailable, check_local_cuda,
                                       prepare_process, resolve)
 
 READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
@@ -60,7 +57,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker processes (hosts) per slice (default: 2)")
     parser.add_argument("--devices-per-host", type=int, default=None,
                         help="devices per worker (default: 4 CPU devices, or 1 GPU)")
-    _platform_arguments(parser)
+    platform_arguments(parser)
     parser.add_argument("--no-launch", action="store_true",
                         help="do not start the workers here; wait for `isthmus worker` "
                              "processes started elsewhere to register")
@@ -75,7 +72,7 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
                              f"prove they know (default: ${TOKEN_ENVIRONMENT}; with "
                              "neither, any worker that reaches the controller may join); "
                              "launched workers get it")
-    _tls_arguments(parser)
+    tls_arguments(parser)
     parser.add_argument("--fleet-port", type=int, default=0,
                         help="port of the workers' control streams (workers learn it from "
                              "--port); 0 picks a free one (default: 0)")
@@ -116,79 +113,6 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     add_observe_arguments(parser)
 
 
-def _refuse(message: str) -> NoReturn:
-    """A bad option or environment: one line naming it and the fix, exit code 2."""
-    print(f"isthmus: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def _tls_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls-cert", default=None, metavar="PEM",
-                        help="mutual TLS between the fleet's members: this member's "
-                             "certificate (signed by --tls-ca, with the name isthmus-fleet); "
-                             "launched workers get the same files")
-    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
-    parser.add_argument("--tls-ca", default=None, metavar="PEM",
-                        help="the fleet CA's certificate, which every member's must be "
-                             "signed by")
-
-
-def _tls(args: argparse.Namespace) -> TlsConfig | None:
-    try:
-        return tls_from_options(args.tls_cert, args.tls_key, args.tls_ca)
-    except ValueError as e:
-        _refuse(str(e))
-
-
-def _platform_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--platform", choices=PLATFORMS, default="cpu",
-                        help="devices to serve: cpu, cuda (NVIDIA GPUs through jax's CUDA "
-                             "plugin), or auto (cuda where a GPU and the plugin are present, "
-                             "else cpu) (default: cpu)")
-    parser.add_argument("--gpus", default=None,
-                        help="GPUs to use, e.g. 0,1 (default: CUDA_VISIBLE_DEVICES, or all)")
-    parser.add_argument("--gpu-memory-fraction", type=float,
-                        default=DEFAULT_GPU_MEMORY_FRACTION,
-                        help="the share of each GPU a device client may use; a local fleet "
-                             "divides it among the workers that share a GPU (default: "
-                             f"{DEFAULT_GPU_MEMORY_FRACTION})")
-    parser.add_argument("--simulate-flops", type=float, default=0.0, metavar="RATE",
-                        help="benchmarks only: simulated accelerators of RATE FLOP/s per "
-                             "device; each program runs for real once, then takes its FLOPs / "
-                             "RATE of wall time and no CPU, with wrong results (CPU only)")
-    parser.add_argument("--compile-cache", default=None, metavar="DIR_OR_URL",
-                        help="keep compiled programs in this directory (or fsspec URL, e.g. "
-                             "gs://bucket/path with gcsfs installed), so that they are loaded, "
-                             "not compiled, after a restart; loading an entry runs its code, "
-                             "so let only trusted servers write there")
-    parser.add_argument("--compile-cache-namespace", default="default", metavar="NAME",
-                        help="the tenant's part of a shared --compile-cache (default: "
-                             "default)")
-    parser.add_argument("--compile-cache-size", default="4G", metavar="BYTES",
-                        help="least recently used programs leave the cache past this size, "
-                             "e.g. 512M, 4G (default: 4G)")
-
-
-def _platform(args: argparse.Namespace) -> Platform:
-    try:
-        if args.simulate_flops and args.platform != "cpu":
-            raise ValueError("--simulate-flops simulates accelerators on the CPU; drop "
-                             f"--platform {args.platform}")
-        cache = None
-        if args.compile_cache:
-            cache = CacheConfig(args.compile_cache, args.compile_cache_namespace,
-                                parse_size(args.compile_cache_size, "--compile-cache-size"))
-            try:
-                CompileCache(cache)  # makes the directory: a bad location fails here
-            except OSError as e:
-                raise ValueError(f"--compile-cache {cache.location}: {e.strerror or e}; "
-                                 "give a directory this user can write") from None
-        return Platform(args.platform, parse_gpus(args.gpus), args.gpu_memory_fraction,
-                        simulate_flops=args.simulate_flops, compile_cache=cache)
-    except ValueError as e:
-        _refuse(str(e))
-
-
 def _head_config(args: argparse.Namespace) -> object:
     from isthmus.controller.controller import ControllerConfig
     from isthmus.controller.manager import FleetSpec
@@ -197,14 +121,14 @@ def _head_config(args: argparse.Namespace) -> object:
 
     fleet_flags = (args.slices, args.hosts_per_slice, args.devices_per_host)
     if args.devices is not None and any(f is not None for f in fleet_flags):
-        _refuse("--devices (embedded backend) and the fleet options "
+        refuse("--devices (embedded backend) and the fleet options "
                 "(--slices, --hosts-per-slice, --devices-per-host) exclude each other")
     for flag, value in (("--devices", args.devices), ("--slices", args.slices),
                         ("--hosts-per-slice", args.hosts_per_slice),
                         ("--devices-per-host", args.devices_per_host)):
         if value is not None and value < 1:
-            _refuse(f"{flag} must be at least 1, not {value}")
-    platform = _platform(args)
+            refuse(f"{flag} must be at least 1, not {value}")
+    platform = platform_config(args)
     fleet = None
     if args.devices is None:
         defaults = FleetSpec()
@@ -228,7 +152,7 @@ def _head_config(args: argparse.Namespace) -> object:
         heartbeat_timeout=args.heartbeat_timeout,
         restart=RestartPolicy(enabled=not args.no_restart),
         advertise_host=args.advertise_host, fleet_port=args.fleet_port,
-        fleet_token=token, tls=_tls(args),
+        fleet_token=token, tls=tls_config(args),
         shared_dir=_shared_dir(args.shared_dir),
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes,
@@ -241,7 +165,7 @@ def _observe_config(args: argparse.Namespace) -> object:
     try:
         return observe_config(args)
     except ValueError as e:
-        _refuse(str(e))
+        refuse(str(e))
 
 
 def _shared_dir(value: str) -> str | None:
@@ -251,10 +175,10 @@ def _shared_dir(value: str) -> str | None:
         return None if value != "auto" else value
     path = os.path.abspath(os.path.expanduser(value))
     if not os.path.isdir(path):
-        _refuse(f"--shared-dir {value}: no such directory; give an existing directory, "
+        refuse(f"--shared-dir {value}: no such directory; give an existing directory, "
                 "'auto' (a fresh one under /dev/shm) or 'none'")
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-        _refuse(f"--shared-dir {value}: this user cannot read and write it; give a "
+        refuse(f"--shared-dir {value}: this user cannot read and write it; give a "
                 "directory it can, 'auto' or 'none'")
     return path
 
@@ -267,9 +191,9 @@ def _fleet_token(args: argparse.Namespace) -> str:
             with open(args.token_file, encoding="utf-8") as f:
                 token = f.read().strip()
         except OSError as e:
-            _refuse(f"--token-file {args.token_file}: {e.strerror}")
+            refuse(f"--token-file {args.token_file}: {e.strerror}")
         if not token:
-            _refuse(f"--token-file {args.token_file} is empty; put a "
+            refuse(f"--token-file {args.token_file} is empty; put a "
                     "secret in it (e.g. `openssl rand -hex 32 > FILE`)")
         return token
     return os.environ.get(TOKEN_ENVIRONMENT, "").strip()
@@ -288,7 +212,7 @@ def _prepare_server_process(args: argparse.Namespace) -> None:
     try:
         prepare_process(_embedded_platform(args) if args.devices is not None else Platform())
     except ValueError as e:
-        _refuse(str(e))
+        refuse(str(e))
 
 
 def _embedded_platform(args: argparse.Namespace) -> Platform:
@@ -296,7 +220,7 @@ def _embedded_platform(args: argparse.Namespace) -> Platform:
     --gpus or CUDA_VISIBLE_DEVICES takes GPUs 0 to N-1."""
     import dataclasses
 
-    platform = _platform(args)
+    platform = platform_config(args)
     name = resolve(platform.name)
     gpus = platform.gpus
     if name == "cuda" and gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
@@ -414,7 +338,7 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     block_stop_signals()  # before any thread starts
     logs.configure(args.log_level, os.environ.get("ISTHMUS_LOG_FORMAT", "text"),
                    "%(asctime)s %(levelname)s worker %(name)s: %(message)s")
-    platform = _platform(args)
+    platform = platform_config(args)
     try:
         prepare_process(platform)  # before jax is imported: GPUs owned, memory settings
     except ValueError as e:
@@ -424,10 +348,10 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         exit_with_parent()
     token = _fleet_token(args)
     if args.connect_timeout <= 0:
-        _refuse(f"--connect-timeout must be positive, not {args.connect_timeout:g}")
+        refuse(f"--connect-timeout must be positive, not {args.connect_timeout:g}")
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
                           devices=args.devices, platform=platform, token=token,
-                          tls=_tls(args), connect_timeout=args.connect_timeout,
+                          tls=tls_config(args), connect_timeout=args.connect_timeout,
                           listen=args.listen, advertise=args.advertise,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv),
                           crash=CrashConfig(os.environ.get(CRASH_RECORD_ENV) or None,
@@ -456,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the slice to join (default: any slice with a free host slot)")
     worker.add_argument("--devices", type=int, default=4,
                         help="CPU devices (default: 4); a CUDA worker serves its GPUs")
-    _platform_arguments(worker)
+    platform_arguments(worker)
     worker.add_argument("--listen", default="127.0.0.1",
                         help="address for the peer data server (default: 127.0.0.1)")
     worker.add_argument("--advertise", default=None,
@@ -467,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--token-file", default=None, metavar="PATH",
                         help="file holding the fleet's shared secret (default: "
                              f"${TOKEN_ENVIRONMENT}; none: a controller without one)")
-    _tls_arguments(worker)
+    tls_arguments(worker)
     worker.add_argument("--no-supervise", action="store_true",
                         help="run the worker in this process; by default a supervising "
                              "process starts it again when it dies because its controller "
@@ -475,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--exit-with-parent", action="store_true",
                         help="exit when the parent process exits (used by local fleets)")
     worker.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"))
-    add_deploy_commands(commands, _platform_arguments)
+    add_deploy_commands(commands, platform_arguments)
     status = commands.add_parser("status", help="print a running server's fleet and arrays")
     status.add_argument("--controller", required=True, help="HOST:PORT of the server")
     status.add_argument("--json", action="store_true", help="print raw JSON")
@@ -503,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = list(args.command)
         command = command[1:] if command[:1] == ["--"] else command
         if not command:
-            _refuse("give a command after --, e.g. isthmus run --service HOST:PORT -- python "
+            refuse("give a command after --, e.g. isthmus run --service HOST:PORT -- python "
                     "train.py")
         return service_run(args, command, child_environment)
     _prepare_server_process(args)

@@ -10,6 +10,8 @@ import signal
 import sys
 from typing import Any
 
+from isthmus.options import refuse
+
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """`isthmus up/run`: serve as a shared service."""
@@ -74,25 +76,20 @@ def shared_config(args: argparse.Namespace) -> Any:
     if args.tenants is None:
         for flag in ("service_cert", "service_key", "unix_socket"):
             if getattr(args, flag):
-                _refuse(f"--{flag.replace('_', '-')} is for a shared service: add --tenants")
+                refuse(f"--{flag.replace('_', '-')} is for a shared service: add --tenants")
         return None
     if (args.service_cert is None) != (args.service_key is None):
-        _refuse("give both --service-cert and --service-key, or neither (a self-signed "
+        refuse("give both --service-cert and --service-key, or neither (a self-signed "
                 "certificate is made)")
     from isthmus.controller.tenants import load
 
     try:
         load(args.tenants)  # refused now, in one line, rather than at start
     except ValueError as e:
-        _refuse(str(e))
+        refuse(str(e))
     return SharedConfig(args.tenants, args.service_cert, args.service_key,
                         unix_socket=args.unix_socket,
                         allow_plain_connect=args.allow_plain_connect)
-
-
-def _refuse(message: str) -> None:
-    print(f"isthmus: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def service_run(args: argparse.Namespace, command: list[str], environment: Any) -> int:

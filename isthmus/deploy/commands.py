@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from isthmus import options
 from isthmus.deploy.kubernetes import TENANTS_DIR, TENANTS_FILE
 from isthmus.shared_commands import add_server_arguments, shared_config
 
@@ -79,12 +80,12 @@ def slurm_command(args: argparse.Namespace) -> int:
                      args.compile_cache_size]
     service = service_options(args)
     try:
-        cli._platform(args)  # refuses bad platform options before anything starts
+        options.platform_config(args)  # refuses bad platform options before anything starts
         fleet = slurm.plan(os.environ, args.hosts_per_slice, args.devices_per_host, args.port)
         arguments = slurm.server_arguments(fleet, [*platform, "--log-level", args.log_level],
                                            command, service)
     except ValueError as e:
-        cli._refuse(str(e))
+        options.refuse(str(e))
     server = cli.build_parser().parse_args(arguments)
     shared_config(server)  # refuses a bad tenants file before any worker starts
     cli._prepare_server_process(server)
@@ -129,7 +130,7 @@ def k8s_command(args: argparse.Namespace) -> int:
                            service_tls_secret=args.service_tls_secret)
         text = to_yaml(render(shape, args.variant))
     except ValueError as e:
-        cli._refuse(str(e))
+        options.refuse(str(e))
     if args.output == "-":
         sys.stdout.write(text)
     else:

@@ -1,0 +1,87 @@
+"""Options the `isthmus` commands share (platform, fleet TLS), and how a bad one is refused:
+one line naming it and the fix, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from isthmus.transport.tls import TlsConfig
+from isthmus.transport.tls import from_options as tls_from_options
+from isthmus.worker.compile_cache import CacheConfig, CompileCache, parse_size
+from isthmus.worker.platforms import (DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Platform,
+                                      parse_gpus)
+
+
+def refuse(message: str) -> NoReturn:
+    """A bad option or environment: one line naming it and the fix, exit code 2."""
+    print(f"isthmus: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def tls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help="mutual TLS between the fleet's members: this member's "
+                             "certificate (signed by --tls-ca, with the name isthmus-fleet); "
+                             "launched workers get the same files")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="the fleet CA's certificate, which every member's must be "
+                             "signed by")
+
+
+def tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    try:
+        return tls_from_options(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        refuse(str(e))
+
+
+def platform_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--platform", choices=PLATFORMS, default="cpu",
+                        help="devices to serve: cpu, cuda (NVIDIA GPUs through jax's CUDA "
+                             "plugin), or auto (cuda where a GPU and the plugin are present, "
+                             "else cpu) (default: cpu)")
+    parser.add_argument("--gpus", default=None,
+                        help="GPUs to use, e.g. 0,1 (default: CUDA_VISIBLE_DEVICES, or all)")
+    parser.add_argument("--gpu-memory-fraction", type=float,
+                        default=DEFAULT_GPU_MEMORY_FRACTION,
+                        help="the share of each GPU a device client may use; a local fleet "
+                             "divides it among the workers that share a GPU (default: "
+                             f"{DEFAULT_GPU_MEMORY_FRACTION})")
+    parser.add_argument("--simulate-flops", type=float, default=0.0, metavar="RATE",
+                        help="benchmarks only: simulated accelerators of RATE FLOP/s per "
+                             "device; each program runs for real once, then takes its FLOPs / "
+                             "RATE of wall time and no CPU, with wrong results (CPU only)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR_OR_URL",
+                        help="keep compiled programs in this directory (or fsspec URL, e.g. "
+                             "gs://bucket/path with gcsfs installed), so that they are loaded, "
+                             "not compiled, after a restart; loading an entry runs its code, "
+                             "so let only trusted servers write there")
+    parser.add_argument("--compile-cache-namespace", default="default", metavar="NAME",
+                        help="the tenant's part of a shared --compile-cache (default: "
+                             "default)")
+    parser.add_argument("--compile-cache-size", default="4G", metavar="BYTES",
+                        help="least recently used programs leave the cache past this size, "
+                             "e.g. 512M, 4G (default: 4G)")
+
+
+def platform_config(args: argparse.Namespace) -> Platform:
+    try:
+        if args.simulate_flops and args.platform != "cpu":
+            raise ValueError("--simulate-flops simulates accelerators on the CPU; drop "
+                             f"--platform {args.platform}")
+        cache = None
+        if args.compile_cache:
+            cache = CacheConfig(args.compile_cache, args.compile_cache_namespace,
+                                parse_size(args.compile_cache_size, "--compile-cache-size"))
+            try:
+                CompileCache(cache)  # makes the directory: a bad location fails here
+            except OSError as e:
+                raise ValueError(f"--compile-cache {cache.location}: {e.strerror or e}; "
+                                 "give a directory this user can write") from None
+        return Platform(args.platform, parse_gpus(args.gpus), args.gpu_memory_fraction,
+                        simulate_flops=args.simulate_flops, compile_cache=cache)
+    except ValueError as e:
+        refuse(str(e))
