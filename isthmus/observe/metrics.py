@@ -183,27 +183,30 @@ def _worker_reports(hosts: list[Host]) -> Iterator[Metric]:
                        cache["compile_cache_misses"])
 
 
+# A shared service's figures (`LeaseBook.figures` and its lease counts): kind, name, help, key.
+_SHARED = (
+    ("gauge", "isthmus_shared_leases", "Active leases.", "leases"),
+    ("gauge", "isthmus_shared_queue_length", "Lease requests waiting in the queue.", "queued"),
+    ("gauge", "isthmus_shared_users_active", "Tenants holding an active lease.",
+     "active_users"),
+    ("gauge", "isthmus_shared_users_waiting", "Tenants with a lease request queued.",
+     "users_waiting"),
+    ("gauge", "isthmus_shared_slices_in_use", "Slices leased out.", "capacity_in_use"),
+    ("gauge", "isthmus_shared_slices", "Slices the service leases out.", "capacity_total"),
+    ("gauge", "isthmus_shared_slices_requested", "Slices active and queued leases want.",
+     "requested_capacity"),
+    ("counter", "isthmus_shared_lease_grants", "Lease requests granted.",
+     "successful_requests"),
+    ("counter", "isthmus_shared_lease_refusals", "Lease requests refused.",
+     "refused_requests"),
+    ("counter", "isthmus_shared_leases_ended", "Leases that ended.", "leases_ended"),
+)
+
+
 def _shared(figures: dict[str, Any]) -> Iterator[Metric]:
-    """A shared service's figures (`LeaseBook.figures` and its lease counts)."""
-    yield _gauge("isthmus_shared_leases", "Active leases.", figures["leases"])
-    yield _gauge("isthmus_shared_queue_length", "Lease requests waiting in the queue.",
-                 figures["queued"])
-    yield _gauge("isthmus_shared_users_active", "Tenants holding an active lease.",
-                 figures["active_users"])
-    yield _gauge("isthmus_shared_users_waiting", "Tenants with a lease request queued.",
-                 figures["users_waiting"])
-    yield _gauge("isthmus_shared_slices_in_use", "Slices leased out.",
-                 figures["capacity_in_use"])
-    yield _gauge("isthmus_shared_slices", "Slices the service leases out.",
-                 figures["capacity_total"])
-    yield _gauge("isthmus_shared_slices_requested", "Slices active and queued leases want.",
-                 figures["requested_capacity"])
-    yield _counter("isthmus_shared_lease_grants", "Lease requests granted.",
-                   figures["successful_requests"])
-    yield _counter("isthmus_shared_lease_refusals", "Lease requests refused.",
-                   figures["refused_requests"])
-    yield _counter("isthmus_shared_leases_ended", "Leases that ended.",
-                   figures["leases_ended"])
+    """A shared service's figures, one family each."""
+    for kind, name, text, key in _SHARED:
+        yield (_gauge if kind == "gauge" else _counter)(name, text, figures[key])
     median = figures.get("assignment_seconds_median")
     if median is not None:
         yield _gauge("isthmus_shared_assignment_seconds_median", "Median seconds from a "
