@@ -328,7 +328,8 @@ class SessionMoves(SessionArrays):
 
         groups = array.groups
         self.dispatcher.submit(groups, run)
-        result.add_done_callback(lambda f: self._waited(f, groups))
+        if self.controller.counts.timing:  # only then are dispatches stamped
+            result.add_done_callback(lambda f: self._waited(f, groups))
         return result
 
     def _waited(self, wait: asyncio.Future, groups: Sequence[BufferGroup]) -> None:
@@ -355,7 +356,8 @@ class SessionMoves(SessionArrays):
 
         groups = groups_of(arrays)
         self.dispatcher.submit(groups, run)
-        result.add_done_callback(lambda f: self._waited(f, groups))
+        if self.controller.counts.timing:
+            result.add_done_callback(lambda f: self._waited(f, groups))
         return result
 
 

@@ -111,7 +111,8 @@ class SessionPrograms(SessionArrays):
                         if not (group.freed_position(p) or group.deleted_position(p)))
             await asyncio.gather(*(self.fleet.channel(w).ready(ids)
                                    for w, ids in by_worker.items() if ids))
-            self.controller.counts.waited(out.group for out in outputs)
+            if self.controller.counts.timing:
+                self.controller.counts.waited(out.group for out in outputs)
 
         return outputs, status
 
