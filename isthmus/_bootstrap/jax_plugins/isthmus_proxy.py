@@ -19,6 +19,7 @@ timed sleep (a batched destruction goes out up to 1 ms later; every request stil
 batch before it); nothing woken by an event waits longer, and the user's threads keep theirs.
 """
 
+import contextlib
 import os
 import sys
 
@@ -30,8 +31,8 @@ def initialize() -> None:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if "proxy" not in [p.strip() for p in platforms.split(",")]:
         return
-    _slack_client_threads()
-    try:  # someone (pathwaysutils.initialize) registered it already: leave theirs
+    _wrap_get_client()
+    try:  # jax itself (0.12 on) or pathwaysutils.initialize registered it: leave theirs
         from jax._src import xla_bridge
 
         if "proxy" in getattr(xla_bridge, "_backend_factories", {}):
@@ -47,7 +48,7 @@ def register() -> None:
     from jax.extend import backend
     from jax.extend.backend import ifrt_proxy
 
-    _slack_client_threads()
+    _wrap_get_client()
 
     def make_client():
         target = jax.config.read("jax_backend_target") or os.environ.get(
@@ -56,48 +57,77 @@ def register() -> None:
             raise RuntimeError(
                 "JAX_PLATFORMS includes 'proxy' but no server is named: set "
                 "JAX_BACKEND_TARGET=grpc://HOST:PORT (isthmus up prints it).")
-        options = ifrt_proxy.ClientConnectionOptions()
-        timeout = os.environ.get("ISTHMUS_CONNECT_TIMEOUT") or os.environ.get(
-            "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS")
-        if timeout:
-            options.connection_timeout_in_seconds = int(float(timeout))
-        return ifrt_proxy.get_client(target, options)
+        return ifrt_proxy.get_client(target, ifrt_proxy.ClientConnectionOptions())
 
     backend.register_backend_factory("proxy", make_client, priority=-1)
 
 
-def _slack_client_threads() -> None:
-    """Wraps jax's `ifrt_proxy.get_client` (which pathwaysutils' factory calls too) so that
-    the client's threads are created with the timer slack of SLACK_ENV (module docstring)."""
+def _connection_timeout() -> int | None:
+    """ISTHMUS_CONNECT_TIMEOUT (or pathwaysutils' PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS) in
+    whole seconds; None when neither is set or it does not parse."""
+    timeout = os.environ.get("ISTHMUS_CONNECT_TIMEOUT") or os.environ.get(
+        "PATHWAYS_PROXY_CONNECTION_TIMEOUT_SECS")
     try:
-        micros = int(float(os.environ.get(SLACK_ENV) or 1000))
+        return max(1, int(float(timeout))) if timeout else None
     except ValueError:
-        micros = 1000
-    if micros <= 0 or not sys.platform.startswith("linux"):
+        return None
+
+
+def _wrap_get_client() -> None:
+    """Wraps jax's `ifrt_proxy.get_client`, which every proxy factory calls (ours, jax's own
+    since 0.12, pathwaysutils'), so that whoever registered the backend: the connection
+    timeout of the environment applies when the caller left the default (jax's own factory
+    passes default options, and the client then retries a refused connection for minutes),
+    and the client's threads are created with the timer slack of SLACK_ENV (module
+    docstring)."""
+    try:
+        from jax.extend.backend import ifrt_proxy
+    except ImportError:
         return
+    original = ifrt_proxy.get_client
+    if getattr(original, "isthmus_wrapped", False):
+        return
+    slack = _timer_slack()
+
+    def get_client(target, options=None, *args, **kwargs):
+        if options is None:
+            options = ifrt_proxy.ClientConnectionOptions()
+        timeout = _connection_timeout()
+        if timeout is not None:
+            with contextlib.suppress(AttributeError, TypeError):
+                options.connection_timeout_in_seconds = timeout
+        if slack is None:
+            return original(target, options, *args, **kwargs)
+        before = slack(_PR_GET_TIMERSLACK)
+        slack(_PR_SET_TIMERSLACK, _slack_micros() * 1000)
+        try:
+            return original(target, options, *args, **kwargs)
+        finally:  # 0 restores the thread's default
+            slack(_PR_SET_TIMERSLACK, max(before, 0))
+
+    get_client.isthmus_wrapped = True  # type: ignore[attr-defined]
+    ifrt_proxy.get_client = get_client
+
+
+def _slack_micros() -> int:
+    try:
+        return int(float(os.environ.get(SLACK_ENV) or 1000))
+    except ValueError:
+        return 1000
+
+
+def _timer_slack():
+    """prctl's timer slack as `slack(option, value=0)`, or None where it is off or absent."""
+    if _slack_micros() <= 0 or not sys.platform.startswith("linux"):
+        return None
     try:
         import ctypes
 
-        from jax.extend.backend import ifrt_proxy
-
         prctl = ctypes.CDLL(None).prctl
-    except (ImportError, OSError, AttributeError):
-        return
-    original = ifrt_proxy.get_client
-    if getattr(original, "isthmus_slack", False):
-        return
+    except (OSError, AttributeError):
+        return None
     prctl.restype = ctypes.c_int
 
     def timer_slack(option: int, value: int = 0) -> int:
         return prctl(option, *(ctypes.c_ulong(v) for v in (value, 0, 0, 0)))
-
-    def get_client(*args, **kwargs):
-        before = timer_slack(_PR_GET_TIMERSLACK)
-        timer_slack(_PR_SET_TIMERSLACK, micros * 1000)
-        try:
-            return original(*args, **kwargs)
-        finally:  # 0 restores the thread's default
-            timer_slack(_PR_SET_TIMERSLACK, max(before, 0))
-
-    get_client.isthmus_slack = True  # type: ignore[attr-defined]
-    ifrt_proxy.get_client = get_client
+    return timer_slack
