@@ -13,8 +13,8 @@ proves itself alive.
 from __future__ import annotations
 
 import asyncio
-import ssl
 import logging
+import ssl
 from typing import Any
 
 import grpc
@@ -24,8 +24,14 @@ from isthmus import errors
 from isthmus.controller.manager import FleetManager
 from isthmus.transport import auth
 from isthmus.transport import messages as m
-from isthmus.transport.frames import (FrameStream, StreamClosed, keep_alive, read_frame,
-                                      serve, write_frame)
+from isthmus.transport.frames import (
+    FrameStream,
+    StreamClosed,
+    keep_alive,
+    read_frame,
+    serve,
+    write_frame,
+)
 from isthmus.transport.tls import TlsConfig
 from isthmus.wire.methods import Method
 from isthmus.wire.servicer import CannotListen
@@ -98,7 +104,7 @@ class FleetServicer:
             try:
                 await asyncio.wait_for(writer.start_tls(self._tls.server_context()),
                                        auth.HANDSHAKE_TIMEOUT)
-            except (ssl.SSLError, asyncio.TimeoutError, ConnectionError, OSError) as e:
+            except (TimeoutError, ssl.SSLError, ConnectionError, OSError) as e:
                 if isinstance(e, asyncio.TimeoutError) or getattr(
                         e, "reason", None) in NOT_TLS:
                     reason = ("it did not start TLS: a worker without --tls-cert, --tls-key "
@@ -146,7 +152,7 @@ class FleetServicer:
                 channel.on_message(m.decode(await read_frame(reader)))
         except StreamClosed as e:
             logger.info("worker %s stream ended: %s", channel.slot, e)
-        except Exception:  # noqa: BLE001 - a frame that does not decode: drop the worker
+        except Exception:
             logger.exception("worker %s sent a frame that does not decode", channel.slot)
         finally:
             self.manager.lost(channel, "its connection to the controller closed")

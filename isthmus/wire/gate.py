@@ -210,7 +210,7 @@ class GatedListener:
         try:
             await asyncio.wait_for(readable, PREAMBLE_SECONDS)
             first = conn.recv(1, socket.MSG_PEEK)
-        except (asyncio.TimeoutError, OSError):
+        except (TimeoutError, OSError):
             first = b""
         finally:
             loop.remove_reader(conn.fileno())
@@ -231,7 +231,7 @@ class GatedListener:
                     lambda: Preamble(self.gate, self.connect, False), conn)
             else:
                 await loop.connect_accepted_socket(self.plain, conn)
-        except (OSError, ssl.SSLError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError, ssl.SSLError) as e:
             logger.info("a connection failed before it said who it is: %s", e)
             conn.close()
 

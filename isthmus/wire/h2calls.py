@@ -81,7 +81,13 @@ class Call:
                 if self.prefix[0]:
                     raise Abort(grpc.StatusCode.UNIMPLEMENTED,
                                  "compressed gRPC messages are not supported; send identity")
-                self.need = int.from_bytes(self.prefix[1:5], "big")
+                need = int.from_bytes(self.prefix[1:5], "big")
+                if need > self.owner.max_message:
+                    raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"a gRPC message of {need} bytes is over this server's cap "
+                                f"of {self.owner.max_message} bytes; send smaller messages, "
+                                "or start the server with a larger --max-message-bytes")
+                self.need = need
                 self.prefix = bytearray()
             take = min(self.need - self.have, len(view))
             self.pieces.append(view[:take])
@@ -103,6 +109,17 @@ class Call:
     def end(self) -> None:
         self.ended = True
         self._wake()
+
+    def cut_short(self) -> Abort | None:
+        """Once the client has ended the call: what to answer when it ended inside a
+        message (None when it did not)."""
+        if self.need is None and not self.prefix:
+            return None
+        said = f"{self.need} bytes" if self.need is not None else "a 5-byte prefix"
+        return Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                     f"the call ended inside a gRPC message ({said} announced, "
+                     f"{self.have if self.need is not None else len(self.prefix)} sent); send "
+                     "whole messages")
 
     def _wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():

@@ -23,9 +23,10 @@ import logging
 from typing import Any
 
 import grpc
+import h2.exceptions
 
 from isthmus.wire.h2calls import Abort, Call, Context
-from isthmus.wire.h2frames import END_STREAM, window_update
+from isthmus.wire.h2frames import END_STREAM, violation, window_update
 from isthmus.wire.methods import Method, Pieces, Refused
 
 logger = logging.getLogger(__name__)
@@ -56,16 +57,25 @@ class Direct:
 
     def data(self, stream: Call, flags: int, body: Any, flow: int) -> None:
         """A DATA frame of a direct stream."""
+        stream.direct_unacked += flow
+        # Invariant: the client may send the stream's window less its bytes not yet handed
+        # back (each WINDOW_UPDATE hands back all of them); more is its error, as in h2.
+        if stream.direct_unacked > stream.window:
+            raise violation(self.owner.h2, h2.exceptions.FlowControlError,
+                            f"{stream.direct_unacked} bytes sent on stream {stream.id}, "
+                            f"whose window is {stream.window}")
         self._unacked += flow
         if self._unacked >= CONNECTION_ACK:
             self.owner.h2.raw(window_update(0, self._unacked))
             self._unacked = 0
-        stream.direct_unacked += flow
         try:
             if body:
                 stream.feed(body, 0)
             if flags & END_STREAM:
                 stream.ended = True
+                cut = stream.cut_short()
+                if cut is not None:
+                    raise cut
             self._consume(stream)
         except Exception as e:  # noqa: BLE001 - Refused, Abort (compressed), or a bug
             self._fail(stream, e)
@@ -137,6 +147,8 @@ class Direct:
         self.owner.trailers(stream, code, message)
         if stream.ended:
             self.owner.h2.receive_data_frame(stream.id, END_STREAM, b"")
+        elif isinstance(error, Abort):  # a message refused as it came: no more of it
+            self.owner.stop_sending(stream)
 
     def cancel(self, stream: Call, reason: BaseException) -> None:
         """The client reset the stream, or its connection closed."""

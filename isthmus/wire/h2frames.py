@@ -29,32 +29,26 @@ from collections.abc import Callable
 from typing import Any
 
 import h2.config
-import h2.connection
 import h2.errors
 import h2.exceptions
-import h2.stream
 import hyperframe.exceptions
-import hyperframe.frame
 import numpy as np
 
+from isthmus.compat.h2 import Connection
 from isthmus.transport.frames import read_room
 from isthmus.wire import hpackfast
 
 logger = logging.getLogger(__name__)
 
-# h2 formats every received frame for its trace log, logging on or off (h2 4.x:
-# `logger.trace("Received frame: %s", repr(frame))`): a DATA frame's repr hex-encoded its
-# whole body, and any frame's spelled out its flags and fields (2% of the server's time on
-# small calls). A frame's repr here is its type, stream and size.
-hyperframe.frame.Frame.__repr__ = (  # type: ignore[method-assign]
-    lambda self: f"{type(self).__name__}(stream_id={self.stream_id}, "
-                 f"{len(getattr(self, 'data', b''))} bytes of data)")
-
 LARGE = 1 << 16  # DATA frames above this many bytes are not copied (either way)
+# A HEADERS or CONTINUATION frame over this is refused (ENHANCE_YOUR_CALM): four times the
+# header list we allow (h2's 64 KiB), so that h2's backlog of 64 frames of one header block
+# holds 16 MiB at most, not a GiB.
+MAX_HEADER_FRAME = 1 << 18
 READ_BUFFER = 1 << 18  # what one read of the socket may take, besides a large frame's body
 PREFACE = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # the client's first bytes
 _HEADER = struct.Struct(">HBBBL")  # length (24 bits), type, flags, stream id
-DATA, HEADERS, WINDOW_UPDATE = 0x0, 0x1, 0x8  # frame types
+DATA, HEADERS, WINDOW_UPDATE, CONTINUATION = 0x0, 0x1, 0x8, 0x9  # frame types
 END_STREAM, END_HEADERS, PADDED = 0x1, 0x4, 0x8  # flags
 # Header blocks in HPACK that neither read nor change the dynamic table (RFC 7541: an
 # indexed static field, and literals without indexing): ":status: 200" and "content-type:
@@ -67,22 +61,10 @@ def _frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
     return _HEADER.pack(length >> 8, length & 0xFF, kind, flags, stream_id)
 
 
-class Held:
-    """Bytes handed to h2 to send without its copying them (h2 takes only their length)."""
-
-    __slots__ = ("view",)
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-
-    def __len__(self) -> int:
-        return len(self.view)
-
-
-class Frames(h2.connection.H2Connection):
-    """h2's connection state, which keeps the DATA frames of `Held` bytes as their header
-    and the caller's view, in order with the frames it serializes, and takes large DATA
-    frames that `Wire` parsed."""
+class Frames(Connection):
+    """h2's connection state (through `compat.h2.Connection`), which writes the DATA frames
+    of `Held` bytes as their header and the caller's view, in order with the frames it
+    serializes, takes large DATA frames that `Wire` parsed, and answers direct streams."""
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
@@ -90,36 +72,10 @@ class Frames(h2.connection.H2Connection):
         decoder.max_header_list_size = self.decoder.max_header_list_size
         decoder.max_allowed_table_size = self.decoder.max_allowed_table_size
         self.decoder = decoder
-        self.out: list[bytes | memoryview] = []  # what to write before _data_to_send
-        self._sweep_at = 64
 
-    @property
-    def open_inbound_streams(self) -> int:
-        """An upper bound of the client's open streams, checked against our (generous)
-        concurrency limit for each new one. h2 counts them by walking every stream, which
-        also drops the closed ones: with thousands of uploads open that walk was a third
-        of the server's time, so it runs here once the table has doubled since the last."""
-        if len(self.streams) >= self._sweep_at:
-            self._open_streams(1)
-            self._sweep_at = max(64, 2 * len(self.streams))
-        return len(self.streams)
-
-    def _prepare_for_sending(self, frames: list[hyperframe.frame.Frame]) -> None:
-        for frame in frames:
-            held = getattr(frame, "data", None)
-            if not isinstance(held, Held):
-                self._data_to_send += frame.serialize()
-                continue
-            flags = END_STREAM if "END_STREAM" in frame.flags else 0
-            self.raw(_frame_header(len(held), DATA, flags, frame.stream_id))
-            self.out.append(held.view)
-
-    def raw(self, frame: bytes) -> None:
-        """A frame serialized elsewhere, sent in order with h2's (`window_update`)."""
-        if self._data_to_send:
-            self.out.append(bytes(self._data_to_send))
-            self._data_to_send = bytearray()
-        self.out.append(frame)
+    def held(self, stream_id: int, view: memoryview, end_stream: bool) -> None:
+        self.raw(_frame_header(len(view), DATA, END_STREAM if end_stream else 0, stream_id))
+        self.out.append(view)
 
     def respond_closed(self, stream_id: int, message: bytes) -> bool:
         """Ends a stream whose request h2 has not seen end (a direct stream) with a whole
@@ -136,33 +92,16 @@ class Frames(h2.connection.H2Connection):
             _frame_header(len(message), DATA, 0, stream_id), message,
             _frame_header(len(_OK_TRAILERS), HEADERS, END_HEADERS | END_STREAM, stream_id),
             _OK_TRAILERS)))
-        if self.streams.pop(stream_id, None) is not None:
-            self._closed_streams[stream_id] = h2.stream.StreamClosedBy.SEND_END_STREAM
+        self.forget_stream(stream_id)
         return True
 
-    def take(self) -> list[bytes | memoryview]:
-        """Everything to write now, in order."""
-        out, self.out = self.out, []
-        if self._data_to_send:
-            out.append(bytes(self._data_to_send))
-            self._data_to_send = bytearray()
-        return out
 
-    def receive_data_frame(self, stream_id: int, flags: int, body: memoryview | bytes
-                           ) -> list[Any]:
-        """A whole DATA frame without padding, as `receive_data` would take its bytes."""
-        if self.incoming_buffer._headers_buffer:  # a DATA frame inside a header block
-            self._terminate_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
-            raise h2.exceptions.ProtocolError("Invalid frame during header block.")
-        frame = hyperframe.frame.DataFrame(stream_id)
-        frame.data = body
-        if flags & END_STREAM:
-            frame.flags.add("END_STREAM")
-        try:
-            return self._receive_frame(frame)
-        except h2.exceptions.ProtocolError as e:
-            self._terminate_connection(e.error_code)
-            raise
+def violation(frames: Frames, error: type[h2.exceptions.ProtocolError], message: str
+              ) -> h2.exceptions.ProtocolError:
+    """A connection error found below h2 (raise it): its GOAWAY is queued, as h2 does for
+    those it finds, and `Wire` writes it and closes."""
+    frames.close_connection(error.error_code)
+    return error(message)
 
 
 def window_update(stream_id: int, increment: int) -> bytes:
@@ -241,7 +180,7 @@ class Wire(asyncio.BufferedProtocol):
         if direct is not None:
             direct(flags, body, flow)
         else:
-            self.on_events(self.frames.receive_data_frame(stream_id, flags, body))
+            self.on_events(self.frames.receive_data_frame(stream_id, flags & END_STREAM, body))
 
     def _split(self) -> None:
         """Hands on the whole frames in the buffer, DATA frames parsed here (h2's own frame
@@ -262,6 +201,9 @@ class Wire(asyncio.BufferedProtocol):
             stream &= 0x7FFFFFFF
             if kind != DATA or length > frames.max_inbound_frame_size or (
                     flags & PADDED and stream not in self.direct):
+                if length > MAX_HEADER_FRAME and kind in (HEADERS, CONTINUATION):
+                    raise violation(frames, h2.exceptions.DenialOfServiceError,
+                                    f"a header frame of {length} bytes")
                 if end - pos < 9 + length:
                     break
                 pos += 9 + length
@@ -274,7 +216,8 @@ class Wire(asyncio.BufferedProtocol):
             if flags & PADDED:  # only on a direct stream
                 pad = buf[pos + 9] if length else length + 1
                 if pad >= length:
-                    raise h2.exceptions.ProtocolError("DATA frame padding exceeds its length")
+                    raise violation(frames, h2.exceptions.ProtocolError,
+                                    "DATA frame padding exceeds its length")
                 body = view[pos + 10:pos + 9 + length - pad].tobytes()
                 pos += 9 + length
                 whole = pos

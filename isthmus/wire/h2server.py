@@ -25,17 +25,25 @@ from typing import Any
 
 import grpc
 import h2.config
-import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
 
+from isthmus.compat.h2 import Held
 from isthmus.transport.frames import keep_alive
+from isthmus.wire.h2calls import (
+    STREAM_WINDOW,
+    Abort,
+    Call,
+    Context,
+    metadata,
+    percent_encode,
+    whole,
+)
 from isthmus.wire.h2direct import Direct
-from isthmus.wire.h2frames import LARGE, Frames, Held, Wire
-from isthmus.wire.h2calls import (STREAM_WINDOW, Abort, Call, Context, metadata,
-                                  percent_encode, whole)
-from isthmus.wire.methods import Batch, Method, Pieces, Refused
+from isthmus.wire.h2frames import LARGE, Frames, Wire
+from isthmus.wire.methods import MAX_MESSAGE, Batch, Method, Pieces, Refused
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +58,9 @@ MAX_STREAMS = 1 << 20
 class _Connection:
     """One client connection: HTTP/2 events in, handler tasks, frames out."""
 
-    def __init__(self, methods: dict[str, Method]) -> None:
+    def __init__(self, methods: dict[str, Method], max_message: int = MAX_MESSAGE) -> None:
         self.methods = methods
+        self.max_message = max_message  # bytes of one gRPC message; larger ones are refused
         # Our own headers are written normalized (lower-case bytes, no pseudo-header after
         # another field): h2's checks of them cost a third of each send_headers.
         self.h2 = Frames(h2.config.H2Configuration(
@@ -117,10 +126,15 @@ class _Connection:
             except Abort as e:
                 stream.task.cancel()
                 self.trailers(stream, e.code, e.message)
+                self.stop_sending(stream)
         elif isinstance(event, h2.events.StreamEnded):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
                 stream.end()
+                cut = stream.cut_short()
+                if cut is not None and stream.task is not None:
+                    stream.task.cancel()
+                    self.trailers(stream, cut.code, cut.message)
         elif isinstance(event, h2.events.StreamReset):
             stream = self.streams.pop(event.stream_id, None)
             if stream is not None and stream.task is not None:
@@ -197,7 +211,7 @@ class _Connection:
             self.trailers(stream, e.code, e.message)
         except (asyncio.CancelledError, ConnectionError, h2.exceptions.StreamClosedError):
             pass  # the client went away, or reset this call
-        except Exception:  # noqa: BLE001 - a handler's bug fails its call, not the connection
+        except Exception:
             logger.exception("%s failed", stream.method.fn.__name__)
             self.trailers(stream, grpc.StatusCode.INTERNAL,
                            "the server failed unexpectedly; see its log")
@@ -271,6 +285,16 @@ class _Connection:
             self.acknowledge(stream.id, stream.unacked)
         self.schedule_flush()
 
+    def stop_sending(self, stream: Call) -> None:
+        """After the answer to a call whose client still sends: RST_STREAM (NO_ERROR) asks
+        it to stop (RFC 9113, 8.1), instead of taking the rest of a refused message."""
+        if not stream.ended:
+            try:
+                self.h2.reset_stream(stream.id, h2.errors.ErrorCodes.NO_ERROR)
+            except h2.exceptions.ProtocolError:
+                return
+            self.schedule_flush()
+
     def acknowledge(self, stream_id: int, size: int) -> None:
         try:
             self.h2.acknowledge_received_data(size, stream_id)
@@ -316,8 +340,10 @@ async def _unknown(request: Any, context: Context) -> None:
 class H2Server:
     """Serves `methods` (by path, "/package.Service/Method") on a TCP port."""
 
-    def __init__(self, methods: dict[str, Method], gate: Any = None) -> None:
+    def __init__(self, methods: dict[str, Method], gate: Any = None,
+                 max_message: int = MAX_MESSAGE) -> None:
         self.methods = methods
+        self.max_message = max_message  # bytes of one gRPC message (--max-message-bytes)
         # A shared service's `gate.Gate`: connections say who they are before HTTP/2.
         self.gate = gate
         self._server: asyncio.AbstractServer | None = None
@@ -354,7 +380,7 @@ class H2Server:
         return self._identified(None)
 
     def _identified(self, identity: Any) -> Wire:
-        connection = _Connection(self.methods)
+        connection = _Connection(self.methods, self.max_message)
         connection.identity = identity
         self._connections.add(connection)
         task = asyncio.get_running_loop().create_task(connection.run())

@@ -17,7 +17,8 @@ from typing import Any
 
 import hpack
 from hpack.exceptions import HPACKDecodingError, InvalidTableIndex
-from hpack.huffman_table import decode_huffman
+
+from isthmus.compat.h2 import decode_huffman
 
 _ENTRY_OVERHEAD = 32  # RFC 7541, 4.1: the size of an entry is its name, value and 32
 

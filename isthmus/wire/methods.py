@@ -7,6 +7,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+# The largest request message taken by default (`isthmus up --max-message-bytes`): protobuf
+# encodes none of 2 GiB or more, and the stock client cuts host data into 1 MiB messages.
+MAX_MESSAGE = 1 << 31
+
 
 class Pieces(tuple):  # type: ignore[type-arg]
     """A serialized message as consecutive buffers (a field's header, then the bytes of a

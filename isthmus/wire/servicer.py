@@ -21,7 +21,7 @@ import grpc.aio
 from isthmus import errors
 from isthmus.frontend.service import Frontend
 from isthmus.protocol.wireformat import bytes_field_parts, bytes_message
-from isthmus.wire.methods import Method, Pieces, Refused, flattened, joined
+from isthmus.wire.methods import MAX_MESSAGE, Method, Pieces, Refused, flattened, joined
 from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
@@ -423,12 +423,14 @@ class CannotListen(OSError):
 async def start_server(frontend: Frontend, host: str, port: int,
                        extra_methods: dict[str, Method] | None = None,
                        transport: str = "grpc", gate: Any = None,
-                       unix_path: str | None = None) -> tuple[Any, int]:
+                       unix_path: str | None = None,
+                       max_message: int = MAX_MESSAGE) -> tuple[Any, int]:
     """Starts serving; returns the server and the port it bound (for port 0, a free one).
 
     `extra_methods` (the fleet service workers connect to) share the port. `transport`:
     "h2" (`wire/h2server.py`), "grpc" (grpc.aio) or "auto" (h2 when it is installed). A
-    shared service's `gate` (`wire/gate.py`) needs h2; it may also serve `unix_path`."""
+    shared service's `gate` (`wire/gate.py`) needs h2; it may also serve `unix_path`.
+    A request message over `max_message` bytes fails its call with RESOURCE_EXHAUSTED."""
     methods = {**IfrtProxyServicer(frontend).methods(), **(extra_methods or {})}
     if gate is not None:
         transport = "h2"
@@ -447,7 +449,7 @@ async def start_server(frontend: Frontend, host: str, port: int,
     if transport == "h2":
         from isthmus.wire.h2server import H2Server
 
-        h2_server = H2Server(methods, gate)
+        h2_server = H2Server(methods, gate, max_message)
         try:
             bound = await h2_server.start(host, port)
         except OSError:
@@ -460,7 +462,9 @@ async def start_server(frontend: Frontend, host: str, port: int,
                 raise CannotListen(f"cannot serve the Unix socket {unix_path}: "
                                    f"{e.strerror or e}; pick another --unix-socket") from None
         return h2_server, bound
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", min(max_message, (1 << 31) - 1)))
+    server = grpc.aio.server(options=options)  # grpc's limit is a C int
     server.add_generic_rpc_handlers(grpc_handlers(methods))
     try:
         # A port that is taken fails here, before gRPC logs its own error line about it.

@@ -12,7 +12,8 @@ import hpack
 import hyperframe.frame
 import pytest
 
-from isthmus.wire.h2frames import Frames, Held, Wire
+from isthmus.compat.h2 import Held
+from isthmus.wire.h2frames import Frames, Wire
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 BIG = (1 << 24) - 1

@@ -21,11 +21,21 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 30))
 
 
+async def _until(condition, what, timeout=5.0):
+    """Yields to the loop until `condition()` holds; fails naming `what` after `timeout` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 class Handlers:
     def __init__(self):
         self.cancelled = asyncio.Event()
         self.release = asyncio.Event()
         self.read = 0
+        self.hanging = asyncio.Event()
+        self.sink_messages = 0
         self.sinks_cancelled = 0
 
     async def echo(self, request, context):
@@ -62,6 +72,7 @@ class Handlers:
             yield bytes(request)[::-1]
 
     async def hang(self, request, context):
+        self.hanging.set()
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
@@ -83,6 +94,7 @@ class Sink:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "refused midway")
         self.total += sum(map(len, chunk)) if isinstance(chunk, Pieces) else len(chunk)
         self.messages += 1
+        self.handlers.sink_messages += 1
 
     def end(self):
         return f"{self.messages}:{self.total}".encode()
@@ -224,8 +236,7 @@ async def test_statuses_messages_and_unknown_methods(handlers, channel):
 async def test_a_stream_not_read_holds_its_client_back_not_its_neighbours(handlers, channel):
     call = channel.stream_stream("/t.T/Chat")()
     await call.write(b"wait")
-    while handlers.read < 1:
-        await asyncio.sleep(0.01)
+    await _until(lambda: handlers.read >= 1, "the handler to read the first message")
 
     async def writes():
         for _ in range(400):  # 400 KiB: far over the stream's 64 KiB window
@@ -251,7 +262,7 @@ async def test_a_stream_not_read_holds_its_client_back_not_its_neighbours(handle
 @_served
 async def test_a_cancelled_call_cancels_its_handler(handlers, channel):
     call = channel.unary_stream("/t.T/Hang")(b"")
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(handlers.hanging.wait(), 5)
     call.cancel()
     await asyncio.wait_for(handlers.cancelled.wait(), 5)
 
@@ -311,14 +322,11 @@ async def test_a_direct_upload_refused_or_cancelled(handlers, channel):
         await release.wait()
         yield b"never"
 
+    before = handlers.sink_messages
     call = sink(stalled())
-    await asyncio.sleep(0.3)
+    await _until(lambda: handlers.sink_messages > before, "the sink to take the first chunk")
     call.cancel()
-    for _ in range(100):
-        if handlers.sinks_cancelled == 2:
-            break
-        await asyncio.sleep(0.05)
-    assert handlers.sinks_cancelled == 2
+    await _until(lambda: handlers.sinks_cancelled == 2, "the sink to hear of the cancel")
     assert await sink(chunks(b"ok")) == b"1:2"
 
 
