@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from isthmus.cli import READY_PREFIX, child_environment
+from isthmus.serve import READY_PREFIX, child_environment
 
 
 class ServerError(RuntimeError):
@@ -120,15 +120,15 @@ class LocalServer:
     def wait_status(self, condition: Callable[[dict[str, Any]], bool], timeout: float,
                     what: str) -> dict[str, Any]:
         """Polls `status()` until `condition` holds (returns that status); raises
-        AssertionError saying `what` did not happen, with the last status and the log."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            status = self.status()
-            if condition(status):
-                return status
-            time.sleep(0.2)
-        raise AssertionError(f"{what} within {timeout} s; last status: {self.status()}\n"
-                             f"server log:\n{self.log()}")
+        AssertionError naming `what` ("slice 1 to go down"), with the last status and log."""
+        seen: list[dict[str, Any]] = []
+
+        def holds() -> dict[str, Any] | None:
+            seen[:] = [self.status()]
+            return seen[0] if condition(seen[0]) else None
+
+        return wait_until(holds, timeout, what, interval=0.2, explain=lambda: (
+            f"last status: {seen[0] if seen else None}\nserver log:\n{self.log()}"))
 
     def slice_up(self, slice_index: int) -> bool:
         return str(slice_index) not in self.status()["slices_down"]
@@ -146,6 +146,22 @@ class LocalServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, *,
+               interval: float = 0.05, explain: Callable[[], str] | None = None) -> Any:
+    """Polls `predicate` until it returns something true, and returns that; after `timeout`
+    seconds raises AssertionError naming `what` ("slice 1 to go down"), with `explain()`.
+    The wait for a state a test then asserts on, in place of a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            detail = f"\n{explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{detail}")
+        time.sleep(interval)
 
 
 def slice_pid(status: dict[str, Any], slice_index: int) -> int | None:

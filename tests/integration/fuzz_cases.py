@@ -21,8 +21,17 @@ from typing import Any
 import numpy as np
 
 from tests.integration.fuzz_programs import PROGRAMS
-from tests.integration.fuzzer import (ALWAYS_COPY, DONATE_INPUT, F32, REUSE_INPUT, S32, Arr,
-                                      Sess, State, shard_values)
+from tests.integration.fuzzer import (
+    ALWAYS_COPY,
+    DONATE_INPUT,
+    F32,
+    REUSE_INPUT,
+    S32,
+    Arr,
+    Sess,
+    State,
+    shard_values,
+)
 from tests.integration.rawclient import array_spec
 
 SEMANTICS = (ALWAYS_COPY, REUSE_INPUT, DONATE_INPUT)

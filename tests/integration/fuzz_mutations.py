@@ -16,8 +16,19 @@ import numpy as np
 from tests.integration import fuzz_cases as ok
 from tests.integration.fuzz_cases import MEMORIES, make_read, remap_inputs, remap_plan
 from tests.integration.fuzz_programs import PROGRAMS
-from tests.integration.fuzzer import (ALWAYS_COPY, DONATE_INPUT, F32, REUSE_INPUT, S32, Arr,
-                                      Episode, Exe, Sess, State, shard_values)
+from tests.integration.fuzzer import (
+    ALWAYS_COPY,
+    DONATE_INPUT,
+    F32,
+    REUSE_INPUT,
+    S32,
+    Arr,
+    Episode,
+    Exe,
+    Sess,
+    State,
+    shard_values,
+)
 from tests.integration.rawclient import array_spec, status_of
 
 

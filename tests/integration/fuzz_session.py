@@ -13,11 +13,15 @@ import grpc
 import numpy as np
 
 from tests.integration import fuzz_programs
-from tests.integration.fuzz_model import (F32, INTERNAL, S32, Arr, Exe, State, shard_groups,
-                                          short)
+from tests.integration.fuzz_model import F32, INTERNAL, S32, Arr, Exe, State, shard_groups, short
 from tests.integration.fuzz_programs import Program
-from tests.integration.rawclient import (RawSession, has_body, replicated_sharding,
-                                         status_of, tiled_sharding)
+from tests.integration.rawclient import (
+    RawSession,
+    has_body,
+    replicated_sharding,
+    status_of,
+    tiled_sharding,
+)
 
 if TYPE_CHECKING:
     from tests.integration.fuzzer import Fuzzer

@@ -44,9 +44,22 @@ import grpc
 
 from isthmus.testing import process_alive
 from tests.integration import fuzz_programs
-from tests.integration.fuzz_model import (ALWAYS_COPY, DONATE_INPUT, F32, INTERNAL,
-                                          REUSE_INPUT, S32, Arr, Exe, Finding, State, Summary,
-                                          shard_groups, shard_values, short)
+from tests.integration.fuzz_model import (
+    ALWAYS_COPY,
+    DONATE_INPUT,
+    F32,
+    INTERNAL,
+    REUSE_INPUT,
+    S32,
+    Arr,
+    Exe,
+    Finding,
+    State,
+    Summary,
+    shard_groups,
+    shard_values,
+    short,
+)
 from tests.integration.fuzz_session import Pending, Sess
 from tests.integration.rawclient import RawSession
 

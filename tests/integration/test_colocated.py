@@ -230,7 +230,7 @@ def pid(x):
 
 @cp.colocated_python
 def slow(x):
-    time.sleep(30)
+    time.sleep(30)  # still running when the test kills its worker
     return x
 
 worker = int(np.asarray(pid(x))[0])

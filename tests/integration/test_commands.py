@@ -117,7 +117,7 @@ _WAKE_UPS = """
         return out
 
     before = switches()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the window counted: the client idles, its threads wake on their timers
     after = switches()
     emit("busiest", max(after[t] - before.get(t, 0) for t in after))
     emit("main_slack", ctypes.CDLL(None).prctl(30, 0, 0, 0, 0))
@@ -277,7 +277,7 @@ def test_a_worker_started_first_waits_for_its_controller():
 
 
 def _client_env(address):
-    from isthmus.cli import child_environment
+    from isthmus.serve import child_environment
 
     return child_environment(address, {k: v for k, v in os.environ.items()
                                        if k not in ("JAX_PLATFORMS", "XLA_FLAGS")})

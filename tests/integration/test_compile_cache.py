@@ -2,14 +2,12 @@
 on the embedded backend and on a fleet (a program over two worker processes), with results
 equal to numpy; bad options are one line and exit code 2."""
 
-import json
 import subprocess
 import sys
-import time
 
 import pytest
 
-from isthmus.testing import LocalServer, run_python
+from isthmus.testing import LocalServer, run_python, wait_until
 
 CLIENT = """
 import jax, jax.numpy as jnp, numpy as np
@@ -41,13 +39,10 @@ def test_programs_survive_a_restart(shape, tmp_path):
     with LocalServer(**shape, args=args) as server:
         result = run_python(CLIENT, server.address, timeout=180)
         assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-        deadline = time.monotonic() + 20  # workers report their figures with heartbeats
-        while True:
-            found = hits(server)
-            if (found and all(v >= 1 for v in found.values())) or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
-        assert found and all(v >= 1 for v in found.values()), found  # every host loaded it
+        # Workers report their figures with heartbeats; every host loaded the program.
+        wait_until(lambda: (found := hits(server)) and all(v >= 1 for v in found.values()),
+                   20, "every host to report a compile cache hit",
+                   explain=lambda: f"hits: {hits(server)}")
         assert server.alive(), server.log()
     assert sorted(p.name for p in (tmp_path / "default").iterdir()) == stored
 

@@ -65,7 +65,7 @@ def test_a_program_that_crashes_a_worker_fails_its_slice_once_and_is_refused_aft
 
         def slice0_back(_line):
             status = server.wait_status(lambda s: slice_pid(s, 0) not in (None, first)
-                           and "0" not in s["slices_down"], 90, "slice 0 did not come back")
+                           and "0" not in s["slices_down"], 90, "slice 0 to come back")
             restarted.append(slice_pid(status, 0))
 
         result = run_python_with_pause(CLIENT, server.address, slice0_back, timeout=180)

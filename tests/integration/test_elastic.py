@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from isthmus.cli import child_environment
+from isthmus.serve import child_environment
 from isthmus.testing import LocalServer, slice_pid
 
 pytest.importorskip("optax", reason="examples/elastic_train.py trains with optax")

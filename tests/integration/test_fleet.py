@@ -4,12 +4,11 @@ slices, movement between them, and the loss and return of a worker."""
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from isthmus.testing import LocalServer, process_alive
+from isthmus.testing import LocalServer, process_alive, wait_until
 from tests.integration.harness import compare, run_snippet
 
 
@@ -212,10 +211,8 @@ def test_default_fleet_runs_a_plain_jax_program_and_stops_without_orphans():
         """, server.address)
     finally:
         assert server.stop() == 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(process_alive(p) for p in pids):
-        time.sleep(0.1)
-    assert not any(process_alive(p) for p in pids), "workers outlived the controller"
+    wait_until(lambda: not any(process_alive(p) for p in pids), 10,
+               "the workers to end with the controller (they outlived it)")
 
 
 def test_a_worker_can_join_a_running_fleet(small_fleet):
@@ -224,15 +221,9 @@ def test_a_worker_can_join_a_running_fleet(small_fleet):
                                small_fleet.address.removeprefix("grpc://"), "--slice", "2",
                                "--devices", "2"])
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            status = small_fleet.status()
-            if any(d["slice"] == 2 for d in status["devices"]) and \
-                    str(4) in status["fleet"]:
-                break
-            time.sleep(0.2)
-        status = small_fleet.status()
-        assert any(d["slice"] == 2 for d in status["devices"])
+        status = small_fleet.wait_status(
+            lambda s: any(d["slice"] == 2 for d in s["devices"]) and "4" in s["fleet"], 60,
+            "the new worker to join as slice 2")
         # Slice 2 needs 2 hosts; with one it is listed but down, and sessions still work.
         assert "2" in status["slices_down"]
         after = run_snippet("import jax; emit('n', jax.device_count())", small_fleet.address)
@@ -285,7 +276,7 @@ def test_large_arrays_round_trip_over_the_control_streams():
 
 
 def test_the_multislice_mesh_example(server):
-    from isthmus.cli import child_environment
+    from isthmus.serve import child_environment
 
     script = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
                           "multislice_mesh.py")

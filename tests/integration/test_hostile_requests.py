@@ -17,8 +17,13 @@ import pytest
 
 from isthmus.testing import LocalServer, process_alive
 from tests.integration.fuzz_programs import lowered
-from tests.integration.rawclient import (RawSession, has_body, replicated_sharding,
-                                         status_of, tiled_sharding)
+from tests.integration.rawclient import (
+    RawSession,
+    has_body,
+    replicated_sharding,
+    status_of,
+    tiled_sharding,
+)
 
 OK, INVALID, DEADLINE, EXHAUSTED, FAILED_PRECONDITION, INTERNAL = 0, 3, 4, 8, 9, 13
 ARGS = ["--host-buffer-timeout", "2"]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from isthmus.cli import METRICS_PREFIX
+from isthmus.serve import METRICS_PREFIX
 from isthmus.testing import LocalServer, run_python
 
 CLIENT = """

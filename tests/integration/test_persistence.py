@@ -119,7 +119,7 @@ print("RESTORED", sorted(d.id for d in restored["small"].sharding.device_set))
 
 
 def test_a_worker_killed_during_a_save_fails_it_and_the_last_checkpoint_restores(tmp_path):
-    from isthmus.cli import child_environment
+    from isthmus.serve import child_environment
 
     with LocalServer(devices=None, fleet=(2, 1, 2)) as server:
         victim = server.worker_pids(0)[0]

@@ -109,7 +109,8 @@ def test_a_profile_has_one_trace_per_host_with_the_programs_ops(server, tmp_path
 
 def test_the_process_profiler_records_once_per_process_and_writes_xplanes(tmp_path):
     # jaxlib's ProfilerSession (a jax internal, `profiler._session`) as jax 0.10-0.12 have it.
-    from isthmus.worker.profiler import ProcessProfiler, TraceOptions, write_trace
+    from isthmus.transport.records import TraceOptions
+    from isthmus.worker.profiler import ProcessProfiler, write_trace
 
     process = ProcessProfiler()
     assert process.start("a", TraceOptions(host_tracer_level=1)) is True

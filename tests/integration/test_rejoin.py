@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from isthmus.cli import READY_PREFIX
+from isthmus.serve import READY_PREFIX
 from isthmus.testing import run_python
 
 CLIENT = """

@@ -9,26 +9,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from isthmus.cli import child_environment
-from isthmus.testing import LocalServer
+from isthmus.serve import child_environment
+from isthmus.testing import LocalServer, wait_until
 from tests.integration.harness import run_snippet
 
 KILLS = 20
-
-
-def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 
@@ -87,12 +76,12 @@ def test_killing_workers_of_one_slice_never_touches_another_busy_slice(tmp_path)
                 assert client.poll() is None, f"the client died:\n{client.communicate()}"
                 victim = server.worker_pids(0)[kill % 2]
                 os.kill(victim, signal.SIGKILL)
-                _wait(lambda: not server.slice_up(0), 15, "slice 0 to go down")
+                wait_until(lambda: not server.slice_up(0), 15, "slice 0 to go down")
                 replacements.append(subprocess.Popen(
                     [sys.executable, "-m", "isthmus.cli", "worker", "--controller", target,
                      "--slice", "0", "--devices", "2"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-                _wait(lambda: server.slice_up(0) and victim not in server.worker_pids(0),
+                wait_until(lambda: server.slice_up(0) and victim not in server.worker_pids(0),
                       60, f"slice 0 to come back after kill {kill + 1}")
             stop_file.write_text("")
             out, err = client.communicate(timeout=120)
@@ -181,10 +170,12 @@ def _pipelined_training(steps, fleet, timeout):
 
 
 # The 2x2x2 variant runs in the slow suite (beside 5,000 steps on both fleets): CI's budget.
+# 300 steps keep the default fleet busy for 15-35 s on 2 cores, ten or more heartbeat
+# timeouts of 1.5 s: long enough for a starved heartbeat to lose a worker.
 @pytest.mark.parametrize("fleet", [None, pytest.param((2, 2, 2), marks=pytest.mark.slow)],
                          ids=["default-fleet", "2x2x2"])
 def test_a_busy_fleet_is_not_a_dead_fleet(fleet):
-    _pipelined_training(600, fleet, timeout=300)
+    _pipelined_training(300, fleet, timeout=300)
 
 
 @pytest.mark.slow

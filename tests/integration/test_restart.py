@@ -32,7 +32,7 @@ def test_a_killed_worker_is_restarted_and_its_slice_works_again():
         assert before is not None
         os.kill(before, signal.SIGKILL)
         server.wait_status(lambda s: slice_pid(s, 1) not in (None, before)
-              and "1" not in s["slices_down"], 60, "slice 1 did not come back")
+              and "1" not in s["slices_down"], 60, "slice 1 to come back")
         result = run_python(PROGRAM, server.address, timeout=60)
         assert result.returncode == 0, result.stderr[-5000:]
         out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -50,7 +50,7 @@ def test_with_no_restart_a_killed_worker_stays_dead():
         before = slice_pid(server.status(), 1)
         assert before is not None
         os.kill(before, signal.SIGKILL)
-        server.wait_status(lambda s: "1" in s["slices_down"], 30, "slice 1 was not marked down")
+        server.wait_status(lambda s: "1" in s["slices_down"], 30, "slice 1 to be marked down")
         deadline = time.monotonic() + 3.0  # time enough for several restarts, were they on
         while time.monotonic() < deadline:
             status = server.status()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from isthmus import shared
-from isthmus.testing import LocalServer, run_python, run_python_with_pause
+from isthmus.testing import LocalServer, run_python, run_python_with_pause, wait_until
 from tests.integration.rawclient import RawSession, status_of
 
 GRACE = 3.0
@@ -115,15 +115,6 @@ def result_of(result):
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
     return float(line.split()[1])
-
-
-def wait_until(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_two_tenants_run_and_a_third_waits_its_turn(service):

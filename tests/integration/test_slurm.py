@@ -8,11 +8,12 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import time
 
+import grpc
 import pytest
 
-from isthmus.testing import run_python
+from isthmus.testing import run_python, wait_until
+from isthmus.wire.servicer import fetch_status
 
 ROOT = pathlib.Path(__file__).parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "isthmus.sbatch"
@@ -70,27 +71,35 @@ def test_a_client_outside_the_job(tmp_path):
     job = submitted.stdout.strip().split(";")[0]
     try:
         address_file = tmp_path / f"isthmus-{job}.address"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not address_file.exists():
-            time.sleep(0.2)
-        assert address_file.exists(), (tmp_path / "job.out").read_text()[-3000:]
+
+        def job_output():
+            out = tmp_path / "job.out"
+            return out.read_text()[-3000:] if out.exists() else "(no job output yet)"
+
+        wait_until(address_file.exists, 180, "the job to write its address file",
+                   explain=job_output)
         address = address_file.read_text().strip()
-        result = None
-        while time.monotonic() < deadline:  # the fleet serves once both workers joined
-            result = run_python(CLIENT, address, timeout=120)
-            if result.returncode == 0:
-                break
-            time.sleep(1.0)
-        assert result is not None and result.returncode == 0, (
-            result.stdout + result.stderr[-3000:] if result else "no attempt")
+        wait_until(lambda: both_slices_up(address), 180, "both workers to join the fleet",
+                   explain=job_output)
+        result = run_python(CLIENT, address, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
         assert "CLIENT OK 4" in result.stdout
     finally:
         subprocess.run(["scancel", job], timeout=30)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        state = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True,
-                               timeout=20)
-        if not state.stdout.strip():
-            break
-        time.sleep(0.5)
-    assert not state.stdout.strip(), f"job {job} still running: {state.stdout}"
+
+    def queued():
+        return subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True,
+                              timeout=20).stdout.strip()
+
+    wait_until(lambda: not queued(), 60, f"job {job} to end after scancel",
+               explain=lambda: f"squeue: {queued()}")
+
+
+def both_slices_up(address: str) -> bool:
+    """The fleet lists devices of slices 0 and 1 and none down (False while it is not
+    listening yet)."""
+    try:
+        status = fetch_status(address, timeout=5)
+    except grpc.RpcError:
+        return False
+    return {d["slice"] for d in status["devices"]} == {0, 1} and not status["slices_down"]

@@ -6,11 +6,10 @@ code 2; incomplete or mismatched options are one line and exit code 2."""
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
-from isthmus.testing import LocalServer, run_python
+from isthmus.testing import LocalServer, run_python, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -119,11 +118,11 @@ def _free_port():
 def _wait_for_port(port, timeout):
     import socket
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def listening():
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
+                return True
         except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"the controller did not listen on {port} within {timeout} s")
+            return False
+
+    wait_until(listening, timeout, f"the controller to listen on {port}", interval=0.2)

@@ -2,6 +2,7 @@
 and names the other one's Python in ISTHMUS_OTHER_PYTHON): the pairs docs say work, work, and
 every result equals local jax on the client's own version."""
 
+import functools
 import os
 import subprocess
 
@@ -35,6 +36,7 @@ emit("w", w)
 """
 
 
+@functools.cache  # one jax import per interpreter, not one per test
 def _version(python: str) -> str:
     return subprocess.run([python, "-c", "import jax; print(jax.__version__)"],
                           capture_output=True, text=True, check=True, timeout=120).stdout.strip()

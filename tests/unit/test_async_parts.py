@@ -111,7 +111,7 @@ def test_when_ready_hands_a_buffer_over_in_the_turn_it_is_there():
         store.begin(4, 1)
         store.complete(4, memoryview(b"d"))  # logged; the upload does not fail for it
         store.when_ready(5, lambda data, error: got.append((data, error)))  # never uploaded
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # past the start deadline: the store's timer fails it
         assert got[-1][0] is None and "did not start arriving" in got[-1][1].message
         store.when_ready(6, lambda data, error: got.append((data, error)))
         store.close(errors.SessionClosed("gone"))

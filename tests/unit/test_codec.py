@@ -3,15 +3,15 @@ tuples, errors keep their class and status code, arrays their dtype), and a fram
 build registered records: an unknown record name, an unknown extension or a value of
 another type is a CodecError, never code run."""
 
-import msgpack
 import ml_dtypes
+import msgpack
 import numpy as np
 import pytest
 
 from isthmus import dtypes, errors
 from isthmus.transport import messages as m
+from isthmus.transport import records
 from isthmus.transport.codec import CodecError
-from isthmus.worker import colocated, programs
 
 
 def roundtrip(value):
@@ -20,8 +20,8 @@ def roundtrip(value):
 
 def test_records_and_values_round_trip():
     f32 = dtypes.BY_KIND["KIND_F32"]
-    info = programs.CompiledInfo(
-        "step", (programs.Aval(f32, (2, 3)),), (programs.Aval(f32, ()),), (b"\x08\x01",),
+    info = records.CompiledInfo(
+        "step", (records.Aval(f32, (2, 3)),), (records.Aval(f32, ()),), (b"\x08\x01",),
         None, ("{1,0}",), ("{}",), ("device",), (0,), b"fp", {"flops": 12.0, "n": 3}, "hlo",
         {"temp_size_in_bytes": 4}, 10)
     values = [
@@ -35,7 +35,7 @@ def test_records_and_values_round_trip():
         m.Reply(5, ("float32", (4, 4))),
         m.Welcome(1, 0, 1, 0.5, ("/dev/shm/x", "probe"), "token"),
         m.PutData(1, 2, 0, b"\x00" * 1000, True),
-        m.CompilePython(6, 2, colocated.ColocatedProgram(
+        m.CompilePython(6, 2, records.ColocatedProgram(
             "f", b"\x80\x05pickle", (0, 1), ((0, 1),), ((1, 0), (0,)),
             (("float32", (4,)), ("string", ())))),
         m.CallPython(7, 2, (10, (12, 11)), (20, 22), (3, -2992125004297323123)),
@@ -127,13 +127,13 @@ def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
 def test_a_put_in_pieces_or_whole_and_a_fetch_in_pieces():
     from isthmus.hostmem import Assembly
     from isthmus.transport.remote import _Incoming as Fetched
-    from isthmus.worker.commands import _Incoming
+    from isthmus.worker.commands import Incoming
 
     value = np.arange(1000, dtype=np.int32).reshape(10, 100)
     raw = memoryview(value.tobytes())
-    whole = _Incoming(Assembly(value.nbytes), 0, None, np.dtype(np.int32), (10, 100))
+    whole = Incoming(Assembly(value.nbytes), 0, None, np.dtype(np.int32), (10, 100))
     assert np.array_equal(whole.add(0, raw), value)
-    pieces = _Incoming(Assembly(value.nbytes), 0, None, np.dtype(np.int32), (10, 100))
+    pieces = Incoming(Assembly(value.nbytes), 0, None, np.dtype(np.int32), (10, 100))
     pieces.add(0, raw[:1000])
     assert np.array_equal(pieces.add(1000, raw[1000:]), value)
     for cuts in ((0, len(raw)), (0, 4, 1000, len(raw))):

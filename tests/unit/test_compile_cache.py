@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from isthmus.compat import jax as jax_compat
+from isthmus.transport import records
 from isthmus.worker import programs
 from isthmus.worker.compile_cache import CacheConfig, CompileCache, parse_size
 from isthmus.worker.slots import make_cpu_client
@@ -21,7 +23,7 @@ def client():
     return make_cpu_client(2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module(scale: float) -> bytes:
     """A program's bytes (made once: jax writes the caller's source location into them)."""
     import jax
@@ -33,9 +35,8 @@ def module(scale: float) -> bytes:
 
 
 def request(scale: float = 2.0):
-    from jax._src.lib import xla_client as xc
-
-    return programs.CompileRequest(module(scale), xc.CompileOptions().SerializeAsString(),
+    xc = jax_compat.xla_client()
+    return records.CompileRequest(module(scale), xc.CompileOptions().SerializeAsString(),
                                    (0,), 1)
 
 
@@ -127,7 +128,7 @@ def test_the_size_limit_evicts_the_least_recently_used(client, tmp_path):
     size = os.path.getsize(tmp_path / "probe" / "default" / entries(tmp_path / "probe")[0])
     cache = CompileCache(CacheConfig(str(tmp_path), max_bytes=int(size * 2.5)))
     compile_with(client, cache, request(1.0))
-    time.sleep(0.05)
+    time.sleep(0.05)  # each use a later modification time: the order the cache evicts in
     compile_with(client, cache, request(2.0))
     time.sleep(0.05)
     compile_with(client, cache, request(1.0))  # a hit: 1.0 is now the most recent

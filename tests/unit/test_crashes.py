@@ -18,8 +18,8 @@ from isthmus.controller.fleet import Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec
 from isthmus.launch import RestartPolicy
 from isthmus.transport import messages as m
+from isthmus.transport.records import CompileRequest
 from isthmus.worker.crashes import CrashConfig, CrashRecord, fatal_line
-from isthmus.worker.programs import CompileRequest
 
 # A worker process in miniature: arms the records, joins controller 77, marks program 5,
 # and then (by its second argument) crashes, returns from the dispatch, or waits to be killed.

@@ -12,8 +12,7 @@ import sys
 import pytest
 
 from isthmus.cli import build_parser
-from isthmus.deploy.kubernetes import (SERVICE_TLS_DIR, TENANTS_DIR, FleetShape, render,
-                                       to_yaml)
+from isthmus.deploy.kubernetes import SERVICE_TLS_DIR, TENANTS_DIR, FleetShape, render, to_yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 VERSION = "1.30.0"

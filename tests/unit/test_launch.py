@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from isthmus.cli import _head_config, build_parser
+from isthmus.cli import build_parser
 from isthmus.launch import LocalLauncher, RestartPolicy, describe_exit
-from isthmus.testing import process_alive
+from isthmus.serve import head_config
+from isthmus.testing import process_alive, wait_until
 
 # Each start appends "<monotonic time> <pid>" to the file named by its first argument.
 RECORD = ("import os, sys, time\n"
@@ -47,13 +48,9 @@ class FakeLauncher(LocalLauncher):
         return [(float(t), int(p)) for t, p in zip(lines[::2], lines[1::2])]
 
 
-def wait_for(condition, timeout=10.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.02)
-
+# Longer than several of FAST's polls and its first backoff: time enough for a restart that
+# must not come to show itself (these sleeps are the test, not synchronization).
+GRACE = 0.3
 
 
 @pytest.fixture
@@ -97,8 +94,8 @@ def test_a_dying_worker_is_restarted_with_backoff_until_the_limit(tmp_path, laun
     launcher = FakeLauncher(tmp_path, FAIL, RestartPolicy(max_restarts=3, **FAST))
     launched(launcher)
     launcher.start()
-    wait_for(lambda: messages(caplog, logging.ERROR), what="giving up the slot")
-    time.sleep(0.3)  # nothing more may start
+    wait_until(lambda: messages(caplog, logging.ERROR), 10, "giving up the slot")
+    time.sleep(GRACE)  # nothing more may start
     starts = launcher.starts()
     assert len(starts) == 4, starts  # the first start and 3 restarts
     assert len({pid for _, pid in starts}) == 4
@@ -120,12 +117,12 @@ def test_a_dying_worker_is_restarted_with_backoff_until_the_limit(tmp_path, laun
 
 def test_a_worker_that_lived_long_enough_starts_the_count_afresh(tmp_path, launched, caplog):
     caplog.set_level(logging.WARNING, logger="isthmus.launch")
-    script = RECORD + "time.sleep(0.3); sys.exit(1)\n"
+    script = RECORD + "time.sleep(0.3); sys.exit(1)\n"  # lives past reset_after, then fails
     launcher = FakeLauncher(tmp_path, script, RestartPolicy(
         max_restarts=1, reset_after=0.2, **FAST))
     launched(launcher)
     launcher.start()
-    wait_for(lambda: len(launcher.starts()) >= 3, what="two restarts")
+    wait_until(lambda: len(launcher.starts()) >= 3, 10, "two restarts")
     warnings = messages(caplog, logging.WARNING)
     assert len(warnings) >= 2 and all("attempt 1 of 1" in w for w in warnings), warnings
     assert not messages(caplog, logging.ERROR)
@@ -136,18 +133,18 @@ def test_a_killed_worker_is_replaced_and_stop_leaves_no_process(tmp_path, launch
     launcher = FakeLauncher(tmp_path, LIVE, RestartPolicy(**FAST), slices=2, hosts=2)
     launched(launcher)
     launcher.start()
-    wait_for(lambda: len(launcher.starts(0)) == 2 and len(launcher.starts(1)) == 2,
-             what="four starts")
+    wait_until(lambda: len(launcher.starts(0)) == 2 and len(launcher.starts(1)) == 2, 10,
+               "four starts")
     victim = launcher.starts(1)[0][1]
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: len(launcher.starts(1)) == 3, what="the restart of slice 1")
+    wait_until(lambda: len(launcher.starts(1)) == 3, 10, "the restart of slice 1")
     [warning] = messages(caplog, logging.WARNING)
     assert f"worker {victim} ended with signal SIGKILL" in warning, warning
     assert "(slice 1, host " in warning and "attempt 1 of 10" in warning, warning
     pids = [pid for s in (0, 1) for _, pid in launcher.starts(s)]
     launcher.stop(timeout=2.0)
     assert not any(process_alive(pid) for pid in pids)
-    time.sleep(0.2)  # ten polls: no restart after stop
+    time.sleep(GRACE)  # no restart after stop
     assert len(launcher.starts(0)) + len(launcher.starts(1)) == 5
     assert launcher.processes == []
 
@@ -156,7 +153,7 @@ def test_stop_kills_a_worker_that_ignores_sigterm(tmp_path, launched):
     launcher = FakeLauncher(tmp_path, STUBBORN, RestartPolicy(**FAST))
     launched(launcher)
     launcher.start()
-    wait_for(lambda: launcher.starts(), what="the start")
+    wait_until(lambda: launcher.starts(), 10, "the start")
     [(_, pid)] = launcher.starts()
     began = time.monotonic()
     launcher.stop(timeout=0.5)
@@ -169,10 +166,12 @@ def test_after_stop_restarting_an_exit_is_final(tmp_path, launched):
     launcher = FakeLauncher(tmp_path, LIVE, RestartPolicy(**FAST))
     launched(launcher)
     launcher.start()
-    wait_for(lambda: launcher.starts(), what="the start")
+    wait_until(lambda: launcher.starts(), 10, "the start")
     launcher.stop_restarting()
-    os.kill(launcher.starts()[0][1], signal.SIGTERM)
-    time.sleep(0.3)
+    pid = launcher.starts()[0][1]
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not process_alive(pid), 10, "the worker to end on SIGTERM")
+    time.sleep(GRACE)  # dead, and not restarted
     assert len(launcher.starts()) == 1
 
 
@@ -180,16 +179,17 @@ def test_without_restarts_a_dead_worker_stays_dead(tmp_path, launched):
     launcher = FakeLauncher(tmp_path, FAIL, RestartPolicy(enabled=False, **FAST))
     launched(launcher)
     launcher.start()
-    wait_for(lambda: launcher.starts(), what="the start")
-    time.sleep(0.3)
+    wait_until(lambda: launcher.starts(), 10, "the start")
+    wait_until(lambda: launcher.processes[0].poll() is not None, 10, "the worker to fail")
+    time.sleep(GRACE)  # dead, and not restarted
     assert len(launcher.starts()) == 1
 
 
-def test_no_restart_option_reaches_the_head_config():
+def test_no_restart_option_reaches_thehead_config():
     parser = build_parser()
-    assert _head_config(parser.parse_args(["up"])).restart == RestartPolicy()
+    assert head_config(parser.parse_args(["up"])).restart == RestartPolicy()
     for argv in (["up", "--no-restart"], ["run", "--no-restart", "--", "true"]):
-        config = _head_config(parser.parse_args(argv))
+        config = head_config(parser.parse_args(argv))
         assert config.restart.enabled is False, argv
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from isthmus.compat import jax as jax_compat
 from isthmus.launch import LocalLauncher
 from isthmus.worker import platforms
 from isthmus.worker.platforms import Platform
@@ -114,8 +115,7 @@ def test_device_memory_comes_from_the_workers_client_and_shows_in_status():
 
 def test_the_cuda_client_is_made_through_the_plugin_with_the_group(monkeypatch):
     """The CUDA path without a GPU: the calls into jaxlib, with a stand-in plugin."""
-    from jax._src.lib import xla_client
-
+    xla_client = jax_compat.xla_client()
     calls = []
 
     class Client:

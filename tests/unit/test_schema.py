@@ -1,5 +1,5 @@
-from isthmus.frontend.registry import HANDLERS
 from isthmus.frontend import service  # noqa: F401 - registers handlers
+from isthmus.frontend.registry import HANDLERS
 from isthmus.protocol import schema as schema_module
 
 

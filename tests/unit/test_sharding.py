@@ -1,8 +1,13 @@
 import pytest
 
 from isthmus import errors
-from isthmus.controller.sharding import (Sharding, ShardingKind, is_fully_replicated,
-                                          shard_boxes, shard_shape)
+from isthmus.controller.sharding import (
+    Sharding,
+    ShardingKind,
+    is_fully_replicated,
+    shard_boxes,
+    shard_shape,
+)
 from isthmus.protocol.schema import schema
 
 
@@ -69,7 +74,8 @@ def test_garbage_sharding_bytes_are_refused_by_the_front_end():
 def test_matches_jaxlib_for_a_jax_named_sharding():
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
     named = NamedSharding(mesh, P("b", "a"))

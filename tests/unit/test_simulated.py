@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from isthmus import errors
+from isthmus.compat import jax as jax_compat
+from isthmus.transport.records import CompileRequest
 from isthmus.worker.host import make_cpu_client
-from isthmus.worker.programs import CompileRequest
 from isthmus.worker.simulated import SimulatedHost, make_host
 
 N = 64
@@ -22,8 +23,7 @@ SECONDS = 0.25  # of each simulated run
 def _program() -> CompileRequest:
     import jax
     import jax.numpy as jnp
-    from jax._src.lib import xla_client as xc
-
+    xc = jax_compat.xla_client()
     lowered = jax.jit(lambda x: jnp.tanh(x @ x)).lower(
         jax.ShapeDtypeStruct((N, N), np.float32))
     return CompileRequest(lowered.as_text().encode(), xc.CompileOptions().SerializeAsString(),

@@ -1,8 +1,13 @@
 import pytest
 
 from isthmus.protocol.schema import schema
-from isthmus.protocol.wireformat import (bytes_field, bytes_field_parts, bytes_message,
-                                         read_varint, varint)
+from isthmus.protocol.wireformat import (
+    bytes_field,
+    bytes_field_parts,
+    bytes_message,
+    read_varint,
+    varint,
+)
 
 
 def test_framing_matches_protobuf():
