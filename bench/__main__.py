@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from isthmus.cli import child_environment
+from isthmus.serve import child_environment
 from isthmus.testing import LocalServer
 
 HERE = pathlib.Path(__file__).parent

@@ -28,7 +28,8 @@ def client(size_mib: int, directory: str) -> dict:
 
         pathwaysutils.initialize()
     import orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
     rows = NamedSharding(mesh, P("x"))
@@ -58,7 +59,7 @@ def client(size_mib: int, directory: str) -> dict:
 def main() -> int:
     import subprocess
 
-    from isthmus.cli import child_environment
+    from isthmus.serve import child_environment
     from isthmus.testing import LocalServer
 
     size = 64 if "--quick" in sys.argv else 256

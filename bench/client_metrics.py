@@ -98,7 +98,8 @@ def main(quick: bool) -> None:
 def spread_program(n: int) -> dict:
     """Pipelined calls of a program over 4 devices (on the 2x2 fleet: over its 4 workers),
     with the CPU each call costs the controller and, on average, each worker."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
     f = jax.jit(lambda a: a + 1)

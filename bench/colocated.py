@@ -31,7 +31,8 @@ def client(quick: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import colocated_python as cp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     # The loop trains on jax.devices(); the loader and the echo run on their colocated CPU
     # devices (the same devices on a CPU fleet, the CPU beside each accelerator otherwise).
@@ -113,7 +114,7 @@ def main() -> int:
     import os
     import subprocess
 
-    from isthmus.cli import child_environment
+    from isthmus.serve import child_environment
     from isthmus.testing import LocalServer
 
     quick = "--quick" in sys.argv

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.elastic_replay import replay, schedule
-from isthmus.cli import child_environment
+from isthmus.serve import child_environment
 from isthmus.testing import LocalServer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

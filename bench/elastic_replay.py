@@ -57,7 +57,8 @@ def _run(request: dict[str, Any]) -> dict[int, float]:
     import numpy as np
     import optax
     from elastic_train import batch_for_step, init_params, make_update
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     per_slice, devices = request["devices_per_slice"], jax.devices()
     optimizer = optax.adam(request["learning_rate"])

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from isthmus.cli import child_environment
+from isthmus.serve import child_environment
 from isthmus.testing import LocalServer
 
 HERE = pathlib.Path(__file__).parent

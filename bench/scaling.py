@@ -25,8 +25,8 @@ from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.transport import messages as m
+from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
 from isthmus.transport.remote import RemoteWorker
-from isthmus.worker.programs import Aval, CompiledInfo, CompileRequest
 
 F32 = dtypes.BY_KIND["KIND_F32"]
 

@@ -396,7 +396,7 @@ def server_pids(server: Any) -> dict[str, list[int]]:
 def run(quick: bool = False) -> dict[str, Any]:
     """The three measurements; the loop also on the same fleet without the shared mode and
     on local jax (about 2 minutes on 2 cores; quick: about 1)."""
-    from isthmus.cli import child_environment
+    from isthmus.serve import child_environment
     from isthmus.testing import LocalServer
 
     began = time.monotonic()

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 WINDOW = 10
 
 
 def measure(n: int, depth: int, min_seconds: float, devices: int) -> tuple[float, float]:
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:devices]), ("d",))
     rows, replicated = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())

@@ -16,7 +16,6 @@ import time
 
 import jax
 import numpy as np
-
 from client_metrics import cpu_seconds
 
 

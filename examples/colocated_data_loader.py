@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import colocated_python as cp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 BATCH, FEATURES, STEPS = 64, 16, 40
 

@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import optax
     import orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     from pathwaysutils.elastic import manager as elastic_manager
 
     log = JsonLog(args.log_json)

@@ -1,4 +1,5 @@
-"""The `isthmus` command: up, run, status.
+"""The `isthmus` command: its subcommands, and which module runs each (`up` and `run`:
+serve.py; `worker`; `slurm` and `k8s`: deploy/; `status`; `leases`).
 
 Environment variables are read here and nowhere deeper; components get typed configs.
 """
@@ -9,326 +10,31 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
-from isthmus import gctune, logs
+from isthmus import logs, serve
 from isthmus.deploy.commands import add_deploy_commands, k8s_command, slurm_command
-from isthmus.observe.options import add_observe_arguments, keep_event_records, observe_config
-from isthmus.options import (platform_arguments, platform_config, refuse, tls_arguments,
-                             tls_config)
-from isthmus.shared_commands import (add_client_arguments, add_leases_command,
-                                     add_server_arguments, leases_command, service_run,
-                                     shared_config)
+from isthmus.options import (
+    fleet_token,
+    platform_arguments,
+    platform_config,
+    refuse,
+    tls_arguments,
+    tls_config,
+)
+from isthmus.shared_commands import add_leases_command, leases_command, service_run
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
-from isthmus.worker.platforms import (Platform, PlatformUnavailable, check_local_cuda,
-                                      prepare_process, resolve)
-
-READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
-METRICS_PREFIX = "isthmus: metrics at "  # then the URL, on stderr (`--metrics-port`)
-# The user's own C++ log level, read before jax is imported (importing jax sets it to 1).
-_USER_LOG_LEVEL = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+from isthmus.worker.platforms import PlatformUnavailable, prepare_process
 
 logger = logging.getLogger("isthmus.cli")
 
 
-def _default_max_array_bytes() -> int:
-    """Half of this machine's physical memory (1 TiB where it cannot be read): an array made
-    from host data is cut into its shards in the controller's memory."""
-    try:
-        return min(1 << 40, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2)
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
-
-
-def _server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0,
-                        help="port to listen on; 0 picks a free one (default: 0)")
-    parser.add_argument("--devices", type=int, default=None,
-                        help="serve N devices from the server process itself (the embedded "
-                             "backend) instead of a fleet of workers: N CPU devices, or N "
-                             "GPUs with --platform cuda")
-    parser.add_argument("--slices", type=int, default=None,
-                        help="slices of the fleet (default: 1)")
-    parser.add_argument("--hosts-per-slice", type=int, default=None,
-                        help="worker processes (hosts) per slice (default: 2)")
-    parser.add_argument("--devices-per-host", type=int, default=None,
-                        help="devices per worker (default: 4 CPU devices, or 1 GPU)")
-    platform_arguments(parser)
-    parser.add_argument("--no-launch", action="store_true",
-                        help="do not start the workers here; wait for `isthmus worker` "
-                             "processes started elsewhere to register")
-    parser.add_argument("--no-restart", action="store_true",
-                        help="do not restart a launched worker that dies (by default it is "
-                             "restarted with a backoff of 0.5 s doubling to 8 s, at most 10 "
-                             "times in a row)")
-    parser.add_argument("--advertise-host", default=None,
-                        help="the address workers use to reach this server (default: --host)")
-    parser.add_argument("--token-file", default=None, metavar="PATH",
-                        help="file holding the fleet's shared secret, which workers must "
-                             f"prove they know (default: ${TOKEN_ENVIRONMENT}; with "
-                             "neither, any worker that reaches the controller may join); "
-                             "launched workers get it")
-    tls_arguments(parser)
-    parser.add_argument("--fleet-port", type=int, default=0,
-                        help="port of the workers' control streams (workers learn it from "
-                             "--port); 0 picks a free one (default: 0)")
-    parser.add_argument("--fleet-timeout", type=float, default=180.0,
-                        help="seconds to wait for every worker to register (default: 180)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=4.0,
-                        help="seconds without a sign of life after which a worker counts as "
-                             "lost (workers pulse every 0.5 s from a thread of their own, "
-                             "however busy; default: 4)")
-    parser.add_argument("--host-buffer-timeout", type=float, default=10.0,
-                        help="seconds a request waits for its host data to start arriving "
-                             "(default: 10)")
-    parser.add_argument("--executable-cache", type=int, default=256, metavar="N",
-                        help="compiled programs kept loaded after every session released "
-                             "them, for the next session that compiles the same (each holds "
-                             "its machine code on the workers; default: 256)")
-    parser.add_argument("--max-array-bytes", type=int, default=_default_max_array_bytes(),
-                        help="largest array made from host data (and largest upload) the "
-                             "server accepts, in bytes; such arrays pass through the "
-                             "controller's memory (default: half of this machine's memory)")
-    parser.add_argument("--shared-dir", default="auto",
-                        help="directory where clients on this machine hand over large host "
-                             "buffers through shared memory; 'auto' makes one under /dev/shm, "
-                             "'none' (or 'off') turns it off (default: auto)")
-    parser.add_argument("--client-transport", choices=("auto", "h2", "grpc"),
-                        default=os.environ.get("ISTHMUS_CLIENT_TRANSPORT", "auto"),
-                        help="what serves the client port: h2 (HTTP/2 frames handled in "
-                             "Python with the h2 library: about a third of grpc.aio's CPU per "
-                             "request) or grpc (grpc.aio); auto: h2 when it is installed. "
-                             "Default: auto, or $ISTHMUS_CLIENT_TRANSPORT")
-    parser.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"),
-                        help="logging level of the server (default: WARNING)")
-    parser.add_argument("--log-format", choices=logs.FORMATS,
-                        default=os.environ.get("ISTHMUS_LOG_FORMAT", "text"),
-                        help="text, or json: one JSON object per line, with an `event` field "
-                             "for the fleet's events (default: text, or $ISTHMUS_LOG_FORMAT)")
-    add_server_arguments(parser)
-    add_observe_arguments(parser)
-
-
-def _head_config(args: argparse.Namespace) -> object:
-    from isthmus.controller.controller import ControllerConfig
-    from isthmus.controller.manager import FleetSpec
-    from isthmus.head import HeadConfig
-    from isthmus.launch import RestartPolicy
-
-    fleet_flags = (args.slices, args.hosts_per_slice, args.devices_per_host)
-    if args.devices is not None and any(f is not None for f in fleet_flags):
-        refuse("--devices (embedded backend) and the fleet options "
-                "(--slices, --hosts-per-slice, --devices-per-host) exclude each other")
-    for flag, value in (("--devices", args.devices), ("--slices", args.slices),
-                        ("--hosts-per-slice", args.hosts_per_slice),
-                        ("--devices-per-host", args.devices_per_host)):
-        if value is not None and value < 1:
-            refuse(f"{flag} must be at least 1, not {value}")
-    platform = platform_config(args)
-    fleet = None
-    if args.devices is None:
-        defaults = FleetSpec()
-        # Workers started elsewhere resolve `auto` themselves; the first to register decides.
-        name = platform.name if args.no_launch else resolve(platform.name)
-        if name == "cuda" and not args.no_launch:
-            check_local_cuda()
-        per_host = 1 if name == "cuda" else defaults.devices_per_host
-        fleet = FleetSpec(slices=args.slices or defaults.slices,
-                          hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
-                          devices_per_host=args.devices_per_host or per_host, platform=name)
-    token = _fleet_token(args)
-    if fleet is not None and not token and args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"isthmus: listening on {args.host} without a fleet token: any process that "
-              "reaches the controller can join as a worker; give the controller and every "
-              f"worker the same --token-file (or ${TOKEN_ENVIRONMENT})", file=sys.stderr)
-    return HeadConfig(
-        host=args.host, port=args.port, devices=args.devices or 8, fleet=fleet,
-        platform=_embedded_platform(args) if args.devices is not None else platform,
-        launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
-        heartbeat_timeout=args.heartbeat_timeout,
-        restart=RestartPolicy(enabled=not args.no_restart),
-        advertise_host=args.advertise_host, fleet_port=args.fleet_port,
-        fleet_token=token, tls=tls_config(args),
-        shared_dir=_shared_dir(args.shared_dir),
-        controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
-                                    max_array_bytes=args.max_array_bytes,
-                                    compile_cache_size=args.executable_cache),
-        max_host_buffer_bytes=args.max_array_bytes, client_transport=args.client_transport,
-        shared=shared_config(args), observe=_observe_config(args))
-
-
-def _observe_config(args: argparse.Namespace) -> object:
-    try:
-        return observe_config(args)
-    except ValueError as e:
-        refuse(str(e))
-
-
-def _shared_dir(value: str) -> str | None:
-    """--shared-dir: 'auto', 'none' (or 'off'), or an existing directory the server may
-    write, as an absolute path (the client and the server resolve it alike)."""
-    if value in ("auto", "none", "off"):
-        return None if value != "auto" else value
-    path = os.path.abspath(os.path.expanduser(value))
-    if not os.path.isdir(path):
-        refuse(f"--shared-dir {value}: no such directory; give an existing directory, "
-                "'auto' (a fresh one under /dev/shm) or 'none'")
-    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-        refuse(f"--shared-dir {value}: this user cannot read and write it; give a "
-                "directory it can, 'auto' or 'none'")
-    return path
-
-
-def _fleet_token(args: argparse.Namespace) -> str:
-    """The fleet's shared secret: --token-file, else $ISTHMUS_FLEET_TOKEN, else none (any
-    worker that reaches the controller may join: a network the fleet trusts)."""
-    if args.token_file:
-        try:
-            with open(args.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as e:
-            refuse(f"--token-file {args.token_file}: {e.strerror}")
-        if not token:
-            refuse(f"--token-file {args.token_file} is empty; put a "
-                    "secret in it (e.g. `openssl rand -hex 32 > FILE`)")
-        return token
-    return os.environ.get(TOKEN_ENVIRONMENT, "").strip()
-
-
-def _prepare_server_process(args: argparse.Namespace) -> None:
-    logs.configure(args.log_level, args.log_format)
-    keep_event_records(args)  # the live view's events, whatever the console's level
-    os.environ["ISTHMUS_LOG_FORMAT"] = args.log_format  # the workers it launches log alike
-    # XLA's C++ warnings (the coordination service's, at every group formation) read like
-    # trouble in a healthy server; errors still show. Workers inherit the level.
-    if _USER_LOG_LEVEL is None:
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    # The server's own jax must never try to reach a proxy (itself); an embedded backend
-    # on GPUs makes its CUDA client by hand, with the GPU settings of the options.
-    try:
-        prepare_process(_embedded_platform(args) if args.devices is not None else Platform())
-    except ValueError as e:
-        refuse(str(e))
-
-
-def _embedded_platform(args: argparse.Namespace) -> Platform:
-    """The embedded backend's platform, `auto` resolved; `--devices N` on CUDA without
-    --gpus or CUDA_VISIBLE_DEVICES takes GPUs 0 to N-1."""
-    import dataclasses
-
-    platform = platform_config(args)
-    name = resolve(platform.name)
-    gpus = platform.gpus
-    if name == "cuda" and gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        gpus = tuple(range(args.devices))
-    return dataclasses.replace(platform, name=name, gpus=gpus)
-
-
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
-async def _up(args: argparse.Namespace) -> int:
-    from isthmus.head import Head
-
-    head = Head(_head_config(args))  # type: ignore[arg-type]
-    stop = _stop_event()
-    starting = asyncio.ensure_future(head.start())
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():  # stopped while the fleet was still gathering
-        starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
-        await head.stop()
-        return 0
-    address = starting.result()
-    gctune.settle()
-    _announce_observer(head)
-    print(f"{READY_PREFIX}{address}", flush=True)
-    extra = head.client_environment()
-    if extra:
-        print("isthmus: clients on this machine may also set "
-              + " ".join(f"{k}={v}" for k, v in extra.items())
-              + " to hand over large arrays through shared memory", file=sys.stderr, flush=True)
-    try:
-        await stopping
-    finally:
-        await head.stop()
-    return 0
-
-
-def _announce_observer(head: object) -> None:
-    observer = getattr(head, "observer", None)
-    if observer is not None:
-        print(f"{METRICS_PREFIX}{observer.url}/metrics (live view: {observer.url}/)",
-              file=sys.stderr, flush=True)
-
-
-def child_environment(address: str, base: dict[str, str] | None = None,
-                      extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment that points a child's stock jax at the server at `address`."""
-    import isthmus._bootstrap as bootstrap
-
-    env = dict(os.environ if base is None else base)
-    env.update(extra or {})
-    env["JAX_PLATFORMS"] = "proxy"
-    env["JAX_BACKEND_TARGET"] = address
-    env["IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"] = "true"
-    # Quiet the stock client's C++ warnings (insecure credentials, and a "disconnected:
-    # CANCELLED" stack trace at exit that reads like a crash) unless the user set a level.
-    level = env.get("TF_CPP_MIN_LOG_LEVEL") if base is not None else _USER_LOG_LEVEL
-    env["TF_CPP_MIN_LOG_LEVEL"] = level or "2"
-    folder = os.path.dirname(bootstrap.__file__)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (folder, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-async def _run(args: argparse.Namespace) -> int:
-    from isthmus.head import Head
-
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        print("isthmus run: give a command after --, e.g. isthmus run -- python train.py",
-              file=sys.stderr)
-        return 2
-    head = Head(_head_config(args))  # type: ignore[arg-type]
-    address = await head.start()
-    gctune.settle()
-    _announce_observer(head)
-    try:
-        child = await asyncio.create_subprocess_exec(
-            *command, env=child_environment(address, extra=head.client_environment()),
-            stdin=None)
-    except OSError as e:
-        await head.stop()
-        print(f"isthmus run: cannot start {command[0]!r}: {e}", file=sys.stderr)
-        return 127
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda s=sig: child.send_signal(s))
-    try:
-        code = await child.wait()
-    finally:
-        await head.stop()
-    return code if code >= 0 else 128 - code
-
-
 def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from isthmus.worker import supervise
-    from isthmus.worker.agent import WorkerConfig
+    from isthmus.worker.agent import WorkerConfig, run_worker
     from isthmus.worker.crashes import CRASH_RECORD_ENV, TEST_CRASH_ENV, CrashConfig
-    from isthmus.worker.process import block_stop_signals, exit_with_parent, run_worker
+    from isthmus.worker.process import block_stop_signals, exit_with_parent
 
     if not (args.exit_with_parent or args.no_supervise
             or os.environ.get(supervise.ENVIRONMENT)):
@@ -346,7 +52,7 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     if args.exit_with_parent:
         exit_with_parent()
-    token = _fleet_token(args)
+    token = fleet_token(args)
     if args.connect_timeout <= 0:
         refuse(f"--connect-timeout must be positive, not {args.connect_timeout:g}")
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
@@ -366,14 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="isthmus", description="An open single-controller runtime for JAX.")
     commands = parser.add_subparsers(dest="subcommand", required=True)
-    up = commands.add_parser("up", help="run a server in the foreground")
-    _server_arguments(up)
-    run = commands.add_parser(
-        "run", help="start a server, run a command against it, stop the server",
-        usage="isthmus run [server options] -- CMD [ARGS...]")
-    _server_arguments(run)
-    add_client_arguments(run)
-    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
+    serve.add_server_commands(commands)
     worker = commands.add_parser("worker", help="serve this host's devices to a controller")
     worker.add_argument("--controller", required=True, help="HOST:PORT of the controller")
     worker.add_argument("--slice", type=int, default=-1,
@@ -429,12 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not command:
             refuse("give a command after --, e.g. isthmus run --service HOST:PORT -- python "
                     "train.py")
-        return service_run(args, command, child_environment)
-    _prepare_server_process(args)
+        return service_run(args, command, serve.child_environment)
+    serve.prepare_server_process(args)
     try:
         if args.subcommand == "up":
-            return asyncio.run(_up(args))
-        return asyncio.run(_run(args))
+            return asyncio.run(serve.up(args))
+        return asyncio.run(serve.run(args))
     except KeyboardInterrupt:
         return 0
     except (OSError, TimeoutError, PlatformUnavailable) as e:

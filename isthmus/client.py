@@ -23,13 +23,13 @@ def connect(address: str, *, timeout: float | None = None) -> None:
     # unless the user chose a level (effective when jaxlib is not yet loaded).
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
-    from jax._src import xla_bridge
 
     from isthmus._bootstrap.jax_plugins import isthmus_proxy
+    from isthmus.compat import jax as jax_compat
 
     if "://" not in address:
         address = f"grpc://{address}"
-    if xla_bridge.backends_are_initialized():
+    if jax_compat.backends_are_initialized():
         raise RuntimeError(
             "jax already initialized its backends in this process; call isthmus.connect() "
             "before the first jax computation (or set JAX_PLATFORMS=proxy and "

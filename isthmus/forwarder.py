@@ -68,15 +68,14 @@ class Forwarder:
                                                   server_hostname=host,
                                                   limit=PIPE_CHUNK)
             reader, writer = await asyncio.wait_for(opening, self.timeout)
-        except (OSError, ValueError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError, ValueError) as e:
             raise LeaseRefused(f"cannot reach the service at {self.service}: "
                                f"{_reason(e)}") from None
         writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
                      f"Proxy-Authorization: Basic {self.credentials}\r\n\r\n".encode())
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout)
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
             writer.close()
             raise LeaseRefused(f"the service at {self.service} did not open a tunnel: "
                                f"{_reason(e)}") from None

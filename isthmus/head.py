@@ -55,6 +55,7 @@ class HeadConfig:
     # What serves the client port: "h2" (wire/h2server.py), "grpc" (grpc.aio), or "auto"
     # (h2 when the h2 library is installed).
     client_transport: str = "auto"
+    max_message_bytes: int = 1 << 31  # a client's larger gRPC messages are refused
     shared: SharedConfig | None = None  # serve as a shared service (leases, identities)
     observe: ObserveConfig | None = None  # serve metrics and the live view (isthmus/observe)
 
@@ -185,6 +186,7 @@ class Head:
                 raise
         self.server, self.port = await start_server(
             self.frontend, config.host, config.port, extra_methods, config.client_transport,
+            max_message=config.max_message_bytes,
             gate=gate, unix_path=config.shared.unix_socket if config.shared else None)
         if self.manager is not None:
             self.manager.start()

@@ -249,7 +249,7 @@ class LocalLauncher:
                 for slot in self.slots:
                     try:
                         self._tend(slot, time.monotonic())
-                    except Exception:  # noqa: BLE001 - the watcher must outlive any one slot
+                    except Exception:
                         logger.exception("watching the worker of slice %s host %s failed",
                                          slot.slice_index, slot.host)
 

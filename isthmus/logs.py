@@ -28,7 +28,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
             "time": datetime.datetime.fromtimestamp(
-                record.created, datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                record.created, datetime.UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname, "logger": record.name, "message": record.getMessage()}
         kind = getattr(record, "event", None)
         if kind is not None:

@@ -1,23 +1,40 @@
-"""Options the `isthmus` commands share (platform, fleet TLS), and how a bad one is refused:
-one line naming it and the fix, exit code 2."""
+"""Options the `isthmus` commands share (platform, fleet TLS, fleet token), and how a bad one
+is refused: one line naming it and the fix, exit code 2."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
+from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
 from isthmus.transport.tls import from_options as tls_from_options
 from isthmus.worker.compile_cache import CacheConfig, CompileCache, parse_size
-from isthmus.worker.platforms import (DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Platform,
-                                      parse_gpus)
+from isthmus.worker.platforms import DEFAULT_GPU_MEMORY_FRACTION, PLATFORMS, Platform, parse_gpus
 
 
 def refuse(message: str) -> NoReturn:
     """A bad option or environment: one line naming it and the fix, exit code 2."""
     print(f"isthmus: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def fleet_token(args: argparse.Namespace) -> str:
+    """The fleet's shared secret: --token-file, else $ISTHMUS_FLEET_TOKEN, else none (any
+    worker that reaches the controller may join: a network the fleet trusts)."""
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            refuse(f"--token-file {args.token_file}: {e.strerror}")
+        if not token:
+            refuse(f"--token-file {args.token_file} is empty; put a "
+                    "secret in it (e.g. `openssl rand -hex 32 > FILE`)")
+        return token
+    return os.environ.get(TOKEN_ENVIRONMENT, "").strip()
 
 
 def tls_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from isthmus.compat import jax as jax_compat
 from isthmus.forwarder import Forwarder, ForwarderProcess, LeaseRefused
 
 __all__ = ["Forwarder", "Grant", "LeaseRefused", "connect", "keep", "lease", "take"]
@@ -299,7 +300,6 @@ def take(name: str, like: Any) -> Any:
     dtype, shape and sharding (rebuild the same mesh). Raises (NOT_FOUND) when nothing is
     kept under that name."""
     import jax
-    from jax._src import core
     from pathwaysutils.persistence import helper
     from pathwaysutils.plugin_executable import PluginExecutable
 
@@ -312,11 +312,11 @@ def take(name: str, like: Any) -> Any:
             "b64_name": helper.string_to_base64(f"{name}/{i}"),
             "b64_hlo_sharding_string": helper.get_hlo_sharding_string(sharding, len(leaf.shape)),
             "shape": helper.get_shape_info(leaf.dtype, leaf.shape),
-            "devices": {"device_ids": [d.id for d in sharding._device_assignment]},
+            "devices": {"device_ids": [d.id for d in jax_compat.device_assignment(sharding)]},
         })
     program = PluginExecutable(json.dumps({"isthmusTake": {"read_requests": requests}}))
     arrays, done = program.call(out_shardings=[leaf.sharding for leaf in leaves],
-                                out_avals=[core.ShapedArray(leaf.shape, leaf.dtype)
+                                out_avals=[jax.core.ShapedArray(leaf.shape, leaf.dtype)
                                            for leaf in leaves])
     done.result()
     return jax.tree_util.tree_unflatten(structure, arrays)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                              "for the default fleet")
     args = parser.parse_args(argv)
 
-    from isthmus.cli import child_environment
+    from isthmus.serve import child_environment
     from isthmus.testing import LocalServer
 
     out = pathlib.Path(args.out).resolve()

@@ -23,7 +23,8 @@ from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.logs import event
 from isthmus.transport.messages import CrashReport
-from isthmus.worker.programs import CompiledInfo, CompileRequest, canonical_digest
+from isthmus.transport.records import CompiledInfo, CompileRequest
+from isthmus.worker.programs import canonical_digest
 
 logger = logging.getLogger(__name__)
 

@@ -99,5 +99,5 @@ class OrderedDispatcher:
 def _run(operation: Operation) -> None:
     try:
         operation()
-    except Exception:  # noqa: BLE001 - an operation reports its errors through its outputs
+    except Exception:
         logger.exception("a dispatched operation raised; this is a bug in isthmus")

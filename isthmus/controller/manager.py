@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from isthmus import errors
+from isthmus.compat import jax as jax_compat
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.logs import event
@@ -338,7 +339,7 @@ class FleetManager:
             self._form_wanted.clear()
             try:
                 await self.form()
-            except Exception:  # noqa: BLE001 - retried on the next membership change
+            except Exception:
                 logger.exception("forming the collective group failed")
                 await asyncio.sleep(1.0)
                 self._form_wanted.set()
@@ -351,10 +352,9 @@ class FleetManager:
                 return
             generation = self.fleet.generation + 1
             address = f"{self.config.advertise_host}:{_free_port(self.config.advertise_host)}"
-            from jax._src.lib import _jax
-
             def serve(at: str) -> Any:
-                return _jax.get_distributed_runtime_service(at, len(members), recoverable=True)
+                return jax_compat.jaxlib_extension().get_distributed_runtime_service(
+                    at, len(members), recoverable=True)
 
             loop = asyncio.get_running_loop()
             self._services.append(await loop.run_in_executor(None, serve, address))

@@ -40,7 +40,7 @@ class Session(SessionSharing, SessionMoves, SessionKept, SessionProfiles):
         self.close_profiles()
         try:
             await asyncio.wait_for(self.dispatcher.flush(), 60)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("a closing session's queue did not drain within 60 s")
         for task in list(self._tasks):
             task.cancel()

@@ -20,7 +20,7 @@ from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, BufferGroup
 from isthmus.controller.fleet import Device
-from isthmus.controller.session_core import SessionCore, _as_error
+from isthmus.controller.session_core import SessionCore, as_error
 from isthmus.ids import BufferId
 
 
@@ -206,7 +206,7 @@ class SessionArrays(SessionCore):
 
     @staticmethod
     def _shards_failed(group: BufferGroup, positions: Sequence[int], e: Exception) -> None:
-        error = _as_error(e, "receiving the array's host data")
+        error = as_error(e, "receiving the array's host data")
         for p in positions:
             if group.error_at(p) is None:
                 group.set_error(p, error)
@@ -228,7 +228,7 @@ class SessionArrays(SessionCore):
     def _record_puts(group: BufferGroup, placed: list[int], outcomes: Sequence[Any]) -> None:
         for p, outcome in zip(placed, outcomes):
             if isinstance(outcome, BaseException) and group.error_at(p) is None:
-                group.set_error(p, _as_error(outcome, "storing host data"))
+                group.set_error(p, as_error(outcome, "storing host data"))
 
     def _defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
         """An operation that was to define `buffer` is over (with `error` if it failed)."""
@@ -257,6 +257,11 @@ class SessionArrays(SessionCore):
 
         self.dispatcher.submit([], run)
         return result
+
+    def disown(self, array: Array) -> None:
+        """Stops counting `array` among this session's arrays without releasing it: another
+        session releases it, in that session's order (a kept array that a keep replaces)."""
+        self._arrays.discard(array)
 
     def release(self, arrays: Sequence[Array]) -> None:
         """The client dropped these arrays; buffers no other array holds are freed."""

@@ -38,7 +38,7 @@ class SessionCore:
         task.add_done_callback(self._tasks.discard)
 
 
-def _as_error(e: BaseException, doing: str) -> errors.IsthmusError:
+def as_error(e: BaseException, doing: str) -> errors.IsthmusError:
     if isinstance(e, errors.IsthmusError):
         return e
     return errors.InternalError(

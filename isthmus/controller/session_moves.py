@@ -21,10 +21,10 @@ from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
 from isthmus.controller.session_arrays import SessionArrays
-from isthmus.controller.session_core import _as_error
+from isthmus.controller.session_core import as_error
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport.base import answered
-from isthmus.worker.programs import Aval, CompiledInfo
+from isthmus.transport.records import Aval, CompiledInfo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -247,7 +247,7 @@ class SessionMoves(SessionArrays):
             try:
                 await work
             except Exception as e:  # noqa: BLE001
-                error = _as_error(e, "moving an array between workers")
+                error = as_error(e, "moving an array between workers")
             finally:
                 self.controller.unpin(src)
             self._defined(dst, error)
@@ -411,12 +411,12 @@ def _settle_fetch(array: Array, box: sh.Box, done: asyncio.Future,
         result.set_exception(errors.InternalError(
             "fetching the array was cancelled; this is a bug in isthmus: please report it."))
     elif done.exception() is not None:
-        result.set_exception(_as_error(done.exception(), "fetching the array"))
+        result.set_exception(as_error(done.exception(), "fetching the array"))
     else:
         try:
             result.set_result(_assembled(array, [(box, done.result())]))
         except Exception as e:  # noqa: BLE001
-            result.set_exception(_as_error(e, "fetching the array"))
+            result.set_exception(as_error(e, "fetching the array"))
 
 
 async def _assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.ndarray]]],
@@ -428,7 +428,7 @@ async def _assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.n
             result.set_result(host)
     except Exception as e:  # noqa: BLE001
         if not result.done():
-            result.set_exception(_as_error(e, "fetching the array"))
+            result.set_exception(as_error(e, "fetching the array"))
 
 
 async def _settle(work: Awaitable[object], result: asyncio.Future[None]) -> None:
@@ -438,4 +438,4 @@ async def _settle(work: Awaitable[object], result: asyncio.Future[None]) -> None
             result.set_result(None)
     except Exception as e:  # noqa: BLE001
         if not result.done():
-            result.set_exception(_as_error(e, "waiting for the array"))
+            result.set_exception(as_error(e, "waiting for the array"))

@@ -23,11 +23,16 @@ from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, first_error, groups_of
 from isthmus.controller.controller import Executable
-from isthmus.controller.session_core import _as_error
-from isthmus.controller.session_python import (SessionPython, _default_layout, dtype_name,
-                                                finish, settle_after)
+from isthmus.controller.session_core import as_error
+from isthmus.controller.session_python import (
+    SessionPython,
+    default_layout,
+    dtype_name,
+    finish,
+    settle_after,
+)
 from isthmus.ids import BufferId, WorkerId
-from isthmus.worker.programs import Aval, CompiledInfo
+from isthmus.transport.records import Aval, CompiledInfo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,7 +134,7 @@ class SessionPersistence(SessionPython):
             await asyncio.gather(*(self.fleet.channel(w).write_meta(loc, dtype, shape, boxes)
                                    for w, loc, dtype, shape, boxes in metas))
         except Exception as e:  # noqa: BLE001
-            finish((), done, _as_error(e, "saving the checkpoint"))
+            finish((), done, as_error(e, "saving the checkpoint"))
             return
         finish((), done, None)
 
@@ -170,7 +175,7 @@ def plugin_info(name: str, outputs: tuple[Aval, ...], plan: object) -> CompiledI
     """What the client learns of a plugin program that runs nothing on the devices."""
     return CompiledInfo(
         name=name, params=(), outputs=outputs, param_shardings=None, output_shardings=None,
-        param_layouts=(), output_layouts=tuple(_default_layout(a.shape) for a in outputs),
+        param_layouts=(), output_layouts=tuple(default_layout(a.shape) for a in outputs),
         output_memory_kinds=("",) * len(outputs), donated_inputs=(),
         fingerprint=hashlib.sha256(repr(plan).encode()).digest(), cost_analysis={},
         hlo_text="", memory_stats={}, generated_code_bytes=0)
@@ -252,9 +257,9 @@ class SessionKept(SessionPersistence):
             for spec, array in zip(plan.arrays, args):
                 old = kept.arrays.pop(spec.name, None)
                 if old is not None:
-                    kept.keeper._arrays.discard(old)
+                    kept.keeper.disown(old)
                     self.release([old])  # in this session's order: after its earlier work
-                kept.arrays[spec.name] = kept.keeper._share(
+                kept.arrays[spec.name] = kept.keeper.share(
                     array.dtype, array.shape, array.sharding, array.shards, array.error)
             outputs: list[Array] = []
         else:
@@ -278,8 +283,8 @@ class SessionKept(SessionPersistence):
                         f"{spec.name!r} is kept as {dtype_name(array.dtype)}"
                         f"{list(array.shape)} on devices {list(array.sharding.devices)}; take "
                         "it with that dtype, shape and sharding.")
-                outputs.append(self._share(array.dtype, array.shape, array.sharding,
-                                           array.shards, array.error))
+                outputs.append(self.share(array.dtype, array.shape, array.sharding,
+                                          array.shards, array.error))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
 

@@ -32,11 +32,11 @@ from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array
 from isthmus.controller.controller import Executable
 from isthmus.controller.session_arrays import HostData, SessionArrays
-from isthmus.controller.session_core import _as_error
+from isthmus.controller.session_core import as_error
 from isthmus.controller.session_persistence import plugin_info
 from isthmus.ids import ExecutableId, WorkerId
+from isthmus.transport.records import Aval, TraceOptions
 from isthmus.worker import profiler
-from isthmus.worker.programs import Aval
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ProfilePlan:
     controller: bool  # the controller's own trace too (`includeResourceManagers`)
     run: str | None  # the run directory's name (`traceSessionName`); None: the start time
     output: bool  # each call returns one string array (`xprofTraceOptions` was given)
-    options: profiler.TraceOptions
+    options: TraceOptions
     max_duration: float | None  # seconds after which the profile stops by itself
     private: ClassVar[bool] = True  # the session's own executable (`Controller.executable`)
     on_hosts: ClassVar[bool] = False  # nothing to load on the workers
@@ -176,7 +176,7 @@ class SessionProfiles(SessionArrays):
             self._profiles.pop(trace.caller, None)
             if self.controller.profile is trace:
                 self.controller.profile = None
-            failure = _as_error(error, "starting the profile")
+            failure = as_error(error, "starting the profile")
             trace.started.set_exception(failure)
             trace.started.exception()  # retrieved: the caller's status reports it
             return
@@ -231,7 +231,7 @@ class SessionProfiles(SessionArrays):
         if error is not None:
             failed = [label for (_, label), o in zip(trace.hosts, outcomes)
                       if isinstance(o, BaseException)]
-            failure = _as_error(error, "writing the profile")
+            failure = as_error(error, "writing the profile")
             if failed:
                 failure = copy.copy(failure)  # the same error may fail other requests too
                 failure.args = (f"the profile of {', '.join(failed)} was not written to "

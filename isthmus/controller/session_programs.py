@@ -15,7 +15,7 @@ from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
 from isthmus.controller.session_arrays import SessionArrays
 from isthmus.ids import BufferId, WorkerId
-from isthmus.worker.programs import CompileRequest
+from isthmus.transport.records import CompileRequest
 
 
 class SessionPrograms(SessionArrays):

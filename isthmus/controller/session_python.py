@@ -17,11 +17,10 @@ from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
-from isthmus.controller.session_core import _as_error
+from isthmus.controller.session_core import as_error
 from isthmus.controller.session_programs import SessionPrograms
 from isthmus.ids import BufferId
-from isthmus.worker.colocated import ColocatedProgram
-from isthmus.worker.programs import Aval, CompiledInfo
+from isthmus.transport.records import Aval, ColocatedProgram, CompiledInfo
 
 Spec = tuple[dtypes.DType, tuple[int, ...], sh.Sharding]  # dtype, shape, sharding
 
@@ -58,8 +57,8 @@ class SessionPython(SessionPrograms):
             name=name, params=tuple(Aval(d, tuple(shape)) for d, shape, _ in inputs),
             outputs=tuple(Aval(d, tuple(shape)) for d, shape, _ in outputs),
             param_shardings=None, output_shardings=None,
-            param_layouts=tuple(_default_layout(shape) for _, shape, _ in inputs),
-            output_layouts=tuple(_default_layout(shape) for _, shape, _ in outputs),
+            param_layouts=tuple(default_layout(shape) for _, shape, _ in inputs),
+            output_layouts=tuple(default_layout(shape) for _, shape, _ in outputs),
             output_memory_kinds=tuple(s.memory_kind or "" for _, _, s in outputs),
             donated_inputs=(), fingerprint=hashlib.sha256(text).digest(), cost_analysis={},
             hlo_text="",
@@ -111,8 +110,8 @@ class SessionPython(SessionPrograms):
                 self.controller.ensure_loaded(executable)
                 waits = [self.fleet.channel(w).call_python(executable.id, refs, results, stream)
                          for w in executable.workers]
-            except Exception as e:  # noqa: BLE001 - the outputs must resolve, whatever happened
-                finish(out_groups, done, _as_error(e, "dispatching a colocated call"))
+            except Exception as e:
+                finish(out_groups, done, as_error(e, "dispatching a colocated call"))
                 raise
             self._spawn(settle_after(out_groups, done, waits, "a colocated call"))
 
@@ -129,7 +128,7 @@ def dtype_name(dtype: dtypes.DType) -> str:
     return "string" if dtype.is_string else dtype.numpy.name  # type: ignore[union-attr]
 
 
-def _default_layout(shape: Sequence[int]) -> str:
+def default_layout(shape: Sequence[int]) -> str:
     """A dense row-major layout, as XLA writes it (minor to major)."""
     return "{" + ",".join(str(d) for d in reversed(range(len(shape)))) + "}"
 
@@ -139,7 +138,7 @@ async def settle_after(groups: Sequence[BufferGroup | None], done: asyncio.Futur
     """Finishes a call's outputs (`finish`) once every host has answered."""
     outcomes = await asyncio.gather(*waits, return_exceptions=True)
     error = next((e for e in outcomes if isinstance(e, BaseException)), None)
-    finish(groups, done, None if error is None else _as_error(error, doing))
+    finish(groups, done, None if error is None else as_error(error, doing))
 
 
 def finish(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],

@@ -20,8 +20,10 @@ class SessionSharing(SessionArrays):
 
     # ---- arrays over existing buffers ----------------------------------------------------
 
-    def _share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
-               buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array:
+    def share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+              buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array:
+        """A new array of this session over `buffers` (shards of existing arrays, perhaps
+        another session's), holding them."""
         group = whole_group(buffers)
         if group is not None:
             group.refs += 1
@@ -40,9 +42,9 @@ class SessionSharing(SessionArrays):
         """One single-device array per shard, in the order of the sharding's devices."""
         boxes = sh.shard_boxes(array.sharding, array.shape)
         result = [
-            self._share(array.dtype, sh.shard_shape(box),
-                        sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
-                        [buffer], array.error)
+            self.share(array.dtype, sh.shard_shape(box),
+                       sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
+                       [buffer], array.error)
             for buffer, box in zip(array.shards, boxes)]
         if donate:
             self._donate_in_order(array)
@@ -80,7 +82,7 @@ class SessionSharing(SessionArrays):
                     f"{sharding.memory_kind!r}; copy it there first.")
             buffers.append(part.shards[0])
         error = first_error(a for a in parts if a.error is not None)
-        result = self._share(dtype, shape, sharding, buffers, error)
+        result = self.share(dtype, shape, sharding, buffers, error)
         if donate:
             for part in parts:
                 self._donate_in_order(part)
@@ -92,9 +94,9 @@ class SessionSharing(SessionArrays):
                 "the array is not fully replicated, so no single shard holds all of it; "
                 "reshard it to a replicated sharding first.")
         buffer = array.shards[0]
-        result = self._share(array.dtype, array.shape,
-                             sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
-                             [buffer], array.error)
+        result = self.share(array.dtype, array.shape,
+                            sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
+                            [buffer], array.error)
         if donate:
             self._donate_in_order(array)
         return result
@@ -151,7 +153,7 @@ class SessionSharing(SessionArrays):
                         f"the remap plan puts a shard held on device {buffer.device.id} at "
                         f"the place of device {device_id}; remapping cannot move data.")
             error = first_error(a for a in inputs if a.error is not None)
-            result.append(self._share(dtype, shape, sharding, buffers, error))  # type: ignore[arg-type]
+            result.append(self.share(dtype, shape, sharding, buffers, error))  # type: ignore[arg-type]
         if donate:
             for array in inputs:
                 self._donate_in_order(array)

@@ -17,6 +17,7 @@ import functools
 import math
 
 from isthmus import errors
+from isthmus.compat import jax as jax_compat
 from isthmus.ids import DeviceId
 
 # (start, stop) per dimension.
@@ -62,8 +63,7 @@ def _replicated_tiling(rank: int, count: int) -> _Tiling:
 
 @functools.lru_cache(maxsize=4096)
 def _hlo_tiling(op_sharding: bytes, rank: int, count: int) -> _Tiling:
-    from jax._src.lib import xla_client as xc  # jaxlib parses iota tile assignments for us
-
+    xc = jax_compat.xla_client()  # jaxlib parses iota tile assignments for us
     proto = xc.OpSharding()
     try:
         proto.ParseFromString(op_sharding)

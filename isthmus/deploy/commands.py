@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from isthmus import options
+from isthmus import options, serve
 from isthmus.deploy.kubernetes import TENANTS_DIR, TENANTS_FILE
 from isthmus.shared_commands import add_server_arguments, shared_config
 
@@ -65,7 +65,6 @@ def add_deploy_commands(commands: Any,
 
 def slurm_command(args: argparse.Namespace) -> int:
     """`isthmus slurm`: a fleet in this allocation (deploy/slurm.py)."""
-    from isthmus import cli
     from isthmus.deploy import slurm
 
     command = list(args.command)
@@ -86,9 +85,9 @@ def slurm_command(args: argparse.Namespace) -> int:
                                            command, service)
     except ValueError as e:
         options.refuse(str(e))
-    server = cli.build_parser().parse_args(arguments)
+    server = serve.server_parser().parse_args(arguments)
     shared_config(server)  # refuses a bad tenants file before any worker starts
-    cli._prepare_server_process(server)
+    serve.prepare_server_process(server)
     step = slurm.start_workers(fleet, platform, os.environ)  # type: ignore[arg-type]
     slurm.write_address(args.address_file, fleet)
     role = f"shared service (tenants: {args.tenants})" if args.tenants else "controller"
@@ -96,7 +95,7 @@ def slurm_command(args: argparse.Namespace) -> int:
           f"slices; {role} at grpc://{fleet.host}:{fleet.port}", file=sys.stderr,
           flush=True)
     try:
-        return asyncio.run(cli._run(server) if command else cli._up(server))
+        return asyncio.run(serve.run(server) if command else serve.up(server))
     except KeyboardInterrupt:
         return 0
     finally:
@@ -119,7 +118,6 @@ def service_options(args: argparse.Namespace) -> list[str]:
 
 def k8s_command(args: argparse.Namespace) -> int:
     """`isthmus k8s render`: the manifests of a fleet (deploy/kubernetes.py)."""
-    from isthmus import cli
     from isthmus.deploy.kubernetes import FleetShape, render, to_yaml
 
     try:

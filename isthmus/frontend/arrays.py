@@ -138,10 +138,12 @@ def bitcast_arrays(session: Any, request: Any, response: Any) -> None:
 @handles("make_error_arrays_request", arrays=("array_handles",))
 def make_error_arrays(session: Any, request: Any, response: Any) -> None:
     body = request.make_error_arrays_request
-    code = body.error.code or errors.Code.UNKNOWN
+    try:
+        code = errors.Code(body.error.code or errors.Code.UNKNOWN)
+    except ValueError:  # a status code without a name here
+        code = errors.Code.UNKNOWN
     error = errors.IsthmusError(body.error.message or "error array made by the client",
-                                code=errors.Code(code) if code in errors.Code._value2member_map_
-                                else errors.Code.UNKNOWN)
+                                code=code)
     results = []
     for spec_proto in body.array_specs:
         spec = session.serdes.array_spec(spec_proto)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from isthmus import errors
-from isthmus.worker.colocated import PROGRAM_TYPE
+from isthmus.transport.records import COLOCATED_PROGRAM_TYPE
 
 
 def compile_custom_call(session: Any, program: Any) -> tuple[Any, str]:
@@ -20,10 +20,10 @@ def compile_custom_call(session: Any, program: Any) -> tuple[Any, str]:
         custom = proto.FromString(program.data)
     except Exception:  # noqa: BLE001 - protobuf's DecodeError
         raise errors.InvalidRequest("the CustomCallProgram does not parse.") from None
-    if custom.type != PROGRAM_TYPE:
+    if custom.type != COLOCATED_PROGRAM_TYPE:
         raise errors.Unimplemented(
             f"custom call programs of type {custom.type!r} are not supported; isthmus runs "
-            f"{PROGRAM_TYPE!r} (jax.experimental.colocated_python).")
+            f"{COLOCATED_PROGRAM_TYPE!r} (jax.experimental.colocated_python).")
     serdes = session.serdes
     inputs = [serdes.array_spec(s) for s in custom.input_specs]
     outputs = [serdes.array_spec(s) for s in custom.output_specs]

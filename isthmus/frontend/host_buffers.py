@@ -109,7 +109,7 @@ class HostBufferStore:
         if entry is None or entry.receiver is not None:  # a buffer feeds one request
             try:
                 receiver(None, errors.InvalidRequest(_CLAIMED.format(handle=handle)))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("refusing host buffer %s failed", handle)
             return
         entry.receiver = receiver
@@ -141,7 +141,7 @@ class HostBufferStore:
         self._drop(handle)
         try:
             receiver(data, error)  # type: ignore[misc, arg-type]
-        except Exception:  # noqa: BLE001 - the upload that brought it must not fail for it
+        except Exception:
             logger.exception("placing host buffer %s failed", handle)
 
     def _watch(self) -> None:
@@ -184,7 +184,7 @@ class HostBufferStore:
         if not entry.future.done():
             try:
                 await asyncio.wait_for(asyncio.shield(entry.future), self._start_timeout * 4)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise errors.HostBufferMissing(
                     f"host buffer {handle} was never filled; look up only handles named in a "
                     "CopyToHostBuffer request of this session.") from None

@@ -25,7 +25,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.controller.session_profiles import ProfilePlan
-from isthmus.worker.profiler import TraceOptions
+from isthmus.transport.records import TraceOptions
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _ADVANCED_KINDS = ("boolValue", "int64Value", "stringValue")

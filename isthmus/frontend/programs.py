@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from isthmus import errors
+from isthmus.compat import jax as jax_compat
 from isthmus.frontend.colocated import compile_custom_call
 from isthmus.frontend.persistence import compile_plugin
 from isthmus.frontend.registry import handles
-from isthmus.worker.programs import CompileRequest
+from isthmus.transport.records import CompileRequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,7 @@ class CompileOptionsVetter:
     """
 
     def __init__(self, schema: Any) -> None:
-        from jax._src.lib import xla_client as xc  # the server's own defaults
-
+        xc = jax_compat.xla_client()  # the server's own defaults
         self._xla_options = schema["xla.ifrt.XlaCompileOptionsProto"]
         self._options = schema["xla.CompileOptionsProto"]
         defaults = self._options.FromString(xc.CompileOptions().SerializeAsString())

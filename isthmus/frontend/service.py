@@ -17,8 +17,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.session import Session as ControllerSession
-from isthmus.frontend import (  # noqa: F401 - importing registers the handlers
-    arrays, devices, execute, futures, programs, transfers, unsupported)
+from isthmus.frontend import arrays, devices, execute, futures, programs, transfers, unsupported  # noqa: F401 - importing registers the handlers
 from isthmus.frontend.host_buffers import HostBufferStore, map_shared_file
 from isthmus.frontend.programs import CompileOptionsVetter
 from isthmus.frontend.registry import HANDLERS

@@ -67,7 +67,7 @@ class SharedService:
             await asyncio.sleep(TICK_SECONDS)
             try:
                 self.book.tick()
-            except Exception:  # noqa: BLE001 - a bug here must not stop leases expiring
+            except Exception:
                 logger.exception("the lease book's tick failed")
 
     # ---- identities ------------------------------------------------------------------------
@@ -172,7 +172,7 @@ class SharedService:
                 try:
                     await asyncio.wait_for(changed.wait(), QUEUE_REPORT_SECONDS
                                            if lease.state is LeaseState.QUEUED else None)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             lease.watchers.remove(changed.set)

@@ -21,8 +21,12 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from isthmus.controller.counts import PROGRAM_BUCKETS
 from isthmus.observe.sources import Host, Sources

@@ -50,7 +50,7 @@ class WebServer:
             writer.close()
         try:
             await asyncio.wait_for(self._server.wait_closed(), 2.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self._server = None
 
@@ -60,8 +60,7 @@ class WebServer:
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IO_TIMEOUT)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                    asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                 return
             status, headers, body, method = await self._answer(head)
             lines = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers),
@@ -71,7 +70,7 @@ class WebServer:
             if method != "HEAD":
                 writer.write(body)
             await asyncio.wait_for(writer.drain(), IO_TIMEOUT)
-        except (asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError):
             pass
         finally:
             self._writers.discard(writer)
@@ -103,7 +102,7 @@ class WebServer:
             if inspect.isawaitable(answer):
                 answer = await answer
             content_type, body = answer
-        except Exception:  # noqa: BLE001 - a broken route must not end the server
+        except Exception:
             logger.exception("the observer's page %s failed", target[:200])
             return _text("500 Internal Server Error", "this page failed; the server's log "
                          "says why\n") + (method,)

@@ -56,9 +56,23 @@ def _library_path() -> pathlib.Path:
     if not path.exists():
         raise SchemaError(
             f"{path} not found: isthmus reads the IFRT proxy schema from jaxlib's shared "
-            "library; install a jaxlib wheel from PyPI (jaxlib>=0.10,<0.11)."
+            f"library; install a jaxlib wheel from PyPI ({_supported_jaxlib()})."
         )
     return path
+
+
+def _supported_jaxlib() -> str:
+    """The jaxlib requirement isthmus was installed with (its package metadata), so that the
+    message follows pyproject.toml instead of going stale."""
+    from importlib import metadata
+
+    try:
+        for requirement in metadata.requires("isthmus") or ():
+            if requirement.replace(" ", "").startswith("jaxlib") and "extra" not in requirement:
+                return requirement.replace(" ", "")
+    except metadata.PackageNotFoundError:
+        pass
+    return "the jaxlib range of isthmus's pyproject.toml"
 
 
 # FileDescriptorProto field number -> allowed wire types.

@@ -41,7 +41,7 @@ def _mac(token: bytes, role: bytes, *parts: bytes) -> bytes:
 async def _read(reader: Any, n: int) -> bytes:
     try:
         return await asyncio.wait_for(reader.readexactly(n), HANDSHAKE_TIMEOUT)
-    except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
         raise Unauthenticated("the other end closed or stalled during the handshake") from None
 
 

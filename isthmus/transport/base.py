@@ -123,7 +123,7 @@ class WorkerChannel(Protocol):
 
     def start_profile(self, trace: str, options: Any) -> Awaitable[bool]:
         """Starts jax's profiler in the worker's process for profile `trace` (options: a
-        `worker.profiler.TraceOptions`); programs run after this command are in it. Resolves
+        `records.TraceOptions`); programs run after this command are in it. Resolves
         to False when that process records the trace already (an in-process host shares its
         controller's process)."""
 

@@ -179,7 +179,7 @@ class Codec:
         if code == _SLICE:
             return slice(*rest)
         if code == _ARRAY:
-            import ml_dtypes  # noqa: F401 - bfloat16 and friends, by name
+            import ml_dtypes
 
             dtype, shape, raw = rest
             kind = np.dtype(getattr(ml_dtypes, dtype, dtype))

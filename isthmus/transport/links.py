@@ -22,8 +22,14 @@ from isthmus import errors
 from isthmus.hostmem import byte_view
 from isthmus.transport import auth
 from isthmus.transport import messages as m
-from isthmus.transport.frames import (FrameStream, StreamClosed, connect, keep_alive,
-                                      read_frame, write_frame)
+from isthmus.transport.frames import (
+    FrameStream,
+    StreamClosed,
+    connect,
+    keep_alive,
+    read_frame,
+    write_frame,
+)
 from isthmus.transport.tls import FLEET_NAME, GRPC_NAME_OPTION, TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -93,7 +99,7 @@ class ControllerLink:
             self._stream.close()
             try:
                 await asyncio.wait_for(self._stream.wait_closed(), 2.0)
-            except (asyncio.TimeoutError, ConnectionError, OSError):
+            except (TimeoutError, ConnectionError, OSError):
                 pass
 
 

@@ -65,7 +65,7 @@ def dtype_name(dtype: Any) -> str:
 
 
 def dtype_of(name: str) -> Any:
-    import ml_dtypes  # noqa: F401 - makes np.dtype() know bfloat16, float8_*, int4, ...
+    import ml_dtypes
     import numpy as np
 
     return object if name == "object" else np.dtype(getattr(ml_dtypes, name, name))
@@ -345,7 +345,7 @@ class Load:
 
 @_message
 class CompilePython:
-    """A colocated Python program (`worker.colocated.ColocatedProgram`) to unpickle."""
+    """A colocated Python program (`records.ColocatedProgram`) to unpickle."""
 
     request: int
     executable: int

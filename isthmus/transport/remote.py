@@ -25,8 +25,7 @@ from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
 from isthmus.transport.flow import FlowGate
-from isthmus.worker.profiler import TraceOptions
-from isthmus.worker.programs import CompileRequest
+from isthmus.transport.records import CompileRequest, TraceOptions
 
 logger = logging.getLogger(__name__)
 

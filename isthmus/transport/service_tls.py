@@ -48,7 +48,7 @@ def self_signed(directory: str, names: list[str], days: int = 365) -> ServiceCer
             alternatives.append(x509.IPAddress(ipaddress.ip_address(name.strip("[]"))))
         except ValueError:
             alternatives.append(x509.DNSName(name))
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())

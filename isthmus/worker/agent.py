@@ -25,19 +25,24 @@ from isthmus import errors, gctune
 from isthmus.ids import COMPANION_BASE, BufferId
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
-from isthmus.transport.tls import TlsConfig
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
-from isthmus.worker.colocated import ColocatedProgram
+from isthmus.transport.records import ColocatedProgram, CompileRequest
+from isthmus.transport.tls import TlsConfig
+from isthmus.worker.applying import CommandApplier
+from isthmus.worker.commands import Incoming, probe_found, produced, unpack
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.crashes import CrashConfig, CrashRecord
 from isthmus.worker.host import DeviceHost
-from isthmus.worker.platforms import (EXIT_PLATFORM_UNAVAILABLE, Description, Platform,
-                                     PlatformUnavailable, companion_devices, describe,
-                                     join_group)
-from isthmus.worker.process import exit_now, preload
-from isthmus.worker.applying import CommandApplier
-from isthmus.worker.commands import _Incoming, _produced, _reads, _unpack
-from isthmus.worker.programs import CompileRequest
+from isthmus.worker.platforms import (
+    EXIT_PLATFORM_UNAVAILABLE,
+    Description,
+    Platform,
+    PlatformUnavailable,
+    companion_devices,
+    describe,
+    join_group,
+)
+from isthmus.worker.process import exit_now, preload, watch_stop_signals
 from isthmus.worker.simulated import make_host
 
 logger = logging.getLogger(__name__)
@@ -77,7 +82,7 @@ class WorkerAgent(CommandApplier):
         self._next_client: Any = None
         self._next_companions: Any = None  # its colocated CPU devices' client (accelerators)
         self._keep: list[Any] = []  # distributed clients of past groups stay alive
-        self._incoming: dict[int, _Incoming] = {}
+        self._incoming: dict[int, Incoming] = {}
         # Every program the controller gave this worker, by executable id. Kept across
         # collective groups: after a re-formation a program is compiled again on first use.
         self._programs: dict[int, CompileRequest | ColocatedProgram] = {}
@@ -113,7 +118,7 @@ class WorkerAgent(CommandApplier):
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()  # for `stop_soon` from other threads
         crash = self._crashes.take()  # how this slot's last process died, if it crashed
         self._crashes.arm()
         # Heavy imports now, before registering: later they would hold the GIL and silence
@@ -161,7 +166,7 @@ class WorkerAgent(CommandApplier):
                          e)
             await self._link.close()
             return EXIT_REFUSED
-        except (asyncio.TimeoutError, StopAsyncIteration, Exception) as e:  # noqa: BLE001
+        except (TimeoutError, StopAsyncIteration, Exception) as e:  # noqa: BLE001
             code = getattr(e, "code", None)
             why = code().name if callable(code) else (str(e) or type(e).__name__)
             logger.error("cannot reach the controller at %s within %g s (%s); check that it "
@@ -184,7 +189,7 @@ class WorkerAgent(CommandApplier):
                                 self._on_pulse)
             self._pulse.start()
         self._pulse.token = welcome.token or None
-        if welcome.shared_probe is not None and _reads(*welcome.shared_probe):
+        if welcome.shared_probe is not None and probe_found(*welcome.shared_probe):
             self._link.send(m.SharedDir(os.path.dirname(welcome.shared_probe[0])))
         loop = asyncio.get_running_loop()
         heartbeat = loop.create_task(self._heartbeat(welcome.heartbeat_interval))
@@ -276,7 +281,7 @@ class WorkerAgent(CommandApplier):
 
     async def _handle(self, message: Any) -> None:
         if isinstance(message, m.Batch):
-            for command in _unpack(message.commands):
+            for command in unpack(message.commands):
                 if isinstance(command, m.CallPython):
                     await self._load(command.executable)
                 elif isinstance(command, m.Execute):
@@ -328,7 +333,7 @@ class WorkerAgent(CommandApplier):
         if request is not None:
             self._reply(request, error=error)
         if self.host is not None:
-            for buffer_id in _produced(command):
+            for buffer_id in produced(command):
                 self.host.fail(buffer_id, error)
 
     def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
@@ -350,7 +355,7 @@ class WorkerAgent(CommandApplier):
                     f"[{e.message}]" if reason else e.message))
             except errors.IsthmusError as e:
                 self._reply(request, error=e)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 logger.exception("request %s failed", request)
                 self._reply(request, error=errors.InternalError(
                     f"the worker failed unexpectedly ({type(e).__name__}: {e}); this is a "
@@ -372,7 +377,7 @@ class WorkerAgent(CommandApplier):
         if not self._superseded.is_set():
             try:
                 await asyncio.wait_for(self._superseded.wait(), LOSS_REASON_WAIT)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         if self._superseded.is_set() and self._pending_reason:
             return self._pending_reason
@@ -398,7 +403,7 @@ class WorkerAgent(CommandApplier):
             return
         try:
             info = await host.compile(executable, request)
-        except Exception:  # noqa: BLE001 - the host keeps the error for the Execute
+        except Exception:
             logger.warning("compiling program %s again failed", executable, exc_info=True)
             return
         if info is not None:
@@ -450,3 +455,10 @@ class WorkerAgent(CommandApplier):
                 task.cancel()
                 self._apply(command)
         self._superseded.clear()
+
+
+async def run_worker(config: WorkerConfig) -> int:
+    """Runs a worker until it stops; stop signals end it gracefully."""
+    agent = WorkerAgent(config)
+    watch_stop_signals(agent.stop_soon, agent.stop)
+    return await agent.run()

@@ -15,12 +15,10 @@ from isthmus.hostmem import Assembly, byte_view, map_file
 from isthmus.transport import messages as m
 from isthmus.transport.base import answered
 from isthmus.transport.links import ControllerLink, PeerClient
-from isthmus.worker.colocated import ColocatedProgram
-from isthmus.worker.commands import _Incoming, _request, write_fetched
+from isthmus.transport.records import ColocatedProgram, CompileRequest, TraceOptions
+from isthmus.worker.commands import Incoming, compile_request, write_fetched
 from isthmus.worker.crashes import CrashRecord
 from isthmus.worker.host import DeviceHost
-from isthmus.worker.profiler import TraceOptions
-from isthmus.worker.programs import CompileRequest
 
 SMALL_FETCH_BYTES = 64 << 10  # a fetched buffer this small travels inside its Reply
 
@@ -29,7 +27,7 @@ class CommandApplier:
     """`_apply` and the work it starts; the agent owns the state named here."""
 
     host: DeviceHost | None
-    _incoming: dict[int, _Incoming]
+    _incoming: dict[int, Incoming]
     _programs: dict[int, CompileRequest | ColocatedProgram]
     _refused: dict[int, tuple[errors.IsthmusError, tuple[int, ...]]]
     _crashes: CrashRecord
@@ -58,8 +56,8 @@ class CommandApplier:
             finally:
                 running(0)
         elif isinstance(c, m.PutBegin):
-            self._incoming[c.buffer] = _Incoming(Assembly(c.nbytes), c.device, c.memory_kind,
-                                                 m.dtype_of(c.dtype), c.shape)
+            self._incoming[c.buffer] = Incoming(Assembly(c.nbytes), c.device, c.memory_kind,
+                                                m.dtype_of(c.dtype), c.shape)
         elif isinstance(c, m.PutData):
             incoming = self._incoming[c.buffer]
             value = incoming.add(c.offset, c.data)
@@ -81,10 +79,10 @@ class CommandApplier:
         elif isinstance(c, m.Free):
             host.free(c.buffers)
         elif isinstance(c, m.Compile):
-            self._programs[c.executable] = _request(c)
+            self._programs[c.executable] = compile_request(c)
             self._spawn(c.request, self._compile(host, c))
         elif isinstance(c, m.Load):
-            self._programs[c.executable] = _request(c)
+            self._programs[c.executable] = compile_request(c)
         elif isinstance(c, m.CallPython):
             self._spawn(c.request, host.call_python(c.executable, c.args, c.results, c.stream))
         elif isinstance(c, m.CompilePython):

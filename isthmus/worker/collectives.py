@@ -15,7 +15,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
-from isthmus.worker.slots import _any_failed, _block_all, _first, _Loaded
+from isthmus.worker.slots import Loaded, any_failed, block_all, first_of
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class CollectiveOrder:
     def spans_any(self, executable_id: ExecutableId, device_ids: frozenset[int]) -> bool:
         """The program runs on some of these devices of other hosts."""
         loaded = self._executables.get(executable_id)
-        return (isinstance(loaded, _Loaded) and loaded.span is not None
+        return (isinstance(loaded, Loaded) and loaded.span is not None
                 and not loaded.span.isdisjoint(device_ids))
 
     def fail_outputs(self, executable_id: ExecutableId, results: Sequence[int],
@@ -48,7 +48,7 @@ class CollectiveOrder:
         """The program runs on several devices of this host, or on devices of other hosts
         too: it may meet them in collectives."""
         loaded = self._executables.get(executable_id)
-        return isinstance(loaded, _Loaded) and (
+        return isinstance(loaded, Loaded) and (
             len(loaded.positions) > 1 or loaded.span is not None)
 
     async def collective_settled(self, executable_id: ExecutableId,
@@ -79,16 +79,16 @@ class CollectiveOrder:
         if not values or superseded.is_set():
             return
         loaded = self._executables.get(executable_id)
-        local = (isinstance(loaded, _Loaded) and len(loaded.positions) > 1
+        local = (isinstance(loaded, Loaded) and len(loaded.positions) > 1
                  and (self._shared_pool or loaded.devices[0].platform == "cpu"))
         pending = [v for v in values if not v.is_ready()]
         if pending and local:
-            await _first(superseded, asyncio.get_running_loop().run_in_executor(
-                self._pool, _block_all, pending))
+            await first_of(superseded, asyncio.get_running_loop().run_in_executor(
+                self._pool, block_all, pending))
             pending = [v for v in values if not v.is_ready()]
-        if not pending and not superseded.is_set() and _any_failed(values):
+        if not pending and not superseded.is_set() and any_failed(values):
             logger.info("a collective program failed; waiting up to %.0f s for the group "
                         "to re-form before the next one", self.HOLD_AFTER_FAILURE)
-            await _first(superseded, asyncio.sleep(self.HOLD_AFTER_FAILURE))
+            await first_of(superseded, asyncio.sleep(self.HOLD_AFTER_FAILURE))
 
     HOLD_AFTER_FAILURE = 3.0  # seconds: the controller re-forms within ~0.5 s of a loss

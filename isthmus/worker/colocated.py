@@ -26,29 +26,15 @@ import dataclasses
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from isthmus import errors
-from isthmus.transport.messages import CODEC
+from isthmus.compat import jax as jax_compat
+from isthmus.transport.records import ColocatedProgram
 
-PROGRAM_TYPE = "jax_colocated_python_v0.0.1"
 MAX_TRACEBACK_CHARS = 6000
-
-
-@CODEC.record  # travels in compile and load commands
-@dataclasses.dataclass(frozen=True, slots=True)
-class ColocatedProgram:
-    """A colocated Python function as a host needs it."""
-
-    name: str
-    text: bytes  # cloudpickle of (fun, in tree, in specs, out tree, out specs, devices)
-    device_ids: tuple[int, ...]  # global ids of the call's devices
-    inputs: tuple[tuple[int, ...], ...]  # per input: global device ids, in its sharding's order
-    outputs: tuple[tuple[int, ...], ...]  # per output: likewise
-    output_types: tuple[tuple[str, tuple[int, ...]], ...]  # per output: (dtype name, shape)
-    private: ClassVar[bool] = True  # the session's own executable (`Controller.executable`)
 
 
 class Pending:
@@ -93,40 +79,17 @@ _patch_lock = threading.RLock()
 
 def use_devices(devices: dict[int, Any]) -> None:
     """Points jax's colocated-Python (de)serialization at these devices, by global id."""
-    from jax.experimental.colocated_python import serialization as s
-
     _current["by_id"] = dict(devices)
     _current["ids"] = {d: g for g, d in devices.items()}
     with _patch_lock:
-        if getattr(s, "_isthmus_patched", False):
-            return
-        s._get_cpu_device_map = lambda: _current["by_id"]
-        wrap = s._make_reduce_func_with_common_obj
+        jax_compat.point_colocated_devices(lambda: _current["by_id"], _global_id)
 
-        def global_id(device: Any) -> int:
-            found = _current["ids"].get(device)
-            if found is None:
-                raise ValueError(f"device {device} is not one of this host's devices")
-            return found
 
-        @wrap
-        def reduce_mesh(mesh: Any) -> tuple[Callable[..., Any], Any]:
-            ids = np.vectorize(global_id, otypes=[int])(mesh.devices)
-            return s._unreduce_mesh, (ids, mesh.axis_names, mesh.axis_types)
-
-        @wrap
-        def reduce_device_list(device_list: Any) -> tuple[Callable[..., Any], Any]:
-            return s._unreduce_device_list, ([global_id(d) for d in device_list],)
-
-        @wrap
-        def reduce_single_device_sharding(sharding: Any) -> tuple[Callable[..., Any], Any]:
-            (device,) = sharding.device_set
-            return s._unreduce_single_device_sharding, (global_id(device), sharding.memory_kind)
-
-        s._reduce_mesh = reduce_mesh
-        s._reduce_device_list = reduce_device_list
-        s._reduce_single_device_sharding = reduce_single_device_sharding
-        s._isthmus_patched = True
+def _global_id(device: Any) -> int:
+    found = _current["ids"].get(device)
+    if found is None:
+        raise ValueError(f"device {device} is not one of this host's devices")
+    return found
 
 
 @dataclasses.dataclass(slots=True)
@@ -158,12 +121,12 @@ def user_error(name: str, e: BaseException) -> errors.IsthmusError:
 
 def load(program: ColocatedProgram, devices: dict[int, Any], local: set[Any]) -> PythonFunction:
     """Unpickles a program for this host's devices (blocking: it may import modules)."""
-    from jax.experimental.colocated_python import serialization
-
     use_devices(devices)
     try:
         with _patch_lock:  # unpickling imports modules: one at a time (jax 0.12 does too)
-            fun, in_tree, in_specs, _, _, _ = serialization._deserialize(program.text)
+            fun, in_tree, in_specs, _, _, _ = jax_compat.deserialize_colocated(program.text)
+    except jax_compat.JaxInternalMissing as e:
+        raise errors.CompileError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a module missing here, a version skew, ...
         raise errors.CompileError(
             f"the colocated Python function {program.name!r} could not be unpickled on the "
@@ -184,7 +147,7 @@ def run(function: PythonFunction, devices: dict[int, Any], inputs: Sequence[Sequ
     """Calls the function on this host's shards (blocking); returns, per output, the values
     of its local positions."""
     import jax
-    from jax._src import tree_util
+    from jax import tree_util
 
     program = function.program
     use_devices(devices)
@@ -231,7 +194,7 @@ def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int
                   devices: dict[int, Any]) -> list[Any]:
     import jax
 
-    from isthmus.worker.slots import _HostArray
+    from isthmus.worker.slots import HostArray
 
     dtype_name, shape = program.output_types[index]
     if not isinstance(out, jax.Array):
@@ -251,7 +214,7 @@ def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int
             raise ValueError(f"output {index} has no shard on {device}, which its spec names")
         if is_string:
             host = np.asarray(shard)
-            shard = _HostArray(np.array([str(x).encode() for x in host.flat],
-                                        dtype=object).reshape(host.shape))
+            shard = HostArray(np.array([str(x).encode() for x in host.flat],
+                                       dtype=object).reshape(host.shape))
         values.append(shard)
     return values

@@ -14,11 +14,11 @@ import numpy as np
 from isthmus import errors
 from isthmus.hostmem import Assembly, write_file
 from isthmus.transport import messages as m
-from isthmus.worker.programs import CompileRequest
+from isthmus.transport.records import CompileRequest
 
 
 @dataclasses.dataclass(slots=True)
-class _Incoming:
+class Incoming:
     """A put arriving in pieces (`PutData`, `hostmem.Assembly`)."""
 
     pieces: Assembly
@@ -33,7 +33,7 @@ class _Incoming:
         return self.pieces.value(self.dtype, self.shape)
 
 
-def _reads(path: str, token: str) -> bool:
+def probe_found(path: str, token: str) -> bool:
     """The controller's probe file is here with its contents: we share its machine."""
     try:
         with open(path) as f:
@@ -42,11 +42,11 @@ def _reads(path: str, token: str) -> bool:
         return False
 
 
-def _request(c: m.Compile | m.Load) -> CompileRequest:
+def compile_request(c: m.Compile | m.Load) -> CompileRequest:
     return CompileRequest(c.module, c.compile_options, c.device_ids, c.replicas, c.namespace)
 
 
-def _unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
+def unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
     """The commands of a batch, with those shared by several workers decoded in place."""
     for command in commands:
         if isinstance(command, m.Shared):
@@ -55,7 +55,7 @@ def _unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
             yield command
 
 
-def _produced(command: Any) -> list[int]:
+def produced(command: Any) -> list[int]:
     """The buffers a command would have made (an Execute fails its own outputs)."""
     if isinstance(command, m.Execute):
         return []

@@ -21,17 +21,29 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
+from isthmus.compat import jax as jax_compat
 from isthmus.ids import BufferId, ExecutableId
-from isthmus.worker import colocated, programs
+from isthmus.transport import records
+from isthmus.worker import programs, regroup
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.persistence import Persistence
 from isthmus.worker.profiler import HostProfiles
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.reads import ReadsInFlight
-from isthmus.worker.slots import (_block_all, _done, _failed, _Failed, _HostArray, _Loaded,
-                                  _Unloadable, computation_error, make_cpu_client, move,
-                                  place)
+from isthmus.worker.slots import (
+    Failed,
+    HostArray,
+    Loaded,
+    Unloadable,
+    already_done,
+    block_all,
+    computation_error,
+    failing,
+    make_cpu_client,
+    move,
+    place,
+)
 
 __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
 
@@ -75,7 +87,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
         self._shared_pool = getattr(client, "platform", "cpu") == "cpu"
         self._buffers: dict[BufferId, Any] = {}
         self._shardings: dict[tuple[int, str | None], Any] = {}  # see `_sharding`
-        self._executables: dict[ExecutableId, _Loaded | _Unloadable] = {}
+        self._executables: dict[ExecutableId, Loaded | Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
         # Outputs of programs that span other hosts -> those programs' devices: when the
         # group re-forms without one of them, such an output still being computed never will.
@@ -98,11 +110,11 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
             memory_kind: str | None = None) -> Awaitable[None]:
         """Stores `value` on a device; resolves once stored. `value` must not change."""
         if value.dtype == object:  # IFRT string arrays stay host objects
-            self._buffers[buffer_id] = _HostArray(value)
-            return _done()
+            self._buffers[buffer_id] = HostArray(value)
+            return already_done()
         if value.nbytes <= self.INLINE_PUT_BYTES:
             self._put_blocking(buffer_id, device_id, value, memory_kind)
-            return _done()
+            return already_done()
         write = asyncio.get_running_loop().run_in_executor(
             self._pool, self._put_blocking, buffer_id, device_id, value, memory_kind)
         self._writes.add(write)
@@ -136,19 +148,19 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
 
     def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
         """Makes `buffer_id` an error buffer: every use of it reports `error`."""
-        self._buffers[buffer_id] = _Failed(error)
+        self._buffers[buffer_id] = Failed(error)
 
     def copy(self, src: BufferId, dst: BufferId, device_id: int,
              memory_kind: str | None = None) -> None:
         """Copies a buffer to another local device (or memory kind)."""
         value = self._buffers.get(src)
-        if value is None or isinstance(value, _Failed):
-            self._buffers[dst] = value if value is not None else _Failed(self._missing(src))
+        if value is None or isinstance(value, Failed):
+            self._buffers[dst] = value if value is not None else Failed(self._missing(src))
             return
         try:
             target = self._sharding(device_id, memory_kind)
-            if isinstance(value, _HostArray):
-                self._buffers[dst] = _HostArray(value.value)
+            if isinstance(value, HostArray):
+                self._buffers[dst] = HostArray(value.value)
                 return
             self._buffers[dst] = move(value, target)
             self._inherit(dst, (src,))
@@ -217,7 +229,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
     def _waits(self, buffer_id: BufferId) -> bool:
         """The buffer is still being computed (a finished one waits for no peer)."""
         value = self._buffers.get(buffer_id)
-        return value is not None and not isinstance(value, (_Failed, _HostArray)) and (
+        return value is not None and not isinstance(value, (Failed, HostArray)) and (
             not value.is_ready())
 
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
@@ -234,10 +246,10 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
 
     def stats(self) -> dict[str, int]:
         live = [v for v in self._buffers.values()
-                if not isinstance(v, _Failed) and not v.is_deleted()]
+                if not isinstance(v, Failed) and not v.is_deleted()]
         cache = self.compile_cache.stats() if self.compile_cache is not None else {}
         return {"buffers": len(live), "bytes": sum(v.nbytes for v in live),
-                "executables": sum(isinstance(e, _Loaded) for e in self._executables.values()),
+                "executables": sum(isinstance(e, Loaded) for e in self._executables.values()),
                 **cache, **self.device_memory()}
 
     def device_memory(self) -> dict[str, int]:
@@ -271,7 +283,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
         value = self._buffers.get(buffer_id)
         if value is None:
             raise self._missing(buffer_id)
-        if isinstance(value, _Failed):
+        if isinstance(value, Failed):
             raise value.error
         if value.is_deleted():
             raise errors.ArrayDeleted(
@@ -297,14 +309,14 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
         try:
             values = [self._get(b) for b in buffer_ids]
         except errors.IsthmusError as e:
-            return _failed(e)
+            return failing(e)
         if all(v.is_ready() for v in values):  # answered now: a later donation cannot race
             try:
                 for value in values:
                     value.block_until_ready()  # returns at once, or raises the stored error
             except Exception as e:  # noqa: BLE001
-                return _failed(computation_error(e))
-            return _done()
+                return failing(computation_error(e))
+            return already_done()
         return self._reads.track(buffer_ids, self._wait_ready(values))
 
     async def _wait_ready(self, values: list[Any]) -> None:
@@ -317,7 +329,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
         try:
             if pending:
                 await asyncio.get_running_loop().run_in_executor(
-                    self._pool, _block_all, pending)
+                    self._pool, block_all, pending)
             for value in values:
                 value.block_until_ready()  # ready now: raises the stored error, if any
         except Exception as e:  # noqa: BLE001
@@ -333,7 +345,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
                 done.set_result(np.asarray(value))
                 return done
         except errors.IsthmusError as e:
-            return _failed(e)
+            return failing(e)
         except Exception:  # noqa: BLE001 - a failed computation: reported as below
             pass
         return self._reads.track([buffer_id], self._wait_value(value))
@@ -352,24 +364,24 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
     # ---- programs ------------------------------------------------------------------------
 
     def compile(self, executable_id: ExecutableId,
-                request: programs.CompileRequest | colocated.ColocatedProgram
-                ) -> Awaitable[programs.CompiledInfo | None]:
+                request: records.CompileRequest | records.ColocatedProgram
+                ) -> Awaitable[records.CompiledInfo | None]:
         """Starts compiling a StableHLO program for local devices, in a thread (a colocated
         Python program is unpickled instead, and resolves to None)."""
-        if isinstance(request, colocated.ColocatedProgram):
+        if isinstance(request, records.ColocatedProgram):
             return self._load_python(executable_id, request)
         work = asyncio.get_running_loop().run_in_executor(
             self._pool, self._compile_blocking, request)
         return self._finish_compile(executable_id, request, work)
 
     async def _finish_compile(self, executable_id: ExecutableId,
-                              request: programs.CompileRequest,
-                              work: Awaitable[_Loaded]) -> programs.CompiledInfo:
+                              request: records.CompileRequest,
+                              work: Awaitable[Loaded]) -> records.CompiledInfo:
         try:
             loaded = await work
         except Exception as e:
             # Executes of it fail their outputs with this error (not with "not loaded").
-            self._executables[executable_id] = _Unloadable(
+            self._executables[executable_id] = Unloadable(
                 errors.from_runtime_error(e, errors.CompileError, "compilation failed"),
                 self.local_positions(request.device_ids))
             raise
@@ -380,7 +392,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
         """The program is loaded here, or failed to compile here."""
         return executable_id in self._executables
 
-    def _compile_blocking(self, request: programs.CompileRequest) -> _Loaded:
+    def _compile_blocking(self, request: records.CompileRequest) -> Loaded:
         try:
             devices = tuple(self.devices[d] for d in request.device_ids)
         except KeyError as e:
@@ -397,15 +409,15 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
         positions = self.local_positions(request.device_ids)
         span = (frozenset(request.device_ids) if len(positions) < len(request.device_ids)
                 else None)
-        return _Loaded(executable, info, devices, programs.arg_shardings(info, devices),
-                       positions, span)
+        return Loaded(executable, info, devices, programs.arg_shardings(info, devices),
+                      positions, span)
 
     def local_positions(self, device_ids: Sequence[int]) -> tuple[int, ...]:
         """Positions (in a program's device list) of the devices this host holds."""
         return tuple(i for i, d in enumerate(device_ids)
                      if d in self.devices and self.devices[d] in self._local)
 
-    def load(self, executable_id: ExecutableId, request: programs.CompileRequest) -> None:
+    def load(self, executable_id: ExecutableId, request: records.CompileRequest) -> None:
         """In-process hosts never lose their programs: nothing to do."""
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
@@ -421,12 +433,12 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
         consume them.
         """
         import jax
-        from jax._src.lib import _jax
 
+        array_impl = jax_compat.jaxlib_extension().ArrayImpl
         loaded = self._executables.get(executable_id)
         positions = loaded.positions if loaded is not None else ()
         try:
-            if isinstance(loaded, _Unloadable):
+            if isinstance(loaded, Unloadable):
                 raise loaded.error
             if loaded is None:
                 raise errors.InternalError(
@@ -446,8 +458,7 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
                 aval = loaded.info.param_avals[index]
                 # Shards are in the program's device order; jaxlib's own checks would reject
                 # the local-only shard lists of a multi-process program.
-                arrays.append(_jax.ArrayImpl(aval, loaded.arg_shardings[index], shards,
-                                             True, True))
+                arrays.append(array_impl(aval, loaded.arg_shardings[index], shards, True, True))
             outputs = loaded.executable.execute_sharded(arrays)
             per_output = outputs.disassemble_into_single_device_arrays()
         except Exception as e:  # noqa: BLE001
@@ -483,11 +494,15 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
 
 
     def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
-        """Moves `old`'s buffers into this host's client (a new collective group); see
-        `isthmus.worker.regroup.adopt`. Blocking; run it in a thread."""
-        from isthmus.worker.regroup import adopt
-
-        return adopt(self, old, reason, wait)
+        """Moves `old`'s buffers into this host's client (a new collective group) and empties
+        `old`; see `regroup.move_buffers`. Blocking; run it in a thread. Returns how many
+        moved."""
+        moved = regroup.move_buffers(old._buffers, old._spans, old.devices, self.devices,
+                                     self._buffers, reason, wait)
+        old._buffers.clear()
+        old._executables.clear()
+        old._spans.clear()
+        return moved
 
     async def close(self) -> None:
         self.free(list(self._buffers))

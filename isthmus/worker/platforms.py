@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from isthmus import errors
+from isthmus.compat import jax as jax_compat
 from isthmus.worker.compile_cache import CacheConfig
 
 PLATFORMS = ("cpu", "cuda", "auto")
@@ -146,10 +147,7 @@ def prepare_process(platform: Platform, environ: Any = os.environ) -> None:
 
 
 def _cuda_plugin_registered() -> bool:
-    from jax._src import xla_bridge
-
-    xla_bridge._discover_and_register_pjrt_plugins()  # imports jax_plugins.xla_cuda1x
-    return "cuda" in xla_bridge._backend_factories
+    return "cuda" in jax_compat.discover_backends()  # imports jax_plugins.xla_cuda1x
 
 
 def _no_cuda(reason: str) -> PlatformUnavailable:
@@ -164,8 +162,7 @@ def make_cuda_client(distributed_client: Any = None, node_id: int = 0,
     """A client over the GPUs this process may see; NCCL collectives when distributed."""
     if not _cuda_plugin_registered():
         raise _no_cuda("jax's CUDA plugin is not installed in this Python")
-    from jax._src.lib import xla_client
-
+    xla_client = jax_compat.xla_client()
     try:
         if not xla_client.pjrt_plugin_initialized("cuda"):
             xla_client.initialize_pjrt_plugin("cuda")
@@ -175,7 +172,7 @@ def make_cuda_client(distributed_client: Any = None, node_id: int = 0,
         client = xla_client.make_c_api_client("cuda", options, distributed_client)
     except PlatformUnavailable:
         raise
-    except Exception as e:  # noqa: BLE001 - the plugin reports missing GPUs its own way
+    except Exception as e:
         if distributed_client is not None:
             raise  # joining a group failed: the caller says so, with this error
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -208,8 +205,7 @@ def join_group(address: str, node_id: int, num_nodes: int, platform: str, device
                timeout: int) -> tuple[Any, Any]:
     """Joins the collective group whose coordinator is at `address` (blocking): returns the
     distributed-runtime client (keep it alive) and the device client made in the group."""
-    from jax._src.lib import _jax
-
+    _jax = jax_compat.jaxlib_extension()
     distributed = _jax.get_distributed_runtime_client(
         address, node_id, init_timeout=timeout, shutdown_on_destruction=False)
     distributed.connect()

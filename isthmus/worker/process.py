@@ -8,14 +8,16 @@ import logging
 import os
 import signal
 import threading
-from typing import Any
+from collections.abc import Callable
+
+from isthmus.compat import jax as jax_compat
 
 
 def preload() -> None:
     import jax  # noqa: F401
-    import jax._src.interpreters.mlir  # noqa: F401 - reading program signatures
-    from jax._src.lax import linalg  # noqa: F401
     from jaxlib.mlir.dialects import stablehlo  # noqa: F401
+
+    jax_compat.preload()  # reading program signatures, LAPACK
 
 
 def exit_with_parent() -> None:
@@ -40,24 +42,22 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 def block_stop_signals() -> None:
     """Call first thing in the worker process, before any thread starts: SIGINT and SIGTERM
-    are then taken by `run_worker`'s signal thread, so they work even while the event loop
+    are then taken by `watch_stop_signals`' thread, so they work even while the event loop
     sits inside jaxlib."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-async def run_worker(config: Any) -> int:
-    """Runs a worker (`WorkerConfig`) until it stops; stop signals end it gracefully."""
-    from isthmus.worker.agent import WorkerAgent
-
-    agent = WorkerAgent(config)
-    agent._loop = asyncio.get_running_loop()
+def watch_stop_signals(stop_soon: Callable[[str], None], stop: Callable[[], None]) -> None:
+    """Routes SIGINT and SIGTERM to a worker: to `stop_soon` from a thread of their own when
+    `block_stop_signals` blocked them (so they work while the event loop sits inside jaxlib),
+    else to `stop` through the running event loop."""
     if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set()):
         def wait_for_signal() -> None:
             received = signal.sigwait(STOP_SIGNALS)
-            agent.stop_soon(f"received {signal.Signals(received).name}")
+            stop_soon(f"received {signal.Signals(received).name}")
 
         threading.Thread(target=wait_for_signal, name="isthmus-signals", daemon=True).start()
     else:
+        loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
-            agent._loop.add_signal_handler(sig, agent.stop)
-    return await agent.run()
+            loop.add_signal_handler(sig, stop)

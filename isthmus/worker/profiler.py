@@ -14,7 +14,6 @@ internals here (`_session`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import re
@@ -25,6 +24,8 @@ from collections.abc import Awaitable
 from typing import Any
 
 from isthmus import errors
+from isthmus.compat import jax as jax_compat
+from isthmus.transport.records import TraceOptions
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +33,9 @@ SUFFIX = ".xplane.pb"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TraceOptions:
-    """What jax's profiler records (its `ProfileOptions`)."""
-
-    host_tracer_level: int = 2  # host events (TraceMe): 0 none, 1 user, 2 + XLA ops, 3 all
-    python_tracer_level: int = 0  # 1: every Python call of the process, too
-    # Tracer-specific options, (name, bool | int | str) pairs, as jax's
-    # `ProfileOptions.advanced_configuration` takes them.
-    advanced: tuple[tuple[str, Any], ...] = ()
-
-
 def _session(options: TraceOptions) -> Any:
-    """A started jaxlib profiler session (`jax._src.lib._profiler`, jax 0.10 to 0.12)."""
-    from jax._src.lib import _profiler
-
+    """A started jaxlib profiler session (`jax_compat.profiler_extension`)."""
+    _profiler = jax_compat.profiler_extension()
     profile_options = _profiler.ProfileOptions()
     profile_options.host_tracer_level = options.host_tracer_level
     profile_options.python_tracer_level = options.python_tracer_level

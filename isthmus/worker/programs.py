@@ -8,7 +8,6 @@ the compiled executable.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -16,59 +15,10 @@ from typing import Any
 import numpy as np
 
 from isthmus import dtypes, errors
-from isthmus.transport.messages import CODEC
+from isthmus.compat import jax as jax_compat
+from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CompileRequest:
-    """What a host needs to compile one program."""
-
-    module: bytes  # StableHLO portable artifact or MLIR text
-    compile_options: bytes  # serialized xla.CompileOptionsProto, already vetted
-    device_ids: tuple[int, ...]  # global ids of the program's devices, replica-major
-    replicas: int = 1  # the device assignment is device_ids as [replicas, computations]
-    # A shared service's tenant: its executables are cached apart from other tenants'.
-    namespace: str = ""
-
-
-@CODEC.record  # travels in compile replies
-@dataclasses.dataclass(frozen=True, slots=True)
-class Aval:
-    """Global type of one program input or output."""
-
-    dtype: dtypes.DType
-    shape: tuple[int, ...]
-
-
-@CODEC.record  # travels in compile replies
-@dataclasses.dataclass(frozen=True, slots=True)
-class CompiledInfo:
-    """Everything the controller and the client may ask about an executable."""
-
-    name: str
-    params: tuple[Aval, ...]
-    outputs: tuple[Aval, ...]
-    param_shardings: tuple[bytes, ...] | None  # xla.OpSharding per parameter; None: 1 device
-    output_shardings: tuple[bytes, ...] | None  # xla.OpSharding per output; None: 1 device
-    param_layouts: tuple[str, ...]  # e.g. "{1,0}"
-    output_layouts: tuple[str, ...] | None  # None: unknown until the first call (a reshard)
-    output_memory_kinds: tuple[str, ...]
-    donated_inputs: tuple[int, ...]  # parameters the program may consume
-    fingerprint: bytes | None
-    cost_analysis: dict[str, Any]
-    hlo_text: str
-    memory_stats: dict[str, int]
-    generated_code_bytes: int
-    param_avals: tuple[Any, ...] = ()  # jax ShapedArrays, for wrapping arguments
-    # Per parameter, the memory kind the program reads it from (`mhlo.memory_kind`); None:
-    # the device's default memory. Empty: no parameter names one.
-    param_memory_kinds: tuple[str | None, ...] = ()
-
-    @property
-    def num_outputs(self) -> int:
-        return len(self.outputs)
 
 
 def _parse(context: Any, module: bytes) -> Any:
@@ -92,10 +42,9 @@ def canonical_digest(module: bytes) -> bytes:
     import hashlib
     import io
 
-    from jax._src.interpreters import mlir as jax_mlir
     from jaxlib.mlir import passmanager
 
-    context = jax_mlir.make_ir_context()
+    context = jax_compat.make_ir_context()
     with context:
         parsed = _parse(context, module)
         passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(parsed.operation)
@@ -106,11 +55,9 @@ def canonical_digest(module: bytes) -> bytes:
 
 def _parse_signature(module: bytes) -> tuple[str, tuple[Aval, ...], tuple[Aval, ...],
                                                tuple[int, ...], tuple[str | None, ...]]:
-    from jax._src.interpreters import mlir as jax_mlir
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import stablehlo
 
-    context = jax_mlir.make_ir_context()
+    context = jax_compat.make_ir_context()
     with context:
         parsed = _parse(context, module)
         name = "main"
@@ -171,10 +118,9 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
                     cache: Any = None) -> tuple[Any, CompiledInfo]:
     """Compiles and loads `request` on `devices` (blocking); with a `CompileCache`, loads it
     from there when it was compiled before (and stores it there when not)."""
-    from jax._src import core
-    from jax._src.lib import _jax
-    from jax._src.lib import xla_client as xc
+    import jax
 
+    _jax, xc = jax_compat.jaxlib_extension(), jax_compat.xla_client()
     name, params, outputs, donated, param_memory_kinds = _parse_signature(request.module)
     try:
         options = xc.CompileOptions.ParseFromString(request.compile_options)
@@ -233,7 +179,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
         hlo_text=optional(executable.get_hlo_text, ""),
         memory_stats=memory_stats,
         generated_code_bytes=int(optional(executable.size_of_generated_code_in_bytes, 0)),
-        param_avals=tuple(core.ShapedArray(p.shape, p.dtype.numpy) if p.dtype.numpy is not None
+        param_avals=tuple(jax.core.ShapedArray(p.shape, p.dtype.numpy) if p.dtype.numpy is not None
                           else None for p in params),
         param_memory_kinds=param_memory_kinds,
     )
@@ -242,9 +188,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
 
 def arg_shardings(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...]:
     """A jax sharding per parameter, to wrap shards into the arrays jaxlib executes on."""
-    from jax._src.lib import _jax
-    from jax._src.lib import xla_client as xc
-
+    _jax, xc = jax_compat.jaxlib_extension(), jax_compat.xla_client()
     if info.param_shardings is None or len(devices) == 1:
         single = _jax.SingleDeviceSharding(devices[0])
         return tuple(single for _ in info.params)

@@ -11,8 +11,9 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
+from isthmus.transport import records
 from isthmus.worker import colocated
-from isthmus.worker.slots import _failed, _Failed, _Unloadable
+from isthmus.worker.slots import Failed, Unloadable, failing
 
 
 class PythonCalls:
@@ -28,12 +29,12 @@ class PythonCalls:
     fail: Callable[[BufferId, errors.IsthmusError], None]
 
     async def _load_python(self, executable_id: ExecutableId,
-                           program: colocated.ColocatedProgram) -> None:
+                           program: records.ColocatedProgram) -> None:
         try:
             function = await asyncio.get_running_loop().run_in_executor(
                 self._pool, colocated.load, program, self.devices, self._local)
         except errors.IsthmusError as e:
-            self._executables[executable_id] = _Unloadable(e, ())
+            self._executables[executable_id] = Unloadable(e, ())
             raise
         self._executables[executable_id] = function  # type: ignore[assignment]
 
@@ -53,11 +54,11 @@ class PythonCalls:
         are stored, or fails with the function's error (which the outputs then hold)."""
         function = self._executables.get(executable_id)
         if not isinstance(function, colocated.PythonFunction):
-            error = (function.error if isinstance(function, _Unloadable) else
+            error = (function.error if isinstance(function, Unloadable) else
                      errors.InternalError(f"colocated program {executable_id} is not loaded on "
                                           "this host; this is a bug in isthmus: please report "
                                           "it."))
-            return _failed(error)
+            return failing(error)
         pending = [[colocated.Pending() for _ in positions]
                    for positions in function.local_out]
         slots = [[BufferId(base + p) for p in positions]
@@ -69,7 +70,7 @@ class PythonCalls:
             for ids in slots:
                 for buffer_id in ids:
                     self.fail(buffer_id, e)
-            return _failed(e)
+            return failing(e)
         for ids, values in zip(slots, pending):
             for buffer_id, value in zip(ids, values):
                 self._buffers[buffer_id] = value
@@ -89,7 +90,7 @@ class PythonCalls:
             outputs = None
         for index, (ids, placeholders) in enumerate(zip(slots, pending)):
             for position, (buffer_id, placeholder) in enumerate(zip(ids, placeholders)):
-                value = _Failed(error) if outputs is None else outputs[index][position]
+                value = Failed(error) if outputs is None else outputs[index][position]
                 placeholder.resolve(value)
                 if self._buffers.get(buffer_id) is placeholder:  # not freed meanwhile
                     self._buffers[buffer_id] = value

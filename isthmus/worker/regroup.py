@@ -8,19 +8,25 @@ given time to finish.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 
 from isthmus import errors
+from isthmus.ids import BufferId
 from isthmus.worker.colocated import Pending
-from isthmus.worker.host import DeviceHost
-from isthmus.worker.slots import _Failed, _HostArray, _settle_quietly
+from isthmus.worker.slots import Failed, HostArray, settle_quietly
 
 
-def adopt(new: DeviceHost, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
-    """Moves `old`'s buffers into `new`'s client (a new collective group).
+def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, frozenset[int]],
+                 old_devices: Mapping[int, Any], new_devices: Mapping[int, Any],
+                 into: MutableMapping[BufferId, Any], reason: str = "",
+                 wait: float = 30.0) -> int:
+    """Moves a host's `buffers` (on `old_devices`, by global device id) onto `new_devices`, the
+    devices of a new collective group's client, storing each in `into` as it is done.
 
+    `spans` names, for a program output, the devices of the program that computes it.
     Blocking; run it in a thread. A buffer still being computed by a program over a
     device that is not in the new group waits for a lost peer and never finishes: it
     becomes an error buffer at once, with `reason` (why the group re-formed). Any other
@@ -34,23 +40,23 @@ def adopt(new: DeviceHost, old: DeviceHost, reason: str = "", wait: float = 30.0
     from jax.sharding import SingleDeviceSharding
 
     moved = 0
-    device_ids = {d: g for g, d in old.devices.items()}
+    device_ids = {d: g for g, d in old_devices.items()}
     deadline = time.monotonic() + wait
-    items = list(old._buffers.items())
+    items = list(buffers.items())
     # A device whose queue holds a computation stuck on a lost peer runs nothing after
     # it: everything unfinished there is stuck too.
     stuck_devices = set()
     for buffer_id, value in items:
-        span = old._spans.get(buffer_id)
-        if (span is not None and not span <= new.devices.keys()
-                and not isinstance(value, (_Failed, _HostArray)) and not value.is_ready()):
+        span = spans.get(buffer_id)
+        if (span is not None and not span <= new_devices.keys()
+                and not isinstance(value, (Failed, HostArray)) and not value.is_ready()):
             stuck_devices.update(value.devices())
     for buffer_id, value in items:
-        if isinstance(value, (_Failed, _HostArray)):
-            new._buffers[buffer_id] = value
+        if isinstance(value, (Failed, HostArray)):
+            into[buffer_id] = value
             continue
         if isinstance(value, Pending):
-            new._buffers[buffer_id] = _Failed(errors.WorkerLost(
+            into[buffer_id] = Failed(errors.WorkerLost(
                 "a colocated Python call was still making this array when the collective "
                 f"group re-formed ({reason or 'a peer left the collective group'}); call it "
                 "again."))
@@ -58,13 +64,13 @@ def adopt(new: DeviceHost, old: DeviceHost, reason: str = "", wait: float = 30.0
         try:
             if stuck_devices and not value.is_ready() and (
                     not stuck_devices.isdisjoint(value.devices())):
-                new._buffers[buffer_id] = _Failed(errors.WorkerLost(
+                into[buffer_id] = Failed(errors.WorkerLost(
                     f"the computation of this array spanned a worker that was lost "
                     f"({reason or 'a peer left the collective group'}); recreate it, "
                     "or continue on the slices that are up."))
                 continue
             if value.is_ready() and _lost_a_peer(value):
-                new._buffers[buffer_id] = _Failed(errors.WorkerLost(
+                into[buffer_id] = Failed(errors.WorkerLost(
                     f"the computation of this array spanned a worker that was lost "
                     f"({reason or 'a peer left the collective group'}); recreate it, "
                     "or continue on the slices that are up."))
@@ -72,24 +78,20 @@ def adopt(new: DeviceHost, old: DeviceHost, reason: str = "", wait: float = 30.0
             if not value.is_ready():
                 # Wait for it in a thread that may be abandoned, up to one deadline for
                 # all buffers.
-                waiter = threading.Thread(target=_settle_quietly, args=(value,),
-                                          daemon=True)
+                waiter = threading.Thread(target=settle_quietly, args=(value,), daemon=True)
                 waiter.start()
                 waiter.join(max(0.0, deadline - time.monotonic()))
                 if not value.is_ready():
                     raise TimeoutError("still being computed")
             global_id = device_ids[next(iter(value.devices()))]
-            new._buffers[buffer_id] = jax.device_put(
+            into[buffer_id] = jax.device_put(
                 np.asarray(value), SingleDeviceSharding(
-                    new.devices[global_id], memory_kind=value.sharding.memory_kind))
+                    new_devices[global_id], memory_kind=value.sharding.memory_kind))
             moved += 1
         except Exception as e:  # noqa: BLE001 - includes the timeout
-            new._buffers[buffer_id] = _Failed(errors.WorkerLost(
+            into[buffer_id] = Failed(errors.WorkerLost(
                 f"buffer {buffer_id} could not be moved into the re-formed collective "
                 f"group ({type(e).__name__}: {e}); recreate the array."))
-    old._buffers.clear()
-    old._executables.clear()
-    old._spans.clear()
     return moved
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.worker.host import DeviceHost
-from isthmus.worker.slots import _Failed, _Loaded
+from isthmus.worker.slots import Failed, Loaded
 
 __all__ = ["SimulatedHost", "make_host"]
 
@@ -114,7 +114,7 @@ class SimulatedHost(DeviceHost):
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
         loaded = self._executables.get(executable_id)
         template = self._templates.get(executable_id)
-        if template is None or not isinstance(loaded, _Loaded):
+        if template is None or not isinstance(loaded, Loaded):
             self._first_run(executable_id, args, results, loaded)
             return
         seconds, outputs = template
@@ -144,16 +144,16 @@ class SimulatedHost(DeviceHost):
                    results: Sequence[int], loaded: Any) -> None:
         """Runs the program for real and keeps its outputs as the template of later runs.
         No argument is donated (its buffer may be a template of another program)."""
-        positions = loaded.positions if isinstance(loaded, _Loaded) else ()
+        positions = loaded.positions if isinstance(loaded, Loaded) else ()
         made = [BufferId(base + p) for base in results for p in positions]
         with self._settled(self._ids(args, positions), made):
             super().execute(executable_id, args, results, frozenset(range(len(args))))
         self._last_collective = []  # no XLA rendezvous waits behind a simulated run
-        if not isinstance(loaded, _Loaded):
+        if not isinstance(loaded, Loaded):
             return
         outputs = [[_real(self._buffers.get(BufferId(base + p))) for p in loaded.positions]
                    for base in results]
-        if any(isinstance(s, _Failed) or s is None for shards in outputs for s in shards):
+        if any(isinstance(s, Failed) or s is None for shards in outputs for s in shards):
             return  # a failed run is no template; the next call runs for real again
         flops = float(loaded.info.cost_analysis.get("flops", 0.0) or 0.0)
         self._templates[executable_id] = (max(flops, 0.0) / self.flops_per_s, outputs)
@@ -205,5 +205,5 @@ class SimulatedHost(DeviceHost):
                 ready_at = max(v.ready_at for v in pending.values())
                 for buffer_id in made:
                     value = self._buffers.get(buffer_id)
-                    if value is not None and not isinstance(value, (_Failed, _Pending)):
+                    if value is not None and not isinstance(value, (Failed, _Pending)):
                         self._buffers[buffer_id] = _Pending(value, ready_at)

@@ -1,8 +1,8 @@
 """The records a `DeviceHost` keeps per buffer and per program, and its small helpers.
 
-A buffer slot holds a jax array, a `_HostArray` (IFRT string arrays stay host objects) or a
-`_Failed` (the error that prevented it); a program slot holds a `_Loaded` executable or an
-`_Unloadable` (why it could not be compiled here).
+A buffer slot holds a jax array, a `HostArray` (IFRT string arrays stay host objects) or a
+`Failed` (the error that prevented it); a program slot holds a `Loaded` executable or an
+`Unloadable` (why it could not be compiled here).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from isthmus import errors
-from isthmus.worker import programs
+from isthmus.compat import jax as jax_compat
+from isthmus.transport import records
 
 
 def make_cpu_client(num_devices: int, **distributed: Any) -> Any:
@@ -25,18 +26,17 @@ def make_cpu_client(num_devices: int, **distributed: Any) -> Any:
     made through `xla_client.make_cpu_client`; importing the modules that own them first
     queues their registrations.
     """
-    import jax  # noqa: F401 - registers LAPACK and friends
-    from jax._src.lax import linalg
-    from jax._src.lib import xla_client
+    import jax
 
     # LAPACK kernels find their functions (scipy's) at initialisation, which jax does while
     # lowering; a server that only runs programs must do it itself or call null pointers.
-    linalg.initialize_lapack()
+    jax_compat.initialize_lapack()
     try:
         import jax.experimental.sparse  # noqa: F401 - registers the CPU sparse kernels
     except ImportError:  # pragma: no cover - an optional part of jax
         pass
-    return xla_client.make_cpu_client(asynchronous=True, num_devices=num_devices, **distributed)
+    return jax_compat.xla_client().make_cpu_client(asynchronous=True, num_devices=num_devices,
+                                                   **distributed)
 
 
 def computation_error(e: BaseException) -> errors.IsthmusError:
@@ -54,7 +54,7 @@ def computation_error(e: BaseException) -> errors.IsthmusError:
         e, errors.ExecutionError, "the computation producing this array failed")
 
 
-class _Failed:
+class Failed:
     """A buffer slot that holds the error which prevented its creation."""
 
     __slots__ = ("error",)
@@ -63,7 +63,7 @@ class _Failed:
         self.error = error
 
 
-class _HostArray:
+class HostArray:
     """A string array: IFRT keeps these as host objects; no program can take them."""
 
     __slots__ = ("value", "_deleted")
@@ -79,7 +79,7 @@ class _HostArray:
     def is_ready(self) -> bool:
         return True
 
-    def block_until_ready(self) -> _HostArray:
+    def block_until_ready(self) -> HostArray:
         return self
 
     def is_deleted(self) -> bool:
@@ -93,9 +93,9 @@ class _HostArray:
 
 
 @dataclasses.dataclass(slots=True)
-class _Loaded:
+class Loaded:
     executable: Any  # jaxlib LoadedExecutable
-    info: programs.CompiledInfo
+    info: records.CompiledInfo
     devices: tuple[Any, ...]  # jaxlib devices of the whole program, in its order
     arg_shardings: tuple[Any, ...]  # per parameter: a jax sharding to wrap shards with
     positions: tuple[int, ...]  # positions (in the program's device list) held here
@@ -104,16 +104,16 @@ class _Loaded:
 
 
 @dataclasses.dataclass(slots=True)
-class _Unloadable:
+class Unloadable:
     error: errors.IsthmusError  # why the program could not be compiled here
     positions: tuple[int, ...]  # its positions held here, whose outputs get the error
 
 
-async def _failed(error: errors.IsthmusError) -> Any:
+async def failing(error: errors.IsthmusError) -> Any:
     raise error
 
 
-def _done() -> asyncio.Future[None]:
+def already_done() -> asyncio.Future[None]:
     """An awaitable that is done already: a future, so that gathering it makes no task and
     a caller may see at once that it is done."""
     future = asyncio.get_running_loop().create_future()
@@ -121,14 +121,14 @@ def _done() -> asyncio.Future[None]:
     return future
 
 
-def _settle_quietly(value: Any) -> None:
+def settle_quietly(value: Any) -> None:
     try:
         value.block_until_ready()
     except Exception:  # noqa: BLE001 - the caller reads the error from the value
         pass
 
 
-def _block_all(values: list[Any]) -> None:
+def block_all(values: list[Any]) -> None:
     for value in values:
         try:
             value.block_until_ready()
@@ -136,14 +136,14 @@ def _block_all(values: list[Any]) -> None:
             return
 
 
-async def _first(event: asyncio.Event, other: Any) -> None:
+async def first_of(event: asyncio.Event, other: Any) -> None:
     """Waits for `other` or for `event`, whichever comes first."""
     waits = [asyncio.ensure_future(other), asyncio.ensure_future(event.wait())]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     waits[1].cancel()
 
 
-def _any_failed(values: list[Any]) -> bool:
+def any_failed(values: list[Any]) -> bool:
     """Some of these computed arrays hold an error (call only when all are ready)."""
     for value in values:
         try:
@@ -155,10 +155,9 @@ def _any_failed(values: list[Any]) -> bool:
 
 @functools.cache
 def _jax_put() -> tuple[Any, Any]:
-    from jax._src import core
-    from jax._src.interpreters.pxla import batched_device_put
+    import jax
 
-    return core.ShapedArray, batched_device_put
+    return jax.core.ShapedArray, jax_compat.batched_device_put()
 
 
 def place(value: np.ndarray, sharding: Any, device: Any) -> Any:
@@ -178,7 +177,7 @@ def move(value: Any, target: Any) -> Any:
 
     try:
         return jax.device_put(value, target, may_alias=False)
-    except Exception:  # noqa: BLE001 - only across clients; else the same error again below
+    except Exception:
         (device,) = target.device_set
         if next(iter(value.devices())).client is device.client:
             raise

@@ -1,0 +1,1 @@
+"""Where isthmus reaches other libraries' internals: one module per library."""

@@ -1,0 +1,93 @@
+"""Records the controller and its workers share besides the messages themselves: what a host
+needs to compile a program, what a compile answers, a colocated Python program, and what a
+profile records.
+
+They travel inside messages (`messages.py`), registered in the fleet's codec by class name
+and field order: renaming one or its fields changes the fleet's wire format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from isthmus import dtypes
+from isthmus.transport.messages import CODEC
+
+# The IFRT `CustomCallProgram` type of jax's colocated Python functions.
+COLOCATED_PROGRAM_TYPE = "jax_colocated_python_v0.0.1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompileRequest:
+    """What a host needs to compile one program."""
+
+    module: bytes  # StableHLO portable artifact or MLIR text
+    compile_options: bytes  # serialized xla.CompileOptionsProto, already vetted
+    device_ids: tuple[int, ...]  # global ids of the program's devices, replica-major
+    replicas: int = 1  # the device assignment is device_ids as [replicas, computations]
+    # A shared service's tenant: its executables are cached apart from other tenants'.
+    namespace: str = ""
+
+
+@CODEC.record  # travels in compile replies
+@dataclasses.dataclass(frozen=True, slots=True)
+class Aval:
+    """Global type of one program input or output."""
+
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+
+
+@CODEC.record  # travels in compile replies
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompiledInfo:
+    """Everything the controller and the client may ask about an executable."""
+
+    name: str
+    params: tuple[Aval, ...]
+    outputs: tuple[Aval, ...]
+    param_shardings: tuple[bytes, ...] | None  # xla.OpSharding per parameter; None: 1 device
+    output_shardings: tuple[bytes, ...] | None  # xla.OpSharding per output; None: 1 device
+    param_layouts: tuple[str, ...]  # e.g. "{1,0}"
+    output_layouts: tuple[str, ...] | None  # None: unknown until the first call (a reshard)
+    output_memory_kinds: tuple[str, ...]
+    donated_inputs: tuple[int, ...]  # parameters the program may consume
+    fingerprint: bytes | None
+    cost_analysis: dict[str, Any]
+    hlo_text: str
+    memory_stats: dict[str, int]
+    generated_code_bytes: int
+    param_avals: tuple[Any, ...] = ()  # jax ShapedArrays, for wrapping arguments
+    # Per parameter, the memory kind the program reads it from (`mhlo.memory_kind`); None:
+    # the device's default memory. Empty: no parameter names one.
+    param_memory_kinds: tuple[str | None, ...] = ()
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.outputs)
+
+
+@CODEC.record  # travels in compile and load commands
+@dataclasses.dataclass(frozen=True, slots=True)
+class ColocatedProgram:
+    """A colocated Python function as a host needs it."""
+
+    name: str
+    text: bytes  # cloudpickle of (fun, in tree, in specs, out tree, out specs, devices)
+    device_ids: tuple[int, ...]  # global ids of the call's devices
+    inputs: tuple[tuple[int, ...], ...]  # per input: global device ids, in its sharding's order
+    outputs: tuple[tuple[int, ...], ...]  # per output: likewise
+    output_types: tuple[tuple[str, tuple[int, ...]], ...]  # per output: (dtype name, shape)
+    private: ClassVar[bool] = True  # the session's own executable (`Controller.executable`)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TraceOptions:
+    """What jax's profiler records (its `ProfileOptions`)."""
+
+    host_tracer_level: int = 2  # host events (TraceMe): 0 none, 1 user, 2 + XLA ops, 3 all
+    python_tracer_level: int = 0  # 1: every Python call of the process, too
+    # Tracer-specific options, (name, bool | int | str) pairs, as jax's
+    # `ProfileOptions.advanced_configuration` takes them.
+    advanced: tuple[tuple[str, Any], ...] = ()
