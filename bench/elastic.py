@@ -291,7 +291,8 @@ def main() -> int:
               f"{result['replay_worst_relative_difference']:.2e}")
         print(f"{'memory (MiB RSS)':24}{'start':>10}{'end':>10}")
         for name, before in result["memory_mib_before"].items():
-            print(f"{name:24}{before:10.0f}{result['memory_mib_after'].get(name, float('nan')):10.0f}")
+            after = result["memory_mib_after"].get(name, float("nan"))
+            print(f"{name:24}{before:10.0f}{after:10.0f}")
         (out / "chaos.json").write_text(json.dumps(result, indent=2, default=str))
         return 0
     rounds = [recovery(devices_per_host=args.devices_per_host or 4)

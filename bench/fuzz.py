@@ -4,8 +4,9 @@ Runs the fuzzer of `tests/integration/fuzzer.py` (valid handles, well-formed and
 requests, three sessions, sessions churned) against an embedded server (4 devices) and a
 local fleet (2 slices x 1 host x 2 devices), and prints per backend the sustained request
 rate and the resident memory (VmRSS) of the server and of each worker at the start (a tenth
-into the run, once programs are compiled), the middle and the end of the run: a server that leaks per request or per session shows it
-there. Findings are listed too (a run stops early when a process dies).
+into the run, once programs are compiled), the middle and the end of the run: a server that
+leaks per request or per session shows it there. Findings are listed too (a run stops early
+when a process dies).
 
 No figure here is a test assertion; `tests/integration/test_fuzz.py` asserts what must hold.
 """

@@ -234,17 +234,18 @@ def handover(svc: dict[str, Any], repeats: int) -> dict[str, Any]:
             try:
                 waiting, granted, leave = threading.Event(), {}, threading.Event()
 
-                def report(line: str) -> None:
+                def report(line: str, waiting: threading.Event = waiting) -> None:
                     if "in the queue" in line:
                         waiting.set()
 
-                def queued() -> None:
+                def queued(waiting: threading.Event = waiting, granted: dict[str, Any] = granted,
+                           child: Child = child, leave: threading.Event = leave) -> None:
                     try:
                         with _lease(svc, "queued", report=report) as grant:
                             granted["at"] = time.monotonic()
                             child.send(grant.target)
                             leave.wait(120)
-                    except BaseException as e:  # shown by the main thread
+                    except BaseException as e:  # noqa: BLE001 - shown by the main thread
                         granted["error"] = e
                         waiting.set()
 

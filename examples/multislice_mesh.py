@@ -1,6 +1,7 @@
 """A mesh over several slices, the way multi-slice (Pathways) code builds it: plain jax.
 
-    isthmus run --slices 2 --hosts-per-slice 2 --devices-per-host 2 -- python examples/multislice_mesh.py
+    isthmus run --slices 2 --hosts-per-slice 2 --devices-per-host 2 -- \
+        python examples/multislice_mesh.py
 
 `jax.make_mesh` refuses backends with several slices; `create_hybrid_device_mesh` lays the
 devices out by their `slice_index`: data parallel across slices, model parallel within one.

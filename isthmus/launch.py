@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 # Inherited settings that would point a worker's jax somewhere other than its own devices.
 _DROPPED_ENVIRONMENT = ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "XLA_FLAGS")
 
+# Workers serve jax's CPU platform unless told otherwise (a frozen record, safe to share).
+_DEFAULT_PLATFORM = Platform()
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RestartPolicy:
@@ -123,7 +126,7 @@ class LocalLauncher:
     def __init__(self, controller: str, slices: int, hosts_per_slice: int,
                  devices_per_host: int, log_dir: str | None = None,
                  restart: RestartPolicy = RestartPolicy(),
-                 platform: Platform = Platform(), token: str = "",
+                 platform: Platform = _DEFAULT_PLATFORM, token: str = "",
                  tls: TlsConfig | None = None) -> None:
         self.controller = controller
         self.token = token  # the fleet's, handed to each worker in its environment

@@ -101,7 +101,8 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout)
-                raise ServerError(f"isthmus up ignored SIGTERM for {timeout} s:\n{self.log()}")
+                raise ServerError(f"isthmus up ignored SIGTERM for {timeout} s:\n"
+                                  f"{self.log()}") from None
         return self.process.returncode
 
     def status(self) -> dict[str, Any]:

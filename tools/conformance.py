@@ -8,8 +8,9 @@ without one, from a shallow clone of GitHub. They are extracted under `.conforma
 ignores it; never commit them). Each file runs twice with pytest, in fresh processes:
 locally (JAX_PLATFORMS=cpu, 8 CPU devices) and through an embedded isthmus server with 8
 devices (JAX_PLATFORMS=proxy,cpu: the proxy is the default backend, and tests that ask for
-the host's own CPU by name find it). The report counts, per file, how many tests that pass locally also pass through
-isthmus, and lists the ones that do not (also written to .conformance/report.json).
+the host's own CPU by name find it). The report counts, per file, how many tests that pass
+locally also pass through isthmus, and lists the ones that do not (also written to
+.conformance/report.json).
 """
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ class Connection(h2.connection.H2Connection):
             frame.__class__ = quiet
         return super()._receive_frame(frame)
 
-    def receive_data_frame(self, stream_id: int, end_stream: bool, body: Any) -> list[Any]:
+    def receive_data_frame(self, stream_id: int, end_stream: int, body: Any) -> list[Any]:
         """A whole DATA frame without padding, as `receive_data` would take its bytes."""
         if self.incoming_buffer._headers_buffer:  # a DATA frame inside a header block
             self._terminate_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)

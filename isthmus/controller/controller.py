@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from isthmus import errors
 from isthmus.controller.arrays import Buffer, BufferGroup
@@ -236,7 +236,8 @@ class Controller:
                 self._compile(executable, request))
         else:
             executable.compiled = asyncio.get_running_loop().create_future()
-            executable.compiled.set_result(info)
+            # A program that is not compiled on the hosts comes with its info.
+            executable.compiled.set_result(cast(CompiledInfo, info))
         return executable
 
     def ensure_loaded(self, executable: Executable) -> None:

@@ -39,6 +39,7 @@ from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.logs import event
 from isthmus.transport import messages as m
+from isthmus.transport.frames import Parts
 from isthmus.transport.remote import RemoteWorker
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class FleetManager:
                 f"the worker brings {brings}; this fleet has {spec.devices_per_host} per "
                 f"host. Start it with {how}.")
 
-    def register(self, message: m.Register, send: Callable[[bytes], None], peer: str,
+    def register(self, message: m.Register, send: Callable[[bytes | Parts], None], peer: str,
                  close: Callable[[], None] = lambda: None) -> RemoteWorker:
         """Takes a worker into a free slot; raises RequestError when it cannot be."""
         spec = self.spec

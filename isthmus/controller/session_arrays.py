@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -47,6 +47,12 @@ class HostData:
 
 class SessionArrays(SessionCore):
     """Creating and freeing a session's arrays."""
+
+    if TYPE_CHECKING:
+        def share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+                  buffers: Sequence[Buffer], error: errors.IsthmusError | None = None
+                  ) -> Array:
+            """`SessionSharing.share`, which parts other than that one use too."""
 
     # ---- creating arrays -----------------------------------------------------------------
 
@@ -130,8 +136,12 @@ class SessionArrays(SessionCore):
         group.expect(len(pieces))
         for positions, data in pieces:
             places, shards = list(positions), [boxes[p] for p in positions]
-            data.subscribe(lambda value, places=places, shards=shards:
-                           self._arrived(group, places, shards, value))
+
+            def arrived(value: np.ndarray | Exception, places: list[int] = places,
+                        shards: list[sh.Box] = shards) -> None:
+                self._arrived(group, places, shards, value)
+
+            data.subscribe(arrived)
         missing = [p for p in range(len(group)) if p not in covered]
         if missing:
             error = errors.InvalidRequest(
@@ -150,7 +160,7 @@ class SessionArrays(SessionCore):
         return array
 
     def _arrived_whole(self, group: BufferGroup, shape: tuple[int, ...],
-                       boxes: list[sh.Box], value: np.ndarray | Exception) -> None:
+                       boxes: Sequence[sh.Box], value: np.ndarray | Exception) -> None:
         positions = list(range(len(group)))
         if not isinstance(value, Exception) and tuple(value.shape) != shape:
             value = errors.InvalidRequest(
@@ -194,7 +204,8 @@ class SessionArrays(SessionCore):
             group.settle()
             return
         if all(isinstance(w, asyncio.Future) and w.done() for w in waits):
-            self._record_puts(group, placed, [w.exception() for w in waits])
+            done = cast("list[asyncio.Future[None]]", waits)  # all futures, done (just checked)
+            self._record_puts(group, placed, [w.exception() for w in done])
             group.settle()
         else:
             self._spawn(self._settle_puts(group, placed, waits))

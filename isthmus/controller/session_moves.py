@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import numpy as np
 
@@ -292,8 +292,10 @@ class SessionMoves(SessionArrays):
                     if error is not None:
                         dst.error = error
                     else:
+                        # Not a string array (refused above): it has a numpy dtype.
                         self.fleet.channel(src.device.worker).bitcast(
-                            src.id, dst.id, out.dtype.numpy, sh.shard_shape(box))
+                            src.id, dst.id, cast(np.dtype, out.dtype.numpy),
+                            sh.shard_shape(box))
                 if donate:
                     self._donate(array)
 
@@ -317,12 +319,14 @@ class SessionMoves(SessionArrays):
                       for box, b in wanted.items()]
             self.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
             if all(answered(p) for _, p in pieces):  # all on the host already (in-process)
-                result.set_result(_assembled(array, [(box, p.result()) for box, p in pieces]))
+                ready = cast("list[tuple[sh.Box, asyncio.Future[np.ndarray]]]", pieces)
+                result.set_result(_assembled(array, [(box, p.result()) for box, p in ready]))
                 return
             if len(pieces) == 1 and isinstance(pieces[0][1], asyncio.Future):
                 # One worker's answer: settled by a callback, with no task in between.
                 box, answer = pieces[0]
-                answer.add_done_callback(lambda f: _settle_fetch(array, box, f, result))
+                cast(asyncio.Future, answer).add_done_callback(  # a Future: checked above
+                    lambda f: _settle_fetch(array, box, f, result))
                 return
             self._spawn(_assemble_host(array, pieces, result))
 
@@ -411,7 +415,8 @@ def _settle_fetch(array: Array, box: sh.Box, done: asyncio.Future,
         result.set_exception(errors.InternalError(
             "fetching the array was cancelled; this is a bug in isthmus: please report it."))
     elif done.exception() is not None:
-        result.set_exception(as_error(done.exception(), "fetching the array"))
+        result.set_exception(as_error(cast(BaseException, done.exception()),
+                                      "fetching the array"))
     else:
         try:
             result.set_result(_assembled(array, [(box, done.result())]))

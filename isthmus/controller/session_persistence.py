@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
@@ -154,7 +154,7 @@ class SessionPersistence(SessionPython):
             if error is not None:
                 finish(groups, done, error)
                 return
-            waits = []
+            waits: list[Awaitable[None]] = []
             for out, saved in zip(outputs, plan.arrays):
                 boxes = sh.shard_boxes(saved.sharding, saved.shape)
                 per_worker: dict[WorkerId, list[tuple[BufferId, int, sh.Box]]] = {}
@@ -182,8 +182,10 @@ def plugin_info(name: str, outputs: tuple[Aval, ...], plan: object) -> CompiledI
 
 
 def executable_specs(plan: PersistencePlan) -> list[tuple[Aval, sh.Sharding, tuple[int, ...]]]:
-    return [(Aval(a.dtype, a.shape), a.sharding,
-             sh.shard_nbytes(a.sharding, a.shape, a.dtype.itemsize)) for a in plan.arrays]
+    # A read plan's: each array's dtype is known (None only in writes).
+    return [(Aval(cast(dtypes.DType, a.dtype), a.shape), a.sharding,
+             sh.shard_nbytes(a.sharding, a.shape, cast(dtypes.DType, a.dtype).itemsize))
+            for a in plan.arrays]
 
 
 # ---- arrays kept for a lease's next client (a shared service) ---------------------------------
@@ -254,13 +256,13 @@ class SessionKept(SessionPersistence):
             if len(args) != len(plan.arrays):
                 raise errors.InvalidRequest(f"keep names {len(plan.arrays)} arrays but "
                                             f"{len(args)} were given.")
-            for spec, array in zip(plan.arrays, args):
+            for spec, given in zip(plan.arrays, args):
                 old = kept.arrays.pop(spec.name, None)
                 if old is not None:
                     kept.keeper.disown(old)
                     self.release([old])  # in this session's order: after its earlier work
                 kept.arrays[spec.name] = kept.keeper.share(
-                    array.dtype, array.shape, array.sharding, array.shards, array.error)
+                    given.dtype, given.shape, given.sharding, given.shards, given.error)
             outputs: list[Array] = []
         else:
             if args:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
+from typing import cast
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
@@ -74,7 +75,7 @@ class SessionPython(SessionPrograms):
     def call_python(self, executable: Executable, args: Sequence[Array],
                     stream: tuple[int, ...]) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
         """Runs a colocated function; returns its outputs and a way to wait for the call."""
-        specs = executable.input_specs
+        specs = cast(list, executable.input_specs)  # set for every colocated program
         if len(args) != len(specs):
             raise errors.InvalidRequest(
                 f"the colocated function takes {len(specs)} arrays but {len(args)} were given.")

@@ -8,6 +8,7 @@ other arrays holds each of its `Buffer` views one by one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
@@ -56,12 +57,12 @@ class SessionSharing(SessionArrays):
         shape = self.validate_shape(dtype, shape)
         boxes = sh.shard_boxes(sharding, shape)
         by_device: dict[int, Array] = {}
-        for part in parts:
-            if len(part.shards) != 1:
+        for single in parts:
+            if len(single.shards) != 1:
                 raise errors.InvalidRequest(
                     "assembling takes single-device arrays, but one of them has "
-                    f"{len(part.shards)} shards; disassemble it first.")
-            by_device[part.shards[0].device.id] = part
+                    f"{len(single.shards)} shards; disassemble it first.")
+            by_device[single.shards[0].device.id] = single
         buffers = []
         for device_id, box in zip(sharding.devices, boxes):
             part = by_device.get(device_id)
@@ -139,21 +140,21 @@ class SessionSharing(SessionArrays):
                         f"the remap plan names shard {s} -> {d}, outside the arrays' shards.")
                 slots[out_index][d] = shards[s]
         result = []
-        for index, ((dtype, shape, sharding), buffers) in enumerate(zip(outputs, slots)):
-            if any(b is None for b in buffers):
+        for index, ((dtype, shape, sharding), slot) in enumerate(zip(outputs, slots)):
+            if any(b is None for b in slot):
                 raise errors.InvalidRequest(
                     "the remap plan leaves some output shards unmapped; map every shard.")
+            buffers = cast("list[Buffer]", slot)  # every shard is mapped (just checked)
             shape = self.validate_shape(dtype, shape)
             _check_views(f"remap output {index}", dtype, shape, sharding,
-                         buffers, [sources[id(b.group), b.position]  # type: ignore[union-attr]
-                                   for b in buffers])
+                         buffers, [sources[id(b.group), b.position] for b in buffers])
             for device_id, buffer in zip(sharding.devices, buffers):
                 if buffer is not None and buffer.device.id != device_id:
                     raise errors.InvalidRequest(
                         f"the remap plan puts a shard held on device {buffer.device.id} at "
                         f"the place of device {device_id}; remapping cannot move data.")
             error = first_error(a for a in inputs if a.error is not None)
-            result.append(self.share(dtype, shape, sharding, buffers, error))  # type: ignore[arg-type]
+            result.append(self.share(dtype, shape, sharding, buffers, error))
         if donate:
             for array in inputs:
                 self._donate_in_order(array)

@@ -23,7 +23,7 @@ import math
 import os
 import tomllib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from isthmus import errors
 
@@ -159,5 +159,5 @@ def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Te
                   None if seconds is None else float(seconds), admin)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -5,8 +5,9 @@ sending the request that uses it, and it throttles its uploads (64 at a time), s
 may start long after its request when thousands are queued. A request therefore waits for
 its buffer as long as the session moves (uploads begin or end, requests for buffers come),
 and fails when nothing has moved for `start_timeout` seconds: a buffer that never comes
-fails within seconds of the session going quiet, and nothing waits forever. Results of `CopyToHostBuffer` are put here
-for the client's `HostBufferLookup`, and dropped by its `HostBufferDelete`.
+fails within seconds of the session going quiet, and nothing waits forever. Results of
+`CopyToHostBuffer` are put here for the client's `HostBufferLookup`, and dropped by its
+`HostBufferDelete`.
 """
 
 from __future__ import annotations

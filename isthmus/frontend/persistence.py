@@ -115,7 +115,7 @@ def _saved(body: Any, write: bool) -> Saved:
         raise errors.InvalidRequest("a persistence request must name each device once.")
     sharding = (sh.Sharding.single(device_ids[0]) if len(device_ids) == 1 else
                 sh.Sharding(sh.ShardingKind.HLO, device_ids, None, op_sharding))
-    return Saved(f"{location.rstrip('/')}/{name}", dtype, shape,  # type: ignore[arg-type]
+    return Saved(f"{location.rstrip('/')}/{name}", dtype, shape,
                  sharding)
 
 

@@ -88,7 +88,7 @@ def _advanced(config: Any) -> tuple[tuple[str, Any], ...]:
     if not isinstance(config, dict):
         raise errors.InvalidRequest("pwTraceOptions.advancedConfiguration must be a JSON "
                                     "object.")
-    pairs = []
+    pairs: list[tuple[str, bool | int | str]] = []
     for name, wrapped in config.items():
         kinds = [k for k in _ADVANCED_KINDS if isinstance(wrapped, dict) and k in wrapped]
         if len(kinds) != 1 or len(wrapped) != 1:

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from isthmus import errors
 from isthmus.controller.arrays import Array
@@ -123,7 +123,7 @@ class FrontendSession:
             logger.exception("session %s: %s failed", self.id, kind)
         entry = HANDLERS.get(kind) if kind else None
         if entry is not None:
-            body = getattr(request, kind)
+            body = getattr(request, cast(str, kind))  # entry is not None: kind is set
             for field in entry.array_results:
                 for handle in _handles_in(body, field):
                     self.arrays.setdefault(handle, error)

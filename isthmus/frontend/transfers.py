@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -154,8 +154,9 @@ class _HostShard:
                 receive(error)
                 return
             try:
-                value = decode_host_array(self.session, data, self.dtype, self.shape,
-                                          self.byte_strides)
+                # No error: the data is here.
+                value = decode_host_array(self.session, cast(memoryview, data), self.dtype,
+                                          self.shape, self.byte_strides)
             except Exception as e:  # noqa: BLE001 - the shards carry it
                 receive(e)
                 return

@@ -60,7 +60,8 @@ class WebServer:
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IO_TIMEOUT)
-            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                    ConnectionError):
                 return
             status, headers, body, method = await self._answer(head)
             lines = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers),

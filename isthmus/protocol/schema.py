@@ -208,9 +208,10 @@ class Schema:
         self._pool = descriptor_pool.DescriptorPool()
         for proto in file_set.file:
             self._pool.Add(proto)
-        self._classes: dict[str, type] = {}
+        # Built at runtime from the schema: the type checker cannot see their methods.
+        self._classes: dict[str, Any] = {}
 
-    def __getitem__(self, full_name: str) -> type:
+    def __getitem__(self, full_name: str) -> Any:
         cls = self._classes.get(full_name)
         if cls is None:
             descriptor = self._pool.FindMessageTypeByName(full_name)

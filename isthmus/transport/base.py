@@ -70,9 +70,10 @@ class WorkerChannel(Protocol):
         Only workers that are separate processes have peers; the embedded host has none."""
 
     def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
-                 dtype: np.dtype, shape: tuple[int, ...],
+                 dtype: np.dtype | None, shape: tuple[int, ...],
                  parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
-        """Builds a buffer from boxes of the worker's buffers (`src[src_box]` -> `dst_box`)."""
+        """Builds a buffer from boxes of the worker's buffers (`src[src_box]` -> `dst_box`);
+        `dtype` is None for a string array's."""
 
     def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype,
                 shape: tuple[int, ...]) -> None:
@@ -108,6 +109,11 @@ class WorkerChannel(Protocol):
         the bases of the output groups.
         """
 
+    def call_python(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+                    results: Sequence[int], stream: tuple[int, ...] = ()) -> Awaitable[None]:
+        """Runs a colocated Python function on the worker's shards (args and results as in
+        `execute`); resolves when its outputs are stored, or fails with the function's error."""
+
     def deliver(self, commands: Commands) -> None:
         """Takes commands shared with other workers (in order with the rest)."""
 
@@ -131,3 +137,16 @@ class WorkerChannel(Protocol):
         """Stops profile `trace` and writes the worker's XSpace as
         `directory/<machine>-<label>.xplane.pb` (fsspec; `directory` "" drops it); resolves
         to the path, or None when the worker's process did not record the trace."""
+
+    def write_shards(self, location: str, items: Sequence[tuple[BufferId, Any]]
+                     ) -> Awaitable[int]:
+        """Writes these buffers' data as the shards (boxes) of `location`; resolves to bytes."""
+
+    def write_meta(self, location: str, dtype: str, shape: Sequence[int],
+                   boxes: Sequence[Any]) -> Awaitable[None]:
+        """Writes the index (dtype, shape, boxes) of the array saved at `location`."""
+
+    def read_shards(self, location: str, dtype: str, shape: Sequence[int],
+                    items: Sequence[tuple[BufferId, int, Any]]) -> Awaitable[None]:
+        """Makes each buffer the part `box` of the array saved at `location`, on device
+        `device_id` (items are `(buffer_id, device_id, box)`)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgpack
 import numpy as np
@@ -22,6 +22,8 @@ _RECORD, _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE, _BULK = r
 _SPAN = struct.Struct("<QQ")  # a bulk value's offset in its frame's tail, and its length
 BULK_ALIGNMENT = 64  # what jaxlib wants of host memory it adopts without a copy
 
+
+_R = TypeVar("_R")  # a record class
 
 class Bulk:
     """Bytes that travel beside the encoded message instead of inside it (`encode_parts`):
@@ -75,14 +77,15 @@ class Codec:
         self._tail_bytes = 0
         self._tail: memoryview | None = None
 
-    def record(self, cls: type) -> type:
+    def record(self, cls: type[_R]) -> type[_R]:
         """Registers a dataclass (a decorator); its fields travel in declaration order."""
         name = cls.__name__
         if self._records.get(name, cls) is not cls:
             raise ValueError(f"two records named {name} in the fleet's codec")
         self._records[name] = cls
+        fields = dataclasses.fields(cast(Any, cls))  # a dataclass: what this decorator takes
         self._fields[cls] = (msgpack.ExtType(_RECORD, name.encode()),
-                             tuple(f.name for f in dataclasses.fields(cls)))
+                             tuple(f.name for f in fields))
         self._tags[(_RECORD, name.encode())] = _Tag(_RECORD, name)
         return cls
 

@@ -39,7 +39,7 @@ class StreamClosed(ConnectionError):
     """The other end closed the stream (or it broke)."""
 
 
-class Parts(tuple):  # type: ignore[type-arg]
+class Parts(tuple):
     """A payload in pieces (`messages.encode`): the encoded message behind its 8-byte
     length, then bulk bytes, written as they are."""
 
@@ -213,7 +213,7 @@ class FrameStream(asyncio.BufferedProtocol):
         assert self.transport is not None
         transport = await asyncio.get_running_loop().start_tls(
             self.transport, self, context, server_side=True)
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport
 
 
 def read_room(buf: bytearray, start: int, end: int, size: int = READ_BUFFER
@@ -251,7 +251,7 @@ async def connect(host: str, port: int, **tls: Any) -> FrameStream:
 
 
 async def serve(on_connected: Callable[[FrameStream], None], host: str, port: int
-                ) -> asyncio.AbstractServer:
+                ) -> asyncio.Server:
     """Listens for control streams; `on_connected` runs in each one's connection_made."""
     return await asyncio.get_running_loop().create_server(
         lambda: FrameStream(on_connected), host, port)

@@ -12,7 +12,7 @@ import logging
 import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -135,17 +135,18 @@ class PeerDataServer:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 "wrong or missing fleet token")
             return
+        # These messages hold no Bulk bytes: each encodes to one bytes object.
         try:
             value = await self._fetch(buffer_id)
         except errors.IsthmusError as e:
-            yield m.encode({"error": e})
+            yield cast(bytes, m.encode({"error": e}))
             return
         if value.dtype == object:
-            yield m.encode({"objects": value})
+            yield cast(bytes, m.encode({"objects": value}))
             return
         flat = byte_view(value)
-        yield m.encode({"dtype": m.dtype_name(value.dtype), "shape": value.shape,
-                        "nbytes": flat.nbytes})
+        yield cast(bytes, m.encode({"dtype": m.dtype_name(value.dtype), "shape": value.shape,
+                                    "nbytes": flat.nbytes}))
         for start in range(0, flat.nbytes, PIECE_BYTES):
             yield flat[start:start + PIECE_BYTES].tobytes()
 

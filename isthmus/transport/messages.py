@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import typing
 from typing import Any
 
 from isthmus.transport.codec import Bulk, Codec, register_errors
@@ -36,7 +37,11 @@ CODEC = Codec()  # every message record registers itself; so do the records repl
 register_errors(CODEC)
 
 
-def _message(cls: type) -> Any:
+_T = typing.TypeVar("_T")
+
+
+@typing.dataclass_transform(frozen_default=True)
+def _message(cls: type[_T]) -> type[_T]:
     """A frozen, slotted dataclass that travels in the fleet's codec."""
     return CODEC.record(dataclasses.dataclass(frozen=True, slots=True)(cls))
 

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
 from isthmus.transport.flow import FlowGate
+from isthmus.transport.frames import Parts
 from isthmus.transport.records import CompileRequest, TraceOptions
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ SHARED_BYTES = 1 << 20  # with a worker on this machine, data this large goes th
 class RemoteWorker:
     """A worker process, seen from the controller."""
 
-    def __init__(self, slot: WorkerId, register: m.Register, send: Callable[[bytes], None],
+    def __init__(self, slot: WorkerId, register: m.Register,
+                 send: Callable[[bytes | Parts], None],
                  peer: str, close: Callable[[], None] = lambda: None,
                  flow: FlowGate | None = None, token: str = "") -> None:
         self.slot = slot
@@ -246,7 +248,7 @@ class RemoteWorker:
         return future
 
     def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
-                 dtype: np.dtype, shape: tuple[int, ...],
+                 dtype: np.dtype | None, shape: tuple[int, ...],
                  parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
         self._command(m.Assemble(dst, device_id, memory_kind, np.dtype(dtype).name,
                                  tuple(shape), tuple(parts)))
@@ -329,8 +331,9 @@ class RemoteWorker:
         if self.lost is not None:
             return
         if commands.encoded is None:
-            shared = m.Shared(m.encode(tuple(_SHARED[name](*args)
-                                             for name, args in commands.calls)))
+            # Execute and Free carry no Bulk bytes: they encode to one bytes object.
+            shared = m.Shared(cast(bytes, m.encode(tuple(_SHARED[name](*args)
+                                                         for name, args in commands.calls))))
             commands.encoded = (shared, m.encode(m.Batch((shared,))))
         shared, frame = commands.encoded
         if not self._pending and not self._held:

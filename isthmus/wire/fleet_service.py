@@ -26,6 +26,7 @@ from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import (
     FrameStream,
+    Parts,
     StreamClosed,
     keep_alive,
     read_frame,
@@ -51,7 +52,7 @@ class FleetServicer:
         self._token = token  # the fleet's: a stream must prove it first (`transport/auth.py`)
         self._tls = tls  # mutual TLS on every control stream (`transport/tls.py`), or None
         self.port = 0  # of the control streams, once started
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._writers: set[FrameStream] = set()
         self._handlers: set[asyncio.Task[None]] = set()
 
@@ -129,9 +130,9 @@ class FleetServicer:
             write_frame(writer, m.encode(m.Refused("a worker stream must start with Register")))
             return
         # What the channel sends while it is being registered goes after the Welcome.
-        early: list[bytes] | None = []
+        early: list[bytes | Parts] | None = []
 
-        def send(frame: bytes) -> None:
+        def send(frame: bytes | Parts) -> None:
             if early is not None:
                 early.append(frame)
             else:
@@ -144,6 +145,7 @@ class FleetServicer:
             write_frame(writer, m.encode(m.Refused(e.message)))
             return
         write_frame(writer, m.encode(self.manager.welcome(channel)))
+        assert early is not None  # set to None only below
         for frame in early:
             write_frame(writer, frame)
         early = None

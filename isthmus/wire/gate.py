@@ -206,7 +206,12 @@ class GatedListener:
     async def _sort(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         readable = loop.create_future()
-        loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+
+        def ready() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        loop.add_reader(conn.fileno(), ready)
         try:
             await asyncio.wait_for(readable, PREAMBLE_SECONDS)
             first = conn.recv(1, socket.MSG_PEEK)

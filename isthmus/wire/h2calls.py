@@ -148,7 +148,7 @@ def whole(message: memoryview | Pieces) -> bytes:
 
 
 def metadata(headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, Any], ...]:
-    out = []
+    out: list[tuple[str, bytes | str]] = []
     for key, value in headers:
         if key.startswith(b":") or key in RESERVED:
             continue

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import h2.config
 import h2.errors
@@ -218,7 +218,7 @@ class Wire(asyncio.BufferedProtocol):
                 if pad >= length:
                     raise violation(frames, h2.exceptions.ProtocolError,
                                     "DATA frame padding exceeds its length")
-                body = view[pos + 10:pos + 9 + length - pad].tobytes()
+                body: memoryview | bytes = view[pos + 10:pos + 9 + length - pad].tobytes()
                 pos += 9 + length
                 whole = pos
                 self._data(stream, flags & ~PADDED, body, length)
@@ -227,11 +227,12 @@ class Wire(asyncio.BufferedProtocol):
                 body = memoryview(np.empty(length, np.uint8))  # no zeroing: all is read
                 body[:have] = view[pos + 9:pos + 9 + have]
             else:
-                body = view[pos + 9:pos + 9 + length].tobytes()  # type: ignore[assignment]
+                body = view[pos + 9:pos + 9 + length].tobytes()
             pos += 9 + have
             whole = pos
             if have < length:  # the rest comes from the socket straight into it
-                self._body, self._filled = body, have
+                # Only a large frame is read in pieces: body is its memoryview.
+                self._body, self._filled = cast(memoryview, body), have
                 self._body_of = (stream, flags)
                 break
             self._data(stream, flags, body, length)

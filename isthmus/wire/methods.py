@@ -12,7 +12,7 @@ from typing import Any
 MAX_MESSAGE = 1 << 31
 
 
-class Pieces(tuple):  # type: ignore[type-arg]
+class Pieces(tuple):
     """A serialized message as consecutive buffers (a field's header, then the bytes of a
     host buffer): h2 sends them as they are, grpc.aio joins them."""
 
@@ -25,7 +25,7 @@ class Refused(Exception):
         self.code, self.message = code, message
 
 
-class Batch(tuple):  # type: ignore[type-arg]
+class Batch(tuple):
     """Several messages of a stream, ready at once: h2 frames them together (one DATA frame
     for all), grpc.aio sends them one by one."""
 

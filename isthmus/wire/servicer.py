@@ -283,7 +283,7 @@ class IfrtProxyServicer:
         return _Upload(self.frontend, context)
 
     async def host_buffer_lookup(self, request: Any, context: grpc.aio.ServicerContext
-                                 ) -> AsyncIterator[bytes]:
+                                 ) -> AsyncIterator[bytes | Pieces]:
         try:
             store = self.frontend.host_buffers(request.session_id,
                                                getattr(context, "identity", None))

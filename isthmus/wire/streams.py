@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from isthmus.wire.methods import Batch
 
@@ -30,6 +30,6 @@ async def drain(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
                 yield Batch(items) if len(items) > 1 else items[0]
                 if item is END:
                     return
-                raise item
+                raise cast(BaseException, item)
             items.append(item)
         yield Batch(items)

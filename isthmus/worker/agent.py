@@ -299,8 +299,8 @@ class WorkerAgent(CommandApplier):
                             self.host.fail_outputs(command.executable, command.results,
                                                    errors.WorkerLost(
                                 f"the program spanned a worker that was lost "
-                                f"({self._pending_reason or 'a peer left the collective group'}); run it again on the slices "
-                                "that are up."))
+                                f"({self._pending_reason or 'a peer left the collective group'}); "
+                                "run it again on the slices that are up."))
                             self._applied += m.weight(command)
                             continue
                 try:

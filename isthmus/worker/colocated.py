@@ -183,7 +183,7 @@ def _device_value(value: Any, device: Any) -> Any:
     """A shard as the user function sees it: string arrays become StringDType jax arrays."""
     import jax
 
-    if hasattr(value, "value") and getattr(value.value, "dtype", None) == object:
+    if hasattr(value, "value") and getattr(value.value, "dtype", None) == np.dtype(object):
         strings = np.array([x.decode() if isinstance(x, bytes) else str(x)
                             for x in value.value.flat], dtype=np.dtypes.StringDType())
         return jax.device_put(strings.reshape(value.value.shape), device)

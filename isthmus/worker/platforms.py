@@ -74,7 +74,8 @@ def parse_gpus(text: str | None) -> tuple[int, ...] | None:
     try:
         gpus = tuple(int(g) for g in text.split(","))
     except ValueError:
-        raise ValueError(f"--gpus takes GPU numbers separated by commas (0,1), not {text!r}")
+        raise ValueError(f"--gpus takes GPU numbers separated by commas (0,1), "
+                         f"not {text!r}") from None
     if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
         raise ValueError(f"--gpus takes distinct GPU numbers, not {text!r}")
     return gpus

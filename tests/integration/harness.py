@@ -67,14 +67,16 @@ def compare(code: str, address: str, *, rtol: float = 0.0, atol: float = 0.0
     assert sorted(remote) == sorted(local), (sorted(remote), sorted(local))
     assert remote, "the snippet emitted nothing: a test that cannot fail"
     for key in local:
-        r, l = remote[key], local[key]
-        assert r.dtype == l.dtype, f"{key}: dtype {r.dtype} through isthmus, {l.dtype} locally"
-        assert r.shape == l.shape, f"{key}: shape {r.shape} through isthmus, {l.shape} locally"
-        if (rtol or atol) and r.dtype.kind in "fc":
-            np.testing.assert_allclose(r, l, rtol=rtol, atol=atol, err_msg=key)
-        elif r.dtype == object or r.dtype.kind in "USV":
-            assert r.tolist() == l.tolist(), key
+        got, want = remote[key], local[key]  # through isthmus, and in local jax
+        assert got.dtype == want.dtype, (
+            f"{key}: dtype {got.dtype} through isthmus, {want.dtype} locally")
+        assert got.shape == want.shape, (
+            f"{key}: shape {got.shape} through isthmus, {want.shape} locally")
+        if (rtol or atol) and got.dtype.kind in "fc":
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=key)
+        elif got.dtype == object or got.dtype.kind in "USV":
+            assert got.tolist() == want.tolist(), key
         else:
-            assert r.tobytes() == l.tobytes() or np.array_equal(r, l, equal_nan=True), (
-                f"{key} differs:\nisthmus: {r}\nlocal:   {l}")
+            assert got.tobytes() == want.tobytes() or np.array_equal(got, want, equal_nan=True), (
+                f"{key} differs:\nisthmus: {got}\nlocal:   {want}")
     return remote

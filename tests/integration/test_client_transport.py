@@ -1,7 +1,7 @@
 """Both transports of the client port (`--client-transport h2` and `grpc`) serve the stock
 client alike: sharded puts, programs, fetches of arrays larger than every flow-control
-window, an array over the server's limit (refused, the session goes on), a pipelined loop, and two clients at once; the
-results match numpy."""
+window, an array over the server's limit (refused, the session goes on), a pipelined loop,
+and two clients at once; the results match numpy."""
 
 import pytest
 

@@ -66,7 +66,8 @@ def test_status_command(server):
 def test_connect_in_the_script(server):
     out = run_snippet(f"""
         import os
-        for k in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET", "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"):
+        for k in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET",
+                  "IFRT_PROXY_USE_INSECURE_GRPC_CREDENTIALS"):
             os.environ.pop(k, None)
         import isthmus
         isthmus.connect("{server.address}")

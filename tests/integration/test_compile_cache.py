@@ -14,7 +14,8 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 mesh = Mesh(np.array(jax.devices()), ("x",))
 x = np.arange(64, dtype=np.float32).reshape(len(jax.devices()) * 4, -1)
-step = jax.jit(lambda v: jnp.tanh(v * 0.01).sum(0) + v.mean(), out_shardings=NamedSharding(mesh, P()))
+step = jax.jit(lambda v: jnp.tanh(v * 0.01).sum(0) + v.mean(),
+               out_shardings=NamedSharding(mesh, P()))
 out = np.asarray(step(jax.device_put(x, NamedSharding(mesh, P("x")))))
 np.testing.assert_allclose(out, np.tanh(x * 0.01).sum(0) + x.mean(), rtol=1e-5)
 print("OK")

@@ -30,7 +30,8 @@ def test_jit_tuple_outputs_control_flow_and_random(server):
         emit("uniform", jax.random.uniform(k2, (5,), minval=-1, maxval=1))
         emit("randint", jax.random.randint(k1, (6,), 0, 100))
         emit("perm", jax.random.permutation(k2, 10))
-        emit("int_ops", jax.jit(lambda a: (a // 3, a % 3, a << 1))(np.arange(-5, 5, dtype=np.int32)))
+        emit("int_ops", jax.jit(lambda a: (a // 3, a % 3, a << 1))(
+            np.arange(-5, 5, dtype=np.int32)))
     """, server.address)
 
 

@@ -81,8 +81,9 @@ def test_killing_workers_of_one_slice_never_touches_another_busy_slice(tmp_path)
                     [sys.executable, "-m", "isthmus.cli", "worker", "--controller", target,
                      "--slice", "0", "--devices", "2"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-                wait_until(lambda: server.slice_up(0) and victim not in server.worker_pids(0),
-                      60, f"slice 0 to come back after kill {kill + 1}")
+                wait_until(lambda victim=victim: (server.slice_up(0)
+                                                  and victim not in server.worker_pids(0)),
+                           60, f"slice 0 to come back after kill {kill + 1}")
             stop_file.write_text("")
             out, err = client.communicate(timeout=120)
             assert server.slice_up(1) and server.slice_up(0)

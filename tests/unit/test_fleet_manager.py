@@ -25,7 +25,10 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 10))
 
 
-def _manager(spec=FleetSpec(slices=2, hosts_per_slice=2, devices_per_host=2)):
+_TWO_BY_TWO = FleetSpec(slices=2, hosts_per_slice=2, devices_per_host=2)  # 8 devices
+
+
+def _manager(spec=_TWO_BY_TWO):
     fleet = Fleet([], {})
     controller = Controller(fleet)
     return FleetManager(spec, fleet, on_slice_down=controller.poison_slice), fleet, controller

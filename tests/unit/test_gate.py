@@ -27,7 +27,8 @@ def bound(identity):
 def head(authority, credentials=None):
     lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
     if credentials is not None:
-        lines.append("Proxy-Authorization: Basic " + base64.b64encode(credentials.encode()).decode())
+        token = base64.b64encode(credentials.encode()).decode()
+        lines.append("Proxy-Authorization: Basic " + token)
     return "\r\n".join(lines).encode()
 
 

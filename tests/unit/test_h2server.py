@@ -392,7 +392,8 @@ def test_a_data_frame_on_stream_zero_gets_a_goaway_not_a_traceback(caplog):
         handlers = Handlers()
         async with _serving(handlers) as channel:
             reader, writer = await asyncio.open_connection("127.0.0.1", handlers.port)
-            writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + struct.pack(">I", 0)[1:] + b"\x04\x00"
+            writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                         + struct.pack(">I", 0)[1:] + b"\x04\x00"
                          + struct.pack(">I", 0))  # the preface and an empty SETTINGS
             writer.write(struct.pack(">I", 4)[1:] + b"\x00\x00" + struct.pack(">I", 0) + b"oops")
             await writer.drain()

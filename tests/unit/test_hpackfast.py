@@ -49,8 +49,9 @@ def test_every_block_decodes_as_hpack_decodes_it(monkeypatch):
 def test_what_the_fast_path_cannot_read_fails_as_in_hpack():
     encoder = hpack.Encoder()
     good = encoder.encode([(b":path", b"/x"), hpack.NeverIndexedHeaderTuple(b"k", b"v" * 40)])
+    # Truncated, index 0, huge index, short, unknown, late update.
     bad = [good[:-3], b"\x80", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x00\x85ab",
-           bytes([0xBE]), good + b"\x20"]  # truncated, index 0, huge index, short, unknown, late update
+           bytes([0xBE]), good + b"\x20"]
     for block in bad:
         with pytest.raises(Exception) as theirs:
             hpack.Decoder().decode(block, raw=True)

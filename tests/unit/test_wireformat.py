@@ -34,6 +34,7 @@ def test_a_chunk_in_pieces_is_read_without_joining():
 
 
 def test_malformed_chunks_are_refused():
-    for bad in (b"\x0a\x05ab", b"\x0a", b"\x0f\x01", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"):
+    for bad in (b"\x0a\x05ab", b"\x0a", b"\x0f\x01",
+                b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"):
         with pytest.raises(ValueError):
             bytes_field(bad)
