@@ -3,7 +3,9 @@
 The operator gives a certificate and key (`--service-cert/--service-key`, e.g. from their
 CA or cert-manager); without them the service makes a self-signed one at start (valid for
 its host names and addresses) and writes it where users can be handed it: clients trust
-exactly that certificate (`--service-ca FILE`), so no public CA is involved.
+exactly that certificate (`--service-ca FILE`), so no public CA is involved. A restarted
+service presents the pair it made before while it still covers its names and has more than
+a week to run, so the file users were handed stays good.
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ class ServiceCertificate:
 
 
 def self_signed(directory: str, names: list[str], days: int = 365) -> ServiceCertificate:
-    """A fresh key and a certificate for `names` (host names and IP addresses) in
-    `directory` (service-cert.pem, world-readable; service-key.pem, owner only)."""
+    """A key and a certificate for `names` (host names and IP addresses) in `directory`
+    (service-cert.pem, world-readable; service-key.pem, owner only): the pair already there
+    when it still serves (`_still_good`), else a fresh one."""
+    cert_path = os.path.join(directory, "service-cert.pem")
+    key_path = os.path.join(directory, "service-key.pem")
+    if _still_good(cert_path, key_path, names):
+        return ServiceCertificate(cert_path, key_path)
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -58,8 +65,6 @@ def self_signed(directory: str, names: list[str], days: int = 365) -> ServiceCer
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(key, hashes.SHA256()))
     os.makedirs(directory, exist_ok=True)
-    cert_path = os.path.join(directory, "service-cert.pem")
-    key_path = os.path.join(directory, "service-key.pem")
     with open(cert_path, "wb") as f:
         f.write(certificate.public_bytes(serialization.Encoding.PEM))
     descriptor = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -68,6 +73,34 @@ def self_signed(directory: str, names: list[str], days: int = 365) -> ServiceCer
                                   serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption()))
     return ServiceCertificate(cert_path, key_path)
+
+
+def _still_good(cert_path: str, key_path: str, names: list[str]) -> bool:
+    """The pair at these paths loads together, is valid for more than a week yet, and names
+    every one of `names`."""
+    from cryptography import x509
+
+    try:
+        with open(cert_path, "rb") as f:
+            certificate = x509.load_pem_x509_certificate(f.read())
+        ServiceCertificate(cert_path, key_path).server_context()
+        alternatives = certificate.extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return False
+    now = datetime.datetime.now(datetime.UTC)
+    if certificate.not_valid_after_utc - now < datetime.timedelta(days=7):
+        return False
+    covered = {str(a) for a in alternatives.get_values_for_type(x509.IPAddress)}
+    covered |= set(alternatives.get_values_for_type(x509.DNSName))
+    for name in names:
+        try:
+            name = str(ipaddress.ip_address(name.strip("[]")))
+        except ValueError:
+            pass
+        if name not in covered:
+            return False
+    return True
 
 
 def default_names(host: str, advertise: str | None) -> list[str]:
