@@ -123,10 +123,11 @@ def codec_rows(repeat: int = 20_000) -> dict[str, dict[str, float]]:
     import pickle
     import timeit
 
+    from isthmus.transport import commands as c
     from isthmus.transport import messages as m
 
-    batch = m.Batch((m.Execute(3, (7, (8, 9)), (10,), frozenset()), m.Free(range(4, 8))))
-    shared = m.Batch((m.Shared(m.encode((m.Execute(3, (7,), (10,), frozenset()),))),))
+    batch = m.Batch((c.Execute(3, (7, (8, 9)), (10,), frozenset()), c.Free(range(4, 8))))
+    shared = m.Batch((m.Shared(m.encode((c.Execute(3, (7,), (10,), frozenset()),))),))
     rows = {}
     for name, value in (("a batch of Execute + Free", batch), ("a shared frame", shared)):
         rows[name] = {

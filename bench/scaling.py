@@ -24,6 +24,7 @@ from isthmus.controller.session import Session
 from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
 from isthmus.ids import DeviceId, SliceId, WorkerId
+from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
 from isthmus.transport.remote import RemoteWorker
@@ -46,25 +47,23 @@ class StandInWorker(RemoteWorker):
         for frame in self.frames:
             for command in m.decode(frame).commands:
                 inner = m.decode(command.data) if isinstance(command, m.Shared) else (command,)
-                count += sum(isinstance(c, m.Execute) for c in inner)
+                count += sum(isinstance(x, c.Execute) for x in inner)
         return count
 
     async def _answer(self, value: Any) -> Any:
         return value
 
-    def compile(self, executable_id: Any, request: Any) -> Any:
-        aval = Aval(F32, (len(request.device_ids),))
-        return self._answer(CompiledInfo(
-            name="standin", params=(aval,), outputs=(aval,), param_shardings=None,
-            output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
-            output_memory_kinds=("device",), donated_inputs=(), fingerprint=None,
-            cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0))
-
-    def put(self, *args: Any, **kwargs: Any) -> Any:
-        return self._answer(None)
-
-    def ready(self, *args: Any) -> Any:
-        return self._answer(None)
+    def ask(self, request: Any) -> Any:
+        if isinstance(request, c.Compile):
+            aval = Aval(F32, (len(request.program.device_ids),))
+            return self._answer(CompiledInfo(
+                name="standin", params=(aval,), outputs=(aval,), param_shardings=None,
+                output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
+                output_memory_kinds=("device",), donated_inputs=(), fingerprint=None,
+                cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0))
+        if isinstance(request, (c.Put, c.Ready)):
+            return self._answer(None)
+        return super().ask(request)
 
 
 async def programs_per_second(hosts: int, seconds: float, per_turn: int = 1) -> float:

@@ -22,6 +22,7 @@ from isthmus.controller.counts import Counts
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.logs import event
+from isthmus.transport import commands as c
 from isthmus.transport.messages import CrashReport
 from isthmus.transport.records import CompiledInfo, CompileRequest
 from isthmus.worker.programs import canonical_digest
@@ -127,7 +128,7 @@ class Controller:
                 continue
             group.freed = True
             self._live.pop(BufferId(group.base), None)
-            self.fleet.multicast(group.workers, "free", group.ids)
+            self.fleet.multicast(group.workers, c.Free(group.ids))
 
     def free_buffers(self, buffers: Sequence[Buffer]) -> None:
         """Drops single shards on their workers (in dispatch order)."""
@@ -149,7 +150,7 @@ class Controller:
                 self._live.pop(BufferId(group.base), None)
             by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
         for worker, ids in by_worker.items():
-            self.fleet.channel(worker).free(ids)
+            self.fleet.channel(worker).send(c.Free(tuple(ids)))
 
     def pin(self, buffer: Buffer) -> None:
         group = buffer.group
@@ -253,10 +254,10 @@ class Controller:
             channel = self.fleet.channel(worker)
             if executable.holders.get(worker) is not channel:
                 if refused is None:
-                    channel.load(executable.id, executable.request)
+                    channel.send(c.Load(executable.id, executable.request))
                 else:
-                    channel.refuse(executable.id, executable.device_ids,
-                                   errors.ProgramRefused(refused))
+                    channel.send(c.Refuse(executable.id, tuple(executable.device_ids),
+                                          errors.ProgramRefused(refused)))
                 executable.holders[worker] = channel
         executable.epoch = self.fleet.epoch
 
@@ -320,14 +321,15 @@ class Controller:
                 other.epoch = -1  # `ensure_loaded` refuses it to workers that join later
                 for worker in other.parts:
                     channel = self.fleet.channel(worker)
-                    channel.refuse(other.id, other.device_ids, errors.ProgramRefused(message))
+                    channel.send(c.Refuse(other.id, tuple(other.device_ids),
+                                          errors.ProgramRefused(message)))
                     other.holders[worker] = channel
 
     async def _compile(self, executable: Executable, request: CompileRequest) -> CompiledInfo:
         executable.epoch = self.fleet.epoch
         channels = {worker: self.fleet.channel(worker) for worker in executable.parts}
         executable.holders = dict(channels)
-        waits = [channel.compile(executable.id, request) for channel in channels.values()]
+        waits = [channel.ask(c.Compile(executable.id, request)) for channel in channels.values()]
         try:
             infos = await asyncio.gather(*waits)
         except errors.IsthmusError as e:
@@ -341,10 +343,14 @@ class Controller:
             raise error from None
         if executable.info is None:
             executable.info = infos[0]
-        logger.info("compiled %s for devices %s", executable.info.name, executable.device_ids,
-                    extra=event("compiled", program=executable.info.name,
-                                devices=len(executable.devices)))
-        return executable.info
+        info = executable.info
+        if info is None:
+            raise errors.InternalError(
+                "the workers compiled the program but described none of it; this is a bug in "
+                "isthmus: please report it.")
+        logger.info("compiled %s for devices %s", info.name, executable.device_ids,
+                    extra=event("compiled", program=info.name, devices=len(executable.devices)))
+        return info
 
     def release_executable(self, executable: Executable) -> None:
         executable.refs -= 1
@@ -355,7 +361,7 @@ class Controller:
             self.counts.retire(executable.slices, executable.runs)
             if getattr(executable.request, "on_hosts", True):
                 for worker in executable.parts:
-                    self.fleet.channel(worker).drop_executable(executable.id)
+                    self.fleet.channel(worker).send(c.DropExecutable(executable.id))
             return
         self._idle[executable.key] = executable
         while len(self._idle) > self.config.compile_cache_size:
@@ -364,7 +370,7 @@ class Controller:
             self._executables.pop(key, None)
             self.counts.retire(old.slices, old.runs)
             for worker in old.parts:
-                self.fleet.channel(worker).drop_executable(old.id)
+                self.fleet.channel(worker).send(c.DropExecutable(old.id))
 
     def program_runs(self) -> dict[int, int]:
         """Slice -> Executes dispatched on it (a program over several slices counts on

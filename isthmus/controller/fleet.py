@@ -19,13 +19,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from isthmus import errors
 from isthmus.ids import COMPANION_BASE, DeviceId, SliceId, WorkerId
 from isthmus.transport.base import Commands, WorkerChannel
+from isthmus.transport.commands import Command, Request
 from isthmus.transport.flow import FlowGate
+
+_T = TypeVar("_T")
 
 MAX_FLUSH_WAIT = 0.001  # seconds shared commands may wait for more of their kind
 
@@ -163,8 +166,8 @@ class Fleet:
         key = tuple(dict.fromkeys(workers))
         return self._worker_sets.setdefault(key, key)
 
-    def multicast(self, workers: tuple[WorkerId, ...], name: str, *args: Any) -> None:
-        """Sends one fire-and-forget command (a WorkerChannel method) to several workers.
+    def multicast(self, workers: tuple[WorkerId, ...], command: Command) -> None:
+        """Sends one fire-and-forget command to several workers.
 
         The cost per worker is paid once per hand-out, not once per command: consecutive
         commands for the same workers (`workers` from `worker_set`, so the same workers are
@@ -177,10 +180,10 @@ class Fleet:
         """
         outbox = self._outbox
         if outbox and outbox[-1][0] is workers:
-            outbox[-1][1].calls.append((name, args))
+            outbox[-1][1].items.append(command)
             return
         if len(workers) == 1 and not outbox:
-            getattr(self._channel(workers[0]), name)(*args)
+            self._channel(workers[0]).send(command)
             return
         if not outbox:
             loop = asyncio.get_running_loop()
@@ -189,7 +192,7 @@ class Fleet:
                 loop.call_at(due, self.flush)
             else:
                 loop.call_soon(self.flush)
-        outbox.append((workers, Commands([(name, args)])))
+        outbox.append((workers, Commands([command])))
 
     def flush(self) -> None:
         """Hands the waiting shared commands to their workers."""
@@ -245,53 +248,27 @@ class Fleet:
 
 
 class LostChannel:
-    """Stands for a host slot with no live worker: everything fails with the slot's loss."""
+    """Stands for a host slot with no live worker: requests fail with the slot's loss, and
+    fire-and-forget commands are dropped (the controller has already poisoned what they
+    touch)."""
 
     def __init__(self, error: errors.IsthmusError) -> None:
         self.error = error
 
+    def send(self, command: Command) -> None:
+        pass
+
+    def ask(self, request: Request[_T]) -> Awaitable[_T]:
+        return self._fail()
+
     async def _fail(self) -> Any:
         raise self.error
 
-    def put(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def compile(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def ready(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def fetch(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def pull(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def call_python(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def write_shards(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def write_meta(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def read_shards(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def start_profile(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
-
-    def stop_profile(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fail()
+    def deliver(self, commands: Commands) -> None:
+        pass
 
     def stats(self) -> dict[str, int]:
         return {}
-
-    def __getattr__(self, name: str) -> Any:
-        # Fire-and-forget commands: the controller has already poisoned what they touch.
-        return lambda *args, **kwargs: None
 
 
 def _ids(devices: Sequence[Device]) -> str:

@@ -22,6 +22,7 @@ from isthmus.controller.arrays import Array, Buffer, BufferGroup
 from isthmus.controller.fleet import Device
 from isthmus.controller.session_core import SessionCore, as_error
 from isthmus.ids import BufferId
+from isthmus.transport import commands as c
 
 
 class HostShard(Protocol):
@@ -230,8 +231,8 @@ class SessionArrays(SessionCore):
                 continue
             device = group.devices[p]
             placed.append(p)
-            waits.append(self.fleet.channel(device.worker).put(
-                BufferId(group.base + p), device.id, value, group.memory_kind))
+            waits.append(self.fleet.channel(device.worker).ask(
+                c.Put(BufferId(group.base + p), device.id, value, group.memory_kind)))
             self.controller.counts.put_bytes += value.nbytes
         return placed, waits
 

@@ -23,6 +23,7 @@ from isthmus.controller.controller import Executable
 from isthmus.controller.session_arrays import SessionArrays
 from isthmus.controller.session_core import as_error
 from isthmus.ids import BufferId, WorkerId
+from isthmus.transport import commands as c
 from isthmus.transport.base import answered
 from isthmus.transport.records import Aval, CompiledInfo
 
@@ -177,18 +178,19 @@ class SessionMoves(SessionArrays):
         local = [(b, box) for b, box in zip(array.shards, src_boxes)
                  if b.device.worker == dst.device.worker]
         # Prefer the shard already on the target device, then any holding the whole box.
-        local.sort(key=lambda c: c[0].device.id != dst.device.id)
+        local.sort(key=lambda pair: pair[0].device.id != dst.device.id)
         for buffer, box in local:
             if box == dst_box:
-                channel.copy(buffer.id, dst.id, dst.device.id, dst.memory_kind)
+                channel.send(c.Copy(buffer.id, dst.id, dst.device.id, dst.memory_kind))
                 return
             if all(s0 <= d0 and d1 <= s1 for (s0, s1), (d0, d1) in zip(box, dst_box)):
                 local = [(buffer, box)]
                 break
         pieces = _pieces(local, dst_box)
         if sum(n for *_, n in pieces) == math.prod(sh.shard_shape(dst_box)):
-            channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
-                             sh.shard_shape(dst_box), [(b.id, s, d) for b, s, d, _ in pieces])
+            channel.send(c.Assemble(dst.id, dst.device.id, dst.memory_kind,
+                                    c.dtype_field(array.dtype.numpy), sh.shard_shape(dst_box),
+                                    tuple((b.id, s, d) for b, s, d, _ in pieces)))
             return
         whole = next((b for b, box in zip(array.shards, src_boxes) if box == dst_box), None)
         if whole is not None:  # the same shard on another worker: move it as it is
@@ -218,8 +220,10 @@ class SessionMoves(SessionArrays):
             await asyncio.gather(*pulls, return_exceptions=True)
             error = next((t.error for t in temps if t.error is not None), None)
             if error is None:
-                channel.assemble(dst.id, dst.device.id, dst.memory_kind, array.dtype.numpy,
-                                 sh.shard_shape(dst_box), [(b.id, s, d) for b, s, d in parts])
+                channel.send(c.Assemble(dst.id, dst.device.id, dst.memory_kind,
+                                        c.dtype_field(array.dtype.numpy),
+                                        sh.shard_shape(dst_box),
+                                        tuple((b.id, s, d) for b, s, d in parts)))
             self.controller.free_buffers(temps)
             self._defined(dst, error)
 
@@ -238,8 +242,8 @@ class SessionMoves(SessionArrays):
             return done
         dst.group.expect()
         self.controller.pin(src)
-        work = self.fleet.channel(dst.device.worker).pull(
-            src.id, address, dst.id, dst.device.id, memory_kind)
+        work = self.fleet.channel(dst.device.worker).ask(
+            c.Pull(src.id, address, dst.id, dst.device.id, memory_kind))
         self.controller.counts.peer_bytes += src.nbytes
 
         async def finish() -> None:
@@ -293,9 +297,9 @@ class SessionMoves(SessionArrays):
                         dst.error = error
                     else:
                         # Not a string array (refused above): it has a numpy dtype.
-                        self.fleet.channel(src.device.worker).bitcast(
-                            src.id, dst.id, cast(np.dtype, out.dtype.numpy),
-                            sh.shard_shape(box))
+                        self.fleet.channel(src.device.worker).send(c.Bitcast(
+                            src.id, dst.id, c.dtype_name(cast(np.dtype, out.dtype.numpy)),
+                            sh.shard_shape(box)))
                 if donate:
                     self._donate(array)
 
@@ -315,7 +319,7 @@ class SessionMoves(SessionArrays):
             wanted: dict[sh.Box, Buffer] = {}
             for buffer, box in zip(array.shards, boxes):
                 wanted.setdefault(box, buffer)
-            pieces = [(box, self.fleet.channel(b.device.worker).fetch(b.id, b.nbytes))
+            pieces = [(box, self.fleet.channel(b.device.worker).ask(c.Fetch(b.id, b.nbytes)))
                       for box, b in wanted.items()]
             self.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
             if all(answered(p) for _, p in pieces):  # all on the host already (in-process)
@@ -355,7 +359,7 @@ class SessionMoves(SessionArrays):
             for array in arrays:
                 for buffer in array.shards:
                     by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
-            waits = [self.fleet.channel(w).ready(ids) for w, ids in by_worker.items()]
+            waits = [self.fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
             self._spawn(_settle(asyncio.gather(*waits), result))
 
         groups = groups_of(arrays)

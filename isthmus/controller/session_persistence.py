@@ -32,6 +32,7 @@ from isthmus.controller.session_python import (
     settle_after,
 )
 from isthmus.ids import BufferId, WorkerId
+from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, CompiledInfo
 
 
@@ -121,7 +122,8 @@ class SessionPersistence(SessionPython):
                 dtype = dtype_name(array.dtype)
                 metas.append((array.shards[0].device.worker, saved.location, dtype,
                               array.shape, tuple(seen)))
-            waits = [self.fleet.channel(w).write_shards(location, items)
+            waits = [self.fleet.channel(w).ask(
+                         c.WriteShards(location, tuple(items)))
                      for w, jobs in writes.items() for location, items in jobs]
             self._spawn(self._finish_write(waits, metas, done))
 
@@ -131,7 +133,8 @@ class SessionPersistence(SessionPython):
                             done: asyncio.Future[None]) -> None:
         try:
             await asyncio.gather(*waits)
-            await asyncio.gather(*(self.fleet.channel(w).write_meta(loc, dtype, shape, boxes)
+            await asyncio.gather(*(self.fleet.channel(w).ask(
+                                       c.WriteMeta(loc, dtype, tuple(shape), tuple(boxes)))
                                    for w, loc, dtype, shape, boxes in metas))
         except Exception as e:  # noqa: BLE001
             finish((), done, as_error(e, "saving the checkpoint"))
@@ -162,8 +165,8 @@ class SessionPersistence(SessionPython):
                     per_worker.setdefault(buffer.device.worker, []).append(
                         (buffer.id, buffer.device.id, box))
                 dtype = dtype_name(saved.dtype)  # type: ignore[arg-type]
-                waits.extend(self.fleet.channel(w).read_shards(saved.location, dtype,
-                                                                saved.shape, items)
+                waits.extend(self.fleet.channel(w).ask(c.ReadShards(
+                                 saved.location, dtype, tuple(saved.shape), tuple(items)))
                              for w, items in per_worker.items())
             self._spawn(settle_after(groups, done, waits, "restoring the checkpoint"))
 

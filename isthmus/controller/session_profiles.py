@@ -35,6 +35,7 @@ from isthmus.controller.session_arrays import HostData, SessionArrays
 from isthmus.controller.session_core import as_error
 from isthmus.controller.session_persistence import plugin_info
 from isthmus.ids import ExecutableId, WorkerId
+from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, TraceOptions
 from isthmus.worker import profiler
 
@@ -152,7 +153,7 @@ class SessionProfiles(SessionArrays):
         self.controller.profile = trace
 
         def start() -> None:
-            waits = [self.fleet.channel(w).start_profile(trace.id, plan.options)
+            waits = [self.fleet.channel(w).ask(c.StartProfile(trace.id, plan.options))
                      for w, _ in trace.hosts]
             trace.spawn(self._started(trace, waits))
 
@@ -171,8 +172,8 @@ class SessionProfiles(SessionArrays):
         if error is not None:
             for (worker, _), outcome in zip(trace.hosts, outcomes):
                 if outcome is True:  # started: drop what it records
-                    trace.spawn(_quietly(self.fleet.channel(worker).stop_profile(
-                        trace.id, "", "")))
+                    trace.spawn(_quietly(self.fleet.channel(worker).ask(
+                        c.StopProfile(trace.id, "", ""))))
             self._profiles.pop(trace.caller, None)
             if self.controller.profile is trace:
                 self.controller.profile = None
@@ -205,7 +206,7 @@ class SessionProfiles(SessionArrays):
             trace.timer.cancel()
 
         def stop() -> None:
-            waits = [self.fleet.channel(w).stop_profile(trace.id, trace.directory, label)
+            waits = [self.fleet.channel(w).ask(c.StopProfile(trace.id, trace.directory, label))
                      for w, label in trace.hosts]
             trace.spawn(self._finish(trace, waits, stopped))
 

@@ -15,6 +15,7 @@ from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
 from isthmus.controller.session_arrays import SessionArrays
 from isthmus.ids import BufferId, WorkerId
+from isthmus.transport import commands as c
 from isthmus.transport.records import CompileRequest
 
 
@@ -82,8 +83,8 @@ class SessionPrograms(SessionArrays):
                         args[index].consume()
                 return
             self.controller.ensure_loaded(executable)
-            self.fleet.multicast(executable.workers, "execute", executable.id, tuple(refs),
-                                 results, copy_first)
+            self.fleet.multicast(executable.workers,
+                                 c.Execute(executable.id, c.refs(refs), results, copy_first))
             for index in donated:
                 args[index].consume()
             executable.runs += 1
@@ -109,7 +110,7 @@ class SessionPrograms(SessionArrays):
                     by_worker.setdefault(worker, []).extend(
                         BufferId(group.base + p) for p in part
                         if not (group.freed_position(p) or group.deleted_position(p)))
-            await asyncio.gather(*(self.fleet.channel(w).ready(ids)
+            await asyncio.gather(*(self.fleet.channel(w).ask(c.Ready(tuple(ids)))
                                    for w, ids in by_worker.items() if ids))
             if self.controller.counts.timing:
                 self.controller.counts.waited(out.group for out in outputs)

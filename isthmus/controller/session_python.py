@@ -21,6 +21,7 @@ from isthmus.controller.controller import Executable
 from isthmus.controller.session_core import as_error
 from isthmus.controller.session_programs import SessionPrograms
 from isthmus.ids import BufferId
+from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, ColocatedProgram, CompiledInfo
 
 Spec = tuple[dtypes.DType, tuple[int, ...], sh.Sharding]  # dtype, shape, sharding
@@ -109,7 +110,8 @@ class SessionPython(SessionPrograms):
                 return
             try:
                 self.controller.ensure_loaded(executable)
-                waits = [self.fleet.channel(w).call_python(executable.id, refs, results, stream)
+                waits = [self.fleet.channel(w).ask(
+                    c.CallPython(executable.id, c.refs(refs), tuple(results), tuple(stream)))
                          for w in executable.workers]
             except Exception as e:
                 finish(out_groups, done, as_error(e, "dispatching a colocated call"))

@@ -5,8 +5,11 @@ frozen dataclasses in the fleet's codec (`codec.py`: msgpack, whose decoding bui
 registered records and values, never runs code), sent only after both ends proved that they
 know the fleet's token (`auth.py`).
 
-Commands flow controller -> worker in batches (`Batch`) and take effect in order. Requests
-that expect an answer carry a `request` number; the worker answers with `Reply`.
+The commands themselves are defined in `commands.py`; this module holds the stream's own
+messages. Commands flow controller -> worker in batches (`Batch`) and take effect in order.
+A request (`commands.Request`) travels inside an `Ask` with a number; the worker answers with
+`Reply`. A put's data and a fetch through a file travel in forms of their own (`PutBegin`,
+`PutData`, `PutObjects`, `PutFile`, `FetchFile`), which carry their request number.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from isthmus.transport.frames import Parts, Tailed
 
 __all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
 
-PROTOCOL_VERSION = 9  # bump when a message changes shape
+PROTOCOL_VERSION = 10  # bump when a message changes shape
 PIECE_BYTES = 64 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
@@ -185,6 +188,14 @@ class Batch:
 
 
 @_message
+class Ask:
+    """A request (`commands.Request`) numbered for its `Reply`."""
+
+    request: int
+    command: Any
+
+
+@_message
 class Shared:
     """Commands encoded once for many workers (a tuple of commands, encoded); applied in
     order, in the place of the batch where they stand."""
@@ -219,8 +230,12 @@ class DeviceMap:
     mapping: dict[int, int]
 
 
+# ---- how a put's data and a fetch through a file travel (`commands.Put`, `commands.Fetch`) ---
+
 @_message
 class PutBegin:
+    """The layout of a put whose bytes follow as `PutData`."""
+
     buffer: int
     device: int  # global device id
     memory_kind: str | None
@@ -276,200 +291,8 @@ class FetchFile:
 
 
 @_message
-class Fail:
-    buffer: int
-    error: Any
-
-
-@_message
-class Copy:
-    src: int
-    dst: int
-    device: int
-    memory_kind: str | None
-
-
-@_message
-class Pull:
-    """Fetch buffer `src` from the worker at `peer` into `dst` on `device`."""
-
-    request: int
-    src: int
-    peer: str
-    dst: int
-    device: int
-    memory_kind: str | None
-
-
-@_message
-class Assemble:
-    dst: int
-    device: int
-    memory_kind: str | None
-    dtype: str
-    shape: tuple[int, ...]
-    parts: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
-
-
-@_message
-class Bitcast:
-    src: int
-    dst: int
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@_message
-class Free:
-    buffers: tuple[int, ...] | range  # ids the worker does not hold are ignored
-
-
-@_message
-class Compile:
-    request: int
-    executable: int
-    module: bytes
-    compile_options: bytes
-    device_ids: tuple[int, ...]  # global ids of the program, in device-assignment order
-    replicas: int
-    namespace: str = ""  # the tenant's, on a shared service: its own compile-cache entries
-
-
-@_message
-class Load:
-    """A program the worker compiles when it first runs it (no answer): sent ahead of an
-    Execute to a worker that joined after the program was compiled."""
-
-    executable: int
-    module: bytes
-    compile_options: bytes
-    device_ids: tuple[int, ...]
-    replicas: int
-    namespace: str = ""
-
-
-@_message
-class CompilePython:
-    """A colocated Python program (`records.ColocatedProgram`) to unpickle."""
-
-    request: int
-    executable: int
-    program: Any
-
-
-@_message
-class LoadPython:
-    """A colocated Python program the worker unpickles when it is first called."""
-
-    executable: int
-    program: Any
-
-
-@_message
-class CallPython:
-    """Runs a colocated Python program on the worker's shards; answered when it is done."""
-
-    request: int
-    executable: int
-    args: tuple[int | tuple[int, ...], ...]  # per input: group base, or an id per position
-    results: tuple[int, ...]  # per output: the base of its group
-    stream: tuple[int, ...]  # calls of one stream run in order, others concurrently
-
-
-@_message
-class WriteShards:
-    """Writes buffers as checkpoint shards (`worker/persistence.py`); answers the bytes."""
-
-    request: int
-    location: str
-    items: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (buffer, box)
-
-
-@_message
-class WriteMeta:
-    """Writes a saved array's index, once all its shards are written."""
-
-    request: int
-    location: str
-    dtype: str
-    shape: tuple[int, ...]
-    boxes: tuple[tuple[tuple[int, int], ...], ...]
-
-
-@_message
-class ReadShards:
-    """Reads the boxes of a saved array into new buffers on the worker's devices."""
-
-    request: int
-    location: str
-    dtype: str
-    shape: tuple[int, ...]
-    items: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # (buffer, device, box)
-
-
-@_message
-class DropExecutable:
-    executable: int
-
-
-@_message
-class Refuse:
-    """The program crashed a worker: drop it, never compile it again, and fail the outputs
-    of every Execute of it with `error` (a ProgramRefused)."""
-
-    executable: int
-    device_ids: tuple[int, ...]  # global ids of the program's devices, in its order
-    error: Any
-
-
-@_message
-class Execute:
-    """The same for every worker of the program; each takes its own device positions."""
-
-    executable: int
-    args: tuple[int | tuple[int, ...], ...]  # per argument: group base, or an id per position
-    results: tuple[int, ...]  # per output: the base of its group
-    copy_first: frozenset[int]
-
-
-@_message
-class Ready:
-    request: int
-    buffers: tuple[int, ...]
-
-
-@_message
-class Fetch:
-    request: int
-    buffer: int
-
-
-@_message
 class Shutdown:
     reason: str
-
-
-@_message
-class StartProfile:
-    """Start jax's profiler in the worker's process for profile `trace`; answers whether it
-    started (False: that process already records it). `worker/profiler.py`."""
-
-    request: int
-    trace: str
-    host_tracer_level: int
-    python_tracer_level: int
-    advanced: tuple[tuple[str, Any], ...]  # (name, bool | int | str): tracer options
-
-
-@_message
-class StopProfile:
-    """Stop profile `trace` and write the worker's XSpace as `directory`/HOST-`label`
-    .xplane.pb (`directory` "": drop it); answers the path, or None if it did not record."""
-
-    request: int
-    trace: str
-    directory: str
-    label: str
 
 
 def weight(command: Any) -> int:

@@ -18,6 +18,7 @@ from isthmus.transport.messages import CODEC
 COLOCATED_PROGRAM_TYPE = "jax_colocated_python_v0.0.1"
 
 
+@CODEC.record  # travels in compile and load commands
 @dataclasses.dataclass(frozen=True, slots=True)
 class CompileRequest:
     """What a host needs to compile one program."""
@@ -82,6 +83,7 @@ class ColocatedProgram:
     private: ClassVar[bool] = True  # the session's own executable (`Controller.executable`)
 
 
+@CODEC.record  # travels in StartProfile
 @dataclasses.dataclass(frozen=True, slots=True)
 class TraceOptions:
     """What jax's profiler records (its `ProfileOptions`)."""

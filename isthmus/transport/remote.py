@@ -2,7 +2,7 @@
 
 Fire-and-forget commands are collected and sent as one `Batch` per event-loop turn, so one
 client request costs one message per involved worker however many commands it makes.
-Requests (compile, ready, fetch, put, pull) get a number and resolve when the worker answers.
+Requests (`commands.Request`) get a number and resolve when the worker answers.
 When the worker is lost every pending request fails with the loss, and later commands are
 dropped: the controller has already poisoned the buffers they would touch.
 """
@@ -14,21 +14,23 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from isthmus import errors
 from isthmus.hostmem import Assembly, backing_file, byte_view, map_file, write_file
-from isthmus.ids import BufferId, ExecutableId, WorkerId
+from isthmus.ids import WorkerId
+from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
 from isthmus.transport.flow import FlowGate
 from isthmus.transport.frames import Parts
-from isthmus.transport.records import CompileRequest, TraceOptions
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 FREE_DELAY = 0.002  # seconds a free waits for other commands to travel with
 SHARED_BYTES = 1 << 20  # with a worker on this machine, data this large goes through files
@@ -195,8 +197,25 @@ class RemoteWorker:
 
     # ---- WorkerChannel -------------------------------------------------------------------
 
-    def put(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
-            memory_kind: str | None = None) -> Awaitable[None]:
+    def send(self, command: c.Command) -> None:
+        self._command(command, urgent=not isinstance(command, c.Free))
+
+    def ask(self, request: c.Request[_T]) -> Awaitable[_T]:
+        if isinstance(request, c.Put):
+            return cast(Awaitable[_T], self._put(request))
+        number, future = self._request()
+        if (isinstance(request, c.Fetch) and self.shared_dir is not None
+                and request.nbytes >= SHARED_BYTES):
+            path = self._file("fetch")
+            self._command(m.FetchFile(number, request.buffer, path))
+            return cast(Awaitable[_T], _mapped(path, future))
+        self._command(m.Ask(number, request))
+        return future
+
+    def _put(self, put: c.Put) -> Awaitable[None]:
+        """A put's data travels through a file (a worker on this machine), as objects (a
+        string array) or in pieces on the stream."""
+        value = put.value
         if (self.shared_dir is not None and value.dtype != object
                 and value.nbytes >= SHARED_BYTES):
             path = self._file("put")
@@ -213,116 +232,25 @@ class RemoteWorker:
                 _unlink(path)
             else:
                 number, future = self._request()
-                self._command(m.PutFile(number, buffer_id, device_id, memory_kind,
+                self._command(m.PutFile(number, put.buffer, put.device, put.memory_kind,
                                         m.dtype_name(value.dtype), tuple(value.shape), path))
                 return _removing(path, future)
         number, future = self._request()
         if value.dtype == object:
-            self._command(m.PutObjects(number, buffer_id, device_id, value))
+            self._command(m.PutObjects(number, put.buffer, put.device, value))
             return future
         raw = memoryview(byte_view(value))
-        self._command(m.PutBegin(buffer_id, device_id, memory_kind, m.dtype_name(value.dtype),
-                                 tuple(value.shape), len(raw)))
+        self._command(m.PutBegin(put.buffer, put.device, put.memory_kind,
+                                 m.dtype_name(value.dtype), tuple(value.shape), len(raw)))
         offset = 0
         while True:
             piece = raw[offset:offset + m.PIECE_BYTES]
             last = offset + len(piece) >= len(raw)
-            data = m.PutData(number, buffer_id, offset, m.Bulk(piece), last)
+            data = m.PutData(number, put.buffer, offset, m.Bulk(piece), last)
             self._command(data, weight=m.weight(data))
             offset += len(piece)
             if last:
                 break
-        return future
-
-    def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
-        self._command(m.Fail(buffer_id, error))
-
-    def copy(self, src: BufferId, dst: BufferId, device_id: int,
-             memory_kind: str | None = None) -> None:
-        self._command(m.Copy(src, dst, device_id, memory_kind))
-
-    def pull(self, src: BufferId, peer: str, dst: BufferId, device_id: int,
-             memory_kind: str | None) -> Awaitable[None]:
-        number, future = self._request()
-        self._command(m.Pull(number, src, peer, dst, device_id, memory_kind))
-        return future
-
-    def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
-                 dtype: np.dtype | None, shape: tuple[int, ...],
-                 parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
-        self._command(m.Assemble(dst, device_id, memory_kind, np.dtype(dtype).name,
-                                 tuple(shape), tuple(parts)))
-
-    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype,
-                shape: tuple[int, ...]) -> None:
-        self._command(m.Bitcast(src, dst, np.dtype(dtype).name, tuple(shape)))
-
-    def free(self, buffer_ids: Sequence[BufferId]) -> None:
-        self._command(_free(buffer_ids), urgent=False)
-
-    def compile(self, executable_id: ExecutableId, request: Any) -> Awaitable[Any]:
-        number, future = self._request()
-        if not isinstance(request, CompileRequest):  # a colocated Python program
-            self._command(m.CompilePython(number, executable_id, request))
-            return future
-        self._command(m.Compile(number, executable_id, request.module, request.compile_options,
-                                tuple(request.device_ids), request.replicas,
-                                request.namespace))
-        return future
-
-    def load(self, executable_id: ExecutableId, request: Any) -> None:
-        if not isinstance(request, CompileRequest):
-            self._command(m.LoadPython(executable_id, request))
-            return
-        self._command(m.Load(executable_id, request.module, request.compile_options,
-                             tuple(request.device_ids), request.replicas, request.namespace))
-
-    def drop_executable(self, executable_id: ExecutableId) -> None:
-        self._command(m.DropExecutable(executable_id))
-
-    def refuse(self, executable_id: ExecutableId, device_ids: Sequence[int],
-               error: errors.IsthmusError) -> None:
-        self._command(m.Refuse(executable_id, tuple(device_ids), error))
-
-    def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
-                results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
-        self._command(_execute(executable_id, args, results, copy_first))
-
-    def call_python(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
-                    results: Sequence[int], stream: tuple[int, ...] = ()) -> Awaitable[None]:
-        number, future = self._request()
-        self._command(m.CallPython(number, executable_id,
-                                   tuple(a if isinstance(a, int) else tuple(a) for a in args),
-                                   tuple(results), tuple(stream)))
-        return future
-
-    def write_shards(self, location: str, items: Sequence[tuple[BufferId, Any]]
-                     ) -> Awaitable[int]:
-        number, future = self._request()
-        self._command(m.WriteShards(number, location, tuple((b, tuple(box)) for b, box in items)))
-        return future
-
-    def write_meta(self, location: str, dtype: str, shape: Sequence[int],
-                   boxes: Sequence[Any]) -> Awaitable[None]:
-        number, future = self._request()
-        self._command(m.WriteMeta(number, location, dtype, tuple(shape), tuple(boxes)))
-        return future
-
-    def read_shards(self, location: str, dtype: str, shape: Sequence[int],
-                    items: Sequence[tuple[BufferId, int, Any]]) -> Awaitable[None]:
-        number, future = self._request()
-        self._command(m.ReadShards(number, location, dtype, tuple(shape), tuple(items)))
-        return future
-
-    def start_profile(self, trace: str, options: TraceOptions) -> Awaitable[bool]:
-        number, future = self._request()
-        self._command(m.StartProfile(number, trace, options.host_tracer_level,
-                                     options.python_tracer_level, tuple(options.advanced)))
-        return future
-
-    def stop_profile(self, trace: str, directory: str, label: str) -> Awaitable[str | None]:
-        number, future = self._request()
-        self._command(m.StopProfile(number, trace, directory, label))
         return future
 
     def deliver(self, commands: Commands) -> None:
@@ -331,30 +259,16 @@ class RemoteWorker:
         if self.lost is not None:
             return
         if commands.encoded is None:
-            # Execute and Free carry no Bulk bytes: they encode to one bytes object.
-            shared = m.Shared(cast(bytes, m.encode(tuple(_SHARED[name](*args)
-                                                         for name, args in commands.calls))))
+            # Shared commands (Execute, Free) carry no Bulk bytes: they encode to one bytes
+            # object.
+            shared = m.Shared(cast(bytes, m.encode(tuple(commands.items))))
             commands.encoded = (shared, m.encode(m.Batch((shared,))))
         shared, frame = commands.encoded
         if not self._pending and not self._held:
-            self._sent(len(commands.calls))
+            self._sent(len(commands.items))
             self._send(frame)
         else:
-            self._command(shared, weight=len(commands.calls))
-
-    def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
-        number, future = self._request()
-        self._command(m.Ready(number, tuple(buffer_ids)))
-        return future
-
-    def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
-        number, future = self._request()
-        if self.shared_dir is not None and nbytes >= SHARED_BYTES:
-            path = self._file("fetch")
-            self._command(m.FetchFile(number, buffer_id, path))
-            return _mapped(path, future)
-        self._command(m.Fetch(number, buffer_id))
-        return future
+            self._command(shared, weight=len(commands.items))
 
     def _file(self, kind: str) -> str:
         assert self.shared_dir is not None
@@ -387,20 +301,6 @@ async def _mapped(path: str, answer: Awaitable[Any]) -> np.ndarray:
         return map_file(path, read_only=True).view(m.dtype_of(dtype)).reshape(shape)
     finally:
         _unlink(path)
-
-
-def _execute(executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
-             results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> m.Execute:
-    return m.Execute(executable_id, tuple(a if isinstance(a, int) else tuple(a) for a in args),
-                     tuple(results), copy_first)
-
-
-def _free(buffer_ids: Sequence[BufferId]) -> m.Free:
-    return m.Free(buffer_ids if isinstance(buffer_ids, range) else tuple(buffer_ids))
-
-
-# The commands the controller sends to several workers at once, as messages.
-_SHARED: dict[str, Callable[..., Any]] = {"execute": _execute, "free": _free}
 
 
 class _Incoming:

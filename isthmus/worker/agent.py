@@ -23,13 +23,13 @@ from typing import Any
 
 from isthmus import errors, gctune
 from isthmus.ids import COMPANION_BASE, BufferId
+from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.transport.records import ColocatedProgram, CompileRequest
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker.applying import CommandApplier
-from isthmus.worker.commands import Incoming, probe_found, produced, unpack
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.crashes import CrashConfig, CrashRecord
 from isthmus.worker.host import DeviceHost
@@ -43,6 +43,7 @@ from isthmus.worker.platforms import (
     join_group,
 )
 from isthmus.worker.process import exit_now, preload, watch_stop_signals
+from isthmus.worker.reading import Incoming, probe_found, produced, request_of, unpack
 from isthmus.worker.simulated import make_host
 
 logger = logging.getLogger(__name__)
@@ -282,9 +283,9 @@ class WorkerAgent(CommandApplier):
     async def _handle(self, message: Any) -> None:
         if isinstance(message, m.Batch):
             for command in unpack(message.commands):
-                if isinstance(command, m.CallPython):
-                    await self._load(command.executable)
-                elif isinstance(command, m.Execute):
+                if isinstance(command, m.Ask) and isinstance(command.command, c.CallPython):
+                    await self._load(command.command.executable)
+                elif isinstance(command, c.Execute):
                     if command.executable in self._refused:
                         self._fail_refused(command)
                         self._applied += m.weight(command)
@@ -324,12 +325,13 @@ class WorkerAgent(CommandApplier):
     def _refuse(self, command: Any, e: Exception) -> None:
         """A command that could not be applied: whoever waits on it hears why, and the
         buffers it was to produce hold the error (nothing waits forever)."""
+        name = type(command.command if isinstance(command, m.Ask) else command).__name__
         error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
-            f"the worker could not apply {type(command).__name__} ({type(e).__name__}: {e}); "
+            f"the worker could not apply {name} ({type(e).__name__}: {e}); "
             "this is a bug in isthmus: please report it with the worker log.")
         if not isinstance(e, errors.IsthmusError):
-            logger.exception("command %s failed", type(command).__name__)
-        request = getattr(command, "request", None)
+            logger.exception("command %s failed", name)
+        request = request_of(command)
         if request is not None:
             self._reply(request, error=error)
         if self.host is not None:
@@ -384,7 +386,7 @@ class WorkerAgent(CommandApplier):
         reason, at = self._last_loss
         return reason if time.monotonic() - at < 2 * LOSS_REASON_WAIT else ""
 
-    def _fail_refused(self, command: m.Execute) -> None:
+    def _fail_refused(self, command: c.Execute) -> None:
         """An Execute of a program the controller refused: its outputs here hold the error."""
         if self.host is None:
             return

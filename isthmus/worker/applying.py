@@ -1,24 +1,29 @@
 """Applying the controller's commands to a worker's `DeviceHost` (a mixin of `WorkerAgent`):
-one branch per command, and the transfers a command starts (a fetched buffer sent back on the
-control stream, a buffer pulled from a peer, a buffer served to one)."""
+most commands by their own record (`transport/commands.py`), a few here because they need the
+process (its crash record, the programs it keeps across groups, the transfers a command
+starts: a put arriving in pieces, a fetched buffer sent back on the control stream, a buffer
+pulled from a peer, a buffer served to one)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from isthmus import errors
 from isthmus.hostmem import Assembly, byte_view, map_file
+from isthmus.ids import BufferId
+from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.base import answered
 from isthmus.transport.links import ControllerLink, PeerClient
-from isthmus.transport.records import ColocatedProgram, CompileRequest, TraceOptions
-from isthmus.worker.commands import Incoming, compile_request, write_fetched
+from isthmus.transport.records import ColocatedProgram, CompileRequest
 from isthmus.worker.crashes import CrashRecord
 from isthmus.worker.host import DeviceHost
+from isthmus.worker.reading import Incoming, write_fetched
 
 SMALL_FETCH_BYTES = 64 << 10  # a fetched buffer this small travels inside its Reply
 
@@ -45,95 +50,102 @@ class CommandApplier:
             raise errors.InternalError("the worker has no collective group yet")
         return self.host
 
-    def _apply(self, c: Any) -> None:
+    def _apply(self, message: Any) -> None:
+        """Applies one command of a batch: by its record's own `apply`, or, for the few
+        whose handling needs this process (`_TOLD`, `_ASKED`), here."""
         host = self._require_host()
-        if isinstance(c, m.Execute):
-            # The crash record names the program while jaxlib dispatches it (`crashes.py`).
-            running = self._crashes.running
-            running(c.executable)
-            try:
-                host.execute(c.executable, c.args, c.results, c.copy_first)
-            finally:
-                running(0)
-        elif isinstance(c, m.PutBegin):
-            self._incoming[c.buffer] = Incoming(Assembly(c.nbytes), c.device, c.memory_kind,
-                                                m.dtype_of(c.dtype), c.shape)
-        elif isinstance(c, m.PutData):
-            incoming = self._incoming[c.buffer]
-            value = incoming.add(c.offset, c.data)
-            if c.last:
-                del self._incoming[c.buffer]
-                self._spawn(c.request, host.put(c.buffer, incoming.device, value,
-                                                incoming.memory_kind))
-        elif isinstance(c, m.PutObjects):
-            self._spawn(c.request, host.put(c.buffer, c.device, c.value))
-        elif isinstance(c, m.Fail):
-            host.fail(c.buffer, c.error)
-        elif isinstance(c, m.Copy):
-            host.copy(c.src, c.dst, c.device, c.memory_kind)
-        elif isinstance(c, m.Assemble):
-            host.assemble(c.dst, c.device, c.memory_kind, m.dtype_of(c.dtype), c.shape,
-                          c.parts)
-        elif isinstance(c, m.Bitcast):
-            host.bitcast(c.src, c.dst, m.dtype_of(c.dtype), c.shape)
-        elif isinstance(c, m.Free):
-            host.free(c.buffers)
-        elif isinstance(c, m.Compile):
-            self._programs[c.executable] = compile_request(c)
-            self._spawn(c.request, self._compile(host, c))
-        elif isinstance(c, m.Load):
-            self._programs[c.executable] = compile_request(c)
-        elif isinstance(c, m.CallPython):
-            self._spawn(c.request, host.call_python(c.executable, c.args, c.results, c.stream))
-        elif isinstance(c, m.CompilePython):
-            self._programs[c.executable] = c.program
-            self._spawn(c.request, host.compile(c.executable, c.program))
-        elif isinstance(c, m.LoadPython):
-            self._programs[c.executable] = c.program
-        elif isinstance(c, m.WriteShards):
-            self._spawn(c.request, host.write_shards(c.location, c.items))
-        elif isinstance(c, m.WriteMeta):
-            self._spawn(c.request, host.write_meta(c.location, c.dtype, c.shape, c.boxes))
-        elif isinstance(c, m.ReadShards):
-            self._spawn(c.request, host.read_shards(c.location, c.dtype, c.shape, c.items))
-        elif isinstance(c, m.DropExecutable):
-            self._programs.pop(c.executable, None)
-            host.drop_executable(c.executable)
-        elif isinstance(c, m.Refuse):
-            self._refused[c.executable] = (c.error, tuple(c.device_ids))
-            self._programs.pop(c.executable, None)
-            host.drop_executable(c.executable)
-        elif isinstance(c, m.Ready):
-            if host.all_ready(c.buffers):  # the common case of a small step: answer now
-                self._reply(c.request)
+        if isinstance(message, m.Ask):
+            request, command = message.request, message.command
+            asked = _ASKED.get(type(command))
+            if asked is not None:
+                asked(self, host, request, command)
             else:
-                self._spawn(c.request, host.ready(c.buffers), c)
-        elif isinstance(c, m.Fetch):
-            fetched = host.fetch(c.buffer)
-            if (answered(fetched) and fetched.result().dtype != object
-                    and fetched.result().nbytes <= SMALL_FETCH_BYTES):
-                self._reply(c.request, fetched.result())  # a small step's result: now
-            else:
-                self._spawn(c.request, self._send_buffer(c.request, fetched), c)
-        elif isinstance(c, m.PutFile):
-            value = map_file(c.path).view(m.dtype_of(c.dtype)).reshape(c.shape)
-            self._spawn(c.request, host.put(c.buffer, c.device, value, c.memory_kind))
-        elif isinstance(c, m.FetchFile):
-            self._spawn(c.request, write_fetched(host.fetch(c.buffer), c.path), c)
-        elif isinstance(c, m.Pull):
-            self._spawn(c.request, self._pull(host, c))
-        elif isinstance(c, m.StartProfile):
-            self._spawn(c.request, host.start_profile(c.trace, TraceOptions(
-                c.host_tracer_level, c.python_tracer_level, tuple(c.advanced))))
-        elif isinstance(c, m.StopProfile):
-            self._spawn(c.request, host.stop_profile(c.trace, c.directory, c.label))
+                self._spawn(request, command.apply(host))
+            return
+        told = _TOLD.get(type(message))
+        if told is not None:
+            told(self, host, message)
+        elif isinstance(message, c.Command) and not isinstance(message, c.Request):
+            message.apply(host)
         else:
-            raise errors.InternalError(f"unknown command {type(c).__name__}")
+            raise errors.InternalError(f"unknown command {type(message).__name__}")
 
-    async def _compile(self, host: DeviceHost, c: m.Compile) -> Any:
-        info = await host.compile(c.executable, self._programs[c.executable])
-        self._crashes.compiled(c.executable, info.name)
-        return dataclasses.replace(info, param_avals=())
+    # ---- commands whose handling needs the worker process --------------------------------
+
+    def _on_execute(self, host: DeviceHost, command: c.Execute) -> None:
+        # The crash record names the program while jaxlib dispatches it (`crashes.py`).
+        running = self._crashes.running
+        running(command.executable)
+        try:
+            command.apply(host)
+        finally:
+            running(0)
+
+    def _on_load(self, host: DeviceHost, command: c.Load) -> None:
+        self._programs[command.executable] = command.program  # compiled at its first run
+
+    def _on_drop(self, host: DeviceHost, command: c.DropExecutable) -> None:
+        self._programs.pop(command.executable, None)
+        command.apply(host)
+
+    def _on_refuse(self, host: DeviceHost, command: c.Refuse) -> None:
+        self._refused[command.executable] = (command.error, tuple(command.device_ids))
+        self._programs.pop(command.executable, None)
+        command.apply(host)
+
+    def _on_put_begin(self, host: DeviceHost, message: m.PutBegin) -> None:
+        self._incoming[message.buffer] = Incoming(
+            Assembly(message.nbytes), message.device, message.memory_kind,
+            m.dtype_of(message.dtype), message.shape)
+
+    def _on_put_data(self, host: DeviceHost, message: m.PutData) -> None:
+        incoming = self._incoming[message.buffer]
+        value = incoming.add(message.offset, message.data)
+        if message.last:
+            del self._incoming[message.buffer]
+            self._spawn(message.request, host.put(BufferId(message.buffer), incoming.device,
+                                                  value, incoming.memory_kind))
+
+    def _on_put_objects(self, host: DeviceHost, message: m.PutObjects) -> None:
+        self._spawn(message.request, host.put(BufferId(message.buffer), message.device,
+                                              message.value))
+
+    def _on_put_file(self, host: DeviceHost, message: m.PutFile) -> None:
+        value = map_file(message.path).view(m.dtype_of(message.dtype)).reshape(message.shape)
+        self._spawn(message.request, host.put(BufferId(message.buffer), message.device, value,
+                                              message.memory_kind))
+
+    def _on_fetch_file(self, host: DeviceHost, message: m.FetchFile) -> None:
+        self._spawn(message.request, write_fetched(host.fetch(BufferId(message.buffer)),
+                                                   message.path), message)
+
+    def _on_compile(self, host: DeviceHost, request: int, command: c.Compile) -> None:
+        self._programs[command.executable] = command.program
+        self._spawn(request, self._compiled(host, command))
+
+    async def _compiled(self, host: DeviceHost, command: c.Compile) -> Any:
+        info = await command.apply(host)
+        if info is None:  # colocated Python
+            return None
+        self._crashes.compiled(command.executable, info.name)
+        return dataclasses.replace(info, param_avals=())  # jax's avals stay here
+
+    def _on_ready(self, host: DeviceHost, request: int, command: c.Ready) -> None:
+        if host.all_ready(command.buffers):  # the common case of a small step: answer now
+            self._reply(request)
+        else:  # asked again if the group re-forms meanwhile
+            self._spawn(request, command.apply(host), m.Ask(request, command))
+
+    def _on_fetch(self, host: DeviceHost, request: int, command: c.Fetch) -> None:
+        fetched = command.apply(host)
+        if (answered(fetched) and fetched.result().dtype != object
+                and fetched.result().nbytes <= SMALL_FETCH_BYTES):
+            self._reply(request, fetched.result())  # a small step's result: now
+        else:
+            self._spawn(request, self._send_buffer(request, fetched), m.Ask(request, command))
+
+    def _on_pull(self, host: DeviceHost, request: int, command: c.Pull) -> None:
+        self._spawn(request, self._pulled(command))
 
     async def _send_buffer(self, request: int, fetched: Any) -> Any:
         value = await fetched
@@ -146,11 +158,12 @@ class CommandApplier:
             self._link.send(m.Data(request, start, m.Bulk(flat[start:start + m.PIECE_BYTES])))
         return None
 
-    async def _pull(self, host: DeviceHost, c: m.Pull) -> None:
-        value = await self._peers.fetch(c.peer, c.src)
+    async def _pulled(self, command: c.Pull) -> None:
+        value = await self._peers.fetch(command.peer, command.src)
         host = self._require_host()  # the group may have re-formed while the bytes came
-        await host.put(c.dst, c.device, value, c.memory_kind)
-        if not host.has(c.dst):
+        dst = BufferId(command.dst)
+        await host.put(dst, command.device, value, command.memory_kind)
+        if not host.has(dst):
             raise errors.InternalError("the pulled buffer was not stored")
 
     async def _serve_buffer(self, buffer_id: int) -> np.ndarray:
@@ -160,3 +173,24 @@ class CommandApplier:
                 return await self.host.fetch(buffer_id)
             await asyncio.sleep(0.01)
         raise errors.InternalError(f"buffer {buffer_id} never appeared on this worker")
+
+
+# The commands (by record type) whose handling needs the worker process, told and asked;
+# every other command is applied by its record (`commands.py`).
+_TOLD: dict[type, Callable[[CommandApplier, DeviceHost, Any], None]] = {
+    c.Execute: CommandApplier._on_execute,
+    c.Load: CommandApplier._on_load,
+    c.DropExecutable: CommandApplier._on_drop,
+    c.Refuse: CommandApplier._on_refuse,
+    m.PutBegin: CommandApplier._on_put_begin,
+    m.PutData: CommandApplier._on_put_data,
+    m.PutObjects: CommandApplier._on_put_objects,
+    m.PutFile: CommandApplier._on_put_file,
+    m.FetchFile: CommandApplier._on_fetch_file,
+}
+_ASKED: dict[type, Callable[[CommandApplier, DeviceHost, int, Any], None]] = {
+    c.Compile: CommandApplier._on_compile,
+    c.Ready: CommandApplier._on_ready,
+    c.Fetch: CommandApplier._on_fetch,
+    c.Pull: CommandApplier._on_pull,
+}

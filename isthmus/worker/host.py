@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,6 +24,8 @@ from isthmus import errors
 from isthmus.compat import jax as jax_compat
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
+from isthmus.transport.base import Commands
+from isthmus.transport.commands import Command, Request
 from isthmus.worker import programs, regroup
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
@@ -49,6 +51,8 @@ __all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
 
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
@@ -488,10 +492,18 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
                else [ref[p] for p in positions])
         return [self._spans[b] for b in ids if b in self._spans and self._waits(b)]
 
-    def deliver(self, commands: Any) -> None:
-        """Commands shared with other workers (`transport.base.Commands`)."""
-        commands.apply(self)
+    # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 
+    def send(self, command: Command) -> None:
+        command.apply(self)
+
+    def ask(self, request: Request[_T]) -> Awaitable[_T]:
+        return request.apply(self)
+
+    def deliver(self, commands: Commands) -> None:
+        """Commands shared with other workers."""
+        for command in commands.items:
+            command.apply(self)
 
     def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
         """Moves `old`'s buffers into this host's client (a new collective group) and empties

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from isthmus import dtypes, errors
+from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport import records
 from isthmus.transport.codec import CodecError
@@ -25,9 +26,9 @@ def test_records_and_values_round_trip():
         None, ("{1,0}",), ("{}",), ("device",), (0,), b"fp", {"flops": 12.0, "n": 3}, "hlo",
         {"temp_size_in_bytes": 4}, 10)
     values = [
-        m.Batch((m.Execute(3, (7, (8, 9)), (10,), frozenset({1})), m.Free(range(4, 8)),
-                 m.Shared(m.encode((m.Free((1, 2)),))))),
-        m.Assemble(1, 0, "pinned_host", "float32", (2, 3),
+        m.Batch((c.Execute(3, (7, (8, 9)), (10,), frozenset({1})), c.Free(range(4, 8)),
+                 m.Shared(m.encode((c.Free((1, 2)),))))),
+        c.Assemble(1, 0, "pinned_host", "float32", (2, 3),
                    ((5, (slice(0, 2), slice(None)), (slice(0, 2), slice(1, 3, 1))),)),
         m.DeviceMap({0: 5, 7: 12}),
         m.Heartbeat({"buffers": 3, "bytes": 1 << 40}, 9),
@@ -35,10 +36,14 @@ def test_records_and_values_round_trip():
         m.Reply(5, ("float32", (4, 4))),
         m.Welcome(1, 0, 1, 0.5, ("/dev/shm/x", "probe"), "token"),
         m.PutData(1, 2, 0, b"\x00" * 1000, True),
-        m.CompilePython(6, 2, records.ColocatedProgram(
+        m.Ask(6, c.Compile(2, records.ColocatedProgram(
             "f", b"\x80\x05pickle", (0, 1), ((0, 1),), ((1, 0), (0,)),
-            (("float32", (4,)), ("string", ())))),
-        m.CallPython(7, 2, (10, (12, 11)), (20, 22), (3, -2992125004297323123)),
+            (("float32", (4,)), ("string", ()))))),
+        m.Ask(9, c.Compile(3, records.CompileRequest(b"mlir", b"options", (0, 1), 1, "t"))),
+        c.Load(3, records.CompileRequest(b"mlir", b"options", (0, 1))),
+        m.Ask(7, c.CallPython(2, (10, (12, 11)), (20, 22), (3, -2992125004297323123))),
+        m.Ask(8, c.StartProfile("t1", records.TraceOptions(2, 1, (("gpu_max_events", 9),)))),
+        c.Assemble(1, 0, None, None, (2,), ((5, (slice(0, 2),), (slice(0, 2),)),)),
     ]
     for value in values:
         assert roundtrip(value) == value
@@ -63,7 +68,7 @@ def test_arrays_errors_and_objects():
     assert type(error) is errors.WorkerLost and error.message == "worker 3 is gone"
     assert error.code == errors.Code.DATA_LOSS
     custom = errors.InvalidRequest("bad", code=errors.Code.NOT_FOUND)
-    assert roundtrip(m.Fail(1, custom)).error.code == errors.Code.NOT_FOUND
+    assert roundtrip(c.Fail(1, custom)).error.code == errors.Code.NOT_FOUND
     assert roundtrip(m.Reply(1, [1, 2])).value == (1, 2)  # lists arrive as tuples
     assert roundtrip(m.Reply(1, np.int64(7))).value == 7
 
@@ -87,7 +92,7 @@ def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
 
     first = np.arange(3 << 18, dtype=np.float32)  # 3 MiB: read in place
     second = np.frombuffer(b"tail bytes", np.uint8)
-    big = m.Batch((m.PutData(1, 7, 0, m.Bulk(first), False), m.Free((1,)),
+    big = m.Batch((m.PutData(1, 7, 0, m.Bulk(first), False), c.Free((1,)),
                    m.PutData(1, 7, first.nbytes, m.Bulk(second), True)))
     small = m.Data(2, 0, m.Bulk(second))  # a tail small enough to come with the frame
 
@@ -104,7 +109,7 @@ def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
         server = await serve(connected, "127.0.0.1", 0)
         stream = await connect("127.0.0.1", server.sockets[0].getsockname()[1])
         stream.write(b"hello")
-        for message in (big, small, m.Free((2,))):  # a plain frame last
+        for message in (big, small, c.Free((2,))):  # a plain frame last
             write_frame(stream, m.encode(message))
         result = await asyncio.wait_for(got, 10)
         stream.close()
@@ -112,9 +117,9 @@ def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
         return result
 
     hello, decoded, data, plain = asyncio.run(exchange())
-    assert hello == b"hello" and plain == m.Free((2,))
+    assert hello == b"hello" and plain == c.Free((2,))
     a, free, b = decoded.commands
-    assert (a.request, a.buffer, a.offset, a.last, free) == (1, 7, 0, False, m.Free((1,)))
+    assert (a.request, a.buffer, a.offset, a.last, free) == (1, 7, 0, False, c.Free((1,)))
     received = np.frombuffer(a.data, np.float32)
     assert np.array_equal(received, first)
     assert received.ctypes.data % 64 == 0  # jaxlib may adopt it without a copy
@@ -127,7 +132,7 @@ def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
 def test_a_put_in_pieces_or_whole_and_a_fetch_in_pieces():
     from isthmus.hostmem import Assembly
     from isthmus.transport.remote import _Incoming as Fetched
-    from isthmus.worker.commands import Incoming
+    from isthmus.worker.reading import Incoming
 
     value = np.arange(1000, dtype=np.int32).reshape(10, 100)
     raw = memoryview(value.tobytes())

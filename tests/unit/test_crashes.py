@@ -17,6 +17,7 @@ from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec
 from isthmus.launch import RestartPolicy
+from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.records import CompileRequest
 from isthmus.worker.crashes import CrashConfig, CrashRecord, fatal_line
@@ -121,7 +122,7 @@ def test_fatal_line_and_the_report_travel_in_register():
     register = m.Register(m.PROTOCOL_VERSION, 0, 2, "cpu", "cpu", "a:1", "host", 9,
                           crash=m.CrashReport(3, 4, 5, "Fatal Python error: Aborted"))
     assert m.decode(m.encode(register)) == register
-    refuse = m.Refuse(4, (0, 1), errors.ProgramRefused("no"))
+    refuse = c.Refuse(4, (0, 1), errors.ProgramRefused("no"))
     back = m.decode(m.encode(refuse))
     assert isinstance(back.error, errors.ProgramRefused) and back.device_ids == (0, 1)
     assert back.error.code == errors.Code.FAILED_PRECONDITION
@@ -166,7 +167,7 @@ async def _compiled(fleet, frames, *executables):
     await asyncio.sleep(0)
     for slot, sent in frames.items():
         for command in _commands(sent):
-            if isinstance(command, m.Compile):
+            if isinstance(command, m.Ask) and isinstance(command.command, c.Compile):
                 fleet.workers[slot].on_message(m.Reply(command.request))
     for executable in executables:
         await executable.compiled
@@ -210,7 +211,7 @@ def test_a_reported_crash_refuses_the_program_on_every_device(caplog):
         # The executable on slice 1 is refused to its worker, once; Executes fail there.
         controller.ensure_loaded(on_slice1)
         await asyncio.sleep(0)
-        [refusal] = [c for c in _commands(frames[1]) if isinstance(c, m.Refuse)]
+        [refusal] = [x for x in _commands(frames[1]) if isinstance(x, c.Refuse)]
         assert (refusal.executable, refusal.device_ids) == (on_slice1.id, (2, 3))
         assert isinstance(refusal.error, errors.ProgramRefused)
         assert refusal.error.message == message
@@ -220,7 +221,7 @@ def test_a_reported_crash_refuses_the_program_on_every_device(caplog):
         controller.ensure_loaded(on_slice0)
         controller.ensure_loaded(fine)
         await asyncio.sleep(0)
-        assert [type(c).__name__ for c in _commands(frames[0])] == ["Refuse", "Load"]
+        assert [type(x).__name__ for x in _commands(frames[0])] == ["Refuse", "Load"]
         # Other programs compile as before.
         other = _program(controller, fleet, (2, 3), b"module fine")
         await _compiled(fleet, frames, other)

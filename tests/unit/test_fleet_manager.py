@@ -11,6 +11,7 @@ from isthmus.controller.arrays import Buffer
 from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Fleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
+from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport import remote
 from isthmus.transport.remote import RemoteWorker
@@ -93,23 +94,25 @@ def test_remote_commands_travel_in_one_batch_per_turn():
     async def main():
         frames = []
         worker = RemoteWorker(0, register(), frames.append, "peer")
-        worker.copy(1, 2, 0, None)
-        worker.free([3, 4])
-        worker.execute(7, [1], [9])
+        worker.send(c.Copy(1, 2, 0, None))
+        worker.send(c.Free((3, 4)))
+        worker.send(c.Execute(7, (1,), (9,)))
         assert frames == []
         await asyncio.sleep(0)
         batch = m.decode(frames[0])
         assert len(frames) == 1 and [type(c).__name__ for c in batch.commands] == [
             "Copy", "Free", "Execute"]
         worker.hold()
-        worker.free([5])
+        worker.send(c.Free((5,)))
         await asyncio.sleep(0)
         assert len(frames) == 1  # held while the collective group re-forms
         worker.release()
-        assert m.decode(frames[1]).commands == (m.Free((5,)),)
-        ready = worker.ready([9])
+        assert m.decode(frames[1]).commands == (c.Free((5,)),)
+        ready = worker.ask(c.Ready((9,)))
         await asyncio.sleep(0)
-        request = m.decode(frames[2]).commands[0].request
+        [ask] = m.decode(frames[2]).commands
+        assert ask.command == c.Ready((9,))
+        request = ask.request
         worker.on_message(m.Reply(request, error=errors.ExecutionError("boom")))
         with pytest.raises(errors.ExecutionError, match="boom"):
             await ready
@@ -120,15 +123,15 @@ def test_a_lone_free_waits_to_ride_with_the_next_command():
     async def main():
         frames = []
         worker = RemoteWorker(0, register(), frames.append, "peer")
-        worker.free([1])
+        worker.send(c.Free((1,)))
         await asyncio.sleep(0)
         assert frames == []  # not worth a frame of its own yet
-        worker.copy(2, 3, 0, None)
+        worker.send(c.Copy(2, 3, 0, None))
         await asyncio.sleep(0)
-        assert [m.decode(f).commands for f in frames] == [(m.Free((1,)), m.Copy(2, 3, 0, None))]
-        worker.free([4])
+        assert [m.decode(f).commands for f in frames] == [(c.Free((1,)), c.Copy(2, 3, 0, None))]
+        worker.send(c.Free((4,)))
         await asyncio.sleep(remote.FREE_DELAY * 3)
-        assert m.decode(frames[1]).commands == (m.Free((4,)),)  # alone, it still goes out
+        assert m.decode(frames[1]).commands == (c.Free((4,)),)  # alone, it still goes out
     run(main())
 
 

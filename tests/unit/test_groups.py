@@ -12,6 +12,7 @@ from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.session import Session
 from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
+from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
 from isthmus.transport.remote import RemoteWorker
@@ -39,16 +40,17 @@ class Host(RemoteWorker):
     async def _answer(self, value):
         return value
 
-    def compile(self, executable_id, request):
-        aval = Aval(F32, (HOSTS,))
-        return self._answer(CompiledInfo(
-            name="p", params=(aval,), outputs=(aval,), param_shardings=None,
-            output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
-            output_memory_kinds=("device",), donated_inputs=(), fingerprint=None,
-            cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0))
-
-    def put(self, *args, **kwargs):
-        return self._answer(None)
+    def ask(self, request):
+        if isinstance(request, c.Compile):
+            aval = Aval(F32, (HOSTS,))
+            return self._answer(CompiledInfo(
+                name="p", params=(aval,), outputs=(aval,), param_shardings=None,
+                output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
+                output_memory_kinds=("device",), donated_inputs=(), fingerprint=None,
+                cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0))
+        if isinstance(request, c.Put):
+            return self._answer(None)
+        return super().ask(request)
 
 
 def _setup():
@@ -83,8 +85,8 @@ def test_a_program_is_one_shared_frame_for_every_host():
         frames = [host.frames for host in hosts.values()]
         assert all(f == frames[0] for f in frames)  # the very same bytes for every host
         commands = hosts[0].commands()
-        executes = [c for c in commands if isinstance(c, m.Execute)]
-        frees = [c for c in commands if isinstance(c, m.Free)]
+        executes = [x for x in commands if isinstance(x, c.Execute)]
+        frees = [x for x in commands if isinstance(x, c.Free)]
         assert [e.results for e in executes] == [(y.group.base,) for y in outputs]
         assert executes[1].args == (outputs[0].group.base,)  # the step before's output
         # Each released input is freed as one id range covering every host's shard.
@@ -104,10 +106,10 @@ def test_shared_shards_are_freed_when_their_last_holder_goes():
         parts = session.disassemble(x)
         session.release([x])
         await asyncio.sleep(0.01)
-        assert not any(isinstance(c, m.Free) for h in hosts.values() for c in h.commands())
+        assert not any(isinstance(x, c.Free) for h in hosts.values() for x in h.commands())
         session.release([parts[1]])
         await asyncio.sleep(0.01)
-        freed = [c.buffers for h in hosts.values() for c in h.commands() if isinstance(c, m.Free)]
+        freed = [x.buffers for h in hosts.values() for x in h.commands() if isinstance(x, c.Free)]
         assert freed == [(x.group.base + 1,)]  # only that shard, only on its host
         assert controller.accounting()[1]["buffers"] == 0
         assert controller.accounting()[0]["buffers"] == 1
@@ -135,11 +137,11 @@ def test_a_single_host_command_never_overtakes_a_shared_one():
         hosts, controller, _ = _setup()
         fleet = controller.fleet
         everyone = tuple(hosts)
-        fleet.multicast(everyone, "free", range(10, 13))
-        fleet.channel(0).copy(10, 20, 0, None)  # flushes the shared command first
-        fleet.multicast(everyone, "free", range(20, 23))
+        fleet.multicast(everyone, c.Free(range(10, 13)))
+        fleet.channel(0).send(c.Copy(10, 20, 0, None))  # flushes the shared command first
+        fleet.multicast(everyone, c.Free(range(20, 23)))
         await asyncio.sleep(0.01)
         fleet.flush()
-        assert [type(c).__name__ for c in hosts[0].commands()] == ["Free", "Copy", "Free"]
-        assert [list(c.buffers) for c in hosts[2].commands()] == [[10, 11, 12], [20, 21, 22]]
+        assert [type(x).__name__ for x in hosts[0].commands()] == ["Free", "Copy", "Free"]
+        assert [list(x.buffers) for x in hosts[2].commands()] == [[10, 11, 12], [20, 21, 22]]
     run(main())

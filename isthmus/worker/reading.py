@@ -14,7 +14,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.hostmem import Assembly, write_file
 from isthmus.transport import messages as m
-from isthmus.transport.records import CompileRequest
+from isthmus.transport.commands import Command
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,10 +42,6 @@ def probe_found(path: str, token: str) -> bool:
         return False
 
 
-def compile_request(c: m.Compile | m.Load) -> CompileRequest:
-    return CompileRequest(c.module, c.compile_options, c.device_ids, c.replicas, c.namespace)
-
-
 def unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
     """The commands of a batch, with those shared by several workers decoded in place."""
     for command in commands:
@@ -55,14 +51,21 @@ def unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
             yield command
 
 
-def produced(command: Any) -> list[int]:
-    """The buffers a command would have made (an Execute fails its own outputs)."""
-    if isinstance(command, m.Execute):
-        return []
-    for field in ("dst", "buffer"):
-        if hasattr(command, field) and not isinstance(command, (m.Fetch, m.Fail)):
-            return [getattr(command, field)]
-    return []
+def produced(message: Any) -> tuple[int, ...]:
+    """The buffers a command would have made (an Execute fails its own outputs), whatever
+    form it came in."""
+    if isinstance(message, m.Ask):
+        message = message.command
+    if isinstance(message, Command):
+        return message.produces()
+    if isinstance(message, (m.PutData, m.PutObjects, m.PutFile)):
+        return (message.buffer,)
+    return ()
+
+
+def request_of(message: Any) -> int | None:
+    """The number a message's answer carries, if it is answered."""
+    return getattr(message, "request", None)
 
 
 async def write_fetched(fetched: Awaitable[np.ndarray], path: str) -> tuple[str, tuple[int, ...]]:

@@ -1,0 +1,379 @@
+"""The commands a controller gives a worker, each defined once.
+
+A command is a record: its fields are its encoding (it travels in the fleet's codec as it
+is), and its `apply` is its handling on a host (`isthmus.worker.host.DeviceHost`, in-process
+or in a worker process). Every channel takes commands through two calls:
+
+    channel.send(Copy(src, dst, device, None))          # fire-and-forget
+    info = await channel.ask(Compile(executable, req))  # answered
+
+A worker process applies what arrives the same way (`command.apply(host)`), apart from the
+few commands whose handling needs the process itself (`Execute` under its crash record, the
+transfers of `Put`, `Fetch` and `Pull`); a lost worker's stand-in drops what is sent and
+fails what is asked. Adding a command is a record here and the host's method it calls.
+
+Fire-and-forget commands take effect in order with the rest; their failures land in the
+buffers they were to produce (`produces`). A `Request` is issued at once, in order, and its
+awaitable resolves with what `apply` resolved to on the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Awaitable
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.ids import BufferId, ExecutableId
+from isthmus.transport.messages import CODEC, dtype_name, dtype_of
+from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest, TraceOptions
+
+__all__ = [
+    "Assemble", "Bitcast", "CallPython", "Command", "Compile", "Copy", "DropExecutable",
+    "Execute", "Fail", "Fetch", "Free", "Load", "Pull", "Put", "ReadShards", "Ready", "Refuse",
+    "Request", "StartProfile", "StopProfile", "WriteMeta", "WriteShards", "dtype_field",
+    "dtype_name", "refs",
+]
+
+_T = TypeVar("_T", covariant=True)  # what a request answers
+_C = TypeVar("_C")
+
+# Per program argument: a group base (position p's shard is `base + p`), or an id per position.
+Refs = tuple[int | tuple[int, ...], ...]
+Box = tuple[tuple[int, int], ...]  # per dimension, (start, stop)
+
+
+class Command:
+    """A fire-and-forget command: `apply` returns nothing worth waiting for."""
+
+    __slots__ = ()
+
+    def apply(self, host: Any) -> Any:
+        """Carries the command out on `host` (a `DeviceHost`)."""
+        raise NotImplementedError
+
+    def produces(self) -> tuple[int, ...]:
+        """The buffers the command makes: they hold its error when it cannot be applied."""
+        return ()
+
+
+class Request(Command, Generic[_T]):
+    """A command that is answered: `apply` returns an awaitable of the answer."""
+
+    __slots__ = ()
+
+    def apply(self, host: Any) -> Awaitable[_T]:
+        raise NotImplementedError
+
+
+@typing.dataclass_transform(frozen_default=True)
+def _command(cls: type[_C]) -> type[_C]:
+    """A frozen, slotted dataclass in the fleet's codec."""
+    return CODEC.record(dataclasses.dataclass(frozen=True, slots=True)(cls))
+
+
+def dtype_field(dtype: Any) -> str | None:
+    """A dtype as a command carries it: its name, or None for a string array's."""
+    return None if dtype is None or np.dtype(dtype) == object else dtype_name(dtype)
+
+
+def _dtype(name: str | None) -> Any:
+    return None if name is None else dtype_of(name)
+
+
+def refs(args: Any) -> Refs:
+    """Program arguments as commands carry them (`Execute.args`)."""
+    return tuple(a if isinstance(a, int) else tuple(a) for a in args)
+
+
+# ---- buffers ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Put(Request[None]):
+    """Stores host data as a buffer on a device; answered once stored. The caller must not
+    modify `value` afterwards. Over the network it travels as `PutBegin`/`PutData`,
+    `PutObjects` or `PutFile` (`messages.py`): the transport picks by size and place."""
+
+    buffer: BufferId
+    device: int  # global device id
+    value: np.ndarray
+    memory_kind: str | None = None
+
+    def apply(self, host: Any) -> Awaitable[None]:
+        return host.put(self.buffer, self.device, self.value, self.memory_kind)
+
+    def produces(self) -> tuple[int, ...]:
+        return (self.buffer,)
+
+
+@_command
+class Fail(Command):
+    """Defines a buffer as an error: every use of it reports `error`."""
+
+    buffer: int
+    error: Any  # an IsthmusError
+
+    def apply(self, host: Any) -> None:
+        host.fail(self.buffer, self.error)
+
+
+@_command
+class Copy(Command):
+    """Copies a buffer to another device (or memory) of the same worker."""
+
+    src: int
+    dst: int
+    device: int
+    memory_kind: str | None
+
+    def apply(self, host: Any) -> None:
+        host.copy(self.src, self.dst, self.device, self.memory_kind)
+
+    def produces(self) -> tuple[int, ...]:
+        return (self.dst,)
+
+
+@_command
+class Pull(Request[None]):
+    """Fetches buffer `src` from the worker whose data server is at `peer` into `dst`.
+
+    Only worker processes have peers (their agent carries this out); the embedded host has
+    none."""
+
+    src: int
+    peer: str
+    dst: int
+    device: int
+    memory_kind: str | None
+
+    def apply(self, host: Any) -> Awaitable[None]:
+        raise errors.InternalError("an in-process host has no peers to pull from; this is a "
+                                   "bug in isthmus: please report it.")
+
+    def produces(self) -> tuple[int, ...]:
+        return (self.dst,)
+
+
+@_command
+class Assemble(Command):
+    """Builds a buffer from boxes of the worker's buffers (`src[src_box]` -> `dst_box`)."""
+
+    dst: int
+    device: int
+    memory_kind: str | None
+    dtype: str | None  # `dtype_field`: None for a string array
+    shape: tuple[int, ...]
+    parts: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
+
+    def apply(self, host: Any) -> None:
+        host.assemble(self.dst, self.device, self.memory_kind, _dtype(self.dtype), self.shape,
+                      self.parts)
+
+    def produces(self) -> tuple[int, ...]:
+        return (self.dst,)
+
+
+@_command
+class Bitcast(Command):
+    """Makes `dst` the bytes of `src` read as another dtype and shape."""
+
+    src: int
+    dst: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def apply(self, host: Any) -> None:
+        host.bitcast(self.src, self.dst, dtype_of(self.dtype), self.shape)
+
+    def produces(self) -> tuple[int, ...]:
+        return (self.dst,)
+
+
+@_command
+class Free(Command):
+    """Drops buffers; ids the worker does not hold are ignored (a group's ids span every
+    worker of the group)."""
+
+    buffers: tuple[int, ...] | range
+
+    def apply(self, host: Any) -> None:
+        host.free(self.buffers)
+
+
+@_command
+class Ready(Request[None]):
+    """Answered when the buffers are computed; fails with the first one's error."""
+
+    buffers: tuple[int, ...]
+
+    def apply(self, host: Any) -> Awaitable[None]:
+        return host.ready(self.buffers)
+
+
+@_command
+class Fetch(Request[np.ndarray]):
+    """Answered with the host copy of one computed buffer (`nbytes`: its size, as the
+    controller knows it; a transport may pick its path by it)."""
+
+    buffer: int
+    nbytes: int = 0
+
+    def apply(self, host: Any) -> Awaitable[np.ndarray]:
+        return host.fetch(self.buffer, self.nbytes)
+
+
+# ---- programs -----------------------------------------------------------------------------
+
+@_command
+class Compile(Request[CompiledInfo | None]):
+    """Compiles and loads a program; answered with its `CompiledInfo` (None for colocated
+    Python, which is unpickled instead)."""
+
+    executable: int
+    program: CompileRequest | ColocatedProgram
+
+    def apply(self, host: Any) -> Awaitable[CompiledInfo | None]:
+        return host.compile(ExecutableId(self.executable), self.program)
+
+
+@_command
+class Load(Command):
+    """Makes a program known without waiting: the worker compiles it when it first runs it
+    (for a worker that joined after the program was compiled elsewhere)."""
+
+    executable: int
+    program: CompileRequest | ColocatedProgram
+
+    def apply(self, host: Any) -> None:
+        host.load(ExecutableId(self.executable), self.program)
+
+
+@_command
+class DropExecutable(Command):
+    """Unloads a program."""
+
+    executable: int
+
+    def apply(self, host: Any) -> None:
+        host.drop_executable(ExecutableId(self.executable))
+
+
+@_command
+class Refuse(Command):
+    """The program crashed a worker: unload it and never compile it again; every later
+    Execute of it fails its outputs with `error` (a ProgramRefused). Only worker processes
+    are told (an in-process host's crash takes its controller with it)."""
+
+    executable: int
+    device_ids: tuple[int, ...]  # global ids of the program's devices, in its order
+    error: Any
+
+    def apply(self, host: Any) -> None:
+        host.drop_executable(ExecutableId(self.executable))
+
+
+@_command
+class Execute(Command):
+    """Runs a loaded program on the worker's shards of its arguments.
+
+    The same command goes to every worker of the program; each uses the positions (in the
+    program's device list) of its own devices. Arguments listed in `copy_first` are copied
+    before the call so that donation cannot consume them.
+    """
+
+    executable: int
+    args: Refs  # per argument: group base, or an id per position
+    results: tuple[int, ...]  # per output: the base of its group
+    copy_first: frozenset[int] = frozenset()
+
+    def apply(self, host: Any) -> None:
+        host.execute(ExecutableId(self.executable), self.args, self.results, self.copy_first)
+
+
+@_command
+class CallPython(Request[None]):
+    """Runs a colocated Python function on the worker's shards (args and results as in
+    `Execute`); answered when its outputs are stored, or with the function's error."""
+
+    executable: int
+    args: Refs
+    results: tuple[int, ...]
+    stream: tuple[int, ...] = ()  # calls of one stream run in order, others concurrently
+
+    def apply(self, host: Any) -> Awaitable[None]:
+        return host.call_python(ExecutableId(self.executable), self.args, self.results,
+                                self.stream)
+
+
+# ---- checkpoints and profiles -------------------------------------------------------------
+
+@_command
+class WriteShards(Request[int]):
+    """Writes buffers as the shards (boxes) of `location` (`worker/persistence.py`);
+    answered with the bytes written."""
+
+    location: str
+    items: tuple[tuple[int, Box], ...]  # (buffer, box)
+
+    def apply(self, host: Any) -> Awaitable[int]:
+        return host.write_shards(self.location, self.items)
+
+
+@_command
+class WriteMeta(Request[None]):
+    """Writes the index (dtype, shape, boxes) of the array saved at `location`, once all its
+    shards are written."""
+
+    location: str
+    dtype: str
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+
+    def apply(self, host: Any) -> Awaitable[None]:
+        return host.write_meta(self.location, self.dtype, self.shape, self.boxes)
+
+
+@_command
+class ReadShards(Request[None]):
+    """Makes each buffer the part `box` of the array saved at `location`, on its device."""
+
+    location: str
+    dtype: str
+    shape: tuple[int, ...]
+    items: tuple[tuple[int, int, Box], ...]  # (buffer, device, box)
+
+    def apply(self, host: Any) -> Awaitable[None]:
+        return host.read_shards(self.location, self.dtype, self.shape, self.items)
+
+    def produces(self) -> tuple[int, ...]:
+        return tuple(buffer for buffer, _, _ in self.items)
+
+
+@_command
+class StartProfile(Request[bool]):
+    """Starts jax's profiler in the worker's process for profile `trace`; programs run after
+    it are in it. Answered False when that process records the trace already (an in-process
+    host shares its controller's process). `worker/profiler.py`."""
+
+    trace: str
+    options: TraceOptions
+
+    def apply(self, host: Any) -> Awaitable[bool]:
+        return host.start_profile(self.trace, self.options)
+
+
+@_command
+class StopProfile(Request[str | None]):
+    """Stops profile `trace` and writes the worker's XSpace as
+    `directory/<machine>-<label>.xplane.pb` (fsspec; `directory` "" drops it); answered with
+    the path, or None when the worker's process did not record the trace."""
+
+    trace: str
+    directory: str
+    label: str
+
+    def apply(self, host: Any) -> Awaitable[str | None]:
+        return host.stop_profile(self.trace, self.directory, self.label)
