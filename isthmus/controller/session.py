@@ -8,14 +8,17 @@ The session's parts live beside this module, one mixin each over `SessionCore`
 (session_core.py, the shared state): creating and freeing arrays (session_arrays.py), arrays
 over existing buffers (session_sharing.py), moving data (session_moves.py), programs
 (session_programs.py), colocated Python (session_python.py), checkpoints written by the
-workers (session_persistence.py) and profiles of the fleet (session_profiles.py).
+workers (session_persistence.py). Profiles of the fleet (session_profiles.py) are a part
+the session holds (`Session.profiles`), which sees the session through a narrow interface.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
+from isthmus.controller.controller import Controller
 from isthmus.controller.session_moves import SessionMoves
 from isthmus.controller.session_persistence import SessionKept
 from isthmus.controller.session_profiles import SessionProfiles
@@ -24,8 +27,12 @@ from isthmus.controller.session_sharing import SessionSharing
 logger = logging.getLogger(__name__)
 
 
-class Session(SessionSharing, SessionMoves, SessionKept, SessionProfiles):
+class Session(SessionSharing, SessionMoves, SessionKept):
     """Arrays and executables of one client session."""
+
+    def __init__(self, controller: Controller, fleet: Any = None, namespace: str = "") -> None:
+        super().__init__(controller, fleet, namespace)
+        self.profiles = SessionProfiles(self)  # a part: it sees the session as its owner
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -37,7 +44,7 @@ class Session(SessionSharing, SessionMoves, SessionKept, SessionProfiles):
         self.release(list(self._arrays))
         for executable in list(self._executables):
             self.release_executable(executable)
-        self.close_profiles()
+        self.profiles.close()
         try:
             await asyncio.wait_for(self.dispatcher.flush(), 60)
         except TimeoutError:

@@ -32,6 +32,10 @@ class SessionCore:
         self.closed = False
         controller.sessions.add(self)
 
+    def keep(self, executable: Executable) -> None:
+        """The session holds `executable` (it is released when the session closes)."""
+        self._executables.append(executable)
+
     def _spawn(self, coroutine: Awaitable[object]) -> None:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)

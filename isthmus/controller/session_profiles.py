@@ -23,15 +23,16 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array
-from isthmus.controller.controller import Executable
-from isthmus.controller.session_arrays import HostData, SessionArrays
+from isthmus.controller.controller import Controller, Executable
+from isthmus.controller.dispatch import OrderedDispatcher
+from isthmus.controller.session_arrays import HostData
 from isthmus.controller.session_core import as_error
 from isthmus.controller.session_persistence import plugin_info
 from isthmus.ids import ExecutableId, WorkerId
@@ -81,25 +82,42 @@ class FleetTrace:
         task.add_done_callback(self.tasks.discard)
 
 
-class SessionProfiles(SessionArrays):
-    """Starting and stopping profiles of the fleet."""
+class ProfileOwner(Protocol):
+    """What profiles need of their session."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    controller: Controller
+    fleet: Any  # the session's fleet (`Fleet` or a lease's `FleetView`)
+    dispatcher: OrderedDispatcher
+
+    def make_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
+                   data: Any) -> Array: ...
+
+    def keep(self, executable: Executable) -> None: ...
+
+
+class SessionProfiles:
+    """Starting and stopping profiles of the fleet: a part of a `Session`, which it sees
+    as a `ProfileOwner`."""
+
+    def __init__(self, session: ProfileOwner) -> None:
+        self._session = session
+        self.controller = session.controller
+        self.fleet = session.fleet
+        self.dispatcher = session.dispatcher
         # The profiles this session started and has not stopped, by the executable that
         # started them (its next call stops them).
         self._profiles: dict[ExecutableId, FleetTrace] = {}
 
-    def compile_profile(self, plan: ProfilePlan) -> Executable:
+    def compile(self, plan: ProfilePlan) -> Executable:
         outputs = (Aval(dtypes.STRING, (1,)),) if plan.output else ()
         # It names no devices: it is the session's, on its first one (the default device).
         executable = self.controller.executable(plan, tuple(self.fleet.devices[:1]),
                                                 plugin_info("profile", outputs, plan))
-        self._executables.append(executable)
+        self._session.keep(executable)
         return executable
 
-    def run_profile(self, executable: Executable, args: Sequence[Array]
-                    ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
+    def run(self, executable: Executable, args: Sequence[Array]
+            ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
         """Starts a profile, or stops the one this executable started."""
         if args:
             raise errors.InvalidRequest("a profile request takes no arrays.")
@@ -107,14 +125,14 @@ class SessionProfiles(SessionArrays):
         traces = self._profiles
         trace = traces.pop(executable.id, None)
         if trace is None:
-            trace = self._start_profile(plan, executable.id)
+            trace = self._start(plan, executable.id)
             traces[executable.id] = trace
             wait: asyncio.Future[object] = trace.started  # type: ignore[assignment]
         else:
-            wait = self._stop_profile(trace)  # type: ignore[assignment]
+            wait = self._stop(trace)  # type: ignore[assignment]
         outputs = []
         if plan.output:  # what pathwaysutils expects back: one string on the default device
-            outputs.append(self.make_array(
+            outputs.append(self._session.make_array(
                 dtypes.STRING, (1,), sh.Sharding.single(executable.devices[0].id),
                 HostData(np.array([trace.directory.encode()], dtype=object))))
 
@@ -123,10 +141,10 @@ class SessionProfiles(SessionArrays):
 
         return outputs, status
 
-    def close_profiles(self) -> None:
+    def close(self) -> None:
         """The session ends: the profiles it started stop (and are written)."""
         for trace in self._profiles.values():
-            self._stop_profile(trace)
+            self._stop(trace)
         self._profiles.clear()
 
     def _hosts(self, max_hosts: int) -> list[tuple[WorkerId, str]]:
@@ -141,7 +159,7 @@ class SessionProfiles(SessionArrays):
 
     # ---- starting ------------------------------------------------------------------------
 
-    def _start_profile(self, plan: ProfilePlan, caller: ExecutableId) -> FleetTrace:
+    def _start(self, plan: ProfilePlan, caller: ExecutableId) -> FleetTrace:
         running: FleetTrace | None = self.controller.profile
         if running is not None:
             raise errors.ProfileRunning(
@@ -192,11 +210,11 @@ class SessionProfiles(SessionArrays):
         if self._profiles.get(trace.caller) is trace:
             logger.info("the profile into %s ran its %s s: stopping it", trace.directory,
                         trace.plan.max_duration)
-            self._stop_profile(trace)  # the caller's stop then waits for its files
+            self._stop(trace)  # the caller's stop then waits for its files
 
     # ---- stopping ------------------------------------------------------------------------
 
-    def _stop_profile(self, trace: FleetTrace) -> asyncio.Future[list[str]]:
+    def _stop(self, trace: FleetTrace) -> asyncio.Future[list[str]]:
         """Stops `trace` (once; later calls get the same outcome): the files written."""
         if trace.stopped is not None:
             return trace.stopped

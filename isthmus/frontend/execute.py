@@ -35,7 +35,7 @@ def execute(session: Any, request: Any, response: Any) -> None:
         outputs, status = session.ctl.run_reshard(
             executable, args, frozenset(int(i) for i in options.non_donatable_input_indices))
     elif is_profile(executable):
-        outputs, status = session.ctl.run_profile(executable, args)
+        outputs, status = session.ctl.profiles.run(executable, args)
     elif is_kept(executable):
         kept = session.kept() if session.lease is not None else None
         outputs, status = session.ctl.run_kept(executable, args, kept)

@@ -115,7 +115,7 @@ def _advanced(config: Any) -> tuple[tuple[str, Any], ...]:
 
 def compile_profile(session: Any, plan: ProfilePlan) -> Any:
     """Starts a Compile of a profile program: the session's executable for the plan."""
-    return session.ctl.compile_profile(plan)
+    return session.ctl.profiles.compile(plan)
 
 
 def is_profile(executable: Any) -> bool:

@@ -319,7 +319,7 @@ class WriteShards(Request[int]):
     items: tuple[tuple[int, Box], ...]  # (buffer, box)
 
     def apply(self, host: Any) -> Awaitable[int]:
-        return host.write_shards(self.location, self.items)
+        return host.checkpoints.write_shards(self.location, self.items)
 
 
 @_command
@@ -333,7 +333,7 @@ class WriteMeta(Request[None]):
     boxes: tuple[Box, ...]
 
     def apply(self, host: Any) -> Awaitable[None]:
-        return host.write_meta(self.location, self.dtype, self.shape, self.boxes)
+        return host.checkpoints.write_meta(self.location, self.dtype, self.shape, self.boxes)
 
 
 @_command
@@ -346,7 +346,8 @@ class ReadShards(Request[None]):
     items: tuple[tuple[int, int, Box], ...]  # (buffer, device, box)
 
     def apply(self, host: Any) -> Awaitable[None]:
-        return host.read_shards(self.location, self.dtype, self.shape, self.items)
+        return host.checkpoints.read_shards(self.location, self.dtype, self.shape,
+                                            self.items)
 
     def produces(self) -> tuple[int, ...]:
         return tuple(buffer for buffer, _, _ in self.items)
@@ -362,7 +363,7 @@ class StartProfile(Request[bool]):
     options: TraceOptions
 
     def apply(self, host: Any) -> Awaitable[bool]:
-        return host.start_profile(self.trace, self.options)
+        return host.profiles.start(self.trace, self.options)
 
 
 @_command
@@ -376,4 +377,4 @@ class StopProfile(Request[str | None]):
     label: str
 
     def apply(self, host: Any) -> Awaitable[str | None]:
-        return host.stop_profile(self.trace, self.directory, self.label)
+        return host.profiles.stop(self.trace, self.directory, self.label)

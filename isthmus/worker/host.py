@@ -29,7 +29,7 @@ from isthmus.transport.commands import Command, Request
 from isthmus.worker import programs, regroup
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
-from isthmus.worker.persistence import Persistence
+from isthmus.worker.persistence import Checkpoints
 from isthmus.worker.profiler import HostProfiles
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.reads import ReadsInFlight
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
+class DeviceHost(CollectiveOrder, PythonCalls):
     """Buffers and executables of the local devices of one jaxlib client.
 
     Devices are named by their global (fleet-wide) ids; `device_map` turns them into the
@@ -104,6 +104,9 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
         )
         self._python: PythonRunner | None = None  # made at the first colocated call
         self.compile_cache = compile_cache  # executables that persist across restarts
+        # Parts: checkpoint shards (through `value`, `store`, `fail`, `device`) and profiles.
+        self.checkpoints = Checkpoints(self, self._pool)
+        self.profiles = HostProfiles()
 
     # ---- buffers -------------------------------------------------------------------------
 
@@ -247,6 +250,18 @@ class DeviceHost(CollectiveOrder, PythonCalls, Persistence, HostProfiles):
 
     def has(self, buffer_id: BufferId) -> bool:
         return buffer_id in self._buffers
+
+    def value(self, buffer_id: BufferId) -> Any:
+        """The buffer's array; raises its error, or that it is missing or deleted."""
+        return self._get(buffer_id)
+
+    def store(self, buffer_id: BufferId, value: Any) -> None:
+        """Makes `value` (a jax array on one of this host's devices) the buffer."""
+        self._buffers[buffer_id] = value
+
+    def device(self, device_id: int) -> Any:
+        """The jax device of a global device id."""
+        return self.devices[device_id]
 
     def stats(self) -> dict[str, int]:
         live = [v for v in self._buffers.values()

@@ -25,7 +25,7 @@ import os
 import secrets
 import threading
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -148,17 +148,35 @@ def read_box(location: str, dtype: np.dtype, shape: Sequence[int], box: Box) -> 
     return out
 
 
-class Persistence:
-    """Writing and reading checkpoint shards on a `DeviceHost` (a mixin)."""
+class Shards(Protocol):
+    """What checkpoint I/O needs of a host's buffers (`DeviceHost` gives it)."""
 
-    _buffers: dict[BufferId, Any]
-    _pool: Any
+    def value(self, buffer_id: BufferId) -> Any:
+        """The buffer's array; raises its error (or that it is missing or deleted)."""
+
+    def store(self, buffer_id: BufferId, value: Any) -> None:
+        """Makes `value` the buffer `buffer_id`."""
+
+    def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
+        """Makes the buffer an error."""
+
+    def device(self, device_id: int) -> Any:
+        """The jax device of a global device id."""
+
+
+class Checkpoints:
+    """Writing and reading checkpoint shards of a host's buffers, in the host's threads (a
+    part of `DeviceHost`: it sees the buffers through `Shards` only)."""
+
+    def __init__(self, shards: Shards, pool: Any) -> None:
+        self._shards = shards
+        self._pool = pool
 
     def write_shards(self, location: str, items: Sequence[tuple[BufferId, Box]]
                      ) -> Awaitable[int]:
         """Writes these buffers' data as the shards of `location`; resolves to bytes."""
         try:
-            values = [(self._get(b), box) for b, box in items]  # type: ignore[attr-defined]
+            values = [(self._shards.value(b), box) for b, box in items]
         except errors.IsthmusError as e:
             return _failed(e)
 
@@ -184,8 +202,7 @@ class Persistence:
 
         def work(buffer_id: BufferId, device_id: int, box: Box) -> None:
             value = read_box(location, np.dtype(dtype), shape, box)
-            self._buffers[buffer_id] = jax.device_put(
-                value, self.devices[device_id])  # type: ignore[attr-defined]
+            self._shards.store(buffer_id, jax.device_put(value, self._shards.device(device_id)))
 
         async def run() -> None:
             try:
@@ -194,7 +211,7 @@ class Persistence:
                                "reading checkpoint shards") for item in items))
             except errors.IsthmusError as e:
                 for buffer_id, _, _ in items:
-                    self.fail(buffer_id, e)  # type: ignore[attr-defined]
+                    self._shards.fail(buffer_id, e)
                 raise
 
         return run()

@@ -143,9 +143,10 @@ def stop_and_write(trace: str, directory: str, name: str) -> str | None:
 
 
 class HostProfiles:
-    """A host's profile commands (`WorkerChannel.start_profile`, `stop_profile`)."""
+    """A host's profile commands (`commands.StartProfile`, `StopProfile`): the host's
+    process's profiler (a part of `DeviceHost`, with no state of its own)."""
 
-    def start_profile(self, trace: str, options: TraceOptions) -> Awaitable[bool]:
+    def start(self, trace: str, options: TraceOptions) -> Awaitable[bool]:
         """Starts this process's profiler for `trace` (at once: programs the host runs
         after this command are in the trace)."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -155,7 +156,7 @@ class HostProfiles:
             future.set_exception(e)
         return future
 
-    def stop_profile(self, trace: str, directory: str, label: str) -> Awaitable[str | None]:
+    def stop(self, trace: str, directory: str, label: str) -> Awaitable[str | None]:
         """Stops `trace` and writes this host's file (`host_name(label)`) in `directory`."""
         return asyncio.get_running_loop().run_in_executor(
             None, stop_and_write, trace, directory, host_name(label))

@@ -133,24 +133,24 @@ def test_a_profile_stops_by_itself_when_its_time_or_its_session_ends(tmp_path):
     async def main():
         controller = Controller(embedded_fleet(2)[0])
         first, second = Session(controller), Session(controller)
-        timed = first.compile_profile(profile.plan_of(
+        timed = first.profiles.compile(profile.plan_of(
             {"traceLocation": str(tmp_path / "timed"), "maxDurationSecs": 0.05,
              "xprofTraceOptions": {"traceSessionName": "t"}}))
-        outputs, started = first.run_profile(timed, [])
+        outputs, started = first.profiles.run(timed, [])
         await started()
         assert len(outputs) == 1 and outputs[0].dtype.is_string and outputs[0].shape == (1,)
         with pytest.raises(errors.ProfileRunning, match="being taken already"):
-            second.run_profile(second.compile_profile(timed.request), [])
+            second.profiles.run(second.profiles.compile(timed.request), [])
         # Past maxDurationSecs it is written without a stop; the stop then finds it done.
         await _appears(tmp_path / "timed" / "plugins" / "profile" / "t" / (
             host_name("slice0-host0") + SUFFIX))
-        _, stopped = first.run_profile(timed, [])
+        _, stopped = first.profiles.run(timed, [])
         await asyncio.wait_for(stopped(), 30)
         # A session that ends stops (and writes) the profile it started.
-        left = second.compile_profile(profile.plan_of(
+        left = second.profiles.compile(profile.plan_of(
             {"traceLocation": str(tmp_path / "left"),
              "xprofTraceOptions": {"traceSessionName": "l"}}))
-        _, started = second.run_profile(left, [])
+        _, started = second.profiles.run(left, [])
         await started()
         await second.close()
         await _appears(tmp_path / "left" / "plugins" / "profile" / "l" / (
