@@ -4,12 +4,14 @@ Every method returns at once. Operations that touch workers are queued on the se
 `OrderedDispatcher`; their outcome is either an array (whose errors surface when it is used)
 or an awaitable the caller may wait on. Nothing here waits for device work.
 
-The session's parts live beside this module, one mixin each over `SessionCore`
+The session's operations live beside this module, still one mixin each over `SessionCore`
 (session_core.py, the shared state): creating and freeing arrays (session_arrays.py), arrays
 over existing buffers (session_sharing.py), moving data (session_moves.py), programs
-(session_programs.py), colocated Python (session_python.py), checkpoints written by the
-workers (session_persistence.py). Profiles of the fleet (session_profiles.py) are a part
-the session holds (`Session.profiles`), which sees the session through a narrow interface.
+(session_programs.py), colocated Python (session_python.py) and arrays kept for a lease's
+next client (session_persistence.py, `SessionKept`). Checkpoints written by the workers (`session_persistence.SessionCheckpoints`) and
+profiles of the fleet (`session_profiles.SessionProfiles`) are parts the session holds
+(`Session.checkpoints`, `Session.profiles`), each seeing the session through a narrow
+interface of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from isthmus.controller.controller import Controller
 from isthmus.controller.session_moves import SessionMoves
-from isthmus.controller.session_persistence import SessionKept
+from isthmus.controller.session_persistence import SessionCheckpoints, SessionKept
 from isthmus.controller.session_profiles import SessionProfiles
 from isthmus.controller.session_sharing import SessionSharing
 
@@ -32,7 +34,9 @@ class Session(SessionSharing, SessionMoves, SessionKept):
 
     def __init__(self, controller: Controller, fleet: Any = None, namespace: str = "") -> None:
         super().__init__(controller, fleet, namespace)
-        self.profiles = SessionProfiles(self)  # a part: it sees the session as its owner
+        # Parts, each seeing the session through a narrow interface of its own.
+        self.profiles = SessionProfiles(self)
+        self.checkpoints = SessionCheckpoints(self)
 
     # ---- lifecycle -----------------------------------------------------------------------
 

@@ -80,9 +80,9 @@ class SessionArrays(SessionCore):
         group = self.controller.new_group(devices, nbytes, sharding.memory_kind)
         if define:
             group.expect()
-        return self._own(dtype, shape, sharding, group)
+        return self.own(dtype, shape, sharding, group)
 
-    def _own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+    def own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
              group: BufferGroup) -> Array:
         """The session's array over a new group (its first holder)."""
         group.refs = 1
@@ -209,7 +209,7 @@ class SessionArrays(SessionCore):
             self._record_puts(group, placed, [w.exception() for w in done])
             group.settle()
         else:
-            self._spawn(self._settle_puts(group, placed, waits))
+            self.spawn(self._settle_puts(group, placed, waits))
 
     async def _settle_puts(self, group: BufferGroup, placed: list[int],
                            waits: list[Awaitable[None]]) -> None:

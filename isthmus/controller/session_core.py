@@ -36,7 +36,7 @@ class SessionCore:
         """The session holds `executable` (it is released when the session closes)."""
         self._executables.append(executable)
 
-    def _spawn(self, coroutine: Awaitable[object]) -> None:
+    def spawn(self, coroutine: Awaitable[object]) -> None:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

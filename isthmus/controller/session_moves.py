@@ -227,7 +227,7 @@ class SessionMoves(SessionArrays):
             self.controller.free_buffers(temps)
             self._defined(dst, error)
 
-        self._spawn(finish())
+        self.spawn(finish())
 
     def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None) -> asyncio.Future[None]:
         """Moves `src` into `dst` on another worker, worker to worker; `dst` is defined (or
@@ -257,7 +257,7 @@ class SessionMoves(SessionArrays):
             self._defined(dst, error)
             done.set_result(None)
 
-        self._spawn(finish())
+        self.spawn(finish())
         return done
 
     def bitcast(self, arrays: Sequence[Array],
@@ -332,7 +332,7 @@ class SessionMoves(SessionArrays):
                 cast(asyncio.Future, answer).add_done_callback(  # a Future: checked above
                     lambda f: _settle_fetch(array, box, f, result))
                 return
-            self._spawn(_assemble_host(array, pieces, result))
+            self.spawn(_assemble_host(array, pieces, result))
 
         groups = array.groups
         self.dispatcher.submit(groups, run)
@@ -360,7 +360,7 @@ class SessionMoves(SessionArrays):
                 for buffer in array.shards:
                     by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
             waits = [self.fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
-            self._spawn(_settle(asyncio.gather(*waits), result))
+            self.spawn(_settle(asyncio.gather(*waits), result))
 
         groups = groups_of(arrays)
         self.dispatcher.submit(groups, run)

@@ -17,12 +17,13 @@ import asyncio
 import dataclasses
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, first_error, groups_of
-from isthmus.controller.controller import Executable
+from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
+from isthmus.controller.controller import Controller, Executable
+from isthmus.controller.dispatch import OrderedDispatcher
 from isthmus.controller.session_core import as_error
 from isthmus.controller.session_python import (
     SessionPython,
@@ -56,10 +57,32 @@ class PersistencePlan:
     on_hosts: ClassVar[bool] = False  # nothing to load on the workers
 
 
-class SessionPersistence(SessionPython):
-    """Checkpoint writes and reads done by the workers."""
+class CheckpointOwner(Protocol):
+    """What checkpoint writes and reads need of their session."""
 
-    def compile_persistence(self, plan: PersistencePlan) -> Executable:
+    controller: Controller
+    fleet: Any  # the session's fleet (`Fleet` or a lease's `FleetView`)
+    dispatcher: OrderedDispatcher
+
+    def own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+            group: BufferGroup) -> Array: ...
+
+    def spawn(self, coroutine: Awaitable[object]) -> None: ...
+
+    def keep(self, executable: Executable) -> None: ...
+
+
+class SessionCheckpoints:
+    """Checkpoint writes and reads done by the workers: a part of a `Session`, which it
+    sees as a `CheckpointOwner`."""
+
+    def __init__(self, session: CheckpointOwner) -> None:
+        self._session = session
+        self.controller = session.controller
+        self.fleet = session.fleet
+        self.dispatcher = session.dispatcher
+
+    def compile(self, plan: PersistencePlan) -> Executable:
         device_ids = tuple(dict.fromkeys(d for a in plan.arrays for d in a.sharding.devices))
         devices = self.fleet.devices_of(device_ids)
         outputs = () if plan.write else tuple(
@@ -67,11 +90,11 @@ class SessionPersistence(SessionPython):
         info = plugin_info("persistence_write" if plan.write else "persistence_read",
                            outputs, plan)
         executable = self.controller.executable(plan, devices, info)
-        self._executables.append(executable)
+        self._session.keep(executable)
         return executable
 
-    def run_persistence(self, executable: Executable, args: Sequence[Array]
-                        ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
+    def run(self, executable: Executable, args: Sequence[Array]
+            ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
         plan: PersistencePlan = executable.request  # type: ignore[assignment]
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if plan.write:
@@ -125,7 +148,7 @@ class SessionPersistence(SessionPython):
             waits = [self.fleet.channel(w).ask(
                          c.WriteShards(location, tuple(items)))
                      for w, jobs in writes.items() for location, items in jobs]
-            self._spawn(self._finish_write(waits, metas, done))
+            self._session.spawn(self._finish_write(waits, metas, done))
 
         self.dispatcher.submit(groups_of(args), run)
 
@@ -148,7 +171,7 @@ class SessionPersistence(SessionPython):
         for aval, sharding, nbytes in executable_specs(plan):
             group = self.controller.new_group(self.fleet.devices_of(sharding.devices), nbytes)
             group.expect()
-            outputs.append(self._own(aval.dtype, aval.shape, sharding, group))
+            outputs.append(self._session.own(aval.dtype, aval.shape, sharding, group))
         groups = [out.group for out in outputs]
 
         def run() -> None:
@@ -168,7 +191,7 @@ class SessionPersistence(SessionPython):
                 waits.extend(self.fleet.channel(w).ask(c.ReadShards(
                                  saved.location, dtype, tuple(saved.shape), tuple(items)))
                              for w, items in per_worker.items())
-            self._spawn(settle_after(groups, done, waits, "restoring the checkpoint"))
+            self._session.spawn(settle_after(groups, done, waits, "restoring the checkpoint"))
 
         self.dispatcher.submit((), run)
         return outputs
@@ -218,7 +241,7 @@ class KeptArrays:
     """Arrays a lease keeps for its next client, by name (`isthmus.shared.keep`). They are
     held by a session of their own, which the lease's end closes (freeing them)."""
 
-    def __init__(self, keeper: SessionPersistence) -> None:
+    def __init__(self, keeper: SessionKept) -> None:
         self.keeper = keeper
         self.arrays: dict[str, Array] = {}
 
@@ -229,10 +252,10 @@ class KeptArrays:
 
     async def close(self) -> None:
         self.arrays.clear()
-        await self.keeper.close()  # type: ignore[attr-defined]
+        await self.keeper.close()  # type: ignore[attr-defined]  # the whole Session's
 
 
-class SessionKept(SessionPersistence):
+class SessionKept(SessionPython):
     """Keeping arrays for a lease's next client, and taking them back."""
 
     def compile_kept(self, plan: KeepPlan) -> Executable:
@@ -245,7 +268,7 @@ class SessionKept(SessionPersistence):
             Aval(a.dtype, a.shape) for a in plan.arrays)  # type: ignore[arg-type]
         info = plugin_info("isthmus_keep" if plan.keep else "isthmus_take", outputs, plan)
         executable = self.controller.executable(plan, devices, info)
-        self._executables.append(executable)
+        self.keep(executable)
         return executable
 
     def run_kept(self, executable: Executable, args: Sequence[Array], kept: KeptArrays | None

@@ -179,7 +179,7 @@ class SessionPrograms(SessionArrays):
                 nbytes = sh.shard_nbytes(sharding, aval.shape, aval.dtype.itemsize)
                 specs.append((aval, sharding, nbytes))
             executable.output_specs = specs
-        return [self._own(aval.dtype, aval.shape, sharding,
+        return [self.own(aval.dtype, aval.shape, sharding,
                           self.controller.new_group(executable.devices, nbytes,
                                                     sharding.memory_kind, executable.workers))
                 for aval, sharding, nbytes in executable.output_specs]

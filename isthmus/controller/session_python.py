@@ -98,7 +98,7 @@ class SessionPython(SessionPrograms):
             group = self.controller.new_group(self.fleet.devices_of(sharding.devices), nbytes,
                                               sharding.memory_kind)
             group.expect()
-            outputs.append(self._own(aval.dtype, aval.shape, sharding, group))
+            outputs.append(self.own(aval.dtype, aval.shape, sharding, group))
         results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
         out_groups = [out.group for out in outputs]
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -116,7 +116,7 @@ class SessionPython(SessionPrograms):
             except Exception as e:
                 finish(out_groups, done, as_error(e, "dispatching a colocated call"))
                 raise
-            self._spawn(settle_after(out_groups, done, waits, "a colocated call"))
+            self.spawn(settle_after(out_groups, done, waits, "a colocated call"))
 
         self.dispatcher.submit(groups_of(args), run)
 

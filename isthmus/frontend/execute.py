@@ -30,7 +30,7 @@ def execute(session: Any, request: Any, response: Any) -> None:
     args = [session.array(h) for h in body.args_handles]
     options = body.execute_options
     if is_persistence(executable):
-        outputs, status = session.ctl.run_persistence(executable, args)
+        outputs, status = session.ctl.checkpoints.run(executable, args)
     elif is_reshard(executable):
         outputs, status = session.ctl.run_reshard(
             executable, args, frozenset(int(i) for i in options.non_donatable_input_indices))

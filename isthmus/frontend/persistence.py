@@ -131,7 +131,7 @@ def compile_plugin(session: Any, program: Any) -> Any:
             session.fleet.devices_of(saved.sharding.devices)  # unknown ids: NOT_FOUND now
     if isinstance(plan, KeepPlan):
         return session.ctl.compile_kept(plan)
-    return session.ctl.compile_persistence(plan)
+    return session.ctl.checkpoints.compile(plan)
 
 
 def is_persistence(executable: Any) -> bool:
