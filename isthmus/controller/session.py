@@ -8,10 +8,10 @@ The session's operations live beside this module, still one mixin each over `Ses
 (session_core.py, the shared state): creating and freeing arrays (session_arrays.py), arrays
 over existing buffers (session_sharing.py), moving data (session_moves.py), programs
 (session_programs.py), colocated Python (session_python.py) and arrays kept for a lease's
-next client (session_persistence.py, `SessionKept`). Checkpoints written by the workers (`session_persistence.SessionCheckpoints`) and
-profiles of the fleet (`session_profiles.SessionProfiles`) are parts the session holds
-(`Session.checkpoints`, `Session.profiles`), each seeing the session through a narrow
-interface of its own.
+next client (session_persistence.py, `SessionKept`). Checkpoints written by the workers
+(`session_persistence.SessionCheckpoints`) and profiles of the fleet
+(`session_profiles.SessionProfiles`) are parts the session holds (`Session.checkpoints`,
+`Session.profiles`), each seeing the session through a narrow interface of its own.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from isthmus.transport import records
 from isthmus.transport.base import Commands
 from isthmus.transport.commands import Command, Request
 from isthmus.worker import programs, regroup
+from isthmus.worker.buffers import BufferStore, missing
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.persistence import Checkpoints
@@ -89,13 +90,10 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         # XLA:CPU meets a program's local devices in an in-process rendezvous on a shared
         # thread pool (see `collective_settled`); GPU devices each have their own stream.
         self._shared_pool = getattr(client, "platform", "cpu") == "cpu"
-        self._buffers: dict[BufferId, Any] = {}
+        self.buffers = BufferStore()  # the shard buffers, in explicit states (buffers.py)
         self._shardings: dict[tuple[int, str | None], Any] = {}  # see `_sharding`
         self._executables: dict[ExecutableId, Loaded | Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
-        # Outputs of programs that span other hosts -> those programs' devices: when the
-        # group re-forms without one of them, such an output still being computed never will.
-        self._spans: dict[BufferId, frozenset[int]] = {}
         self._reads = ReadsInFlight()  # a later program donates a copy of what they read
         # Output shards of the last program over several devices (see `collective_pending`).
         self._last_collective: list[Any] = []
@@ -104,8 +102,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         )
         self._python: PythonRunner | None = None  # made at the first colocated call
         self.compile_cache = compile_cache  # executables that persist across restarts
-        # Parts: checkpoint shards (through `value`, `store`, `fail`, `device`) and profiles.
-        self.checkpoints = Checkpoints(self, self._pool)
+        # Parts: checkpoint I/O (over the buffers and devices) and profiles.
+        self.checkpoints = Checkpoints(self.buffers, self.devices, self._pool)
         self.profiles = HostProfiles()
 
     # ---- buffers -------------------------------------------------------------------------
@@ -117,7 +115,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             memory_kind: str | None = None) -> Awaitable[None]:
         """Stores `value` on a device; resolves once stored. `value` must not change."""
         if value.dtype == object:  # IFRT string arrays stay host objects
-            self._buffers[buffer_id] = HostArray(value)
+            self.buffers.store(buffer_id, HostArray(value))
             return already_done()
         if value.nbytes <= self.INLINE_PUT_BYTES:
             self._put_blocking(buffer_id, device_id, value, memory_kind)
@@ -136,8 +134,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
     def _put_blocking(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
                       memory_kind: str | None) -> None:
         try:
-            self._buffers[buffer_id] = place(value, self._sharding(device_id, memory_kind),
-                                             self.devices[device_id])
+            self.buffers.store(buffer_id, place(value, self._sharding(device_id, memory_kind),
+                                                self.devices[device_id]))
         except Exception as e:  # noqa: BLE001 - jaxlib raises ValueError, RuntimeError, ...
             self.fail(buffer_id, errors.from_runtime_error(
                 e, errors.InvalidRequest, "could not place the host data on the device"))
@@ -155,22 +153,22 @@ class DeviceHost(CollectiveOrder, PythonCalls):
 
     def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
         """Makes `buffer_id` an error buffer: every use of it reports `error`."""
-        self._buffers[buffer_id] = Failed(error)
+        self.buffers.fail(buffer_id, error)
 
     def copy(self, src: BufferId, dst: BufferId, device_id: int,
              memory_kind: str | None = None) -> None:
         """Copies a buffer to another local device (or memory kind)."""
-        value = self._buffers.get(src)
+        value = self.buffers.slot(src)
         if value is None or isinstance(value, Failed):
-            self._buffers[dst] = value if value is not None else Failed(self._missing(src))
+            self.buffers.store(dst, value if value is not None else Failed(missing(src)))
             return
         try:
             target = self._sharding(device_id, memory_kind)
             if isinstance(value, HostArray):
-                self._buffers[dst] = HostArray(value.value)
+                self.buffers.store(dst, HostArray(value.value))
                 return
-            self._buffers[dst] = move(value, target)
-            self._inherit(dst, (src,))
+            self.buffers.store(dst, move(value, target))
+            self.buffers.inherit(dst, (src,))
         except Exception as e:  # noqa: BLE001
             self.fail(dst, errors.from_runtime_error(
                 e, errors.ExecutionError, "copying an array between devices failed"))
@@ -190,7 +188,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         try:
             device = self.devices[device_id]
             target = SingleDeviceSharding(device, memory_kind=memory_kind)
-            sources = [(self._get(src), src_box, dst_box) for src, src_box, dst_box in parts]
+            sources = [(self.buffers.value(src), src_box, dst_box)
+                       for src, src_box, dst_box in parts]
             whole = tuple(slice(0, d) for d in shape)
             if len(sources) == 1 and sources[0][2] == whole:
                 value, src_box, _ = sources[0]
@@ -202,8 +201,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                     result = result.at[dst_box].set(move(value[src_box], single))
                 if memory_kind is not None:
                     result = jax.device_put(result, target)
-            self._buffers[dst] = result
-            self._inherit(dst, [src for src, _, _ in parts])
+            self.buffers.store(dst, result)
+            self.buffers.inherit(dst, [src for src, _, _ in parts])
         except Exception as e:  # noqa: BLE001
             self.fail(dst, errors.from_runtime_error(
                 e, errors.ExecutionError, "resharding the array failed"))
@@ -214,58 +213,28 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         import jax
 
         try:
-            value = self._get(src)
+            value = self.buffers.value(src)
             if np.dtype(dtype).itemsize != value.dtype.itemsize:
                 raise errors.Unimplemented(
                     f"bitcasting {value.dtype} to {np.dtype(dtype)} changes the element size, "
                     "which isthmus does not support; bitcast between same-size dtypes.")
             converted = jax.lax.bitcast_convert_type(value, dtype)
-            self._buffers[dst] = converted.reshape(shape)
-            self._inherit(dst, (src,))
+            self.buffers.store(dst, converted.reshape(shape))
+            self.buffers.inherit(dst, (src,))
         except Exception as e:  # noqa: BLE001
             self.fail(dst, errors.from_runtime_error(
                 e, errors.InvalidRequest, "bitcasting the array failed"))
 
-    def _inherit(self, dst: BufferId, sources: Sequence[BufferId]) -> None:
-        """`dst` is computed from `sources`: it waits for whatever peers they wait for."""
-        if self._spans:
-            spans = [self._spans[s] for s in sources if s in self._spans and self._waits(s)]
-            if spans:
-                self._spans[dst] = frozenset().union(*spans)
-
-    def _waits(self, buffer_id: BufferId) -> bool:
-        """The buffer is still being computed (a finished one waits for no peer)."""
-        value = self._buffers.get(buffer_id)
-        return value is not None and not isinstance(value, (Failed, HostArray)) and (
-            not value.is_ready())
-
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
         # Dropping the reference frees the memory once no in-flight work uses it. An explicit
         # delete() here could free a buffer under a host copy running in another thread.
-        for buffer_id in buffer_ids:
-            self._buffers.pop(buffer_id, None)
-        if self._spans:
-            for buffer_id in buffer_ids:
-                self._spans.pop(buffer_id, None)
+        self.buffers.free(buffer_ids)
 
     def has(self, buffer_id: BufferId) -> bool:
-        return buffer_id in self._buffers
-
-    def value(self, buffer_id: BufferId) -> Any:
-        """The buffer's array; raises its error, or that it is missing or deleted."""
-        return self._get(buffer_id)
-
-    def store(self, buffer_id: BufferId, value: Any) -> None:
-        """Makes `value` (a jax array on one of this host's devices) the buffer."""
-        self._buffers[buffer_id] = value
-
-    def device(self, device_id: int) -> Any:
-        """The jax device of a global device id."""
-        return self.devices[device_id]
+        return buffer_id in self.buffers
 
     def stats(self) -> dict[str, int]:
-        live = [v for v in self._buffers.values()
-                if not isinstance(v, Failed) and not v.is_deleted()]
+        live = self.buffers.live()
         cache = self.compile_cache.stats() if self.compile_cache is not None else {}
         return {"buffers": len(live), "bytes": sum(v.nbytes for v in live),
                 "executables": sum(isinstance(e, Loaded) for e in self._executables.values()),
@@ -293,28 +262,11 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                         totals[f"memory/{global_ids[device]}/{key}"] = int(stats[key])
         return totals
 
-    def _missing(self, buffer_id: BufferId) -> errors.IsthmusError:
-        return errors.InternalError(
-            f"buffer {buffer_id} is not on this host; the controller and worker disagree, "
-            "which is a bug in isthmus: please report it.")
-
-    def _get(self, buffer_id: BufferId) -> Any:
-        value = self._buffers.get(buffer_id)
-        if value is None:
-            raise self._missing(buffer_id)
-        if isinstance(value, Failed):
-            raise value.error
-        if value.is_deleted():
-            raise errors.ArrayDeleted(
-                "the array's data was deleted or donated to an earlier computation; "
-                "keep a copy (or don't donate it) if you need it again.")
-        return value
-
     def all_ready(self, buffer_ids: Sequence[BufferId]) -> bool:
         """Every buffer is here, computed and without error (False when in doubt: `ready`
         then reports whatever is wrong)."""
         try:
-            values = [self._get(b) for b in buffer_ids]
+            values = [self.buffers.value(b) for b in buffer_ids]
             for value in values:
                 if not value.is_ready():
                     return False
@@ -326,7 +278,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
         """Resolves when every buffer is computed; fails with the first buffer's error."""
         try:
-            values = [self._get(b) for b in buffer_ids]
+            values = [self.buffers.value(b) for b in buffer_ids]
         except errors.IsthmusError as e:
             return failing(e)
         if all(v.is_ready() for v in values):  # answered now: a later donation cannot race
@@ -358,7 +310,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         """Resolves to the host copy of one buffer, once it is computed (`nbytes`, the
         controller's size of it, matters only to channels that choose a path by size)."""
         try:
-            value = self._get(buffer_id)
+            value = self.buffers.value(buffer_id)
             if value.is_ready():  # the common case of a small program: no task, no turn
                 done: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
                 done.set_result(np.asarray(value))
@@ -469,9 +421,9 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             arrays = []
             for index, ref in enumerate(args):
                 if isinstance(ref, int):
-                    shards = [self._get(BufferId(ref + p)) for p in positions]
+                    shards = [self.buffers.value(BufferId(ref + p)) for p in positions]
                 else:
-                    shards = [self._get(ref[p]) for p in positions]
+                    shards = [self.buffers.value(ref[p]) for p in positions]
                 if index in copy_first:
                     shards = [jax.device_put(s, s.sharding, may_alias=False) for s in shards]
                 aval = loaded.info.param_avals[index]
@@ -488,16 +440,16 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             return
         for base, shards in zip(results, per_output):
             for p, shard in zip(positions, shards):
-                self._buffers[BufferId(base + p)] = shard
+                self.buffers.store(BufferId(base + p), shard)
         span = loaded.span
-        if self._spans:  # outputs wait for whatever peers their inputs wait for
+        if self.buffers.spanning():  # outputs wait for whatever peers their inputs wait for
             inputs = [s for ref in args for s in self._spans_of(ref, positions)]
             if inputs:
                 span = frozenset().union(span or (), *inputs)
         if span is not None:
             for base in results:
                 for p in positions:
-                    self._spans[BufferId(base + p)] = span
+                    self.buffers.span(BufferId(base + p), span)
         if len(positions) > 1 or loaded.span is not None:
             self._last_collective = [s for shards in per_output for s in shards]
 
@@ -505,7 +457,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                   ) -> list[frozenset[int]]:
         ids = ([BufferId(ref + p) for p in positions] if isinstance(ref, int)
                else [ref[p] for p in positions])
-        return [self._spans[b] for b in ids if b in self._spans and self._waits(b)]
+        return self.buffers.spans_of(ids)
 
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 
@@ -524,14 +476,15 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         """Moves `old`'s buffers into this host's client (a new collective group) and empties
         `old`; see `regroup.move_buffers`. Blocking; run it in a thread. Returns how many
         moved."""
-        moved = regroup.move_buffers(old._buffers, old._spans, old.devices, self.devices,
-                                     self._buffers, reason, wait)
-        old._buffers.clear()
+        slots, spans = old.buffers.take_all()
         old._executables.clear()
-        old._spans.clear()
+        into: dict[BufferId, Any] = {}
+        moved = regroup.move_buffers(slots, spans, old.devices, self.devices, into, reason,
+                                     wait)
+        self.buffers.adopt(into)
         return moved
 
     async def close(self) -> None:
-        self.free(list(self._buffers))
+        self.free(self.buffers.ids())
         self._executables.clear()
 

@@ -24,7 +24,7 @@ import json
 import os
 import secrets
 import threading
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -149,7 +149,7 @@ def read_box(location: str, dtype: np.dtype, shape: Sequence[int], box: Box) -> 
 
 
 class Shards(Protocol):
-    """What checkpoint I/O needs of a host's buffers (`DeviceHost` gives it)."""
+    """What checkpoint I/O needs of a host's buffers (`buffers.BufferStore` gives it)."""
 
     def value(self, buffer_id: BufferId) -> Any:
         """The buffer's array; raises its error (or that it is missing or deleted)."""
@@ -160,16 +160,14 @@ class Shards(Protocol):
     def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
         """Makes the buffer an error."""
 
-    def device(self, device_id: int) -> Any:
-        """The jax device of a global device id."""
-
 
 class Checkpoints:
     """Writing and reading checkpoint shards of a host's buffers, in the host's threads (a
     part of `DeviceHost`: it sees the buffers through `Shards` only)."""
 
-    def __init__(self, shards: Shards, pool: Any) -> None:
+    def __init__(self, shards: Shards, devices: Mapping[int, Any], pool: Any) -> None:
         self._shards = shards
+        self._devices = devices  # global device id -> jax device
         self._pool = pool
 
     def write_shards(self, location: str, items: Sequence[tuple[BufferId, Box]]
@@ -202,7 +200,7 @@ class Checkpoints:
 
         def work(buffer_id: BufferId, device_id: int, box: Box) -> None:
             value = read_box(location, np.dtype(dtype), shape, box)
-            self._shards.store(buffer_id, jax.device_put(value, self._shards.device(device_id)))
+            self._shards.store(buffer_id, jax.device_put(value, self._devices[device_id]))
 
         async def run() -> None:
             try:

@@ -13,13 +13,14 @@ from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.worker import colocated
+from isthmus.worker.buffers import BufferStore
 from isthmus.worker.slots import Failed, Unloadable, failing
 
 
 class PythonCalls:
     """The colocated-Python part of `DeviceHost` (a mixin over its buffers and programs)."""
 
-    _buffers: dict[BufferId, Any]
+    buffers: BufferStore
     _executables: dict[ExecutableId, Any]
     _pool: concurrent.futures.Executor
     _python: PythonRunner | None
@@ -64,7 +65,7 @@ class PythonCalls:
         slots = [[BufferId(base + p) for p in positions]
                  for base, positions in zip(results, function.local_out)]
         try:
-            inputs = [[self._get(BufferId(ref + p) if isinstance(ref, int) else ref[p])
+            inputs = [[self.buffers.value(BufferId(ref + p) if isinstance(ref, int) else ref[p])
                        for p in positions] for ref, positions in zip(args, function.local_in)]
         except errors.IsthmusError as e:
             for ids in slots:
@@ -73,7 +74,7 @@ class PythonCalls:
             return failing(e)
         for ids, values in zip(slots, pending):
             for buffer_id, value in zip(ids, values):
-                self._buffers[buffer_id] = value
+                self.buffers.store(buffer_id, value)
         if self._python is None:
             self._python = PythonRunner()
         work = self._python.submit(stream, lambda: colocated.run(function, self.devices, inputs))
@@ -92,8 +93,8 @@ class PythonCalls:
             for position, (buffer_id, placeholder) in enumerate(zip(ids, placeholders)):
                 value = Failed(error) if outputs is None else outputs[index][position]
                 placeholder.resolve(value)
-                if self._buffers.get(buffer_id) is placeholder:  # not freed meanwhile
-                    self._buffers[buffer_id] = value
+                if self.buffers.slot(buffer_id) is placeholder:  # not freed meanwhile
+                    self.buffers.store(buffer_id, value)
         if outputs is None:
             raise error
 

@@ -124,7 +124,7 @@ class SimulatedHost(DeviceHost):
             start = max(start, self._busy.get(loaded.devices[position].id, 0.0))
         try:
             for buffer_id in self._ids(args, positions):
-                value = self._get(buffer_id)
+                value = self.buffers.value(buffer_id)
                 if isinstance(value, _Pending):
                     start = max(start, value.ready_at)
         except Exception as e:  # noqa: BLE001 - a failed or missing input fails the outputs
@@ -138,7 +138,7 @@ class SimulatedHost(DeviceHost):
             self._busy[loaded.devices[position].id] = end
         for base, shards in zip(results, outputs):
             for p, shard in zip(positions, shards):
-                self._buffers[BufferId(base + p)] = _Pending(shard, end)
+                self.buffers.store(BufferId(base + p), _Pending(shard, end))
 
     def _first_run(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                    results: Sequence[int], loaded: Any) -> None:
@@ -151,7 +151,7 @@ class SimulatedHost(DeviceHost):
         self._last_collective = []  # no XLA rendezvous waits behind a simulated run
         if not isinstance(loaded, Loaded):
             return
-        outputs = [[_real(self._buffers.get(BufferId(base + p))) for p in loaded.positions]
+        outputs = [[_real(self.buffers.slot(BufferId(base + p))) for p in loaded.positions]
                    for base in results]
         if any(isinstance(s, Failed) or s is None for shards in outputs for s in shards):
             return  # a failed run is no template; the next call runs for real again
@@ -192,18 +192,18 @@ class SimulatedHost(DeviceHost):
                  ) -> Iterator[None]:
         """Within: `sources` hold their real buffers. After: `made` count as computed no
         earlier than the latest simulated source."""
-        pending = {b: v for b in sources if isinstance(v := self._buffers.get(b), _Pending)}
+        pending = {b: v for b in sources if isinstance(v := self.buffers.slot(b), _Pending)}
         for buffer_id, value in pending.items():
-            self._buffers[buffer_id] = value.value
+            self.buffers.store(buffer_id, value.value)
         try:
             yield
         finally:
             for buffer_id, value in pending.items():
-                if self._buffers.get(buffer_id) is value.value:
-                    self._buffers[buffer_id] = value
+                if self.buffers.slot(buffer_id) is value.value:
+                    self.buffers.store(buffer_id, value)
             if pending:
                 ready_at = max(v.ready_at for v in pending.values())
                 for buffer_id in made:
-                    value = self._buffers.get(buffer_id)
+                    value = self.buffers.slot(buffer_id)
                     if value is not None and not isinstance(value, (Failed, _Pending)):
-                        self._buffers[buffer_id] = _Pending(value, ready_at)
+                        self.buffers.store(buffer_id, _Pending(value, ready_at))

@@ -52,7 +52,7 @@ def test_small_puts_give_what_jax_device_put_gives():
                   np.zeros((0, 3), np.int8), base.astype(np.uint16)]
         for i, value in enumerate(values):
             await host.put(i, i % 2, value)
-            stored = host._buffers[i]
+            stored = host.buffers.slot(i)
             want = jax.device_put(value, host.devices[i % 2])
             assert stored.dtype == value.dtype == want.dtype, (i, stored.dtype)
             assert stored.shape == value.shape and stored.devices() == want.devices()
@@ -62,7 +62,7 @@ def test_small_puts_give_what_jax_device_put_gives():
         device = host.devices[1]
         for i, kind in enumerate(m.kind for m in device.addressable_memories()):
             await host.put(50 + i, 1, base, kind)
-            stored = host._buffers[50 + i]
+            stored = host.buffers.slot(50 + i)
             want = jax.device_put(base, SingleDeviceSharding(device, memory_kind=kind))
             assert stored.sharding == want.sharding and stored.sharding.memory_kind == kind
             np.testing.assert_array_equal(np.asarray(stored), base)
@@ -83,7 +83,7 @@ def test_colocated_cpu_devices_hold_copies_reshards_and_programs(monkeypatch):
         assert host.local_positions([0, 1, 100, 101]) == (0, 1, 2, 3)
         await host.put(1, 0, np.arange(4.0))
         host.copy(1, 2, 100)  # accelerator -> its CPU device
-        assert next(iter(host._buffers[2].devices())) is cpu.local_devices()[0]
+        assert next(iter(host.buffers.slot(2).devices())) is cpu.local_devices()[0]
         host.copy(2, 3, 1)  # and to another accelerator
         host.assemble(4, 101, None, np.dtype(np.float64), (8,),
                       [(1, (slice(0, 4),), (slice(0, 4),)), (3, (slice(0, 4),), (slice(4, 8),))])
@@ -101,6 +101,6 @@ def test_colocated_cpu_devices_hold_copies_reshards_and_programs(monkeypatch):
         monkeypatch.setattr(jax, "device_put", refusing)
         host.copy(4, 5, 0)
         np.testing.assert_array_equal(await host.fetch(5), await host.fetch(4))
-        assert refused and next(iter(host._buffers[5].devices())) is host.devices[0]
+        assert refused and next(iter(host.buffers.slot(5).devices())) is host.devices[0]
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 60))
