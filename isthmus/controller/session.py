@@ -4,14 +4,15 @@ Every method returns at once. Operations that touch workers are queued on the se
 `OrderedDispatcher`; their outcome is either an array (whose errors surface when it is used)
 or an awaitable the caller may wait on. Nothing here waits for device work.
 
-The session's operations live beside this module, still one mixin each over `SessionCore`
-(session_core.py, the shared state): creating and freeing arrays (session_arrays.py), arrays
-over existing buffers (session_sharing.py), moving data (session_moves.py), programs
-(session_programs.py), colocated Python (session_python.py) and arrays kept for a lease's
-next client (session_persistence.py, `SessionKept`). Checkpoints written by the workers
-(`session_persistence.SessionCheckpoints`) and profiles of the fleet
-(`session_profiles.SessionProfiles`) are parts the session holds (`Session.checkpoints`,
-`Session.profiles`), each seeing the session through a narrow interface of its own.
+A session is its arrays and programs, built up in one line of mixins over `SessionCore`
+(session_core.py, the shared state): creating, sharing and freeing arrays
+(session_arrays.py), programs (session_programs.py), colocated Python (session_python.py)
+and arrays kept for a lease's next client (session_persistence.py, `SessionKept`). What
+works on those arrays is held as parts, each seeing the session through a narrow protocol
+of its own: arrays over existing buffers (`Session.views`, session_sharing.py), copies,
+reshards and reads (`Session.moves`, session_moves.py), checkpoints written by the workers
+(`Session.checkpoints`, session_persistence.py) and profiles of the fleet
+(`Session.profiles`, session_profiles.py).
 """
 
 from __future__ import annotations
@@ -24,17 +25,19 @@ from isthmus.controller.controller import Controller
 from isthmus.controller.session_moves import SessionMoves
 from isthmus.controller.session_persistence import SessionCheckpoints, SessionKept
 from isthmus.controller.session_profiles import SessionProfiles
-from isthmus.controller.session_sharing import SessionSharing
+from isthmus.controller.session_sharing import SessionViews
 
 logger = logging.getLogger(__name__)
 
 
-class Session(SessionSharing, SessionMoves, SessionKept):
+class Session(SessionKept):
     """Arrays and executables of one client session."""
 
     def __init__(self, controller: Controller, fleet: Any = None, namespace: str = "") -> None:
         super().__init__(controller, fleet, namespace)
         # Parts, each seeing the session through a narrow interface of its own.
+        self.views = SessionViews(self)
+        self.moves = SessionMoves(self)
         self.profiles = SessionProfiles(self)
         self.checkpoints = SessionCheckpoints(self)
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, Buffer, BufferGroup
+from isthmus.controller.arrays import Array, Buffer, BufferGroup, whole_group
 from isthmus.controller.fleet import Device
 from isthmus.controller.session_core import SessionCore, as_error
 from isthmus.ids import BufferId
@@ -49,12 +49,6 @@ class HostData:
 class SessionArrays(SessionCore):
     """Creating and freeing a session's arrays."""
 
-    if TYPE_CHECKING:
-        def share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
-                  buffers: Sequence[Buffer], error: errors.IsthmusError | None = None
-                  ) -> Array:
-            """`SessionSharing.share`, which parts other than that one use too."""
-
     # ---- creating arrays -----------------------------------------------------------------
 
     def validate_shape(self, dtype: dtypes.DType, shape: Sequence[int]) -> tuple[int, ...]:
@@ -72,7 +66,7 @@ class SessionArrays(SessionCore):
                 "it, or start the server with a larger --max-array-bytes.")
         return shape
 
-    def _new_array(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+    def new_array(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
                    *, define: bool = True) -> Array:
         devices = self.fleet.devices_of(sharding.devices)
         self._check_memory_kind(devices, sharding.memory_kind)
@@ -90,6 +84,24 @@ class SessionArrays(SessionCore):
         self._arrays.add(array)
         return array
 
+    def share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+              buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array:
+        """A new array of this session over `buffers` (shards of existing arrays, perhaps
+        another session's), holding them."""
+        group = whole_group(buffers)
+        if group is not None:
+            group.refs += 1
+            array = Array(dtype, shape, sharding, group, error=error)
+        else:
+            for buffer in buffers:
+                shared = buffer.group
+                if shared.shard_refs is None:
+                    shared.shard_refs = {}
+                shared.shard_refs[buffer.position] = shared.shard_refs.get(buffer.position, 0) + 1
+            array = Array(dtype, shape, sharding, parts=tuple(buffers), error=error)
+        self._arrays.add(array)
+        return array
+
     def _check_memory_kind(self, devices: Sequence[Device], kind: str | None) -> None:
         if kind is None:
             return
@@ -104,7 +116,7 @@ class SessionArrays(SessionCore):
         """An array whose full contents arrive as one host array, cut into its shards and
         placed in the turn it arrives (in this one if it is here)."""
         shape = self.validate_shape(dtype, shape)
-        array = self._new_array(dtype, shape, sharding)
+        array = self.new_array(dtype, shape, sharding)
         group = array.group
         assert group is not None
         boxes = sh.shard_boxes(sharding, shape)
@@ -118,7 +130,7 @@ class SessionArrays(SessionCore):
         (indices into the sharding's device list) with the data all of them hold. Each is
         placed in the turn it arrives (in this one if it is here)."""
         shape = self.validate_shape(dtype, shape)
-        array = self._new_array(dtype, shape, sharding, define=False)
+        array = self.new_array(dtype, shape, sharding, define=False)
         group = array.group
         assert group is not None
         covered: set[int] = set()
@@ -154,7 +166,7 @@ class SessionArrays(SessionCore):
 
     def make_error_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
                          error: errors.IsthmusError) -> Array:
-        array = self._new_array(dtype, self.validate_shape(dtype, shape), sharding, define=False)
+        array = self.new_array(dtype, self.validate_shape(dtype, shape), sharding, define=False)
         array.error = error
         assert array.group is not None
         array.group.error = error
@@ -242,7 +254,7 @@ class SessionArrays(SessionCore):
             if isinstance(outcome, BaseException) and group.error_at(p) is None:
                 group.set_error(p, as_error(outcome, "storing host data"))
 
-    def _defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
+    def defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
         """An operation that was to define `buffer` is over (with `error` if it failed)."""
         if error is not None and buffer.error is None:
             buffer.error = error
@@ -307,16 +319,16 @@ class SessionArrays(SessionCore):
 
             self.dispatcher.submit([], free)
 
-    def _donate(self, array: Array) -> None:
+    def donate(self, array: Array) -> None:
         """The input of a DONATE_INPUT operation, from inside its dispatched operation:
         unusable afterwards, its buffers live on."""
         array.deleted = True
 
-    def _donate_in_order(self, array: Array) -> None:
-        """`_donate`, for an operation that needs no dispatch: it still acts in the order
+    def donate_in_order(self, array: Array) -> None:
+        """`donate`, for an operation that needs no dispatch: it still acts in the order
         the requests came, after the operations already queued (they see the array)."""
         array.delete_sent = True
-        self.dispatcher.submit([], lambda: self._donate(array))
+        self.dispatcher.submit([], lambda: self.donate(array))
 
 
 def _ignore(value: object) -> None:

@@ -1,8 +1,8 @@
 """The state every part of a controller session shares, and the helpers they have in common.
 
-A `Session` (session.py) is composed of parts, each a mixin over `SessionCore`: creating and
-freeing arrays (session_arrays.py), arrays over existing buffers (session_sharing.py), moving
-data (session_moves.py), and compiling and running programs (session_programs.py).
+A `Session` (session.py) is a line of mixins over `SessionCore` (arrays, programs, colocated
+Python, kept arrays) that holds parts (views, moves, checkpoints, profiles); session.py says
+which is which.
 """
 
 from __future__ import annotations

@@ -12,15 +12,15 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, BufferGroup, first_error, groups_of
-from isthmus.controller.controller import Executable
-from isthmus.controller.session_arrays import SessionArrays
+from isthmus.controller.controller import Controller, Executable
+from isthmus.controller.dispatch import OrderedDispatcher
 from isthmus.controller.session_core import as_error
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
@@ -40,8 +40,37 @@ class ReshardPlan:
     on_hosts: ClassVar[bool] = False  # nothing to load on the workers
 
 
-class SessionMoves(SessionArrays):
-    """Copying, resharding, bitcasting and reading a session's arrays."""
+class MoveOwner(Protocol):
+    """What moving and reading arrays need of their session (`SessionArrays`)."""
+
+    controller: Controller
+    fleet: Any  # the session's fleet (`Fleet` or a lease's `FleetView`)
+    dispatcher: OrderedDispatcher
+
+    def new_array(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+                  *, define: bool = True) -> Array: ...
+
+    def validate_shape(self, dtype: dtypes.DType, shape: Sequence[int]) -> tuple[int, ...]: ...
+
+    def defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None: ...
+
+    def donate(self, array: Array) -> None: ...
+
+    def donate_in_order(self, array: Array) -> None: ...
+
+    def release(self, arrays: Sequence[Array]) -> None: ...
+
+    def spawn(self, coroutine: Awaitable[object]) -> None: ...
+
+    def keep(self, executable: Executable) -> None: ...
+
+
+class SessionMoves:
+    """Copying, resharding, bitcasting and reading a session's arrays (a part of
+    `Session`)."""
+
+    def __init__(self, session: MoveOwner) -> None:
+        self.session = session
 
     # ---- moving data ---------------------------------------------------------------------
 
@@ -52,7 +81,7 @@ class SessionMoves(SessionArrays):
         With `device_ids` None each array keeps its devices (a memory-kind change)."""
         shardings = []
         for array in arrays:
-            targets = self.fleet.devices_of(
+            targets = self.session.fleet.devices_of(
                 array.sharding.devices if device_ids is None else device_ids)
             if len(targets) != len(array.sharding.devices):
                 raise errors.InvalidRequest(
@@ -69,7 +98,7 @@ class SessionMoves(SessionArrays):
         """Copies of `arrays` laid out by new shardings, on any devices of the fleet."""
         results = []
         for array, sharding in zip(arrays, shardings):
-            out = self._new_array(array.dtype, array.shape, sharding, define=False)
+            out = self.session.new_array(array.dtype, array.shape, sharding, define=False)
             out.error = array.error
             results.append(out)
         inputs = groups_of(arrays)
@@ -89,15 +118,15 @@ class SessionMoves(SessionArrays):
                     else:
                         dst.error = error
                 if donate:
-                    self._donate(array)
+                    self.session.donate(array)
 
-        self.dispatcher.submit(inputs, run)
+        self.session.dispatcher.submit(inputs, run)
         return results
 
     def compile_reshard(self, plan: ReshardPlan) -> Executable:
         """The session's executable for a reshard plan. Its devices are its arguments'
         (jaxlib's `execute_sharded` wants each argument to have a shard on each of them)."""
-        devices = self.fleet.devices_of(dict.fromkeys(
+        devices = self.session.fleet.devices_of(dict.fromkeys(
             d for s in plan.sources for d in s.devices))
         # Dtypes and shapes come with the first call's arguments, so output layouts are
         # unknown here (None: the client then takes each output's default layout).
@@ -109,8 +138,8 @@ class SessionMoves(SessionArrays):
             donated_inputs=tuple(range(len(plan.sources))) if plan.donate else (),
             fingerprint=hashlib.sha256(repr(plan).encode()).digest(), cost_analysis={},
             hlo_text="", memory_stats={}, generated_code_bytes=0)
-        executable = self.controller.executable(plan, devices, info)
-        self._executables.append(executable)
+        executable = self.session.controller.executable(plan, devices, info)
+        self.session.keep(executable)
         return executable
 
     def run_reshard(self, executable: Executable, args: Sequence[Array],
@@ -162,7 +191,7 @@ class SessionMoves(SessionArrays):
             executable.output_specs = [(aval, out.sharding, None)
                                        for aval, out in zip(first, outputs)]
         for index in donated:  # after the reshard read them, as a donating device_put
-            self._donate_in_order(args[index])
+            self.session.donate_in_order(args[index])
         computed = self.ready(outputs)
         computed.add_done_callback(  # type: ignore[attr-defined]
             lambda f: f.cancelled() or f.exception())
@@ -174,7 +203,7 @@ class SessionMoves(SessionArrays):
 
     def _reshard_one(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
                      dst_box: sh.Box) -> None:
-        channel = self.fleet.channel(dst.device.worker)
+        channel = self.session.fleet.channel(dst.device.worker)
         local = [(b, box) for b, box in zip(array.shards, src_boxes)
                  if b.device.worker == dst.device.worker]
         # Prefer the shard already on the target device, then any holding the whole box.
@@ -203,14 +232,14 @@ class SessionMoves(SessionArrays):
         """Builds `dst` from shards of several workers: the pieces that live elsewhere are
         pulled (worker to worker) into temporary buffers beside `dst` first."""
         dst.group.expect()
-        channel = self.fleet.channel(dst.device.worker)
+        channel = self.session.fleet.channel(dst.device.worker)
         parts: list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...]]] = []
         temps: list[Buffer] = []
         pulls = []
         for source, src_slices, dst_slices, _ in _pieces(
                 list(zip(array.shards, src_boxes)), dst_box):
             if source.device.worker != dst.device.worker:
-                temp = Buffer(self.controller.new_group((dst.device,), (source.nbytes,)), 0)
+                temp = Buffer(self.session.controller.new_group((dst.device,), (source.nbytes,)), 0)
                 temps.append(temp)
                 pulls.append(self._pull(source, temp, None))
                 source = temp
@@ -224,27 +253,27 @@ class SessionMoves(SessionArrays):
                                         c.dtype_field(array.dtype.numpy),
                                         sh.shard_shape(dst_box),
                                         tuple((b.id, s, d) for b, s, d in parts)))
-            self.controller.free_buffers(temps)
-            self._defined(dst, error)
+            self.session.controller.free_buffers(temps)
+            self.session.defined(dst, error)
 
-        self.spawn(finish())
+        self.session.spawn(finish())
 
     def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None) -> asyncio.Future[None]:
         """Moves `src` into `dst` on another worker, worker to worker; `dst` is defined (or
         failed) when the transfer completes. Returns that completion."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        source = self.fleet.channel(src.device.worker)
+        source = self.session.fleet.channel(src.device.worker)
         address = getattr(source, "data_address", None)
         if address is None:
             if dst.error is None:
-                dst.error = self.fleet.slice_error_of(src.device.worker)
+                dst.error = self.session.fleet.slice_error_of(src.device.worker)
             done.set_result(None)
             return done
         dst.group.expect()
-        self.controller.pin(src)
-        work = self.fleet.channel(dst.device.worker).ask(
+        self.session.controller.pin(src)
+        work = self.session.fleet.channel(dst.device.worker).ask(
             c.Pull(src.id, address, dst.id, dst.device.id, memory_kind))
-        self.controller.counts.peer_bytes += src.nbytes
+        self.session.controller.counts.peer_bytes += src.nbytes
 
         async def finish() -> None:
             error = None
@@ -253,11 +282,11 @@ class SessionMoves(SessionArrays):
             except Exception as e:  # noqa: BLE001
                 error = as_error(e, "moving an array between workers")
             finally:
-                self.controller.unpin(src)
-            self._defined(dst, error)
+                self.session.controller.unpin(src)
+            self.session.defined(dst, error)
             done.set_result(None)
 
-        self.spawn(finish())
+        self.session.spawn(finish())
         return done
 
     def bitcast(self, arrays: Sequence[Array],
@@ -271,17 +300,17 @@ class SessionMoves(SessionArrays):
                     "a bitcast keeps every shard where it is; give the same devices.")
             if dtype.is_string or array.dtype.is_string:
                 raise errors.InvalidRequest("string arrays cannot be bitcast.")
-            default = self.fleet.device(sharding.devices[0]).memory_kinds[0] \
+            default = self.session.fleet.device(sharding.devices[0]).memory_kinds[0] \
                 if sharding.devices else None
             if (sharding.memory_kind or default) != (array.sharding.memory_kind or default):
                 raise errors.InvalidRequest(
                     f"a bitcast keeps every shard where it is, but memory kind "
                     f"{array.sharding.memory_kind!r} was asked to become "
                     f"{sharding.memory_kind!r}; copy the array first.")
-            out = self._new_array(dtype, self.validate_shape(dtype, shape), sharding,
+            out = self.session.new_array(dtype, self.session.validate_shape(dtype, shape), sharding,
                                   define=False)
             if any(a.nbytes != b.nbytes for a, b in zip(array.shards, out.shards)):
-                self.release([out])
+                self.session.release([out])
                 raise errors.InvalidRequest(
                     f"bitcasting {array.dtype.kind}{list(array.shape)} to "
                     f"{dtype.kind}{list(shape)} changes the size of the shards.")
@@ -297,13 +326,13 @@ class SessionMoves(SessionArrays):
                         dst.error = error
                     else:
                         # Not a string array (refused above): it has a numpy dtype.
-                        self.fleet.channel(src.device.worker).send(c.Bitcast(
+                        self.session.fleet.channel(src.device.worker).send(c.Bitcast(
                             src.id, dst.id, c.dtype_name(cast(np.dtype, out.dtype.numpy)),
                             sh.shard_shape(box)))
                 if donate:
-                    self._donate(array)
+                    self.session.donate(array)
 
-        self.dispatcher.submit(groups_of(arrays), run)
+        self.session.dispatcher.submit(groups_of(arrays), run)
         return results
 
     def fetch(self, array: Array) -> asyncio.Future[np.ndarray]:
@@ -319,9 +348,10 @@ class SessionMoves(SessionArrays):
             wanted: dict[sh.Box, Buffer] = {}
             for buffer, box in zip(array.shards, boxes):
                 wanted.setdefault(box, buffer)
-            pieces = [(box, self.fleet.channel(b.device.worker).ask(c.Fetch(b.id, b.nbytes)))
+            fleet = self.session.fleet
+            pieces = [(box, fleet.channel(b.device.worker).ask(c.Fetch(b.id, b.nbytes)))
                       for box, b in wanted.items()]
-            self.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
+            self.session.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
             if all(answered(p) for _, p in pieces):  # all on the host already (in-process)
                 ready = cast("list[tuple[sh.Box, asyncio.Future[np.ndarray]]]", pieces)
                 result.set_result(_assembled(array, [(box, p.result()) for box, p in ready]))
@@ -332,11 +362,11 @@ class SessionMoves(SessionArrays):
                 cast(asyncio.Future, answer).add_done_callback(  # a Future: checked above
                     lambda f: _settle_fetch(array, box, f, result))
                 return
-            self.spawn(_assemble_host(array, pieces, result))
+            self.session.spawn(_assemble_host(array, pieces, result))
 
         groups = array.groups
-        self.dispatcher.submit(groups, run)
-        if self.controller.counts.timing:  # only then are dispatches stamped
+        self.session.dispatcher.submit(groups, run)
+        if self.session.controller.counts.timing:  # only then are dispatches stamped
             result.add_done_callback(lambda f: self._waited(f, groups))
         return result
 
@@ -344,7 +374,7 @@ class SessionMoves(SessionArrays):
         """A client's fetch or readiness wait ended: it times the programs that made the
         groups, if it went well (the metrics' program latency)."""
         if not wait.cancelled() and wait.exception() is None:
-            self.controller.counts.waited(groups)
+            self.session.controller.counts.waited(groups)
 
     def ready(self, arrays: Sequence[Array]) -> Awaitable[None]:
         """Resolves when every array is computed; fails with the first error."""
@@ -359,12 +389,13 @@ class SessionMoves(SessionArrays):
             for array in arrays:
                 for buffer in array.shards:
                     by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
-            waits = [self.fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
-            self.spawn(_settle(asyncio.gather(*waits), result))
+            fleet = self.session.fleet
+            waits = [fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
+            self.session.spawn(_settle(asyncio.gather(*waits), result))
 
         groups = groups_of(arrays)
-        self.dispatcher.submit(groups, run)
-        if self.controller.counts.timing:
+        self.session.dispatcher.submit(groups, run)
+        if self.session.controller.counts.timing:
             result.add_done_callback(lambda f: self._waited(f, groups))
         return result
 

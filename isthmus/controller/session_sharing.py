@@ -8,53 +8,46 @@ other arrays holds each of its `Buffer` views one by one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Protocol, cast
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, Buffer, first_error, whole_group
-from isthmus.controller.session_arrays import SessionArrays
+from isthmus.controller.arrays import Array, Buffer, first_error
 
 
-class SessionSharing(SessionArrays):
-    """New arrays over the shards of a session's arrays."""
-
-    # ---- arrays over existing buffers ----------------------------------------------------
+class ViewOwner(Protocol):
+    """What arrays over existing buffers need of their session (`SessionArrays`)."""
 
     def share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
-              buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array:
-        """A new array of this session over `buffers` (shards of existing arrays, perhaps
-        another session's), holding them."""
-        group = whole_group(buffers)
-        if group is not None:
-            group.refs += 1
-            array = Array(dtype, shape, sharding, group, error=error)
-        else:
-            for buffer in buffers:
-                shared = buffer.group
-                if shared.shard_refs is None:
-                    shared.shard_refs = {}
-                shared.shard_refs[buffer.position] = shared.shard_refs.get(buffer.position, 0) + 1
-            array = Array(dtype, shape, sharding, parts=tuple(buffers), error=error)
-        self._arrays.add(array)
-        return array
+              buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array: ...
+
+    def validate_shape(self, dtype: dtypes.DType, shape: Sequence[int]) -> tuple[int, ...]: ...
+
+    def donate_in_order(self, array: Array) -> None: ...
+
+
+class SessionViews:
+    """New arrays over the shards of a session's arrays (a part of `Session`)."""
+
+    def __init__(self, session: ViewOwner) -> None:
+        self.session = session
 
     def disassemble(self, array: Array, donate: bool = False) -> list[Array]:
         """One single-device array per shard, in the order of the sharding's devices."""
         boxes = sh.shard_boxes(array.sharding, array.shape)
         result = [
-            self.share(array.dtype, sh.shard_shape(box),
+            self.session.share(array.dtype, sh.shard_shape(box),
                        sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
                        [buffer], array.error)
             for buffer, box in zip(array.shards, boxes)]
         if donate:
-            self._donate_in_order(array)
+            self.session.donate_in_order(array)
         return result
 
     def assemble(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
                  parts: Sequence[Array], donate: bool = False) -> Array:
         """An array made of single-device arrays (one per device of `sharding`)."""
-        shape = self.validate_shape(dtype, shape)
+        shape = self.session.validate_shape(dtype, shape)
         boxes = sh.shard_boxes(sharding, shape)
         by_device: dict[int, Array] = {}
         for single in parts:
@@ -83,10 +76,10 @@ class SessionSharing(SessionArrays):
                     f"{sharding.memory_kind!r}; copy it there first.")
             buffers.append(part.shards[0])
         error = first_error(a for a in parts if a.error is not None)
-        result = self.share(dtype, shape, sharding, buffers, error)
+        result = self.session.share(dtype, shape, sharding, buffers, error)
         if donate:
             for part in parts:
-                self._donate_in_order(part)
+                self.session.donate_in_order(part)
         return result
 
     def fully_replicated_shard(self, array: Array, donate: bool = False) -> Array:
@@ -95,11 +88,11 @@ class SessionSharing(SessionArrays):
                 "the array is not fully replicated, so no single shard holds all of it; "
                 "reshard it to a replicated sharding first.")
         buffer = array.shards[0]
-        result = self.share(array.dtype, array.shape,
+        result = self.session.share(array.dtype, array.shape,
                             sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
                             [buffer], array.error)
         if donate:
-            self._donate_in_order(array)
+            self.session.donate_in_order(array)
         return result
 
     def remap(self, inputs: Sequence[Array],
@@ -145,7 +138,7 @@ class SessionSharing(SessionArrays):
                 raise errors.InvalidRequest(
                     "the remap plan leaves some output shards unmapped; map every shard.")
             buffers = cast("list[Buffer]", slot)  # every shard is mapped (just checked)
-            shape = self.validate_shape(dtype, shape)
+            shape = self.session.validate_shape(dtype, shape)
             _check_views(f"remap output {index}", dtype, shape, sharding,
                          buffers, [sources[id(b.group), b.position] for b in buffers])
             for device_id, buffer in zip(sharding.devices, buffers):
@@ -154,10 +147,10 @@ class SessionSharing(SessionArrays):
                         f"the remap plan puts a shard held on device {buffer.device.id} at "
                         f"the place of device {device_id}; remapping cannot move data.")
             error = first_error(a for a in inputs if a.error is not None)
-            result.append(self.share(dtype, shape, sharding, buffers, error))
+            result.append(self.session.share(dtype, shape, sharding, buffers, error))
         if donate:
             for array in inputs:
-                self._donate_in_order(array)
+                self.session.donate_in_order(array)
         return result
 
 

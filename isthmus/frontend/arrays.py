@@ -31,7 +31,7 @@ def assemble(session: Any, request: Any, response: Any) -> None:
     if not parts:
         raise errors.InvalidRequest("assembling an array needs at least one single-device array.")
     dtype = session.serdes.dtype(body.dtype) if body.HasField("dtype") else parts[0].dtype
-    array = session.ctl.assemble(dtype, session.serdes.shape(body.shape),
+    array = session.ctl.views.assemble(dtype, session.serdes.shape(body.shape),
                                  session.serdes.sharding(body.sharding), parts, _donate(body))
     handle = body.result_handle or None
     response.assemble_array_from_single_device_arrays_response.array_handle = (
@@ -42,7 +42,7 @@ def assemble(session: Any, request: Any, response: Any) -> None:
 def disassemble(session: Any, request: Any, response: Any) -> None:
     body = request.disassemble_into_single_device_arrays_request
     array = session.array(body.array_handle)
-    parts = session.ctl.disassemble(array, _donate(body))
+    parts = session.ctl.views.disassemble(array, _donate(body))
     _bind_all(session, body.result_handles, parts,
               response.disassemble_into_single_device_arrays_response.array_handles)
 
@@ -50,7 +50,8 @@ def disassemble(session: Any, request: Any, response: Any) -> None:
 @handles("fully_replicated_shard_request", arrays=("result_handle",))
 def fully_replicated_shard(session: Any, request: Any, response: Any) -> None:
     body = request.fully_replicated_shard_request
-    array = session.ctl.fully_replicated_shard(session.array(body.array_handle), _donate(body))
+    array = session.ctl.views.fully_replicated_shard(session.array(body.array_handle),
+                                                     _donate(body))
     response.fully_replicated_shard_response.array_handle = session.bind_array(
         body.result_handle or None, array)
 
@@ -61,7 +62,7 @@ def copy_arrays(session: Any, request: Any, response: Any) -> None:
     arrays = [session.array(h) for h in body.array_handles]
     memory_kind = body.memory_kind if body.HasField("memory_kind") and body.memory_kind else None
     device_ids = list(body.device_ids) or None  # none given: keep each array's devices
-    results = session.ctl.copy_arrays(arrays, device_ids, memory_kind, _donate(body))
+    results = session.ctl.moves.copy_arrays(arrays, device_ids, memory_kind, _donate(body))
     _bind_all(session, body.result_handles, results,
               response.copy_arrays_response.array_handles)
 
@@ -96,7 +97,7 @@ def remap_arrays(session: Any, request: Any, response: Any) -> None:
             if fp <= 0 or tp <= 0:
                 raise errors.InvalidRequest("remap plan intervals need a positive step.")
             mappings.append((m.in_array, m.out_array, range(fs, fe, fp), range(ts, te, tp)))
-    results = session.ctl.remap(inputs, outputs, mappings, _donate(body))
+    results = session.ctl.views.remap(inputs, outputs, mappings, _donate(body))
     _bind_all(session, body.result_handles, results,
               response.remap_arrays_response.array_handles)
 
@@ -119,7 +120,7 @@ def reshard_arrays(session: Any, request: Any, response: Any) -> None:
             raise errors.InvalidRequest(
                 f"resharding keeps dtype and shape, but {array.dtype.kind}{list(array.shape)} "
                 f"was asked to become {spec.dtype.kind}{list(spec.shape)}.")
-    results = session.ctl.reshard(arrays, [s.sharding for s in specs], _donate(body))
+    results = session.ctl.moves.reshard(arrays, [s.sharding for s in specs], _donate(body))
     _bind_all(session, body.result_handles, results,
               response.reshard_arrays_response.array_handles)
 
@@ -129,7 +130,7 @@ def bitcast_arrays(session: Any, request: Any, response: Any) -> None:
     body = request.bitcast_arrays_request
     arrays = [session.array(h) for h in body.array_handles]
     specs = _specs(session, body, arrays)
-    results = session.ctl.bitcast(arrays, [(s.dtype, s.shape, s.sharding) for s in specs],
+    results = session.ctl.moves.bitcast(arrays, [(s.dtype, s.shape, s.sharding) for s in specs],
                                   _donate(body))
     _bind_all(session, body.result_handles, results,
               response.bitcast_arrays_response.array_handles)

@@ -32,7 +32,7 @@ def execute(session: Any, request: Any, response: Any) -> None:
     if is_persistence(executable):
         outputs, status = session.ctl.checkpoints.run(executable, args)
     elif is_reshard(executable):
-        outputs, status = session.ctl.run_reshard(
+        outputs, status = session.ctl.moves.run_reshard(
             executable, args, frozenset(int(i) for i in options.non_donatable_input_indices))
     elif is_profile(executable):
         outputs, status = session.ctl.profiles.run(executable, args)

@@ -18,4 +18,4 @@ def check_future(session: Any, request: Any, response: Any) -> Any:
 def check_value_ready(session: Any, request: Any, response: Any) -> Any:
     arrays = [session.array(h) for h in request.check_value_ready_request.value_handles]
     response.check_value_ready_response.SetInParent()
-    return session.ctl.ready(arrays)
+    return session.ctl.moves.ready(arrays)

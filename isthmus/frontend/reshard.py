@@ -13,7 +13,7 @@ one S per array, and calls it with the arrays (`PluginExecutable.call(arrays, ou
 out_avals)`). The request names no dtypes or shapes: they come with the arrays. Field names
 are read as protobuf's JSON reads them (lowerCamel or the proto's own name). Every field is
 checked here and against the fleet; the arguments are checked against `inSharding` when the
-program runs (`SessionMoves.run_reshard`), which moves them as `jax.device_put` does.
+program runs (`Session.moves.run_reshard`), which moves them as `jax.device_put` does.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def compile_reshard(session: Any, plan: ReshardPlan) -> Any:
                     raise errors.InvalidRequest(
                         f"{where}.memory_kind {kind!r} does not exist on device {device.id} "
                         f"(it has {', '.join(device.memory_kinds)}); pick one of those.")
-    return session.ctl.compile_reshard(plan)
+    return session.ctl.moves.compile_reshard(plan)
 
 
 def is_reshard(executable: Any) -> bool:

@@ -274,7 +274,7 @@ def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
     strides = _strides(body)
     if strides is not None:
         _check_download_strides(session, array, strides)
-    fetched = session.ctl.fetch(array)
+    fetched = session.ctl.moves.fetch(array)
     response.copy_to_host_buffer_response.SetInParent()
     if fetched.done() and fetched.exception() is None:
         # Already on the host (a small program on in-process devices): answered now.

@@ -103,7 +103,7 @@ def test_shared_shards_are_freed_when_their_last_holder_goes():
         x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
                                HostData(np.zeros(HOSTS, np.float32)))
         await asyncio.sleep(0.01)
-        parts = session.disassemble(x)
+        parts = session.views.disassemble(x)
         session.release([x])
         await asyncio.sleep(0.01)
         assert not any(isinstance(x, c.Free) for h in hosts.values() for x in h.commands())
@@ -113,7 +113,7 @@ def test_shared_shards_are_freed_when_their_last_holder_goes():
         assert freed == [(x.group.base + 1,)]  # only that shard, only on its host
         assert controller.accounting()[1]["buffers"] == 0
         assert controller.accounting()[0]["buffers"] == 1
-        whole = session.assemble(F32, (HOSTS,), x.sharding,
+        whole = session.views.assemble(F32, (HOSTS,), x.sharding,
                                  [parts[0], parts[2], _single(session, x, 1)])
         await asyncio.sleep(0.01)
         assert whole.group is None and whole.problem() is None
