@@ -137,6 +137,47 @@ def plot(curves: dict[str, tuple[list[float], list[float]]], path: pathlib.Path)
     return str(path)
 
 
+DP_PIECES = ("steps_per_s", "put_ms", "elementwise_ms", "sum_ms", "sum_fetch_ms")
+
+
+def dp_against_peer(steps: int, rounds: int) -> dict[str, dict]:
+    """The data-parallel loop on local jax (8 devices in one process), on its
+    multi-controller twin (2 processes x 4 devices, gloo) and on the default fleet (1 slice
+    x 2 hosts x 4 devices, one client), in `rounds` paired rounds; each figure is a median,
+    and `fleet / peer` the median of each round's ratio of steps/s."""
+    from bench.peer import run_peer
+
+    runs: dict[str, list[dict]] = {"local jax 8 devices": [], "multi-controller 2x4": [],
+                                   "isthmus fleet 1x2x4": []}
+    began = time.monotonic()
+    with LocalServer(devices=None, fleet=(1, 2, 4)) as server:
+        for _ in range(rounds):
+            runs["local jax 8 devices"].append(_run("dp_loop.py", _local(8), [str(steps)]))
+            runs["multi-controller 2x4"].append(run_peer("dp_loop.py", 2, 4, [str(steps)],
+                                                         base=_base()))
+            runs["isthmus fleet 1x2x4"].append(_run("dp_loop.py", _through(server),
+                                                    [str(steps)]))
+    STAGES.append(("dp_loop.py, its peer and the fleet", time.monotonic() - began))
+    table = {name: {key: statistics.median(r[key] for r in rs) for key in DP_PIECES}
+             for name, rs in runs.items()}
+    table["isthmus fleet 1x2x4"]["fleet / peer"] = statistics.median(
+        f["steps_per_s"] / p["steps_per_s"]
+        for f, p in zip(runs["isthmus fleet 1x2x4"], runs["multi-controller 2x4"]))
+    return table
+
+
+def dp_report(table: dict[str, dict]) -> str:
+    lines = ["\ndata-parallel loop (bench/dp_loop.py: MLP + adam, a fresh batch put every "
+             "step, loss read\nevery 10) against its peer, multi-controller JAX on the same "
+             "processes and devices:"]
+    lines.append(f"{'':24}" + "".join(f"{k:>15}" for k in DP_PIECES))
+    for name, row in table.items():
+        lines.append(f"{name:24}" + "".join(f"{row[k]:15.2f}" for k in DP_PIECES))
+    lines.append(f"  isthmus fleet / multi-controller, steps/s: "
+                 f"{table['isthmus fleet 1x2x4']['fleet / peer']:.2f}x")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="finish in a few minutes")
@@ -202,6 +243,10 @@ def main() -> int:
         simulated["isthmus fleet 2x2"] = simulated_curve(
             server, SIMULATED_SIZES, seconds, 4, SIMULATED_FLOPS / 4, rounds)
 
+    # The data-parallel loop against its honest peer (bench/dp_loop.py, bench/peer.py):
+    # multi-controller JAX on the same 2 processes x 4 devices, in paired rounds.
+    data_parallel = dp_against_peer(150 if quick else 300, 1 if quick else 3)
+
     from bench.scaling import run as scaling
 
     hosts = [16, 64, 256, 1024]
@@ -255,6 +300,8 @@ def main() -> int:
         text = f"{found:.3f} ms of device time per step" if found else "not reached"
         print(f"  {name}: keeps >= 95% of the device busy from {text}")
 
+    print(dp_report(data_parallel))
+
     print("\ncontroller scaling (in-process, stand-in workers, one program over all hosts):")
     for n in hosts:
         print(f"  {n:5d} hosts: {scale[n]:9.0f} programs/s  ({scale[n] / scale[hosts[0]]:.1%} "
@@ -277,6 +324,7 @@ def main() -> int:
                                "ratio_to_device": ratios}
                         for name, (local, ratios) in simulated.items()},
                     "threshold_ms": thresholds, "scaling_programs_per_s": scale,
+                    "data_parallel": data_parallel,
                     "shared_service": service,
                     "compile_ms": {k: v["compile_ms"] for k, v in compile_times.items()}})
     (OUT / "results.json").write_text(json.dumps(results, indent=2))

@@ -1,4 +1,5 @@
-"""The data-parallel loop of issue 10, measured inside one client (local jax or isthmus).
+"""The data-parallel loop of issue 10, measured inside one client (local jax or isthmus), or
+as its multi-controller twin (issue 27).
 
 As users write it: a 3-layer MLP (16-64-64-1) with optax adam, a fresh numpy batch
 `device_put` with a batch sharding every step, the loss read every 10 steps, over all the
@@ -6,9 +7,16 @@ devices jax sees. Prints one JSON object: steps per second (median of 3 windows)
 median time of the synchronous pieces of one step (put, step, global sum, sum + fetch).
 
     python bench/dp_loop.py [STEPS]
+
+The twin: with ISTHMUS_BENCH_PEER=COORDINATOR,PROCESSES,PROCESS_ID set (bench/peer.py sets
+it), the process joins a `jax.distributed` job (XLA:CPU collectives over gloo) and runs the
+same loop, model and global batch over the job's devices, each process making and feeding
+only its own rows (`jax.make_array_from_process_local_data`), as multi-controller users do.
+Process 0 prints the JSON.
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -21,13 +29,33 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+def join_peer() -> tuple[int, int]:
+    """Joins the multi-controller job named by ISTHMUS_BENCH_PEER; (processes, process id),
+    or (1, 0) when there is none."""
+    peer = os.environ.get("ISTHMUS_BENCH_PEER")
+    if not peer:
+        return 1, 0
+    coordinator, processes, process_id = peer.split(",")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=int(processes),
+                               process_id=int(process_id), initialization_timeout=120)
+    return int(processes), int(process_id)
+
+
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+    processes, process_id = join_peer()
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("data",))
     batch, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     rows = 32 * len(devices)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(process_id)
+    mine = rows // processes  # the rows this process makes (all of them in one client)
+
+    def put(host):
+        if processes == 1:
+            return jax.device_put(host, batch)
+        return jax.make_array_from_process_local_data(batch, host, (rows, *host.shape[1:]))
 
     def init(key):
         keys, sizes = jax.random.split(key, 3), [(16, 64), (64, 64), (64, 1)]
@@ -52,29 +80,27 @@ def main() -> None:
         return optax.apply_updates(params, updates), state, loss
 
     def batches():
-        x = rng.standard_normal((rows, 16)).astype(np.float32)
+        x = rng.standard_normal((mine, 16)).astype(np.float32)
         return x, np.sin(x[:, :1] * 2)
 
     loss = None
     for _ in range(5):  # compile and warm up
         x, y = batches()
-        params, state, loss = step(params, state, jax.device_put(x, batch),
-                                   jax.device_put(y, batch))
+        params, state, loss = step(params, state, put(x), put(y))
     float(loss)
     rates = []
     for _ in range(3):
         start = time.perf_counter()
         for i in range(steps // 3):
             x, y = batches()
-            params, state, loss = step(params, state, jax.device_put(x, batch),
-                                       jax.device_put(y, batch))
+            params, state, loss = step(params, state, put(x), put(y))
             if i % 10 == 9:
                 float(loss)
         float(loss)
         rates.append((steps // 3) / (time.perf_counter() - start))
 
     x, _ = batches()
-    xs = jax.device_put(x, batch)
+    xs = put(x)
     elementwise = jax.jit(lambda a: a * 2 + 1)
     total = jax.jit(jnp.sum)
     elementwise(xs).block_until_ready()
@@ -82,7 +108,7 @@ def main() -> None:
     pieces = {"put": [], "elementwise": [], "sum": [], "sum_fetch": []}
     for _ in range(50):
         t = time.perf_counter()
-        xs = jax.device_put(x, batch)
+        xs = put(x)
         xs.block_until_ready()
         pieces["put"].append(time.perf_counter() - t)
         t = time.perf_counter()
@@ -94,7 +120,10 @@ def main() -> None:
         t = time.perf_counter()
         float(total(xs))
         pieces["sum_fetch"].append(time.perf_counter() - t)
-    print(json.dumps({"devices": len(devices), "steps_per_s": statistics.median(rates),
+    if process_id:
+        return
+    print(json.dumps({"devices": len(devices), "processes": processes,
+                      "steps_per_s": statistics.median(rates),
                       **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in pieces.items()}}))
 
 

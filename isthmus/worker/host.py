@@ -13,6 +13,7 @@ later operation on it reports that exception.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 from collections.abc import Awaitable, Sequence
@@ -95,8 +96,9 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         self._executables: dict[ExecutableId, Loaded | Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
         self._reads = ReadsInFlight()  # a later program donates a copy of what they read
-        # Output shards of the last program over several devices (see `collective_pending`).
-        self._last_collective: list[Any] = []
+        # Output shards of the collective programs in flight (`collective_settled`).
+        self._collectives: collections.deque[list[Any]] = collections.deque()
+        self._collective_failed = False
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="isthmus-host"
         )
@@ -451,7 +453,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 for p in positions:
                     self.buffers.span(BufferId(base + p), span)
         if len(positions) > 1 or loaded.span is not None:
-            self._last_collective = [s for shards in per_output for s in shards]
+            self.collective_started([s for shards in per_output for s in shards])
 
     def _spans_of(self, ref: int | Sequence[BufferId], positions: Sequence[int]
                   ) -> list[frozenset[int]]:
