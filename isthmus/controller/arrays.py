@@ -42,7 +42,7 @@ class BufferGroup:
 
     __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "refs", "shard_refs",
                  "defined", "_waiting", "error", "errors", "deleted", "deleted_at", "freed",
-                 "freed_at", "pins", "free_pending", "dispatched")
+                 "freed_at", "pins", "free_pending", "dispatched", "stored")
 
     def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
                  nbytes: tuple[int, ...], memory_kind: str | None = None) -> None:
@@ -67,6 +67,9 @@ class BufferGroup:
         # A program's output: [perf_counter() at its dispatch], shared by its outputs, until
         # a client's wait times it (`counts.Counts.waited`); None otherwise.
         self.dispatched: list[float] | None = None
+        # Positions whose host data its worker confirmed stored and ready (a put's answer):
+        # when all are, the group is ready without asking the workers again.
+        self.stored = 0
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -92,6 +95,11 @@ class BufferGroup:
             if not self.defined.done():
                 self.defined.set_result(None)
             self.defined = None
+
+    @property
+    def all_stored(self) -> bool:
+        """Every shard is host data its worker confirmed stored and ready."""
+        return self.stored >= len(self.devices)
 
     # ---- state per position --------------------------------------------------------------
 

@@ -251,8 +251,11 @@ class SessionArrays(SessionCore):
     @staticmethod
     def _record_puts(group: BufferGroup, placed: list[int], outcomes: Sequence[Any]) -> None:
         for p, outcome in zip(placed, outcomes):
-            if isinstance(outcome, BaseException) and group.error_at(p) is None:
-                group.set_error(p, as_error(outcome, "storing host data"))
+            if isinstance(outcome, BaseException):
+                if group.error_at(p) is None:
+                    group.set_error(p, as_error(outcome, "storing host data"))
+            else:
+                group.stored += 1
 
     def defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
         """An operation that was to define `buffer` is over (with `error` if it failed)."""

@@ -387,8 +387,14 @@ class SessionMoves:
                 return
             by_worker: dict[WorkerId, list[BufferId]] = {}
             for array in arrays:
+                if array.group is not None and array.group.all_stored:
+                    continue  # host data its workers confirmed ready: nothing to ask
                 for buffer in array.shards:
-                    by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
+                    if not buffer.group.all_stored:
+                        by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
+            if not by_worker:
+                result.set_result(None)
+                return
             fleet = self.session.fleet
             waits = [fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
             self.session.spawn(_settle(asyncio.gather(*waits), result))

@@ -43,6 +43,7 @@ from isthmus.worker.slots import (
     already_done,
     block_all,
     computation_error,
+    failed_now,
     failing,
     make_cpu_client,
     move,
@@ -115,15 +116,18 @@ class DeviceHost(CollectiveOrder, PythonCalls):
 
     def put(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
             memory_kind: str | None = None) -> Awaitable[None]:
-        """Stores `value` on a device; resolves once stored. `value` must not change."""
+        """Stores `value` on a device; resolves once it is stored and ready there, or fails
+        with the reason it could not be (the buffer then holds that error). The controller
+        counts on it: an array whose puts all resolved is ready without asking again
+        (`SessionMoves.ready`). `value` must not change."""
         if value.dtype == object:  # IFRT string arrays stay host objects
             self.buffers.store(buffer_id, HostArray(value))
             return already_done()
         if value.nbytes <= self.INLINE_PUT_BYTES:
-            self._put_blocking(buffer_id, device_id, value, memory_kind)
-            return already_done()
+            error = self._put_blocking(buffer_id, device_id, value, memory_kind)
+            return already_done() if error is None else failed_now(error)
         write = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._put_blocking, buffer_id, device_id, value, memory_kind)
+            self._pool, self._put_or_raise, buffer_id, device_id, value, memory_kind)
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
         return write
@@ -134,13 +138,26 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             await asyncio.wait(list(self._writes))
 
     def _put_blocking(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
-                      memory_kind: str | None) -> None:
+                      memory_kind: str | None) -> errors.IsthmusError | None:
+        """Places and stores `value`, and waits until it is ready; the error it met, if
+        any (then stored as the buffer's)."""
         try:
-            self.buffers.store(buffer_id, place(value, self._sharding(device_id, memory_kind),
-                                                self.devices[device_id]))
+            placed = place(value, self._sharding(device_id, memory_kind),
+                           self.devices[device_id])
+            placed.block_until_ready()
         except Exception as e:  # noqa: BLE001 - jaxlib raises ValueError, RuntimeError, ...
-            self.fail(buffer_id, errors.from_runtime_error(
-                e, errors.InvalidRequest, "could not place the host data on the device"))
+            error = errors.from_runtime_error(
+                e, errors.InvalidRequest, "could not place the host data on the device")
+            self.fail(buffer_id, error)
+            return error
+        self.buffers.store(buffer_id, placed)
+        return None
+
+    def _put_or_raise(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
+                      memory_kind: str | None) -> None:
+        error = self._put_blocking(buffer_id, device_id, value, memory_kind)
+        if error is not None:
+            raise error
 
     def _sharding(self, device_id: int, memory_kind: str | None) -> Any:
         """Where host data or a copy goes: a device's SingleDeviceSharding (in a memory

@@ -113,6 +113,13 @@ async def failing(error: errors.IsthmusError) -> Any:
     raise error
 
 
+def failed_now(error: errors.IsthmusError) -> asyncio.Future[None]:
+    """A future that has failed already with `error` (see `already_done`)."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(error)
+    return future
+
+
 def already_done() -> asyncio.Future[None]:
     """An awaitable that is done already: a future, so that gathering it makes no task and
     a caller may see at once that it is done."""

@@ -86,3 +86,16 @@ def test_a_device_host_keeps_its_store_valid_through_its_commands():
         assert len(host.buffers) == 0
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_put_that_cannot_be_placed_fails_its_answer_and_its_slot():
+    async def main():
+        host = DeviceHost(make_cpu_client(1))
+        with pytest.raises(errors.InvalidRequest, match="could not place the host data"):
+            await host.put(7, 0, np.ones(4, np.float32), "no-such-memory")
+        assert isinstance(host.buffers.slot(7), Failed)
+        host.buffers.validate_state()
+        await host.put(8, 0, np.ones(4, np.float32))  # answered: stored and ready
+        assert host.buffers.value(8).is_ready()
+        await host.close()
+    asyncio.run(asyncio.wait_for(main(), 30))

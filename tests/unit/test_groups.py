@@ -5,8 +5,9 @@ keep their frames; every frame is decoded and checked."""
 import asyncio
 
 import numpy as np
+import pytest
 
-from isthmus import dtypes
+from isthmus import dtypes, errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.controller.session import Session
@@ -144,4 +145,47 @@ def test_a_single_host_command_never_overtakes_a_shared_one():
         fleet.flush()
         assert [type(x).__name__ for x in hosts[0].commands()] == ["Free", "Copy", "Free"]
         assert [list(x.buffers) for x in hosts[2].commands()] == [[10, 11, 12], [20, 21, 22]]
+    run(main())
+
+
+def test_host_data_its_workers_confirmed_is_ready_without_asking_again():
+    async def main():
+        hosts, controller, session = _setup()
+        ids = tuple(range(HOSTS))
+        sharding = Sharding(ShardingKind.HLO, ids)
+        x = session.make_array(F32, (HOSTS,), sharding, HostData(np.zeros(HOSTS, np.float32)))
+        await session.moves.ready([x])  # every put answered: no Ready goes out
+        controller.fleet.flush()
+        assert x.group.all_stored
+        assert not [r for h in hosts.values() for r in h.commands()
+                    if isinstance(r, m.Ask) and isinstance(r.command, c.Ready)]
+        executable = session.compile(CompileRequest(b"", b"", ids))
+        await executable.compiled
+        (y,), _ = session.execute(executable, [x])
+        waiting = asyncio.ensure_future(session.moves.ready([y]))  # computed: asked
+        await asyncio.sleep(0.01)
+        controller.fleet.flush()
+        asked = [r for h in hosts.values() for r in h.commands()
+                 if isinstance(r, m.Ask) and isinstance(r.command, c.Ready)]
+        assert len(asked) == HOSTS and not y.group.all_stored
+        waiting.cancel()
+        await session.close()
+    run(main())
+
+
+def test_a_put_its_worker_could_not_store_fails_the_array():
+    async def main():
+        hosts, controller, session = _setup()
+
+        async def refused():
+            raise errors.InvalidRequest("could not place the host data on the device")
+
+        hosts[1].ask = lambda request: (refused() if isinstance(request, c.Put)
+                                        else Host.ask(hosts[1], request))
+        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, tuple(range(HOSTS))),
+                               HostData(np.zeros(HOSTS, np.float32)))
+        with pytest.raises(errors.InvalidRequest, match="could not place"):
+            await session.moves.ready([x])
+        assert not x.group.all_stored
+        await session.close()
     run(main())
