@@ -143,26 +143,32 @@ DP_PIECES = ("steps_per_s", "put_ms", "elementwise_ms", "sum_ms", "sum_fetch_ms"
 def dp_against_peer(steps: int, rounds: int) -> dict[str, dict]:
     """The data-parallel loop on local jax (8 devices in one process), on its
     multi-controller twin (2 processes x 4 devices, gloo) and on the default fleet (1 slice
-    x 2 hosts x 4 devices, one client), in `rounds` paired rounds; each figure is a median,
-    and `fleet / peer` the median of each round's ratio of steps/s."""
+    x 2 hosts x 4 devices, one client), fed from the client and by a colocated loader on the
+    workers, in `rounds` paired rounds; each figure is a median, and `/ peer` the median of
+    each round's ratio of steps/s to the twin's."""
     from bench.peer import run_peer
 
+    fleet, loader = "isthmus fleet 1x2x4", "fleet, colocated loader"
     runs: dict[str, list[dict]] = {"local jax 8 devices": [], "multi-controller 2x4": [],
-                                   "isthmus fleet 1x2x4": []}
+                                   fleet: [], loader: []}
     began = time.monotonic()
     with LocalServer(devices=None, fleet=(1, 2, 4)) as server:
         for _ in range(rounds):
             runs["local jax 8 devices"].append(_run("dp_loop.py", _local(8), [str(steps)]))
             runs["multi-controller 2x4"].append(run_peer("dp_loop.py", 2, 4, [str(steps)],
                                                          base=_base()))
-            runs["isthmus fleet 1x2x4"].append(_run("dp_loop.py", _through(server),
-                                                    [str(steps)]))
+            runs[fleet].append(_run("dp_loop.py", _through(server), [str(steps)]))
+            # The single-controller way to feed it: batches made on the workers.
+            runs[loader].append(_run("dp_loop.py", {**_through(server),
+                                                    "ISTHMUS_BENCH_FEED": "colocated"},
+                                     [str(steps)]))
     STAGES.append(("dp_loop.py, its peer and the fleet", time.monotonic() - began))
     table = {name: {key: statistics.median(r[key] for r in rs) for key in DP_PIECES}
              for name, rs in runs.items()}
-    table["isthmus fleet 1x2x4"]["fleet / peer"] = statistics.median(
-        f["steps_per_s"] / p["steps_per_s"]
-        for f, p in zip(runs["isthmus fleet 1x2x4"], runs["multi-controller 2x4"]))
+    for name in (fleet, loader):
+        table[name]["/ peer"] = statistics.median(
+            f["steps_per_s"] / p["steps_per_s"]
+            for f, p in zip(runs[name], runs["multi-controller 2x4"]))
     return table
 
 
@@ -173,8 +179,9 @@ def dp_report(table: dict[str, dict]) -> str:
     lines.append(f"{'':24}" + "".join(f"{k:>15}" for k in DP_PIECES))
     for name, row in table.items():
         lines.append(f"{name:24}" + "".join(f"{row[k]:15.2f}" for k in DP_PIECES))
-    lines.append(f"  isthmus fleet / multi-controller, steps/s: "
-                 f"{table['isthmus fleet 1x2x4']['fleet / peer']:.2f}x")
+    for name, row in table.items():
+        if "/ peer" in row:
+            lines.append(f"  {name} / multi-controller, steps/s: {row['/ peer']:.2f}x")
     return "\n".join(lines)
 
 

@@ -13,6 +13,11 @@ it), the process joins a `jax.distributed` job (XLA:CPU collectives over gloo) a
 same loop, model and global batch over the job's devices, each process making and feeding
 only its own rows (`jax.make_array_from_process_local_data`), as multi-controller users do.
 Process 0 prints the JSON.
+
+With ISTHMUS_BENCH_FEED=colocated (a fleet), the batches are made on the workers instead, the
+single-controller way (issue 27): a colocated Python loader on each host makes the rows of its
+devices every step (`jax.make_array_from_callback`) and the client only `device_put`s the
+result to the loop's sharding. The pieces (put, sum, ...) are measured as before.
 """
 
 import json
@@ -40,6 +45,36 @@ def join_peer() -> tuple[int, int]:
     jax.distributed.initialize(coordinator, num_processes=int(processes),
                                process_id=int(process_id), initialization_timeout=120)
     return int(processes), int(process_id)
+
+
+def colocated_feed(devices, rows, batch):
+    """Batches made on the hosts by a colocated Python loader (module docstring)."""
+    from jax.experimental import colocated_python as cp
+
+    cpu = cp.colocated_cpu_devices(devices)
+    cpu_mesh = Mesh(np.array(cpu), ("data",))
+    cpu_rows, cpu_replicated = NamedSharding(cpu_mesh, P("data")), NamedSharding(cpu_mesh, P())
+
+    @cp.colocated_python_class
+    class Loader:
+        def __init__(self, sharding, rows):
+            # Every host draws the same batch and keeps the rows of its own devices.
+            self.sharding, self.rows, self.rng = sharding, rows, np.random.default_rng(0)
+
+        def next(self, token):
+            x = self.rng.standard_normal((self.rows, 16)).astype(np.float32)
+            y = np.sin(x[:, :1] * 2)
+            return (jax.make_array_from_callback(x.shape, self.sharding, lambda i: x[i]),
+                    jax.make_array_from_callback(y.shape, self.sharding, lambda i: y[i]))
+
+    loader = Loader(cpu_rows, rows)
+    token = jax.device_put(np.zeros((), np.float32), cpu_replicated)
+
+    def feed():
+        x, y = loader.next(token)
+        return jax.device_put(x, batch), jax.device_put(y, batch)
+
+    return feed
 
 
 def main() -> None:
@@ -83,17 +118,22 @@ def main() -> None:
         x = rng.standard_normal((mine, 16)).astype(np.float32)
         return x, np.sin(x[:, :1] * 2)
 
+    def from_client():
+        x, y = batches()
+        return put(x), put(y)
+
+    feed = (colocated_feed(devices, rows, batch)
+            if os.environ.get("ISTHMUS_BENCH_FEED") == "colocated" else from_client)
+
     loss = None
     for _ in range(5):  # compile and warm up
-        x, y = batches()
-        params, state, loss = step(params, state, put(x), put(y))
+        params, state, loss = step(params, state, *feed())
     float(loss)
     rates = []
     for _ in range(3):
         start = time.perf_counter()
         for i in range(steps // 3):
-            x, y = batches()
-            params, state, loss = step(params, state, put(x), put(y))
+            params, state, loss = step(params, state, *feed())
             if i % 10 == 9:
                 float(loss)
         float(loss)
