@@ -253,6 +253,10 @@ def main() -> int:
     # The data-parallel loop against its honest peer (bench/dp_loop.py, bench/peer.py):
     # multi-controller JAX on the same 2 processes x 4 devices, in paired rounds.
     data_parallel = dp_against_peer(150 if quick else 300, 1 if quick else 3)
+    # Two slices at once from one program (bench/slices.py, examples/rl_loop.py).
+    slices = {"local jax 8 devices": _run("slices.py", _local(8), metrics_args)}
+    with LocalServer(devices=None, fleet=(2, 1, 4)) as server:
+        slices["isthmus fleet 2x1x4"] = _run("slices.py", _through(server), metrics_args)
 
     from bench.scaling import run as scaling
 
@@ -308,6 +312,13 @@ def main() -> int:
         print(f"  {name}: keeps >= 95% of the device busy from {text}")
 
     print(dp_report(data_parallel))
+    print("\ntwo slices from one program (bench/slices.py): the slice-to-slice copy of 64 MiB "
+          "of weights,\nand examples/rl_loop.py's learner and sampler alone and at once "
+          "(overlap: their sum / at once):")
+    keys = ("weight_copy_GBps", "learner_s", "sampler_s", "both_s", "overlap")
+    print(f"{'':24}" + "".join(f"{k:>18}" for k in keys))
+    for name, row in slices.items():
+        print(f"{name:24}" + "".join(f"{row[k]:18.3f}" for k in keys))
 
     print("\ncontroller scaling (in-process, stand-in workers, one program over all hosts):")
     for n in hosts:
@@ -331,7 +342,7 @@ def main() -> int:
                                "ratio_to_device": ratios}
                         for name, (local, ratios) in simulated.items()},
                     "threshold_ms": thresholds, "scaling_programs_per_s": scale,
-                    "data_parallel": data_parallel,
+                    "data_parallel": data_parallel, "two_slices": slices,
                     "shared_service": service,
                     "compile_ms": {k: v["compile_ms"] for k, v in compile_times.items()}})
     (OUT / "results.json").write_text(json.dumps(results, indent=2))

@@ -108,10 +108,11 @@ class SessionMoves:
                 error = first_error([array])
                 src_boxes = sh.shard_boxes(array.sharding, array.shape)
                 dst_boxes = sh.shard_boxes(out.sharding, out.shape)
+                pulled: dict[tuple[WorkerId, sh.Box], tuple[Buffer, asyncio.Future[None]]] = {}
                 for dst, dst_box in zip(out.shards, dst_boxes):
                     if error is None:
                         try:
-                            self._reshard_one(array, src_boxes, dst, dst_box)
+                            self._reshard_one(array, src_boxes, dst, dst_box, pulled)
                             continue
                         except errors.IsthmusError as e:
                             dst.error = e
@@ -202,7 +203,12 @@ class SessionMoves:
         return outputs, status
 
     def _reshard_one(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
-                     dst_box: sh.Box) -> None:
+                     dst_box: sh.Box,
+                     pulled: dict[tuple[WorkerId, sh.Box], tuple[Buffer, asyncio.Future[None]]]
+                     ) -> None:
+        """Makes `dst` from the array's shards: a local copy or assembly where the worker
+        has the data, else a pull from another worker. A replicated target pulls each box
+        once per worker (`pulled`) and copies it there to the worker's other devices."""
         channel = self.session.fleet.channel(dst.device.worker)
         local = [(b, box) for b, box in zip(array.shards, src_boxes)
                  if b.device.worker == dst.device.worker]
@@ -223,7 +229,12 @@ class SessionMoves:
             return
         whole = next((b for b, box in zip(array.shards, src_boxes) if box == dst_box), None)
         if whole is not None:  # the same shard on another worker: move it as it is
-            self._pull(whole, dst, dst.memory_kind)
+            earlier = pulled.get((dst.device.worker, dst_box))
+            if earlier is not None:
+                self._copy_after(earlier[0], earlier[1], dst)
+            else:
+                pulled[(dst.device.worker, dst_box)] = (
+                    dst, self._pull(whole, dst, dst.memory_kind))
         else:
             self._reshard_from_peers(array, src_boxes, dst, dst_box)
 
@@ -257,6 +268,18 @@ class SessionMoves:
             self.session.defined(dst, error)
 
         self.session.spawn(finish())
+
+    def _copy_after(self, first: Buffer, pull: asyncio.Future[None], dst: Buffer) -> None:
+        """`dst` is a copy of `first` (on the same worker) once `first`'s pull is over."""
+        dst.group.expect()
+
+        def copy(_: object) -> None:
+            if first.error is None:
+                self.session.fleet.channel(dst.device.worker).send(
+                    c.Copy(first.id, dst.id, dst.device.id, dst.memory_kind))
+            self.session.defined(dst, first.error)
+
+        pull.add_done_callback(copy)
 
     def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None) -> asyncio.Future[None]:
         """Moves `src` into `dst` on another worker, worker to worker; `dst` is defined (or
