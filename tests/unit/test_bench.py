@@ -40,3 +40,16 @@ def test_shared_service_section_names_every_figure_and_column():
         assert figure in text, figure
     assert sum(line.lstrip().startswith(("isthmus shared", "local jax"))
                for line in text.splitlines()) == 2
+
+
+def test_data_parallel_section_shows_each_feed_as_a_ratio_of_the_peer():
+    from bench.__main__ import DP_PIECES, dp_report
+
+    row = dict.fromkeys(DP_PIECES, 1.0)
+    table = {"local jax 8 devices": dict(row), "multi-controller 2x4": dict(row, steps_per_s=40.0),
+             "isthmus fleet 1x2x4": dict(row, steps_per_s=38.0, **{"/ peer": 0.95}),
+             "fleet, colocated loader": dict(row, steps_per_s=42.0, **{"/ peer": 1.05})}
+    text = dp_report(table)
+    for figure in ("multi-controller 2x4", "40.00", "isthmus fleet 1x2x4 / multi-controller, "
+                   "steps/s: 0.95x", "fleet, colocated loader / multi-controller, steps/s: 1.05x"):
+        assert figure in text, figure
