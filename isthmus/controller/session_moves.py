@@ -27,6 +27,10 @@ from isthmus.transport import commands as c
 from isthmus.transport.base import answered
 from isthmus.transport.records import Aval, CompiledInfo
 
+# A buffer this large moves between two workers of the controller's machine through a file
+# of its shared directory (twice the peers' gRPC path for 64 MiB, bench/RESULTS.md).
+RELAY_BYTES = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReshardPlan:
@@ -233,8 +237,8 @@ class SessionMoves:
             if earlier is not None:
                 self._copy_after(earlier[0], earlier[1], dst)
             else:
-                pulled[(dst.device.worker, dst_box)] = (
-                    dst, self._pull(whole, dst, dst.memory_kind))
+                pulled[(dst.device.worker, dst_box)] = (dst, self._pull(
+                    whole, dst, dst.memory_kind, files=not array.dtype.is_string))
         else:
             self._reshard_from_peers(array, src_boxes, dst, dst_box)
 
@@ -252,7 +256,7 @@ class SessionMoves:
             if source.device.worker != dst.device.worker:
                 temp = Buffer(self.session.controller.new_group((dst.device,), (source.nbytes,)), 0)
                 temps.append(temp)
-                pulls.append(self._pull(source, temp, None))
+                pulls.append(self._pull(source, temp, None, files=not array.dtype.is_string))
                 source = temp
             parts.append((source, src_slices, dst_slices))
 
@@ -281,9 +285,12 @@ class SessionMoves:
 
         pull.add_done_callback(copy)
 
-    def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None) -> asyncio.Future[None]:
+    def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None, files: bool = False
+              ) -> asyncio.Future[None]:
         """Moves `src` into `dst` on another worker, worker to worker; `dst` is defined (or
-        failed) when the transfer completes. Returns that completion."""
+        failed) when the transfer completes. Returns that completion. With `files` (a
+        numeric array), a large buffer between two workers of the controller's machine goes
+        through a file of its shared directory instead (`RemoteWorker.relay`)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         source = self.session.fleet.channel(src.device.worker)
         address = getattr(source, "data_address", None)
@@ -294,8 +301,12 @@ class SessionMoves:
             return done
         dst.group.expect()
         self.session.controller.pin(src)
-        work = self.session.fleet.channel(dst.device.worker).ask(
-            c.Pull(src.id, address, dst.id, dst.device.id, memory_kind))
+        target = self.session.fleet.channel(dst.device.worker)
+        relay = getattr(source, "relay", None)
+        work = (relay(src.id, target, dst.id, dst.device.id, memory_kind)
+                if files and relay is not None and src.nbytes >= RELAY_BYTES else None)
+        if work is None:
+            work = target.ask(c.Pull(src.id, address, dst.id, dst.device.id, memory_kind))
         self.session.controller.counts.peer_bytes += src.nbytes
 
         async def finish() -> None:

@@ -253,6 +253,32 @@ class RemoteWorker:
                 break
         return future
 
+    def relay(self, buffer: int, to: Any, dst: int, device: int,
+              memory_kind: str | None) -> Awaitable[None] | None:
+        """Moves a buffer of this worker to worker `to` through a file of the controller's
+        shared directory, when both run on the controller's machine (they answered its
+        probe): this worker writes it (`FetchFile`), then `to` maps and stores it
+        (`PutFile`). None when that is not possible; the caller then pulls over the
+        peers' data servers. Numeric buffers only (string arrays do not travel in files)."""
+        if (self.shared_dir is None or getattr(to, "shared_dir", None) is None
+                or self.lost is not None or to.lost is not None):
+            return None
+        path = self._file("relay")
+        number, written = self._request()
+        self._command(m.FetchFile(number, buffer, path))
+
+        async def store() -> None:
+            try:
+                dtype, shape = await written
+                number, stored = to._request()
+                to._command(m.PutFile(number, dst, device, memory_kind, dtype, tuple(shape),
+                                      path))
+                await stored
+            finally:
+                _unlink(path)
+
+        return store()
+
     def deliver(self, commands: Commands) -> None:
         """Shared commands are encoded once for all their workers; a worker with nothing
         else queued gets the very same frame, sent at once."""

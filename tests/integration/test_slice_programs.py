@@ -74,7 +74,10 @@ second = [d for d in devices if d.slice_index == 1]
 x = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
 a = jax.device_put(x, NamedSharding(Mesh(np.array(first), ("d",)), P()))
 rows = jax.device_put(x, NamedSharding(Mesh(np.array(first), ("d",)), P("d")))
-for name, source in (("replicated", a), ("rows", rows)):
+# 4 MiB: between workers of one machine, through a file of the shared directory.
+big = jax.device_put(np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024),
+                     NamedSharding(Mesh(np.array(first), ("d",)), P()))
+for name, source in (("replicated", a), ("rows", rows), ("big", big)):
     b = jax.device_put(source, NamedSharding(Mesh(np.array(second), ("d",)), P()))
     emit(name + "_devices", [s.device.id for s in b.addressable_shards])
     for i, shard in enumerate(b.addressable_shards):
@@ -83,11 +86,13 @@ for name, source in (("replicated", a), ("rows", rows)):
 
 
 def test_a_replicated_copy_to_another_slice_fills_every_device(fleet):
-    """The copy pulls each box once per worker and copies it to the worker's other devices:
-    every device of the target slice holds the whole array."""
+    """The copy pulls each box once per worker (a large one through a file, the workers
+    being on the controller's machine) and copies it to the worker's other devices: every
+    device of the target slice holds the whole array."""
     out = run_snippet(COPY_ACROSS, fleet.address)
-    expected = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
-    for name in ("replicated", "rows"):
+    small = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    big = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
+    for name, expected in (("replicated", small), ("rows", small), ("big", big)):
         assert len(out[f"{name}_devices"]) == 2 and len(set(out[f"{name}_devices"])) == 2
         for i in range(2):
             np.testing.assert_array_equal(out[f"{name}_{i}"], expected)
