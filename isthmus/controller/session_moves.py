@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Protocol, cast
 import numpy as np
 
 from isthmus import dtypes, errors
+from isthmus.controller import reads
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Controller, Executable
@@ -225,7 +226,7 @@ class SessionMoves:
             if all(s0 <= d0 and d1 <= s1 for (s0, s1), (d0, d1) in zip(box, dst_box)):
                 local = [(buffer, box)]
                 break
-        pieces = _pieces(local, dst_box)
+        pieces = sh.pieces(local, dst_box)
         if sum(n for *_, n in pieces) == math.prod(sh.shard_shape(dst_box)):
             channel.send(c.Assemble(dst.id, dst.device.id, dst.memory_kind,
                                     c.dtype_field(array.dtype.numpy), sh.shard_shape(dst_box),
@@ -251,7 +252,7 @@ class SessionMoves:
         parts: list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...]]] = []
         temps: list[Buffer] = []
         pulls = []
-        for source, src_slices, dst_slices, _ in _pieces(
+        for source, src_slices, dst_slices, _ in sh.pieces(
                 list(zip(array.shards, src_boxes)), dst_box):
             if source.device.worker != dst.device.worker:
                 temp = Buffer(self.session.controller.new_group((dst.device,), (source.nbytes,)), 0)
@@ -388,15 +389,15 @@ class SessionMoves:
             self.session.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
             if all(answered(p) for _, p in pieces):  # all on the host already (in-process)
                 ready = cast("list[tuple[sh.Box, asyncio.Future[np.ndarray]]]", pieces)
-                result.set_result(_assembled(array, [(box, p.result()) for box, p in ready]))
+                result.set_result(reads.assembled(array, [(box, p.result()) for box, p in ready]))
                 return
             if len(pieces) == 1 and isinstance(pieces[0][1], asyncio.Future):
                 # One worker's answer: settled by a callback, with no task in between.
                 box, answer = pieces[0]
                 cast(asyncio.Future, answer).add_done_callback(  # a Future: checked above
-                    lambda f: _settle_fetch(array, box, f, result))
+                    lambda f: reads.settle_fetch(array, box, f, result))
                 return
-            self.session.spawn(_assemble_host(array, pieces, result))
+            self.session.spawn(reads.assemble_host(array, pieces, result))
 
         groups = array.groups
         self.session.dispatcher.submit(groups, run)
@@ -431,7 +432,7 @@ class SessionMoves:
                 return
             fleet = self.session.fleet
             waits = [fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
-            self.session.spawn(_settle(asyncio.gather(*waits), result))
+            self.session.spawn(reads.settle(asyncio.gather(*waits), result))
 
         groups = groups_of(arrays)
         self.session.dispatcher.submit(groups, run)
@@ -450,72 +451,3 @@ def _check_shared(args: Sequence[Array], donated: frozenset[int]) -> None:
                 raise errors.InvalidRequest(
                     f"arguments {other} and {index} share buffers and the reshard donates "
                     "one of them; pass a copy as one of them, or do not donate.")
-
-
-def _pieces(sources: Sequence[tuple[Buffer, sh.Box]], dst_box: sh.Box
-            ) -> list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...], int]]:
-    """The distinct regions of `dst_box` that the sources hold: (source, slices into the
-    source, slices into the destination, elements), one source per region."""
-    pieces = []
-    seen: set[sh.Box] = set()
-    for buffer, box in sources:
-        lo = tuple(max(s0, d0) for (s0, _), (d0, _) in zip(box, dst_box))
-        hi = tuple(min(s1, d1) for (_, s1), (_, d1) in zip(box, dst_box))
-        region = tuple(zip(lo, hi))
-        if (dst_box and any(a >= b for a, b in zip(lo, hi))) or region in seen:
-            continue
-        seen.add(region)
-        pieces.append((buffer,
-                       tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, box)),
-                       tuple(slice(a - d0, b - d0) for a, b, (d0, _) in zip(lo, hi, dst_box)),
-                       math.prod(b - a for a, b in region)))
-    return pieces
-
-
-def _assembled(array: Array, values: list[tuple[sh.Box, np.ndarray]]) -> np.ndarray:
-    """The whole array on the host from the values of its distinct boxes."""
-    if len(values) == 1 and values[0][0] == tuple((0, d) for d in array.shape):
-        return values[0][1]
-    host = np.empty(array.shape, dtype=object if array.dtype.is_string else array.dtype.numpy)
-    for box, value in values:
-        host[sh.box_slices(box)] = value
-    return host
-
-
-def _settle_fetch(array: Array, box: sh.Box, done: asyncio.Future,
-                  result: asyncio.Future[np.ndarray]) -> None:
-    if result.done():
-        return
-    if done.cancelled():
-        result.set_exception(errors.InternalError(
-            "fetching the array was cancelled; this is a bug in isthmus: please report it."))
-    elif done.exception() is not None:
-        result.set_exception(as_error(cast(BaseException, done.exception()),
-                                      "fetching the array"))
-    else:
-        try:
-            result.set_result(_assembled(array, [(box, done.result())]))
-        except Exception as e:  # noqa: BLE001
-            result.set_exception(as_error(e, "fetching the array"))
-
-
-async def _assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.ndarray]]],
-                         result: asyncio.Future[np.ndarray]) -> None:
-    try:
-        values = await asyncio.gather(*(p for _, p in pieces))
-        host = _assembled(array, [(box, v) for (box, _), v in zip(pieces, values)])
-        if not result.done():
-            result.set_result(host)
-    except Exception as e:  # noqa: BLE001
-        if not result.done():
-            result.set_exception(as_error(e, "fetching the array"))
-
-
-async def _settle(work: Awaitable[object], result: asyncio.Future[None]) -> None:
-    try:
-        await work
-        if not result.done():
-            result.set_result(None)
-    except Exception as e:  # noqa: BLE001
-        if not result.done():
-            result.set_exception(as_error(e, "waiting for the array"))

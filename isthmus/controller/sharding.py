@@ -15,6 +15,8 @@ import dataclasses
 import enum
 import functools
 import math
+from collections.abc import Sequence
+from typing import TypeVar
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
@@ -22,6 +24,7 @@ from isthmus.ids import DeviceId
 
 # (start, stop) per dimension.
 Box = tuple[tuple[int, int], ...]
+T = TypeVar("T")  # what a source of `pieces` is (the caller's buffer)
 
 
 class ShardingKind(enum.Enum):
@@ -181,3 +184,23 @@ def placement_mismatch(given: Sharding, expected: Sharding, shape: tuple[int, ..
 
 def _box_text(box: Box) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
+
+
+def pieces(sources: Sequence[tuple[T, Box]], dst_box: Box
+           ) -> list[tuple[T, tuple[slice, ...], tuple[slice, ...], int]]:
+    """The distinct regions of `dst_box` that the sources hold: (source, slices into the
+    source, slices into the destination, elements), one source per region."""
+    found: list[tuple[T, tuple[slice, ...], tuple[slice, ...], int]] = []
+    seen: set[Box] = set()
+    for source, box in sources:
+        lo = tuple(max(s0, d0) for (s0, _), (d0, _) in zip(box, dst_box))
+        hi = tuple(min(s1, d1) for (_, s1), (_, d1) in zip(box, dst_box))
+        region = tuple(zip(lo, hi))
+        if (dst_box and any(a >= b for a, b in zip(lo, hi))) or region in seen:
+            continue
+        seen.add(region)
+        found.append((source,
+                      tuple(slice(a - s0, b - s0) for a, b, (s0, _) in zip(lo, hi, box)),
+                      tuple(slice(a - d0, b - d0) for a, b, (d0, _) in zip(lo, hi, dst_box)),
+                      math.prod(b - a for a, b in region)))
+    return found

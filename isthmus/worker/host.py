@@ -27,7 +27,7 @@ from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.transport.base import Commands
 from isthmus.transport.commands import Command, Request
-from isthmus.worker import programs, regroup
+from isthmus.worker import platforms, programs, regroup
 from isthmus.worker.buffers import BufferStore, missing
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
@@ -260,26 +260,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 **cache, **self.device_memory()}
 
     def device_memory(self) -> dict[str, int]:
-        """The client's own memory figures, summed over its devices, and per device as
-        `memory/<global id>/<figure>` (GPU clients keep them; jaxlib's CPU client does
-        not, and then there are none)."""
-        totals: dict[str, int] = {}
-        global_ids: dict[Any, int] | None = None
-        for device in self.client.local_devices():
-            try:
-                stats = device.memory_stats()
-            except Exception:  # noqa: BLE001 - a client without statistics
-                return {}
-            if not stats:
-                return {}
-            if global_ids is None:
-                global_ids = {d: g for g, d in getattr(self, "devices", {}).items()}
-            for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
-                if key in stats:
-                    totals[f"device_{key}"] = totals.get(f"device_{key}", 0) + int(stats[key])
-                    if device in global_ids:
-                        totals[f"memory/{global_ids[device]}/{key}"] = int(stats[key])
-        return totals
+        """The client's own memory figures (`platforms.device_memory`)."""
+        return platforms.device_memory(self.client, getattr(self, "devices", {}))
 
     def all_ready(self, buffer_ids: Sequence[BufferId]) -> bool:
         """Every buffer is here, computed and without error (False when in doubt: `ready`

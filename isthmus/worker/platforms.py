@@ -285,3 +285,24 @@ def companion_devices(primary: dict[int, Any], client: Any, base: int) -> dict[i
     return mapping
 
 
+def device_memory(client: Any, devices: dict[int, Any]) -> dict[str, int]:
+    """A jaxlib client's own memory figures, summed over its devices, and per device as
+    `memory/<global id>/<figure>` (GPU clients keep them; jaxlib's CPU client does
+    not, and then there are none)."""
+    totals: dict[str, int] = {}
+    global_ids: dict[Any, int] | None = None
+    for device in client.local_devices():
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - a client without statistics
+            return {}
+        if not stats:
+            return {}
+        if global_ids is None:
+            global_ids = {d: g for g, d in devices.items()}
+        for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
+            if key in stats:
+                totals[f"device_{key}"] = totals.get(f"device_{key}", 0) + int(stats[key])
+                if device in global_ids:
+                    totals[f"memory/{global_ids[device]}/{key}"] = int(stats[key])
+    return totals

@@ -1,0 +1,64 @@
+"""Settling a host read of a session's array: a fetch's distinct boxes assembled into the
+whole array on the host, and a readiness wait's outcome (`SessionMoves.fetch`, `ready`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import cast
+
+import numpy as np
+
+from isthmus import errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array
+from isthmus.controller.session_core import as_error
+
+
+def assembled(array: Array, values: list[tuple[sh.Box, np.ndarray]]) -> np.ndarray:
+    """The whole array on the host from the values of its distinct boxes."""
+    if len(values) == 1 and values[0][0] == tuple((0, d) for d in array.shape):
+        return values[0][1]
+    host = np.empty(array.shape, dtype=object if array.dtype.is_string else array.dtype.numpy)
+    for box, value in values:
+        host[sh.box_slices(box)] = value
+    return host
+
+
+def settle_fetch(array: Array, box: sh.Box, done: asyncio.Future,
+                 result: asyncio.Future[np.ndarray]) -> None:
+    if result.done():
+        return
+    if done.cancelled():
+        result.set_exception(errors.InternalError(
+            "fetching the array was cancelled; this is a bug in isthmus: please report it."))
+    elif done.exception() is not None:
+        result.set_exception(as_error(cast(BaseException, done.exception()),
+                                      "fetching the array"))
+    else:
+        try:
+            result.set_result(assembled(array, [(box, done.result())]))
+        except Exception as e:  # noqa: BLE001
+            result.set_exception(as_error(e, "fetching the array"))
+
+
+async def assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.ndarray]]],
+                         result: asyncio.Future[np.ndarray]) -> None:
+    try:
+        values = await asyncio.gather(*(p for _, p in pieces))
+        host = assembled(array, [(box, v) for (box, _), v in zip(pieces, values)])
+        if not result.done():
+            result.set_result(host)
+    except Exception as e:  # noqa: BLE001
+        if not result.done():
+            result.set_exception(as_error(e, "fetching the array"))
+
+
+async def settle(work: Awaitable[object], result: asyncio.Future[None]) -> None:
+    try:
+        await work
+        if not result.done():
+            result.set_result(None)
+    except Exception as e:  # noqa: BLE001
+        if not result.done():
+            result.set_exception(as_error(e, "waiting for the array"))
