@@ -28,6 +28,10 @@ from isthmus.transport import commands as c
 from isthmus.transport.base import answered
 from isthmus.transport.records import Aval, CompiledInfo
 
+# The boxes one reshard has pulled to a worker so far: (worker, box) -> (the target buffer
+# that received it, the pull's completion); that worker's other targets copy it there.
+Pulled = dict[tuple[WorkerId, sh.Box], tuple[Buffer, "asyncio.Future[None]"]]
+
 # A buffer this large moves between two workers of the controller's machine through a file
 # of its shared directory (twice the peers' gRPC path for 64 MiB, bench/RESULTS.md).
 RELAY_BYTES = 1 << 20
@@ -113,7 +117,7 @@ class SessionMoves:
                 error = first_error([array])
                 src_boxes = sh.shard_boxes(array.sharding, array.shape)
                 dst_boxes = sh.shard_boxes(out.sharding, out.shape)
-                pulled: dict[tuple[WorkerId, sh.Box], tuple[Buffer, asyncio.Future[None]]] = {}
+                pulled: Pulled = {}
                 for dst, dst_box in zip(out.shards, dst_boxes):
                     if error is None:
                         try:
@@ -209,8 +213,7 @@ class SessionMoves:
 
     def _reshard_one(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
                      dst_box: sh.Box,
-                     pulled: dict[tuple[WorkerId, sh.Box], tuple[Buffer, asyncio.Future[None]]]
-                     ) -> None:
+                     pulled: Pulled) -> None:
         """Makes `dst` from the array's shards: a local copy or assembly where the worker
         has the data, else a pull from another worker. A replicated target pulls each box
         once per worker (`pulled`) and copies it there to the worker's other devices."""
