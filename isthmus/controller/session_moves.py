@@ -212,8 +212,7 @@ class SessionMoves:
         return outputs, status
 
     def _reshard_one(self, array: Array, src_boxes: Sequence[sh.Box], dst: Buffer,
-                     dst_box: sh.Box,
-                     pulled: Pulled) -> None:
+                     dst_box: sh.Box, pulled: Pulled) -> None:
         """Makes `dst` from the array's shards: a local copy or assembly where the worker
         has the data, else a pull from another worker. A replicated target pulls each box
         once per worker (`pulled`) and copies it there to the worker's other devices."""
