@@ -257,6 +257,9 @@ def main() -> int:
     slices = {"local jax 8 devices": _run("slices.py", _local(8), metrics_args)}
     with LocalServer(devices=None, fleet=(2, 1, 4)) as server:
         slices["isthmus fleet 2x1x4"] = _run("slices.py", _through(server), metrics_args)
+    # Each slice on CPUs of its own, as slices on separate hardware are (--pin-slices).
+    with LocalServer(devices=None, fleet=(2, 1, 4), args=["--pin-slices"]) as server:
+        slices["fleet 2x1x4, pinned"] = _run("slices.py", _through(server), metrics_args)
 
     from bench.scaling import run as scaling
 

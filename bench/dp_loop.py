@@ -163,7 +163,7 @@ def main() -> None:
     if process_id:
         return
     print(json.dumps({"devices": len(devices), "processes": processes,
-                      "steps_per_s": statistics.median(rates),
+                      "steps_per_s": statistics.median(rates), "rates": rates,
                       **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in pieces.items()}}))
 
 

@@ -17,6 +17,7 @@ from isthmus import logs, serve
 from isthmus.deploy.commands import add_deploy_commands, k8s_command, slurm_command
 from isthmus.options import (
     fleet_token,
+    pin_to_cpus,
     platform_arguments,
     platform_config,
     refuse,
@@ -36,6 +37,8 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from isthmus.worker.crashes import CRASH_RECORD_ENV, TEST_CRASH_ENV, CrashConfig
     from isthmus.worker.process import block_stop_signals, exit_with_parent
 
+    if args.cpus is not None:
+        pin_to_cpus(args.cpus)  # before any thread or child: both inherit it
     if not (args.exit_with_parent or args.no_supervise
             or os.environ.get(supervise.ENVIRONMENT)):
         # Rejoins a controller that crashed and came back; keeps the crash records of the
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--devices", type=int, default=4,
                         help="CPU devices (default: 4); a CUDA worker serves its GPUs")
     platform_arguments(worker)
+    worker.add_argument("--cpus", default=None, metavar="LIST",
+                        help="run on these CPUs only, e.g. 0-3,8 (default: all this process "
+                             "may use); XLA sizes its thread pools to them")
     worker.add_argument("--listen", default="127.0.0.1",
                         help="address for the peer data server (default: 127.0.0.1)")
     worker.add_argument("--advertise", default=None,

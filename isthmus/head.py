@@ -39,6 +39,7 @@ class HeadConfig:
     platform: Platform = Platform()
     launch_workers: bool = True  # start the fleet's workers on this machine
     restart: RestartPolicy = RestartPolicy()  # restarting launched workers that die
+    pin_slices: bool = False  # each launched slice on CPUs of its own (launch.slice_cpus)
     fleet_timeout: float = 180.0  # seconds to wait for the fleet to be complete
     heartbeat_timeout: float = 4.0  # seconds of silence after which a worker is lost
     advertise_host: str | None = None  # where workers reach this process (default: host)
@@ -199,6 +200,7 @@ class Head:
                                               spec.slices, spec.hosts_per_slice,
                                               spec.devices_per_host, restart=config.restart,
                                               token=config.fleet_token, tls=config.tls,
+                                              pin_slices=config.pin_slices,
                                               platform=dataclasses.replace(
                                                   config.platform, name=spec.platform))
             try:

@@ -28,6 +28,7 @@ import threading
 import time
 
 from isthmus.logs import event
+from isthmus.options import cpu_list
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker.crashes import CRASH_RECORD_ENV
@@ -116,6 +117,18 @@ def describe_exit(code: int) -> str:
         return f"signal {-code}"
 
 
+def slice_cpus(available: list[int], slices: int, index: int) -> list[int]:
+    """The CPUs of slice `index` when `slices` slices divide `available` (`--pin-slices`):
+    consecutive equal shares, the first slices one CPU more when they do not come out even;
+    with fewer CPUs than slices, slice i gets CPU i modulo their number."""
+    cpus = sorted(available)
+    if len(cpus) < slices:
+        return [cpus[index % len(cpus)]]
+    share, extra = divmod(len(cpus), slices)
+    start = index * share + min(index, extra)
+    return cpus[start:start + share + (index < extra)]
+
+
 class LocalLauncher:
     """Starts `isthmus worker` subprocesses, restarts those that die, and stops them all.
 
@@ -127,8 +140,11 @@ class LocalLauncher:
                  devices_per_host: int, log_dir: str | None = None,
                  restart: RestartPolicy = RestartPolicy(),
                  platform: Platform = _DEFAULT_PLATFORM, token: str = "",
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, pin_slices: bool = False) -> None:
         self.controller = controller
+        # Each slice's workers run on a share of this machine's CPUs of their own, as slices
+        # on separate hardware would (`slice_cpus`); None: all run anywhere.
+        self.cpus = sorted(os.sched_getaffinity(0)) if pin_slices else None
         self.token = token  # the fleet's, handed to each worker in its environment
         self.tls = tls  # the controller's certificate, which local workers share
         self.platform = platform
@@ -149,7 +165,14 @@ class LocalLauncher:
         """The command line of the worker of `slice_index`, `host` (tests override it)."""
         return [sys.executable, "-m", "isthmus.cli", "worker", "--controller", self.controller,
                 "--slice", str(slice_index), "--devices", str(self.devices_per_host),
-                "--exit-with-parent", *self.platform_options(slice_index, host)]
+                "--exit-with-parent", *self.platform_options(slice_index, host),
+                *self.cpu_options(slice_index)]
+
+    def cpu_options(self, slice_index: int) -> list[str]:
+        """`--cpus LIST` for the workers of a slice when slices are pinned."""
+        if self.cpus is None:
+            return []
+        return ["--cpus", cpu_list(slice_cpus(self.cpus, self.slices, slice_index))]
 
     def platform_options(self, slice_index: int, host: int) -> list[str]:
         """The worker's platform options, and the compilation cache it shares with us."""

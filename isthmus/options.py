@@ -21,6 +21,51 @@ def refuse(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def parse_cpus(text: str) -> frozenset[int]:
+    """A CPU list as Linux writes one ("0-3,8,10-11") -> its CPU numbers; ValueError names
+    what is wrong."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list such as 0-3,8")
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"{part.strip()!r} in {text!r} runs backwards")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def cpu_list(cpus: frozenset[int] | set[int] | list[int]) -> str:
+    """CPU numbers -> a CPU list ("0-3,8"): the inverse of `parse_cpus`."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def pin_to_cpus(text: str) -> None:
+    """`--cpus`: this process (and what it starts) runs on those CPUs only, which must be
+    among those it may use now; refuses otherwise."""
+    try:
+        cpus = parse_cpus(text)
+    except ValueError as e:
+        refuse(f"--cpus: {e}")
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        refuse(f"--cpus {text}: CPU {cpu_list(cpus - allowed)} is not among those this "
+               f"process may use ({cpu_list(allowed)}); pick from those")
+    # Every thread, those an import started already (gRPC's) too; new ones inherit it.
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), cpus)
+        except ProcessLookupError:
+            pass  # it has ended
+
+
 def fleet_token(args: argparse.Namespace) -> str:
     """The fleet's shared secret: --token-file, else $ISTHMUS_FLEET_TOKEN, else none (any
     worker that reaches the controller may join: a network the fleet trusts)."""

@@ -84,6 +84,10 @@ def server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not restart a launched worker that dies (by default it is "
                              "restarted with a backoff of 0.5 s doubling to 8 s, at most 10 "
                              "times in a row)")
+    parser.add_argument("--pin-slices", action="store_true",
+                        help="give each slice of a launched fleet a share of this machine's "
+                             "CPUs of its own (its workers pinned to them), as slices on "
+                             "separate hardware have; by default all workers share all CPUs")
     parser.add_argument("--advertise-host", default=None,
                         help="the address workers use to reach this server (default: --host)")
     parser.add_argument("--token-file", default=None, metavar="PATH",
@@ -151,6 +155,9 @@ def head_config(args: argparse.Namespace) -> object:
                         ("--devices-per-host", args.devices_per_host)):
         if value is not None and value < 1:
             refuse(f"{flag} must be at least 1, not {value}")
+    if args.pin_slices and (args.devices is not None or args.no_launch):
+        refuse("--pin-slices pins the workers this server launches; it has none with "
+               f"{'--devices' if args.devices is not None else '--no-launch'}")
     platform = platform_config(args)
     fleet = None
     if args.devices is None:
@@ -173,7 +180,7 @@ def head_config(args: argparse.Namespace) -> object:
         platform=_embedded_platform(args) if args.devices is not None else platform,
         launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
-        restart=RestartPolicy(enabled=not args.no_restart),
+        restart=RestartPolicy(enabled=not args.no_restart), pin_slices=args.pin_slices,
         advertise_host=args.advertise_host, fleet_port=args.fleet_port,
         fleet_token=token, tls=tls_config(args),
         shared_dir=_shared_dir(args.shared_dir),

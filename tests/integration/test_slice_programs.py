@@ -44,8 +44,25 @@ def _local(script):
 
 @pytest.fixture(scope="module")
 def fleet():
-    with LocalServer(devices=None, fleet=FLEET) as server:
+    # Each slice on CPUs of its own, as on separate hardware (bench/slices.py runs so too).
+    with LocalServer(devices=None, fleet=FLEET, args=["--pin-slices"]) as server:
         yield server
+
+
+def test_pinned_slices_run_on_cpus_of_their_own(fleet):
+    """`--pin-slices`: every thread of a slice's worker runs on that slice's share only."""
+    shares = []
+    for worker in fleet.status()["fleet"].values():
+        pid = worker["pid"]
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 4  # XLA's and gRPC's threads, not only the main one
+        share = {frozenset(os.sched_getaffinity(int(t))) for t in threads}
+        assert len(share) == 1, f"worker {pid}'s threads run on different CPUs: {share}"
+        shares.append(share.pop())
+    everything = os.sched_getaffinity(0)
+    assert all(s <= everything for s in shares)
+    if len(everything) >= len(shares):
+        assert not set.intersection(*map(set, shares)), shares
 
 
 def test_a_learner_and_a_sampler_on_two_slices_match_local_jax(fleet):

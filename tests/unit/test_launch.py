@@ -210,3 +210,34 @@ def test_gc_settle_freezes_start_up_and_collects_young_objects_less_often():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_cpu_lists_read_and_write_as_linux_writes_them():
+    from isthmus.options import cpu_list, parse_cpus
+
+    assert parse_cpus("0-3,8, 10-11") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpu_list({11, 0, 1, 2, 3, 8, 10}) == "0-3,8,10-11"
+    assert cpu_list(parse_cpus("5")) == "5"
+    for bad in ("", "a", "3-1", "1-", "-2", "1,,2"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_slices_get_disjoint_shares_of_the_cpus():
+    from isthmus.launch import slice_cpus
+
+    assert [slice_cpus([0, 1], 2, i) for i in range(2)] == [[0], [1]]
+    assert [slice_cpus(list(range(7)), 3, i) for i in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [slice_cpus([4, 6], 3, i) for i in range(3)] == [[4], [6], [4]]  # fewer CPUs
+    launcher = LocalLauncher("127.0.0.1:1", 2, 1, 2, pin_slices=True)
+    shares = [launcher.cpu_options(i) for i in range(2)]
+    assert all(flag == "--cpus" for flag, _ in shares)
+    assert LocalLauncher("127.0.0.1:1", 2, 1, 2).cpu_options(0) == []
+
+
+def test_pin_slices_needs_launched_workers(capsys):
+    for extra in (["--devices", "4"], ["--no-launch"]):
+        args = build_parser().parse_args(["up", "--pin-slices", *extra])
+        with pytest.raises(SystemExit):
+            head_config(args)
+        assert "--pin-slices pins the workers" in capsys.readouterr().err
