@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from bench.__main__ import threshold
 from bench.scaling import programs_per_second
 
@@ -53,3 +55,17 @@ def test_data_parallel_section_shows_each_feed_as_a_ratio_of_the_peer():
     for figure in ("multi-controller 2x4", "40.00", "isthmus fleet 1x2x4 / multi-controller, "
                    "steps/s: 0.95x", "fleet, colocated loader / multi-controller, steps/s: 1.05x"):
         assert figure in text, figure
+
+
+def test_cpu_accounting_is_per_step_between_two_run_lengths():
+    from bench.dp_cpu import STEPS, _per_step, report
+
+    short = {"controller": 1.0, "client": 2.0, "steps_per_s": 40.0}
+    long = {"controller": 1.0 + 2 * STEPS * 0.002, "client": 2.0 + 2 * STEPS * 0.001,
+            "steps_per_s": 41.0}
+    per_step = _per_step(short, long)
+    assert per_step == pytest.approx({"controller": 2.0, "client": 1.0})
+    row = {**per_step, "all": 3.0}
+    text = report({"isthmus fleet 1x2x4": row, "multi-controller 2x4": {"all": 3.5},
+                   "steps/s": {"fleet": 40.0, "twin": 41.0}})
+    assert "controller 2.00" in text and "fleet 40.0, twin 41.0" in text
