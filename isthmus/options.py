@@ -50,6 +50,8 @@ def cpu_list(cpus: frozenset[int] | set[int] | list[int]) -> str:
 def pin_to_cpus(text: str) -> None:
     """`--cpus`: this process (and what it starts) runs on those CPUs only, which must be
     among those it may use now; refuses otherwise."""
+    if not hasattr(os, "sched_setaffinity"):
+        refuse("--cpus pins threads with sched_setaffinity, which only Linux has; drop it")
     try:
         cpus = parse_cpus(text)
     except ValueError as e:
