@@ -172,6 +172,45 @@ def dp_against_peer(steps: int, rounds: int) -> dict[str, dict]:
     return table
 
 
+# Issue 27's targets for the loop and the two slices, printed beside the figures.
+DP_TARGETS = {"put_ms": 1.0, "sum_fetch_over_twin_ms": 0.5, "ratio": 1.0, "overlap": 1.3,
+              "weight_copy_GBps": 1.0}
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def dp_targets(table: dict[str, dict]) -> list[str]:
+    """The loop's figures against `DP_TARGETS`, a line each."""
+    fleet, loader = table["isthmus fleet 1x2x4"], table["fleet, colocated loader"]
+    twin = table["multi-controller 2x4"]
+    over = fleet["sum_fetch_ms"] - twin["sum_fetch_ms"]
+    return [
+        f"  targets: sharded put {fleet['put_ms']:.2f} ms <= {DP_TARGETS['put_ms']:.0f}: "
+        f"{_met(fleet['put_ms'] <= DP_TARGETS['put_ms'])}; sum + fetch {over:+.2f} ms over "
+        f"the twin's, <= {DP_TARGETS['sum_fetch_over_twin_ms']}: "
+        f"{_met(over <= DP_TARGETS['sum_fetch_over_twin_ms'])}",
+        f"           client-fed {fleet['/ peer']:.2f}x >= {DP_TARGETS['ratio']:.1f}: "
+        f"{_met(fleet['/ peer'] >= DP_TARGETS['ratio'])}; colocated loader "
+        f"{loader['/ peer']:.2f}x: {_met(loader['/ peer'] >= DP_TARGETS['ratio'])}"]
+
+
+def slices_targets(slices: dict[str, dict]) -> list[str]:
+    """The two-slice figures of the fleets against `DP_TARGETS`, a line each."""
+    lines = []
+    for name, row in slices.items():
+        if name.startswith("local"):
+            continue
+        lines.append(
+            f"  {name}: weight copy {row['weight_copy_GBps']:.2f} GB/s >= "
+            f"{DP_TARGETS['weight_copy_GBps']:.0f}: "
+            f"{_met(row['weight_copy_GBps'] >= DP_TARGETS['weight_copy_GBps'])}; overlap "
+            f"{row['overlap']:.2f}x >= {DP_TARGETS['overlap']}: "
+            f"{_met(row['overlap'] >= DP_TARGETS['overlap'])}")
+    return lines
+
+
 def dp_report(table: dict[str, dict]) -> str:
     lines = ["\ndata-parallel loop (bench/dp_loop.py: MLP + adam, a fresh batch put every "
              "step, loss read\nevery 10) against its peer, multi-controller JAX on the same "
@@ -182,7 +221,7 @@ def dp_report(table: dict[str, dict]) -> str:
     for name, row in table.items():
         if "/ peer" in row:
             lines.append(f"  {name} / multi-controller, steps/s: {row['/ peer']:.2f}x")
-    return "\n".join(lines)
+    return "\n".join(lines + dp_targets(table))
 
 
 def main() -> int:
@@ -322,6 +361,7 @@ def main() -> int:
     print(f"{'':24}" + "".join(f"{k:>18}" for k in keys))
     for name, row in slices.items():
         print(f"{name:24}" + "".join(f"{row[k]:18.3f}" for k in keys))
+    print("\n".join(slices_targets(slices)))
 
     print("\ncontroller scaling (in-process, stand-in workers, one program over all hosts):")
     for n in hosts:

@@ -69,3 +69,21 @@ def test_cpu_accounting_is_per_step_between_two_run_lengths():
     text = report({"isthmus fleet 1x2x4": row, "multi-controller 2x4": {"all": 3.5},
                    "steps/s": {"fleet": 40.0, "twin": 41.0}})
     assert "controller 2.00" in text and "fleet 40.0, twin 41.0" in text
+
+
+def test_the_loop_and_the_slices_are_reported_against_their_targets():
+    from bench.__main__ import dp_report, slices_targets
+
+    piece = {"put_ms": 2.5, "elementwise_ms": 0.8, "sum_ms": 1.5, "sum_fetch_ms": 1.6}
+    table = {"local jax 8 devices": {**piece, "steps_per_s": 900.0},
+             "multi-controller 2x4": {**piece, "steps_per_s": 47.0, "sum_fetch_ms": 0.3},
+             "isthmus fleet 1x2x4": {**piece, "steps_per_s": 45.0, "/ peer": 0.95},
+             "fleet, colocated loader": {**piece, "steps_per_s": 51.0, "/ peer": 1.07}}
+    text = dp_report(table)
+    assert "sharded put 2.50 ms <= 1: NOT met" in text
+    assert "+1.30 ms over the twin's, <= 0.5: NOT met" in text
+    assert "client-fed 0.95x >= 1.0: NOT met; colocated loader 1.07x: met" in text
+    lines = slices_targets({"local jax 8 devices": {}, "fleet 2x1x4, pinned": {
+        "weight_copy_GBps": 1.1, "overlap": 1.4}})
+    assert lines == ["  fleet 2x1x4, pinned: weight copy 1.10 GB/s >= 1: met; "
+                     "overlap 1.40x >= 1.3: met"]
