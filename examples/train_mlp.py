@@ -1,8 +1,12 @@
 """A small data-parallel MLP training loop: plain jax, no isthmus imports.
 
-Run it on an embedded isthmus server with
+Run it on a local isthmus fleet (the default: one slice of 2 worker processes x 4 CPU
+devices) with
 
     isthmus run -- python examples/train_mlp.py
+
+on the embedded backend (8 CPU devices in the server's own process) with
+`isthmus run --devices 8 -- python examples/train_mlp.py`,
 
 or locally (JAX_PLATFORMS=cpu python examples/train_mlp.py) to compare.
 """
