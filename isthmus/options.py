@@ -47,11 +47,16 @@ def cpu_list(cpus: frozenset[int] | set[int] | list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def require_affinity(flag: str) -> None:
+    """Refuses `flag` where threads cannot be pinned (sched_setaffinity: Linux only)."""
+    if not hasattr(os, "sched_setaffinity"):
+        refuse(f"{flag} pins threads with sched_setaffinity, which only Linux has; drop it")
+
+
 def pin_to_cpus(text: str) -> None:
     """`--cpus`: this process (and what it starts) runs on those CPUs only, which must be
     among those it may use now; refuses otherwise."""
-    if not hasattr(os, "sched_setaffinity"):
-        refuse("--cpus pins threads with sched_setaffinity, which only Linux has; drop it")
+    require_affinity("--cpus")
     try:
         cpus = parse_cpus(text)
     except ValueError as e:

@@ -20,6 +20,7 @@ from isthmus.options import (
     platform_arguments,
     platform_config,
     refuse,
+    require_affinity,
     tls_arguments,
     tls_config,
 )
@@ -158,8 +159,8 @@ def head_config(args: argparse.Namespace) -> object:
     if args.pin_slices and (args.devices is not None or args.no_launch):
         refuse("--pin-slices pins the workers this server launches; it has none with "
                f"{'--devices' if args.devices is not None else '--no-launch'}")
-    if args.pin_slices and not hasattr(os, "sched_setaffinity"):
-        refuse("--pin-slices pins threads with sched_setaffinity, which only Linux has; drop it")
+    if args.pin_slices:
+        require_affinity("--pin-slices")
     platform = platform_config(args)
     fleet = None
     if args.devices is None:
