@@ -268,6 +268,9 @@ def write_frame(writer: FrameStream, payload: bytes | Parts) -> None:
         return
     if isinstance(payload, Parts):
         length = sum(len(part) for part in payload)
+        if length < SMALL_FRAME:  # one send for the frame, not one per part
+            writer.write(b"".join((_LENGTH.pack(length | _TAILED), *payload)))
+            return
         writer.write(_LENGTH.pack(length | _TAILED) + payload[0])
         for part in payload[1:]:
             writer.write(part)
@@ -276,6 +279,23 @@ def write_frame(writer: FrameStream, payload: bytes | Parts) -> None:
     else:
         writer.write(_LENGTH.pack(len(payload)))
         writer.write(payload)
+
+
+def write_frames(writer: FrameStream, payloads: list[bytes]) -> None:
+    """Queues several frames of plain bytes on `writer`: the small ones in one write."""
+    if writer.is_closing():
+        return
+    small: list[bytes] = []
+    for payload in payloads:
+        if len(payload) < SMALL_FRAME:
+            small += (_LENGTH.pack(len(payload)), payload)
+            continue
+        if small:
+            writer.write(b"".join(small))
+            small = []
+        write_frame(writer, payload)
+    if small:
+        writer.write(b"".join(small))
 
 
 def keep_alive(writer: FrameStream | asyncio.BaseTransport, idle: int = 10,

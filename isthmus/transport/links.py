@@ -24,11 +24,13 @@ from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import (
     FrameStream,
+    Parts,
     StreamClosed,
     connect,
     keep_alive,
     read_frame,
     write_frame,
+    write_frames,
 )
 from isthmus.transport.tls import FLEET_NAME, GRPC_NAME_OPTION, TlsConfig
 
@@ -52,6 +54,7 @@ class ControllerLink:
         self.token = token  # the fleet's (`transport/auth.py`)
         self.tls = tls  # mutual TLS on the stream (`transport/tls.py`), or None
         self._stream: FrameStream | None = None
+        self._out: list[bytes | Parts] = []  # frames of this turn, not yet written
 
     async def open(self, first: Any, timeout: float) -> AsyncIterator[Any]:
         """Proves this worker to the controller (and the controller to it), sends `first`,
@@ -91,11 +94,27 @@ class ControllerLink:
             yield m.decode(frame)
 
     def send(self, message: Any) -> None:
-        if self._stream is not None:
-            write_frame(self._stream, m.encode(message))
+        """Sends at the end of this turn, with whatever else is sent in it (the answers of a
+        batch of commands leave in one write, not one each)."""
+        if self._stream is None:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(m.encode(message))
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self._stream is not None and not self._stream.is_closing():
+            plain = [frame for frame in out if type(frame) is bytes]
+            if len(out) > 1 and len(plain) == len(out):
+                write_frames(self._stream, plain)
+            else:
+                for frame in out:
+                    write_frame(self._stream, frame)
 
     async def close(self) -> None:
         if self._stream is not None:
+            self._flush()
             self._stream.close()
             try:
                 await asyncio.wait_for(self._stream.wait_closed(), 2.0)

@@ -67,16 +67,30 @@ def decode(frame: bytes | Tailed) -> Any:
 
 def dtype_name(dtype: Any) -> str:
     """A numpy dtype as a name both ends can turn back into the dtype."""
-    import numpy as np
+    name = _NAMES.get(dtype)
+    if name is None:
+        import numpy as np
 
-    return np.dtype(dtype).name
+        name = np.dtype(dtype).name  # numpy builds it anew each time: ~2 us
+        if len(_NAMES) < 256:
+            _NAMES[dtype] = name
+    return name
 
 
 def dtype_of(name: str) -> Any:
-    import ml_dtypes
-    import numpy as np
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        import ml_dtypes
+        import numpy as np
 
-    return object if name == "object" else np.dtype(getattr(ml_dtypes, name, name))
+        dtype = object if name == "object" else np.dtype(getattr(ml_dtypes, name, name))
+        if len(_DTYPES) < 256:
+            _DTYPES[name] = dtype
+    return dtype
+
+
+_NAMES: dict[Any, str] = {}  # dtype_name's and dtype_of's answers, a few dtypes in all
+_DTYPES: dict[str, Any] = {}
 
 
 # ---- worker -> controller -------------------------------------------------------------------
