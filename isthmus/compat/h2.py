@@ -48,6 +48,7 @@ KNOWN = {
 }
 
 decode_huffman = hpack.huffman_table.decode_huffman  # hpackfast reads Huffman strings
+MAX_WINDOW = (1 << 31) - 1  # the largest flow-control window HTTP/2 allows
 
 
 class H2Changed(ImportError):
@@ -138,6 +139,15 @@ def _open_inbound_streams() -> str | None:
     return None if isinstance(prop, property) else "no longer has as a property"
 
 
+def _connection_state() -> str | None:
+    sample = _sample()
+    machine = getattr(sample, "state_machine", None)
+    if not hasattr(h2.connection.ConnectionState, "SERVER_OPEN") or machine is None:
+        return "no longer has"
+    return None if isinstance(getattr(sample, "highest_inbound_stream_id", None), int) \
+        else "no longer has (highest_inbound_stream_id)"
+
+
 def _closed_by_end() -> str | None:
     return None if hasattr(h2.stream.StreamClosedBy, "SEND_END_STREAM") else "no longer has"
 
@@ -177,6 +187,8 @@ INTERNALS: dict[str, Callable[[], str | None]] = {
     "H2Connection._closed_streams": _attribute("_closed_streams", dict),
     "H2Connection._frame_dispatch_table": _dispatch_table,
     "H2Connection.streams": _attribute("streams", dict),
+    "H2Connection.state_machine, highest_inbound_stream_id, outbound_flow_control_window":
+        _connection_state,
     "FrameBuffer._headers_buffer": _headers_buffer,
     "StreamClosedBy.SEND_END_STREAM": _closed_by_end,
     "_decode_headers (decoder.decode(block, raw=True))": _raw_decode,
@@ -306,6 +318,37 @@ class Connection(h2.connection.H2Connection):
             self._open_streams(1)
             self._sweep_at = max(64, 2 * len(self.streams))
         return len(self.streams)
+
+    def claim_stream(self, stream_id: int) -> bool:
+        """Whether a new client stream with this id may be opened without h2 (its HEADERS
+        frame taken elsewhere): the connection is open, no header block is half received,
+        and the id is odd and above every stream so far (h2 has opened one: the
+        connection's state is SERVER_OPEN). If so, h2 counts the id as used
+        (it then treats the stream's frames as those of a closed one), else nothing
+        changes and h2 should see the frame."""
+        if (not stream_id & 1 or stream_id <= self.highest_inbound_stream_id
+                or self.state_machine.state is not h2.connection.ConnectionState.SERVER_OPEN
+                or self.incoming_buffer._headers_buffer):
+            return False
+        self.highest_inbound_stream_id = stream_id
+        return True
+
+    def take_window_update(self, stream_id: int, increment: int) -> bool:
+        """A WINDOW_UPDATE frame taken without h2 where h2 would only count it: the
+        connection's (its window grows) or a closed stream's (h2 ignores those; a bare
+        stream's, once answered, is one). False, and nothing done, for any other (a frame
+        h2 must see, or judge as an error)."""
+        if (not 0 < increment <= MAX_WINDOW
+                or self.state_machine.state is not h2.connection.ConnectionState.SERVER_OPEN):
+            return False
+        if stream_id:
+            return bool(stream_id & 1) and stream_id <= self.highest_inbound_stream_id \
+                and stream_id not in self.streams
+        window = self.outbound_flow_control_window + increment
+        if window > MAX_WINDOW:
+            return False  # h2 reports the flow-control error
+        self.outbound_flow_control_window = window
+        return True
 
     def forget_stream(self, stream_id: int) -> None:
         """h2 forgets a stream answered (and ended) without it, as if it had closed it."""

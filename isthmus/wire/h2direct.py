@@ -119,11 +119,18 @@ class Direct:
             return
         if isinstance(response, bytes):
             framed = b"\0" + len(response).to_bytes(4, "big") + response
-            if owner.h2.respond_closed(stream.id, framed):
+            if owner.h2.respond_closed(stream.id, framed, stream.bare):
                 owner.streams.pop(stream.id, None)
                 owner.schedule_flush()
                 return
+            if stream.bare:  # h2 cannot send on it: the answer waits for room here
+                stream.task = asyncio.get_running_loop().create_task(
+                    owner.answer_bare(stream, framed))
+                return
             response = Pieces((response,))  # no window for it yet: it waits for room
+        elif stream.bare:
+            raise TypeError(f"a bare stream's sink answered {type(response).__name__}, "
+                            "not bytes")
         # The answer comes later: h2 closes its side of the stream as if the last frame had
         # come through it, and a task sends the answer.
         owner.h2.receive_data_frame(stream.id, END_STREAM, b"")
@@ -145,7 +152,7 @@ class Direct:
         if stream.task is not None:
             stream.task.cancel()
         self.owner.trailers(stream, code, message)
-        if stream.ended:
+        if stream.ended and not stream.bare:
             self.owner.h2.receive_data_frame(stream.id, END_STREAM, b"")
         elif isinstance(error, Abort):  # a message refused as it came: no more of it
             self.owner.stop_sending(stream)

@@ -48,8 +48,9 @@ MAX_HEADER_FRAME = 1 << 18
 READ_BUFFER = 1 << 18  # what one read of the socket may take, besides a large frame's body
 PREFACE = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # the client's first bytes
 _HEADER = struct.Struct(">HBBBL")  # length (24 bits), type, flags, stream id
-DATA, HEADERS, WINDOW_UPDATE, CONTINUATION = 0x0, 0x1, 0x8, 0x9  # frame types
-END_STREAM, END_HEADERS, PADDED = 0x1, 0x4, 0x8  # flags
+_INCREMENT = struct.Struct(">L")  # a WINDOW_UPDATE frame's body
+DATA, HEADERS, RST_STREAM, WINDOW_UPDATE, CONTINUATION = 0x0, 0x1, 0x3, 0x8, 0x9  # frame types
+END_STREAM, END_HEADERS, PADDED, PRIORITY = 0x1, 0x4, 0x8, 0x20  # flags
 # Header blocks in HPACK that neither read nor change the dynamic table (RFC 7541: an
 # indexed static field, and literals without indexing): ":status: 200" and "content-type:
 # application/grpc"; "grpc-status: 0".
@@ -71,19 +72,22 @@ class Frames(Connection):
         decoder = hpackfast.Decoder()  # before any header block: the same (empty) state
         decoder.max_header_list_size = self.decoder.max_header_list_size
         decoder.max_allowed_table_size = self.decoder.max_allowed_table_size
-        self.decoder = decoder
+        self.decoder: hpackfast.Decoder = decoder
 
     def held(self, stream_id: int, view: memoryview, end_stream: bool) -> None:
         self.raw(_frame_header(len(view), DATA, END_STREAM if end_stream else 0, stream_id))
         self.out.append(view)
 
-    def respond_closed(self, stream_id: int, message: bytes) -> bool:
+    def respond_closed(self, stream_id: int, message: bytes, bare: bool = False) -> bool:
         """Ends a stream whose request h2 has not seen end (a direct stream) with a whole
         gRPC response: headers, `message` (already framed) and OK trailers, written here
         (encoded without h2's header table, so its state is untouched); h2 forgets the
         stream as if it had closed it. False, and nothing done, when the stream's or the
-        connection's window has no room for `message`."""
-        if self.local_flow_control_window(stream_id) < len(message):
+        connection's window has no room for `message`. A `bare` stream is one h2 never
+        opened (`claim_stream`): its window is the client's initial one."""
+        room = (min(self.outbound_flow_control_window, self.remote_settings.initial_window_size)
+                if bare else self.local_flow_control_window(stream_id))
+        if room < len(message):
             return False
         self.outbound_flow_control_window -= len(message)
         self.raw(b"".join((
@@ -92,8 +96,41 @@ class Frames(Connection):
             _frame_header(len(message), DATA, 0, stream_id), message,
             _frame_header(len(_OK_TRAILERS), HEADERS, END_HEADERS | END_STREAM, stream_id),
             _OK_TRAILERS)))
-        self.forget_stream(stream_id)
+        if not bare:
+            self.forget_stream(stream_id)
         return True
+
+    def bare_trailers(self, stream_id: int, fields: list[tuple[bytes, bytes]],
+                      headers_sent: bool) -> None:
+        """The trailers that end a bare stream (`respond_closed`), with the response's
+        headers if none were sent; every field a literal that h2's table never sees."""
+        block = b"".join(b"\0" + _literal(name) + _literal(value[:MAX_STATUS_MESSAGE])
+                         for name, value in fields)
+        if not headers_sent:
+            block = _RESPONSE_HEADERS + block
+        self.raw(_frame_header(len(block), HEADERS, END_HEADERS | END_STREAM, stream_id)
+                 + block)
+
+    def bare_reset(self, stream_id: int, code: int) -> None:
+        """RST_STREAM on a bare stream."""
+        self.raw(_frame_header(4, RST_STREAM, 0, stream_id) + code.to_bytes(4, "big"))
+
+
+MAX_STATUS_MESSAGE = 4096  # bytes of a status message kept on a bare stream's trailers
+
+
+def _literal(text: bytes) -> bytes:
+    """An HPACK string, not Huffman-coded: its length (a 7-bit prefix integer), then it."""
+    length = len(text)
+    if length < 0x7F:
+        return bytes((length,)) + text
+    length -= 0x7F
+    out = bytearray((0x7F,))
+    while length >= 0x80:
+        out.append(length & 0x7F | 0x80)
+        length >>= 7
+    out.append(length)
+    return bytes(out) + text
 
 
 def violation(frames: Frames, error: type[h2.exceptions.ProtocolError], message: str
@@ -129,6 +166,14 @@ class Wire(asyncio.BufferedProtocol):
         # Streams whose DATA frames bypass h2: stream id -> handler(flags, body, flow
         # controlled length); their flow control is the handler's (see `window_update`).
         self.direct: dict[int, Callable[[int, Any, int], None]] = {}
+        # The HEADERS frames that open a stream may be taken below h2 too: `open_bare(stream
+        # id, header block)` says whether it took one (else h2 gets it), and `reset_bare`
+        # hears the client's RST_STREAM on any direct stream.
+        self.open_bare: Callable[[int, memoryview], bool] | None = None
+        self.reset_bare: Callable[[int], None] | None = None
+        # So may WINDOW_UPDATE frames: `take_window(stream id, increment)` says whether it
+        # took one.
+        self.take_window: Callable[[int, int], bool] | None = None
 
     # Reading.
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -206,6 +251,26 @@ class Wire(asyncio.BufferedProtocol):
                                     f"a header frame of {length} bytes")
                 if end - pos < 9 + length:
                     break
+                if (kind == HEADERS and flags & (END_HEADERS | END_STREAM | PADDED | PRIORITY)
+                        == END_HEADERS and self.open_bare is not None):
+                    if whole < pos:  # what came before goes first
+                        self.on_events(frames.receive_data(view[whole:pos]))
+                        whole = pos
+                    if self.open_bare(stream, view[pos + 9:pos + 9 + length]):
+                        pos += 9 + length
+                        whole = pos
+                        continue
+                elif kind == WINDOW_UPDATE and length == 4 and self.take_window is not None:
+                    if whole < pos:
+                        self.on_events(frames.receive_data(view[whole:pos]))
+                        whole = pos
+                    increment = _INCREMENT.unpack_from(buf, pos + 9)[0] & 0x7FFFFFFF
+                    if self.take_window(stream, increment):
+                        pos += 13
+                        whole = pos
+                        continue
+                elif kind == RST_STREAM and stream in self.direct and self.reset_bare:
+                    self.reset_bare(stream)  # h2 gets it too (for a bare stream: a no-op)
                 pos += 9 + length
                 continue
             have = min(length, end - pos - 9)

@@ -39,6 +39,14 @@ class Decoder(hpack.Decoder):
                 pass  # hpack decodes it from the start, and raises what it finds
         return super().decode(data, raw)
 
+    def read_only(self, data: bytes) -> list[tuple[bytes, bytes]] | None:
+        """A header block that leaves the table as it is, decoded; None for any other
+        (nothing changed: h2 may decode it)."""
+        try:
+            return self._read_only(data)
+        except (_Unusual, IndexError, InvalidTableIndex, HPACKDecodingError):
+            return None
+
     def _read_only(self, data: bytes) -> list[tuple[bytes, bytes]]:
         if self.header_table_size > self.max_allowed_table_size:
             raise _Unusual  # hpack's own check of the table size reports it

@@ -415,3 +415,66 @@ def test_a_data_frame_on_stream_zero_gets_a_goaway_not_a_traceback(caplog):
         run(body())
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     assert any("malformed HTTP/2 frame" in r.getMessage() for r in caplog.records)
+
+
+@_served
+async def test_uploads_opened_below_h2_answer_refuse_and_cancel_as_h2_ones_do(
+        handlers, channel):
+    """After a connection's first upload its HEADERS frames leave HPACK's table alone, and
+    the uploads are opened below h2 (bare streams, `_Connection._open_bare`), their
+    WINDOW_UPDATE frames too: answers, refusals (at once and midway), a cancel and an
+    upload over the stream's window behave exactly as through h2, and h2's own streams
+    beside them still work."""
+    from isthmus.wire import h2server
+
+    opened = []
+    original = h2server._Connection._open_bare
+
+    def counting(self, stream_id, block):
+        took = original(self, stream_id, block)
+        opened.append(took)
+        return took
+
+    h2server._Connection._open_bare = counting
+    try:
+        sink = channel.stream_unary("/t.T/Sink")
+
+        async def chunks(*messages):
+            for m in messages:
+                yield m
+
+        assert await sink(chunks(b"a")) == b"1:1"  # the first: its fields enter the table
+        assert [await sink(chunks(b"b" * 10, b"c")) for _ in range(3)] == [b"2:11"] * 3
+        assert opened.count(True) >= 3, opened
+        took = opened.count(True)
+        # Over the stream's 64 KiB window: raw window updates on a bare stream.
+        assert await sink(chunks(*[b"d" * (1 << 20)] * 5)) == f"5:{5 << 20}".encode()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await sink(chunks(b"a" * 100, b"refuse", b"b" * (3 << 20)))
+        assert (info.value.code(), info.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "refused midway")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await sink(chunks(b"x"), metadata=(("x-refuse", "open"),))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release = asyncio.Event()
+
+        async def stalled():
+            yield b"c" * 1000
+            await release.wait()
+            yield b"never"
+
+        cancelled = handlers.sinks_cancelled
+        before = handlers.sink_messages
+        call = sink(stalled())
+        await _until(lambda: handlers.sink_messages > before, "the sink's first chunk")
+        call.cancel()
+        await _until(lambda: handlers.sinks_cancelled > cancelled, "the sink to hear the cancel")
+        assert opened.count(True) >= took + 3, opened  # those were bare too
+        many = await asyncio.gather(*(sink(chunks(b"e" * i)) for i in range(1, 201)))
+        assert many == [f"1:{i}".encode() for i in range(1, 201)]
+        # h2's streams beside them: a unary call, a download over every window.
+        assert await channel.unary_unary("/t.T/Echo")(b"ok") == b"ok"
+        got = [m async for m in channel.unary_stream("/t.T/Download")(b"%d" % (9 << 20))]
+        assert [len(m) for m in got] == [9 << 20] * 3
+    finally:
+        h2server._Connection._open_bare = original
