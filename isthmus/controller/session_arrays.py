@@ -216,12 +216,33 @@ class SessionArrays(SessionCore):
             self._shards_failed(group, positions, e)
             group.settle()
             return
-        if all(isinstance(w, asyncio.Future) and w.done() for w in waits):
-            done = cast("list[asyncio.Future[None]]", waits)  # all futures, done (just checked)
-            self._record_puts(group, placed, [w.exception() for w in done])
-            group.settle()
+        if all(isinstance(w, asyncio.Future) for w in waits):
+            # The usual case (a worker's answer, no file to remove after it): settled from
+            # the answers' callbacks, no task per shard.
+            self._settle_when_answered(group, placed,
+                                       cast("list[asyncio.Future[None]]", waits))
         else:
             self.spawn(self._settle_puts(group, placed, waits))
+
+    def _settle_when_answered(self, group: BufferGroup, placed: list[int],
+                              answers: list[asyncio.Future[None]]) -> None:
+        left = [a for a in answers if not a.done()]
+        if not left:
+            self._record_puts(group, placed, [a.exception() for a in answers])
+            group.settle()
+            return
+        count = [len(left)]
+
+        def answered(_: object) -> None:
+            count[0] -= 1
+            if count[0] == 0:
+                self._record_puts(group, placed, [
+                    a.exception() if not a.cancelled() else errors.InternalError(
+                        "a put's answer was cancelled") for a in answers])
+                group.settle()
+
+        for answer in left:
+            answer.add_done_callback(answered)
 
     async def _settle_puts(self, group: BufferGroup, placed: list[int],
                            waits: list[Awaitable[None]]) -> None:

@@ -64,6 +64,8 @@ class FrontendSession:
         self.lease: Any = None  # on a shared service, the lease it runs under
         self.shared_service: Any = None  # ... and the service (frontend/shared.py)
         self.requests = 0
+        # MakeArraysFromHostBufferShards' specs checked so far (`transfers._check_shards`).
+        self.checked_specs: dict[Any, Any] = {}
         self._seq = itertools.count()  # numbers OK responses, as the client expects
 
     # ---- the request loop ----------------------------------------------------------------

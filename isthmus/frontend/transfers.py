@@ -220,6 +220,33 @@ def _ignore(data: object, error: object) -> None:
 
 def _array_from_shards(session: Any, spec: Any) -> Any:
     """The array of one spec of MakeArraysFromHostBufferShards."""
+    # A loop puts arrays of the same specs again and again, only the handles differ: what
+    # they describe is checked once per session (`_check_shards`), found by their fields.
+    buffers = spec.host_buffers
+    key = (spec.array_spec.SerializeToString(),
+           tuple(tuple(i.indices) for i in spec.addressable_shard_indices),
+           tuple((b.dtype.kind, tuple(b.shape.dims), _strides(b)) for b in buffers))
+    memo = session.checked_specs
+    checked = memo.get(key)
+    if checked is None:
+        checked = _check_shards(session, spec)
+        if len(memo) >= CHECKED_SPECS:
+            memo.clear()
+        memo[key] = checked
+    array_spec, described = checked
+    pieces = [(positions, _HostShard(session, buffer.host_buffer_handle, dtype, shape, strides))
+              for (positions, dtype, shape, strides), buffer in zip(described, buffers)]
+    return session.ctl.make_array_from_shards(
+        array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
+
+
+CHECKED_SPECS = 256  # specs of host-buffer shards kept checked per session
+
+
+def _check_shards(session: Any, spec: Any) -> tuple[Any, list[tuple[tuple[int, ...], Any, Any,
+                                                                     Any]]]:
+    """One spec of MakeArraysFromHostBufferShards, checked: its array spec, and per host
+    buffer the shard positions it fills, its dtype, shape and byte strides."""
     serdes = session.serdes
     array_spec = serdes.array_spec(spec.array_spec)
     if len(spec.addressable_shard_indices) != len(spec.host_buffers):
@@ -237,10 +264,8 @@ def _array_from_shards(session: Any, spec: Any) -> Any:
         shape = session.ctl.validate_shape(dtype, shape)
         strides = _strides(buffer)
         check_upload_strides(dtype, shape, strides)
-        pieces.append((tuple(indices.indices), _HostShard(
-            session, buffer.host_buffer_handle, dtype, shape, strides)))
-    return session.ctl.make_array_from_shards(
-        array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
+        pieces.append((tuple(indices.indices), dtype, shape, strides))
+    return array_spec, pieces
 
 
 def _check_rank_and_sign(byte_strides: tuple[int, ...], shape: Sequence[int]) -> None:
