@@ -151,7 +151,7 @@ class Fleet:
     def channel(self, worker: WorkerId) -> WorkerChannel:
         """The channel to one worker (a `LostChannel` when it has none)."""
         if self._outbox:
-            self.flush()
+            self.flush(more=True)
         return self._channel(worker)
 
     def _channel(self, worker: WorkerId) -> WorkerChannel:
@@ -194,8 +194,9 @@ class Fleet:
                 loop.call_soon(self.flush)
         outbox.append((workers, Commands([command])))
 
-    def flush(self) -> None:
-        """Hands the waiting shared commands to their workers."""
+    def flush(self, more: bool = False) -> None:
+        """Hands the waiting shared commands to their workers (`more`: a command of the
+        caller's follows, which they may wait for: one send to its worker, not two)."""
         if not self._outbox:
             return
         started = time.perf_counter()
@@ -206,7 +207,7 @@ class Fleet:
                 route = (workers, [self._channel(w).deliver for w in workers])
                 self._routes[id(workers)] = route
             for deliver in route[1]:
-                deliver(commands)
+                deliver(commands, more)
         self._flush_cost = min(time.perf_counter() - started, MAX_FLUSH_WAIT)
         self._flushed_at = asyncio.get_running_loop().time()
 
@@ -264,7 +265,7 @@ class LostChannel:
     async def _fail(self) -> Any:
         raise self.error
 
-    def deliver(self, commands: Commands) -> None:
+    def deliver(self, commands: Commands, more: bool = False) -> None:
         pass
 
     def stats(self) -> dict[str, int]:

@@ -52,8 +52,9 @@ class WorkerChannel(Protocol):
         """Issues a request; the awaitable resolves with its answer (or fails with the
         worker's error, or with the worker's loss)."""
 
-    def deliver(self, commands: Commands) -> None:
-        """Takes commands shared with other workers (in order with the rest)."""
+    def deliver(self, commands: Commands, more: bool = False) -> None:
+        """Takes commands shared with other workers (in order with the rest); `more`: a
+        command of this channel's own follows at once, so they may wait for it."""
 
     def stats(self) -> dict[str, int]:
         """Live buffers and bytes on the worker."""

@@ -270,6 +270,20 @@ class PutData:
 
 
 @_message
+class PutWhole:
+    """A put whose bytes are one piece (at most PIECE_BYTES): `PutBegin` and its one
+    `PutData` in a single message, answered once stored."""
+
+    request: int
+    buffer: int
+    device: int
+    memory_kind: str | None
+    dtype: str
+    shape: tuple[int, ...]
+    data: Any  # Bulk when sent; a memoryview of the frame when received
+
+
+@_message
 class PutObjects:
     """A string array (IFRT keeps these as host objects)."""
 
@@ -311,6 +325,6 @@ class Shutdown:
 
 def weight(command: Any) -> int:
     """A command's share of a worker's backlog, as both ends count it for flow control."""
-    if isinstance(command, PutData):
+    if isinstance(command, (PutData, PutWhole)):
         return 1 + len(command.data) // WEIGHT_BYTES
     return 1

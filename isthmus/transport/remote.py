@@ -240,6 +240,11 @@ class RemoteWorker:
             self._command(m.PutObjects(number, put.buffer, put.device, value))
             return future
         raw = memoryview(byte_view(value))
+        if len(raw) <= m.PIECE_BYTES:  # one message: the usual shard of a batch
+            whole = m.PutWhole(number, put.buffer, put.device, put.memory_kind,
+                               m.dtype_name(value.dtype), tuple(value.shape), m.Bulk(raw))
+            self._command(whole, weight=m.weight(whole))
+            return future
         self._command(m.PutBegin(put.buffer, put.device, put.memory_kind,
                                  m.dtype_name(value.dtype), tuple(value.shape), len(raw)))
         offset = 0
@@ -279,9 +284,9 @@ class RemoteWorker:
 
         return store()
 
-    def deliver(self, commands: Commands) -> None:
+    def deliver(self, commands: Commands, more: bool = False) -> None:
         """Shared commands are encoded once for all their workers; a worker with nothing
-        else queued gets the very same frame, sent at once."""
+        else queued gets the very same frame, sent at once (unless `more` comes)."""
         if self.lost is not None:
             return
         if commands.encoded is None:
@@ -290,7 +295,7 @@ class RemoteWorker:
             shared = m.Shared(cast(bytes, m.encode(tuple(commands.items))))
             commands.encoded = (shared, m.encode(m.Batch((shared,))))
         shared, frame = commands.encoded
-        if not self._pending and not self._held:
+        if not self._pending and not self._held and not more:
             self._sent(len(commands.items))
             self._send(frame)
         else:

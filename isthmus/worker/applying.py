@@ -106,6 +106,13 @@ class CommandApplier:
             self._spawn(message.request, host.put(BufferId(message.buffer), incoming.device,
                                                   value, incoming.memory_kind))
 
+    def _on_put_whole(self, host: DeviceHost, message: m.PutWhole) -> None:
+        pieces = Assembly(len(message.data))
+        pieces.add(0, message.data)  # kept as a view of its frame
+        value = pieces.value(m.dtype_of(message.dtype), message.shape)
+        self._spawn(message.request, host.put(BufferId(message.buffer), message.device,
+                                              value, message.memory_kind))
+
     def _on_put_objects(self, host: DeviceHost, message: m.PutObjects) -> None:
         self._spawn(message.request, host.put(BufferId(message.buffer), message.device,
                                               message.value))
@@ -184,6 +191,7 @@ _TOLD: dict[type, Callable[[CommandApplier, DeviceHost, Any], None]] = {
     c.Refuse: CommandApplier._on_refuse,
     m.PutBegin: CommandApplier._on_put_begin,
     m.PutData: CommandApplier._on_put_data,
+    m.PutWhole: CommandApplier._on_put_whole,
     m.PutObjects: CommandApplier._on_put_objects,
     m.PutFile: CommandApplier._on_put_file,
     m.FetchFile: CommandApplier._on_fetch_file,

@@ -468,7 +468,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
     def ask(self, request: Request[_T]) -> Awaitable[_T]:
         return request.apply(self)
 
-    def deliver(self, commands: Commands) -> None:
+    def deliver(self, commands: Commands, more: bool = False) -> None:
         """Commands shared with other workers."""
         for command in commands.items:
             command.apply(self)

@@ -58,7 +58,7 @@ def produced(message: Any) -> tuple[int, ...]:
         message = message.command
     if isinstance(message, Command):
         return message.produces()
-    if isinstance(message, (m.PutData, m.PutObjects, m.PutFile)):
+    if isinstance(message, (m.PutData, m.PutWhole, m.PutObjects, m.PutFile)):
         return (message.buffer,)
     return ()
 
