@@ -32,6 +32,8 @@ from isthmus.transport.remote import SHARED_BYTES
 
 logger = logging.getLogger(__name__)
 
+SMALL_UPLOAD = 64 << 10  # uploads below this are received into plain (unaligned) memory
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FrontendConfig:
@@ -162,6 +164,8 @@ class Frontend:
             buffer = shared_empty(directory, size)
             if buffer is not None:
                 return buffer
+        if size < SMALL_UPLOAD:
+            return np.empty(size, np.uint8)  # copied where it goes anyway: no alignment
         return aligned_empty(size)
 
     def check_host_buffer_size(self, size: int) -> int:

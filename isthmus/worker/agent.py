@@ -344,6 +344,17 @@ class WorkerAgent(CommandApplier):
     def _spawn(self, request: int, work: Any, command: Any = None) -> None:
         """Runs `work` as a task and answers `request` with its outcome. With `command`
         (a wait for computations), the request is asked again if the group re-forms."""
+        if command is None and isinstance(work, asyncio.Future) and work.done() \
+                and not work.cancelled():
+            error = work.exception()  # the usual small put: stored already, answered now
+            if error is None:
+                self._reply(request, work.result())
+                return
+            if isinstance(error, errors.IsthmusError) \
+                    and not isinstance(error, errors.PeerFailure):
+                self._reply(request, error=error)
+                return
+
         async def run() -> None:
             try:
                 value = await work
