@@ -35,11 +35,12 @@ Receiver = Callable[[memoryview | None, errors.IsthmusError | None], None]
 
 
 class _Entry:
-    __slots__ = ("future", "started", "size", "receiver")
+    __slots__ = ("future", "started", "size", "receiver", "promised")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[memoryview] = loop.create_future()
         self.started = False
+        self.promised = False  # a download under way (`promise`): looked up without a deadline
         self.size = 0
         self.receiver: Receiver | None = None  # `when_ready`'s, until the buffer is there
 
@@ -176,6 +177,12 @@ class HostBufferStore:
             return
         self.complete(handle, data)
 
+    def promise(self, handle: HostBufferHandle) -> None:
+        """A result is on its way here (a CopyToHostBuffer answered before its data is on
+        the host): `lookup` waits for it as long as it takes, not `start_timeout`."""
+        if self._closed is None:
+            self._entry(handle).promised = True
+
     def fail_download(self, handle: HostBufferHandle, error: errors.IsthmusError) -> None:
         self.abort(handle, error)
 
@@ -183,6 +190,8 @@ class HostBufferStore:
         """Waits for a published result (it stays until `delete`)."""
         entry = self._entry(handle)
         if not entry.future.done():
+            if entry.promised:  # its computation may run for any time: no deadline
+                return await asyncio.shield(entry.future)
             try:
                 await asyncio.wait_for(asyncio.shield(entry.future), self._start_timeout * 4)
             except TimeoutError:

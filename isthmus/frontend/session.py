@@ -105,6 +105,13 @@ class FrontendSession:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def background(self, work: Awaitable[None]) -> None:
+        """Work a request started and answered already (its outcome goes elsewhere); it is
+        cancelled when the session closes."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _finish(self, request: Any, kind: str, response: Any,
                       pending: Awaitable[None]) -> None:
         try:

@@ -8,6 +8,7 @@ against the buffer's actual size before any byte is read.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -17,6 +18,8 @@ import numpy as np
 from isthmus import dtypes, errors
 from isthmus.frontend.registry import handles
 from isthmus.hostmem import byte_view
+
+logger = logging.getLogger(__name__)
 
 
 def decode_host_array(session: Any, data: memoryview, dtype: dtypes.DType,
@@ -301,8 +304,9 @@ def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
         _check_download_strides(session, array, strides)
     fetched = session.ctl.moves.fetch(array)
     response.copy_to_host_buffer_response.SetInParent()
-    if fetched.done() and fetched.exception() is None:
-        # Already on the host (a small program on in-process devices): answered now.
+    if fetched.done():
+        # Already on the host (a small program on in-process devices), or known to have
+        # failed: answered now, with the data or the error.
         try:
             data = encode_host_array(session, fetched.result(), array.dtype, strides)
         except errors.IsthmusError as e:
@@ -311,13 +315,30 @@ def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
         session.host_buffers.publish(body.host_buffer_handle, data)
         return None
 
+    # Answered now, before the data is on the host: the client sends its HostBufferLookup
+    # at once, which waits here for the data (and fails with the fetch's error, if any), so
+    # a small fetch's data leaves the moment it arrives: a round trip less than answering
+    # once it is here (XLA's server does that).
+    session.host_buffers.promise(body.host_buffer_handle)
+
     async def finish() -> None:
         try:
             value = await fetched
             data = encode_host_array(session, value, array.dtype, strides)
-        except errors.IsthmusError as e:
-            session.host_buffers.fail_download(body.host_buffer_handle, e)
-            raise
+        except Exception as e:  # noqa: BLE001 - the lookup reports it
+            session.host_buffers.fail_download(
+                body.host_buffer_handle, as_download_error(e))
+            return
         session.host_buffers.publish(body.host_buffer_handle, data)
 
-    return finish()
+    session.background(finish())
+    return None
+
+
+def as_download_error(e: BaseException) -> errors.IsthmusError:
+    if isinstance(e, errors.IsthmusError):
+        return e
+    logger.exception("a download failed")
+    return errors.InternalError(
+        f"copying the array to the host failed unexpectedly ({type(e).__name__}: {e}); this "
+        "is a bug in isthmus: please report it with the server log.")
