@@ -121,10 +121,7 @@ class Direct:
             framed = b"\0" + len(response).to_bytes(4, "big") + response
             if owner.h2.respond_closed(stream.id, framed, stream.bare):
                 owner.streams.pop(stream.id, None)
-                if stream.method.answer_later:
-                    owner.flush_later()
-                else:
-                    owner.schedule_flush()
+                owner.schedule_flush()
                 return
             if stream.bare:  # h2 cannot send on it: the answer waits for room here
                 stream.task = asyncio.get_running_loop().create_task(

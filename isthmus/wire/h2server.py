@@ -52,7 +52,6 @@ CONNECTION_WINDOW = (1 << 31) - 1 - 65535  # the most HTTP/2 allows, beyond the 
 MAX_FRAME = (1 << 24) - 1  # the largest DATA frame a client may send us
 WRITE_HIGH = 8 << 20  # bytes queued on the socket at which a sender waits
 MAX_STREAMS = 1 << 20
-ANSWER_DELAY = 1e-3  # the longest an upload's answer waits for company (`flush_later`)
 
 
 
@@ -74,7 +73,6 @@ class _Connection:
         self.streams: dict[int, Call] = {}
         self.window_waiters: list[asyncio.Future[None]] = []
         self._flush_scheduled = False
-        self._later: asyncio.TimerHandle | None = None  # `flush_later`'s
         self.direct = Direct(self)
         self.peer = "ipv4:?:0"
         self.identity: Any = None  # a shared service's gate sets who the connection is
@@ -166,6 +164,7 @@ class _Connection:
                 or not self.h2.claim_stream(stream_id)):
             return False
         self._start(stream_id, headers, method, bare=True)
+        self.schedule_flush()
         return True
 
     def _take_window(self, stream_id: int, increment: int) -> bool:
@@ -213,7 +212,6 @@ class _Connection:
         """An upload's window: its handler reads as the bytes come."""
         if stream.bare:
             self.h2.raw(window_update(stream.id, UPLOAD_WINDOW - STREAM_WINDOW))
-            self.schedule_flush()
         else:
             self.h2.increment_flow_control_window(UPLOAD_WINDOW - STREAM_WINDOW, stream.id)
         stream.window = UPLOAD_WINDOW
@@ -384,19 +382,8 @@ class _Connection:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
 
-    def flush_later(self) -> None:
-        """For frames nobody waits on (an upload's answer: the client's next request does
-        not need it): they go with the next flush, or within ANSWER_DELAY. A synchronous
-        put's eight answers then leave with its readiness, in one send, not in three or
-        four (each send on this loopback costs the server ~25 µs and wakes the client)."""
-        if not self._flush_scheduled and self._later is None:
-            self._later = asyncio.get_running_loop().call_later(ANSWER_DELAY, self.flush)
-
     def flush(self) -> None:
         self._flush_scheduled = False
-        if self._later is not None:
-            self._later.cancel()
-            self._later = None
         out = self.h2.take()
         for data in (out if len(out) < 2 else coalesce(out)):
             self.wire.write(data)

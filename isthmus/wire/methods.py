@@ -72,7 +72,3 @@ class Method:
     # its `end()` returns None. An upload's sink may say its `size` in bytes: one that fits
     # the stream's first window is not given a larger one (a WINDOW_UPDATE less each way).
     sink: Callable[[Any], Any] | None = None
-    # A sink's answer that no later request of the client waits for (an upload's: the
-    # request that uses the buffer is sent without it) may wait for company, up to a
-    # millisecond, so that a turn's answers leave in one send (`h2server.flush_later`).
-    answer_later: bool = False

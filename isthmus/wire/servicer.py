@@ -365,8 +365,7 @@ class IfrtProxyServicer:
                 sink=self.session_stream),
             "HostBufferStore": dataclasses.replace(
                 rpc("stream_unary", self.host_buffer_store, None,
-                    "GrpcHostBufferStoreResponse"), pieces=True, sink=self.upload,
-                answer_later=True),
+                    "GrpcHostBufferStoreResponse"), pieces=True, sink=self.upload),
             "HostBufferLookup": dataclasses.replace(
                 rpc("unary_stream", self.host_buffer_lookup, "GrpcHostBufferLookupRequest",
                     None),
