@@ -208,6 +208,13 @@ class HostBufferStore:
             return None
         return entry.future.result()
 
+    def promised(self, handle: HostBufferHandle) -> asyncio.Future[memoryview] | None:
+        """The future of a result on its way (`promise`) that is not here yet, or None."""
+        entry = self._entries.get(handle)
+        if entry is None or not entry.promised or entry.future.done():
+            return None
+        return entry.future
+
     def delete(self, handle: HostBufferHandle) -> None:
         self._drop(handle)
 

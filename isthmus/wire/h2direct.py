@@ -113,6 +113,21 @@ class Direct:
         response = stream.sink.end()
         self.owner.wire.direct.pop(stream.id, None)
         stream.sink = None
+        if isinstance(response, asyncio.Future):  # the answer, once it is known
+            response.add_done_callback(lambda _: self._answered(stream, response))
+            return
+        self._answer(stream, response)
+
+    def _answered(self, stream: Call, answer: asyncio.Future[Any]) -> None:
+        if stream.id not in self.owner.streams:
+            return  # the client reset the call meanwhile
+        try:
+            self._answer(stream, answer.result())
+        except Exception as e:  # noqa: BLE001 - Refused, or a bug: this call fails alone
+            self._fail(stream, e)
+        self.owner.schedule_flush()
+
+    def _answer(self, stream: Call, response: Any) -> None:
         owner = self.owner
         if response is None and stream.task is not None:  # the streaming answer ends it
             owner.h2.receive_data_frame(stream.id, END_STREAM, b"")

@@ -300,11 +300,39 @@ class IfrtProxyServicer:
     def lookup_now(self, request: Any, context: Any) -> Any:
         """HostBufferLookup without a task when the buffer is ready and small: its
         serialized response; otherwise the streaming handler."""
-        data = self.frontend.host_buffers(
-            request.session_id, getattr(context, "identity", None)).ready(request.handle)
+        store = self.frontend.host_buffers(request.session_id,
+                                           getattr(context, "identity", None))
+        data = store.ready(request.handle)
+        if data is None:
+            coming = store.promised(request.handle)
+            if coming is not None:  # the fetch is under way: answered the turn it lands
+                return self._lookup_later(coming, request, context)
         if data is None or len(data) > DIRECT_LOOKUP_BYTES:
             return self.host_buffer_lookup(request, context)
         return b"".join(bytes_message(data)) if len(data) else b""
+
+    def _lookup_later(self, coming: asyncio.Future[memoryview], request: Any,
+                      context: Any) -> asyncio.Future[Any]:
+        """`lookup_now`'s answer for a buffer still on its way: a future of the serialized
+        response (or, for a large one, of the streaming handler)."""
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def landed(_: object) -> None:
+            if coming.cancelled():
+                answer.set_exception(Refused(grpc.StatusCode.CANCELLED,
+                                             "the fetch was cancelled; fetch the array again"))
+                return
+            error = coming.exception()
+            if isinstance(error, errors.IsthmusError):
+                answer.set_exception(Refused(_status(error.code), error.message))
+            elif error is not None or len(coming.result()) > DIRECT_LOOKUP_BYTES:
+                answer.set_result(self.host_buffer_lookup(request, context))  # it reports
+            else:
+                data = coming.result()
+                answer.set_result(b"".join(bytes_message(data)) if len(data) else b"")
+
+        coming.add_done_callback(landed)
+        return answer
 
     def delete_now(self, request: Any, context: Any) -> bytes:
         self.frontend.host_buffers(
