@@ -64,10 +64,7 @@ class Direct:
             raise violation(self.owner.h2, h2.exceptions.FlowControlError,
                             f"{stream.direct_unacked} bytes sent on stream {stream.id}, "
                             f"whose window is {stream.window}")
-        self._unacked += flow
-        if self._unacked >= CONNECTION_ACK:
-            self.owner.h2.raw(window_update(0, self._unacked))
-            self._unacked = 0
+        self._count(flow)
         try:
             if body:
                 stream.feed(body, 0)
@@ -79,6 +76,25 @@ class Direct:
             self._consume(stream)
         except Exception as e:  # noqa: BLE001 - Refused, Abort (compressed), or a bug
             self._fail(stream, e)
+
+    def _count(self, flow: int) -> None:
+        """Direct bytes taken: the connection's window is handed back in large steps."""
+        self._unacked += flow
+        if self._unacked >= CONNECTION_ACK:
+            self.owner.h2.raw(window_update(0, self._unacked))
+            self._unacked = 0
+
+    def drain(self, stream: Call) -> None:
+        """What the client still sends on a bare stream answered before it ended (a
+        refusal) is dropped here, counted for the connection's window: h2, which never
+        knew the stream, would reset it as a closed one (STREAM_CLOSED), and the client
+        could take that reset for the call's outcome."""
+        def data(flags: int, body: Any, flow: int) -> None:
+            self._count(flow)
+            if flags & END_STREAM:
+                self.owner.wire.direct.pop(stream.id, None)
+
+        self.owner.wire.direct[stream.id] = data
 
     def _consume(self, stream: Call) -> None:
         """Messages to the sink while it takes them; then the window, or the end."""
@@ -153,7 +169,8 @@ class Direct:
 
     def _fail(self, stream: Call, error: Exception) -> None:
         """The sink refused (or failed): the call ends with that status; what the client
-        still sends on the stream goes to h2, which counts it."""
+        still sends on the stream goes to h2, which counts it (on a bare stream: is
+        drained, after a RST_STREAM NO_ERROR that asks the client to stop)."""
         sink = stream.sink
         if isinstance(error, (Refused, Abort)):
             code, message = error.code, error.message
@@ -169,7 +186,7 @@ class Direct:
         self.owner.trailers(stream, code, message)
         if stream.ended and not stream.bare:
             self.owner.h2.receive_data_frame(stream.id, END_STREAM, b"")
-        elif isinstance(error, Abort):  # a message refused as it came: no more of it
+        elif isinstance(error, Abort) or stream.bare:  # refused: no more of it
             self.owner.stop_sending(stream)
 
     def cancel(self, stream: Call, reason: BaseException) -> None:

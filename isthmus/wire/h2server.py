@@ -178,7 +178,9 @@ class _Connection:
     def _reset_bare(self, stream_id: int) -> None:
         """The client reset a direct stream; h2 says so itself for one it opened."""
         stream = self.streams.get(stream_id)
-        if stream is not None and stream.bare:
+        if stream is None:  # answered: its last bytes were being drained
+            self.wire.direct.pop(stream_id, None)
+        elif stream.bare:
             del self.streams[stream_id]
             if stream.task is not None:
                 stream.task.cancel()
@@ -333,6 +335,8 @@ class _Connection:
             fields.append((b"grpc-message", percent_encode(message)))
         if stream.bare:
             self.h2.bare_trailers(stream.id, fields, stream.headers_sent)
+            if not stream.ended:
+                self.direct.drain(stream)
             self.schedule_flush()
             return
         if not stream.headers_sent:

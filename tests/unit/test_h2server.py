@@ -453,9 +453,13 @@ async def test_uploads_opened_below_h2_answer_refuse_and_cancel_as_h2_ones_do(
             await sink(chunks(b"a" * 100, b"refuse", b"b" * (3 << 20)))
         assert (info.value.code(), info.value.details()) == (
             grpc.StatusCode.INVALID_ARGUMENT, "refused midway")
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await sink(chunks(b"x"), metadata=(("x-refuse", "open"),))
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Refused at open, the client still sending: the second time its header block is
+        # all indexed (bare); its answer is the refusal, never a reset of a closed stream.
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await sink(chunks(*[b"x" * 50_000] * 4), metadata=(("x-refuse", "open"),))
+            assert (info.value.code(), info.value.details()) == (
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "refused at once")
         release = asyncio.Event()
 
         async def stalled():
@@ -478,3 +482,65 @@ async def test_uploads_opened_below_h2_answer_refuse_and_cancel_as_h2_ones_do(
         assert [len(m) for m in got] == [9 << 20] * 3
     finally:
         h2server._Connection._open_bare = original
+
+
+def test_a_bare_upload_refused_at_open_drains_what_still_comes():
+    """An upload refused at open on a bare stream: the client gets the refusal and a
+    RST_STREAM NO_ERROR, and DATA it had already sent is dropped, never answered with a
+    reset of a closed stream (STREAM_CLOSED), which a client may take for the outcome."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    async def body():
+        handlers = Handlers()
+        async with _serving(handlers) as channel:
+            port = handlers.port
+
+            def talk():
+                sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+                conn.initiate_connection()
+                sock.sendall(conn.data_to_send())
+                headers = [(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Sink"),
+                           (":authority", "x"), ("content-type", "application/grpc"),
+                           ("te", "trailers"), ("x-refuse", "open")]
+                resets, statuses = {}, {}
+                for stream_id in (1, 3, 5):  # 3 and 5: every field indexed, opened bare
+                    conn.send_headers(stream_id, headers)
+                    sock.sendall(conn.data_to_send())
+                    while stream_id not in statuses:  # the refusal comes first
+                        for event in conn.receive_data(sock.recv(65536)):
+                            if isinstance(event, h2.events.TrailersReceived) or (
+                                    isinstance(event, h2.events.ResponseReceived)
+                                    and event.stream_ended):
+                                statuses[event.stream_id] = dict(event.headers)
+                            elif isinstance(event, h2.events.StreamReset):
+                                resets[event.stream_id] = event.error_code
+                        sock.sendall(conn.data_to_send())
+                    # Bytes the client had in flight: sent on below h2 (h2 itself would
+                    # refuse to send on a stream that was answered).
+                    frame = (5).to_bytes(3, "big") + b"\0\1" + stream_id.to_bytes(4, "big")
+                    sock.sendall(frame + b"\0\0\0\0\0")
+                conn.ping(b"12345678")  # the server's answer to it comes after the rest
+                sock.sendall(conn.data_to_send())
+                acked = False
+                while not acked:
+                    for event in conn.receive_data(sock.recv(65536)):
+                        acked |= isinstance(event, h2.events.PingAckReceived)
+                        if isinstance(event, h2.events.StreamReset):
+                            resets[event.stream_id] = event.error_code
+                    sock.sendall(conn.data_to_send())
+                sock.close()
+                return statuses, resets
+
+            statuses, resets = await asyncio.to_thread(talk)
+            for stream_id in (1, 3, 5):
+                assert statuses[stream_id][b"grpc-status"] == b"8", statuses  # RESOURCE_EXHAUSTED
+                assert statuses[stream_id][b"grpc-message"] == b"refused at once"
+            assert not [s for s, code in resets.items() if code != 0], resets
+            assert await channel.unary_unary("/t.T/Echo")(b"ok") == b"ok"
+
+    run(body())
