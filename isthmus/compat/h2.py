@@ -144,8 +144,10 @@ def _connection_state() -> str | None:
     machine = getattr(sample, "state_machine", None)
     if not hasattr(h2.connection.ConnectionState, "SERVER_OPEN") or machine is None:
         return "no longer has"
-    return None if isinstance(getattr(sample, "highest_inbound_stream_id", None), int) \
-        else "no longer has (highest_inbound_stream_id)"
+    for name in ("highest_inbound_stream_id", "outbound_flow_control_window"):
+        if not isinstance(getattr(sample, name, None), int):
+            return f"no longer has ({name})"
+    return None
 
 
 def _closed_by_end() -> str | None:
