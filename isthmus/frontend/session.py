@@ -101,13 +101,11 @@ class FrontendSession:
             response.response_metadata.seq_num = next(self._seq)
             self._send(response)
         else:
-            task = asyncio.ensure_future(self._finish(request, kind, response, pending))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.background(self._finish(request, kind, response, pending))
 
     def background(self, work: Awaitable[None]) -> None:
-        """Work a request started and answered already (its outcome goes elsewhere); it is
-        cancelled when the session closes."""
+        """Work of a request that runs on after `handle` (its answer, or work whose outcome
+        goes elsewhere); it is cancelled when the session closes."""
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -281,13 +281,13 @@ def write_frame(writer: FrameStream, payload: bytes | Parts) -> None:
         writer.write(payload)
 
 
-def write_frames(writer: FrameStream, payloads: list[bytes]) -> None:
-    """Queues several frames of plain bytes on `writer`: the small ones in one write."""
+def write_frames(writer: FrameStream, payloads: list[bytes | Parts]) -> None:
+    """Queues several frames on `writer`: runs of small plain ones in one write."""
     if writer.is_closing():
         return
     small: list[bytes] = []
     for payload in payloads:
-        if len(payload) < SMALL_FRAME:
+        if type(payload) is bytes and len(payload) < SMALL_FRAME:
             small += (_LENGTH.pack(len(payload)), payload)
             continue
         if small:

@@ -29,7 +29,6 @@ from isthmus.transport.frames import (
     connect,
     keep_alive,
     read_frame,
-    write_frame,
     write_frames,
 )
 from isthmus.transport.tls import FLEET_NAME, GRPC_NAME_OPTION, TlsConfig
@@ -104,13 +103,8 @@ class ControllerLink:
 
     def _flush(self) -> None:
         out, self._out = self._out, []
-        if self._stream is not None and not self._stream.is_closing():
-            plain = [frame for frame in out if type(frame) is bytes]
-            if len(out) > 1 and len(plain) == len(out):
-                write_frames(self._stream, plain)
-            else:
-                for frame in out:
-                    write_frame(self._stream, frame)
+        if self._stream is not None:
+            write_frames(self._stream, out)
 
     async def close(self) -> None:
         if self._stream is not None:

@@ -33,10 +33,10 @@ class Decoder(hpack.Decoder):
 
     def decode(self, data: Any, raw: bool = False) -> Any:
         if raw:
-            try:
-                return self._read_only(bytes(data))
-            except (_Unusual, IndexError, InvalidTableIndex, HPACKDecodingError):
-                pass  # hpack decodes it from the start, and raises what it finds
+            headers = self.read_only(bytes(data))
+            if headers is not None:
+                return headers
+        # hpack decodes it from the start, and raises what it finds
         return super().decode(data, raw)
 
     def read_only(self, data: bytes) -> list[tuple[bytes, bytes]] | None:
