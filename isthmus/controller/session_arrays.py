@@ -227,20 +227,18 @@ class SessionArrays(SessionCore):
     def _settle_when_answered(self, group: BufferGroup, placed: list[int],
                               answers: list[asyncio.Future[None]]) -> None:
         left = [a for a in answers if not a.done()]
-        if not left:
-            self._record_puts(group, placed, [a.exception() for a in answers])
-            group.settle()
-            return
         count = [len(left)]
 
-        def answered(_: object) -> None:
+        def answered(_: object = None) -> None:
             count[0] -= 1
-            if count[0] == 0:
+            if count[0] <= 0:
                 self._record_puts(group, placed, [
                     a.exception() if not a.cancelled() else errors.InternalError(
                         "a put's answer was cancelled") for a in answers])
                 group.settle()
 
+        if not left:
+            answered()
         for answer in left:
             answer.add_done_callback(answered)
 
