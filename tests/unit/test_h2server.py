@@ -316,14 +316,8 @@ async def test_a_direct_upload_refused_or_cancelled(handlers, channel):
     assert handlers.sinks_cancelled == 1  # the refusal midway; a refused open made none
 
     release = asyncio.Event()
-
-    async def stalled():
-        yield b"c" * 1000
-        await release.wait()
-        yield b"never"
-
     before = handlers.sink_messages
-    call = sink(stalled())
+    call = sink(_stalled(release))
     await _until(lambda: handlers.sink_messages > before, "the sink to take the first chunk")
     call.cancel()
     await _until(lambda: handlers.sinks_cancelled == 2, "the sink to hear of the cancel")
@@ -343,6 +337,13 @@ async def test_unary_sinks_answer_at_once_or_later(handlers, channel):
     assert info.value.details() == "no such thing"
     answers = await asyncio.gather(*(_collect(quick(b"x%d" % i)) for i in range(300)))
     assert answers == [[b"X%d" % i] for i in range(300)]
+
+
+async def _stalled(release):
+    """An upload's chunks: one, then nothing until `release` (a call to cancel midway)."""
+    yield b"c" * 1000
+    await release.wait()
+    yield b"never"
 
 
 async def _collect(call):
@@ -461,15 +462,9 @@ async def test_uploads_opened_below_h2_answer_refuse_and_cancel_as_h2_ones_do(
             assert (info.value.code(), info.value.details()) == (
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "refused at once")
         release = asyncio.Event()
-
-        async def stalled():
-            yield b"c" * 1000
-            await release.wait()
-            yield b"never"
-
         cancelled = handlers.sinks_cancelled
         before = handlers.sink_messages
-        call = sink(stalled())
+        call = sink(_stalled(release))
         await _until(lambda: handlers.sink_messages > before, "the sink's first chunk")
         call.cancel()
         await _until(lambda: handlers.sinks_cancelled > cancelled, "the sink to hear the cancel")
