@@ -26,6 +26,7 @@ from isthmus.options import (
 )
 from isthmus.shared_commands import add_leases_command, leases_command, service_run
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
+from isthmus.worker import scheduling
 from isthmus.worker.platforms import PlatformUnavailable, prepare_process
 
 logger = logging.getLogger("isthmus.cli")
@@ -58,10 +59,15 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     token = fleet_token(args)
     if args.connect_timeout <= 0:
         refuse(f"--connect-timeout must be positive, not {args.connect_timeout:g}")
+    try:
+        gloo_scheduling = args.gloo_scheduling or scheduling.from_environment()
+    except ValueError as e:
+        refuse(str(e))
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
                           devices=args.devices, platform=platform, token=token,
                           tls=tls_config(args), connect_timeout=args.connect_timeout,
                           listen=args.listen, advertise=args.advertise,
+                          gloo_scheduling=gloo_scheduling,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv),
                           crash=CrashConfig(os.environ.get(CRASH_RECORD_ENV) or None,
                                             os.environ.get(TEST_CRASH_ENV, "")))
@@ -86,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--cpus", default=None, metavar="LIST",
                         help="run on these CPUs only, e.g. 0-3,8 (default: all this process "
                              "may use); XLA sizes its thread pools to them")
+    worker.add_argument("--gloo-scheduling", choices=scheduling.CHOICES, default=None,
+                        help="how the OS schedules the thread that carries CPU collectives "
+                             "between workers: batch (no preemption on each message: faster "
+                             "unless other processes keep every CPU busy) or normal (default: "
+                             f"${scheduling.ENVIRONMENT}, else {scheduling.DEFAULT}; "
+                             "docs/design.md)")
     worker.add_argument("--listen", default="127.0.0.1",
                         help="address for the peer data server (default: 127.0.0.1)")
     worker.add_argument("--advertise", default=None,

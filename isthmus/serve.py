@@ -26,6 +26,7 @@ from isthmus.options import (
 )
 from isthmus.shared_commands import add_client_arguments, add_server_arguments, shared_config
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
+from isthmus.worker import scheduling
 from isthmus.worker.platforms import Platform, check_local_cuda, prepare_process, resolve
 
 READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
@@ -161,6 +162,11 @@ def head_config(args: argparse.Namespace) -> object:
                f"{'--devices' if args.devices is not None else '--no-launch'}")
     if args.pin_slices:
         require_affinity("--pin-slices")
+    if args.devices is None and not args.no_launch:
+        try:  # the workers it launches read it; a bad value is refused here, once
+            scheduling.from_environment()
+        except ValueError as e:
+            refuse(str(e))
     platform = platform_config(args)
     fleet = None
     if args.devices is None:

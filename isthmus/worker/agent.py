@@ -29,6 +29,7 @@ from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.transport.records import ColocatedProgram, CompileRequest
 from isthmus.transport.tls import TlsConfig
+from isthmus.worker import scheduling
 from isthmus.worker.applying import CommandApplier
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.crashes import CrashConfig, CrashRecord
@@ -67,6 +68,7 @@ class WorkerConfig:
     advertise: str | None = None  # how peers reach it (default: `listen`)
     connect_timeout: float = 180.0  # seconds to wait for the controller (at start, or back)
     group_timeout: int = 60  # seconds to join a collective group
+    gloo_scheduling: str = scheduling.DEFAULT  # of a CPU group's gloo loop thread
     token: str = ""  # the fleet's shared secret ("": a fleet on a network it trusts)
     tls: TlsConfig | None = None  # mutual TLS with the controller and peers
     # The command line that starts this worker afresh (a worker the controller declared
@@ -427,13 +429,16 @@ class WorkerAgent(CommandApplier):
     async def _form(self, message: m.FormGroup) -> None:
         assert self._described is not None
         loop = asyncio.get_running_loop()
+        config = self.config
         joins = [loop.run_in_executor(
             None, join_group, message.address, message.node_id, message.num_nodes,
-            self._described.platform, self._described.devices, self.config.group_timeout)]
+            self._described.platform, self._described.devices, config.group_timeout,
+            config.gloo_scheduling)]
         if message.companion_address:  # the colocated CPU devices' group, at the same time
             joins.append(loop.run_in_executor(
                 None, join_group, message.companion_address, message.node_id,
-                message.num_nodes, "cpu", self._described.devices, self.config.group_timeout))
+                message.num_nodes, "cpu", self._described.devices, config.group_timeout,
+                config.gloo_scheduling))
         joined = await asyncio.gather(*joins, return_exceptions=True)
         failed = next((j for j in joined if isinstance(j, BaseException)), None)
         if failed is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
+from isthmus.worker import scheduling
 from isthmus.worker.compile_cache import CacheConfig
 
 PLATFORMS = ("cpu", "cuda", "auto")
@@ -203,16 +204,21 @@ def make_client(platform: str, num_devices: int, distributed_client: Any = None,
 
 
 def join_group(address: str, node_id: int, num_nodes: int, platform: str, devices: int,
-               timeout: int) -> tuple[Any, Any]:
+               timeout: int, gloo_scheduling: str = scheduling.DEFAULT) -> tuple[Any, Any]:
     """Joins the collective group whose coordinator is at `address` (blocking): returns the
-    distributed-runtime client (keep it alive) and the device client made in the group."""
+    distributed-runtime client (keep it alive) and the device client made in the group.
+    A CPU group's gloo loop thread gets `gloo_scheduling` (`worker/scheduling.py`)."""
     _jax = jax_compat.jaxlib_extension()
     distributed = _jax.get_distributed_runtime_client(
         address, node_id, init_timeout=timeout, shutdown_on_destruction=False)
     distributed.connect()
     # CPU collectives cross processes through gloo; CUDA ones through NCCL, which the GPU
     # client sets up itself over the same distributed runtime.
-    collectives = _jax.make_gloo_tcp_collectives(distributed) if platform == "cpu" else None
+    collectives = None
+    if platform == "cpu":
+        collectives, started = scheduling.started_by(
+            lambda: _jax.make_gloo_tcp_collectives(distributed))
+        scheduling.schedule_loop(started, gloo_scheduling)
     return distributed, make_client(platform, devices, distributed_client=distributed,
                                     node_id=node_id, num_nodes=num_nodes,
                                     collectives=collectives)

@@ -209,10 +209,39 @@ def test_default_fleet_runs_a_plain_jax_program_and_stops_without_orphans():
             emit("shape", np.array(mesh.devices.shape))
             emit("sum", jax.jit(lambda a: jnp.sum(a * 2, axis=0))(x))
         """, server.address)
+        if hasattr(os, "SCHED_BATCH"):  # gloo's loop thread, and no other (scheduling.py)
+            assert [len(_batch_threads(pid)) for pid in pids] == [1, 1]
     finally:
         assert server.stop() == 0
     wait_until(lambda: not any(process_alive(p) for p in pids), 10,
                "the workers to end with the controller (they outlived it)")
+
+
+def _batch_threads(pid):
+    """The threads of process `pid` that the OS schedules as SCHED_BATCH."""
+    found = []
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.sched_getscheduler(int(thread)) == os.SCHED_BATCH:
+                found.append(int(thread))
+        except ProcessLookupError:
+            pass  # it has ended
+    return found
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux thread scheduling")
+def test_gloo_scheduling_normal_reaches_the_workers_and_leaves_their_threads_alone():
+    env = {**os.environ, "ISTHMUS_GLOO_SCHEDULING": "normal"}
+    with LocalServer(devices=None, fleet=(1, 2, 1), env=env) as server:
+        compare("""
+            import jax, jax.numpy as jnp
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+            rows = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+            x = jax.device_put(np.arange(32.0, dtype=np.float32).reshape(8, 4), rows)
+            emit("sum", jax.jit(lambda a: jnp.sum(a, axis=0))(x))
+        """, server.address, rtol=2e-6)
+        pids = [entry["pid"] for entry in server.status()["fleet"].values()]
+        assert len(pids) == 2 and all(_batch_threads(pid) == [] for pid in pids)
 
 
 def test_a_worker_can_join_a_running_fleet(small_fleet):
