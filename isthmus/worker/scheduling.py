@@ -11,10 +11,10 @@ starts it later (0.05 ms in the other), and a plain `jnp.sum` over 8 devices tak
 As SCHED_BATCH the loop keeps its full share of the CPU (same weight; nothing can starve
 it) but no longer preempts on wakeup: it runs when a CPU frees or the current thread's slice
 ends. Its CPU per reduction drops to 0.06-0.09 ms and the sum to 1.3 ms; the data-parallel
-loop of bench/dp_loop.py runs 1.3-2x faster. Where other processes keep every CPU busy, a
+loop of bench/dp_loop.py runs 1.3-1.4x faster. Where other processes keep every CPU busy, a
 message waits for their slices instead, and that loop runs 0.6-0.8x as fast as with
 `normal`, the OS default, which `--gloo-scheduling normal` (or ISTHMUS_GLOO_SCHEDULING)
-keeps. Figures: bench/RESULTS.md, "Issue 27, fourth round".
+keeps. docs/design.md, "gloo's thread"; figures: bench/RESULTS.md, "Issue 27, fourth round".
 """
 
 from __future__ import annotations
