@@ -10,6 +10,7 @@ No figure here is a test assertion.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -23,6 +24,7 @@ from collections.abc import Callable
 
 from isthmus.serve import child_environment
 from isthmus.testing import LocalServer
+from isthmus.worker.scheduling import ENVIRONMENT
 
 HERE = pathlib.Path(__file__).parent
 OUT = HERE / "out"
@@ -140,20 +142,30 @@ def plot(curves: dict[str, tuple[list[float], list[float]]], path: pathlib.Path)
 DP_PIECES = ("steps_per_s", "put_ms", "elementwise_ms", "sum_ms", "sum_fetch_ms")
 
 
-def dp_against_peer(steps: int, rounds: int) -> dict[str, dict]:
+def dp_against_peer(steps: int, rounds: int, normal_gloo: bool = False) -> dict[str, dict]:
     """The data-parallel loop on local jax (8 devices in one process), on its
     multi-controller twin (2 processes x 4 devices, gloo) and on the default fleet (1 slice
     x 2 hosts x 4 devices, one client), fed from the client and by a colocated loader on the
     workers, in `rounds` paired rounds; each figure is a median, and `/ peer` the median of
-    each round's ratio of steps/s to the twin's."""
+    each round's ratio of steps/s to the twin's. With `normal_gloo`, also client-fed on a
+    second fleet whose gloo thread keeps the OS's default scheduling (worker/scheduling.py)."""
     from bench.peer import run_peer
 
     fleet, loader = "isthmus fleet 1x2x4", "fleet, colocated loader"
+    normal = "fleet, gloo normal"
     runs: dict[str, list[dict]] = {"local jax 8 devices": [], "multi-controller 2x4": [],
                                    fleet: [], loader: []}
+    if normal_gloo:
+        runs[normal] = []
     began = time.monotonic()
-    with LocalServer(devices=None, fleet=(1, 2, 4)) as server:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(LocalServer(devices=None, fleet=(1, 2, 4)))
+        other = stack.enter_context(LocalServer(
+            devices=None, fleet=(1, 2, 4), env={**os.environ, ENVIRONMENT: "normal"})
+        ) if normal_gloo else None
         for _ in range(rounds):
+            if other is not None:
+                runs[normal].append(_run("dp_loop.py", _through(other), [str(steps)]))
             runs["local jax 8 devices"].append(_run("dp_loop.py", _local(8), [str(steps)]))
             runs["multi-controller 2x4"].append(run_peer("dp_loop.py", 2, 4, [str(steps)],
                                                          base=_base()))
@@ -165,7 +177,7 @@ def dp_against_peer(steps: int, rounds: int) -> dict[str, dict]:
     STAGES.append(("dp_loop.py, its peer and the fleet", time.monotonic() - began))
     table = {name: {key: statistics.median(r[key] for r in rs) for key in DP_PIECES}
              for name, rs in runs.items()}
-    for name in (fleet, loader):
+    for name in runs.keys() - {"local jax 8 devices", "multi-controller 2x4"}:
         table[name]["/ peer"] = statistics.median(
             f["steps_per_s"] / p["steps_per_s"]
             for f, p in zip(runs[name], runs["multi-controller 2x4"]))
@@ -291,7 +303,8 @@ def main() -> int:
 
     # The data-parallel loop against its honest peer (bench/dp_loop.py, bench/peer.py):
     # multi-controller JAX on the same 2 processes x 4 devices, in paired rounds.
-    data_parallel = dp_against_peer(150 if quick else 300, 1 if quick else 3)
+    data_parallel = dp_against_peer(150 if quick else 300, 1 if quick else 3,
+                                    normal_gloo=not quick)
     # Two slices at once from one program (bench/slices.py, examples/rl_loop.py).
     slices = {"local jax 8 devices": _run("slices.py", _local(8), metrics_args)}
     with LocalServer(devices=None, fleet=(2, 1, 4)) as server:
