@@ -42,7 +42,8 @@ class BufferGroup:
 
     __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "refs", "shard_refs",
                  "defined", "_waiting", "error", "errors", "deleted", "deleted_at", "freed",
-                 "freed_at", "pins", "free_pending", "dispatched", "stored")
+                 "freed_at", "pins", "free_pending", "dispatched", "stored", "storing",
+                 "_unanswered")
 
     def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
                  nbytes: tuple[int, ...], memory_kind: str | None = None) -> None:
@@ -70,6 +71,10 @@ class BufferGroup:
         # Positions whose host data its worker confirmed stored and ready (a put's answer):
         # when all are, the group is ready without asking the workers again.
         self.stored = 0
+        # Resolved once the answers of puts that defined the group before they came are
+        # recorded (None: none outstanding); a readiness wait waits on it, asking nothing.
+        self.storing: asyncio.Future[None] | None = None
+        self._unanswered = 0
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -95,6 +100,19 @@ class BufferGroup:
             if not self.defined.done():
                 self.defined.set_result(None)
             self.defined = None
+
+    def expect_answers(self) -> None:
+        """Puts whose answers the group will not wait for were sent (`answered` follows)."""
+        if self.storing is None:
+            self.storing = asyncio.get_running_loop().create_future()
+        self._unanswered += 1
+
+    def answered(self) -> None:
+        self._unanswered -= 1
+        if self._unanswered <= 0 and self.storing is not None:
+            if not self.storing.done():
+                self.storing.set_result(None)
+            self.storing = None
 
     @property
     def all_stored(self) -> bool:

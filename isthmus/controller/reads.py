@@ -4,7 +4,7 @@ whole array on the host, and a readiness wait's outcome (`SessionMoves.fetch`, `
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import cast
 
 import numpy as np
@@ -54,11 +54,45 @@ async def assemble_host(array: Array, pieces: list[tuple[sh.Box, Awaitable[np.nd
             result.set_exception(as_error(e, "fetching the array"))
 
 
-async def settle(work: Awaitable[object], result: asyncio.Future[None]) -> None:
+async def settle(work: Awaitable[object], result: asyncio.Future[None],
+                 arrays: Sequence[Array] = ()) -> None:
+    """Resolves `result` once `work` is done: with its error, or the first error that
+    `arrays` hold by then (a put's answer records it there)."""
     try:
         await work
+        error = stored_error(arrays)
+        if error is not None:
+            raise error
         if not result.done():
             result.set_result(None)
     except Exception as e:  # noqa: BLE001
         if not result.done():
             result.set_exception(as_error(e, "waiting for the array"))
+
+
+def stored_error(arrays: Sequence[Array]) -> errors.IsthmusError | None:
+    """The first error a shard of `arrays` holds (not their deletion: a readiness wait
+    does not race a later donation)."""
+    for array in arrays:
+        for buffer in array.shards:
+            if buffer.error is not None:
+                return buffer.error
+    return None
+
+
+def settle_when(waits: list[asyncio.Future[None]], result: asyncio.Future[None],
+                arrays: Sequence[Array]) -> None:
+    """`settle` for futures that never fail (the groups' `storing`), from their callbacks."""
+    left = [len(waits)]
+
+    def done(_: object) -> None:
+        left[0] -= 1
+        if left[0] == 0 and not result.done():
+            error = stored_error(arrays)
+            if error is None:
+                result.set_result(None)
+            else:
+                result.set_exception(error)
+
+    for wait in waits:
+        wait.add_done_callback(done)

@@ -219,13 +219,24 @@ class SessionArrays(SessionCore):
         if all(isinstance(w, asyncio.Future) for w in waits):
             # The usual case (a worker's answer, no file to remove after it): settled from
             # the answers' callbacks, no task per shard.
-            self._settle_when_answered(group, placed,
-                                       cast("list[asyncio.Future[None]]", waits))
+            answers = cast("list[asyncio.Future[None]]", waits)
+            if all(v.nbytes <= c.ORDERED_PUT_BYTES for v in values):
+                # Each worker stores these before it applies its next command, and a failed
+                # one becomes an error buffer there: what reads them may go out now, behind
+                # them on the same channels, without waiting for the answers.
+                group.expect_answers()
+                group.settle()
+                self._settle_when_answered(group, placed, answers, early=True)
+            else:
+                self._settle_when_answered(group, placed, answers)
         else:
             self.spawn(self._settle_puts(group, placed, waits))
 
     def _settle_when_answered(self, group: BufferGroup, placed: list[int],
-                              answers: list[asyncio.Future[None]]) -> None:
+                              answers: list[asyncio.Future[None]], early: bool = False
+                              ) -> None:
+        """Records the puts' outcomes once all are answered, then settles the group (or,
+        `early`: it was settled when they were sent, and tells its readiness waits)."""
         left = [a for a in answers if not a.done()]
         count = [len(left)]
 
@@ -235,7 +246,10 @@ class SessionArrays(SessionCore):
                 self._record_puts(group, placed, [
                     a.exception() if not a.cancelled() else errors.InternalError(
                         "a put's answer was cancelled") for a in answers])
-                group.settle()
+                if early:
+                    group.answered()
+                else:
+                    group.settle()
 
         if not left:
             answered()

@@ -423,18 +423,28 @@ class SessionMoves:
                 result.set_exception(error)
                 return
             by_worker: dict[WorkerId, list[BufferId]] = {}
+            storing: dict[int, asyncio.Future[None]] = {}
             for array in arrays:
                 if array.group is not None and array.group.all_stored:
                     continue  # host data its workers confirmed ready: nothing to ask
                 for buffer in array.shards:
-                    if not buffer.group.all_stored:
+                    group = buffer.group
+                    if group.all_stored:
+                        continue
+                    if group.storing is not None:  # a put's answers are on the way
+                        storing[id(group)] = group.storing
+                    else:
                         by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
-            if not by_worker:
+            if by_worker:
+                fleet = self.session.fleet
+                waits: list[Awaitable[object]] = [
+                    fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
+                self.session.spawn(reads.settle(asyncio.gather(*waits, *storing.values()),
+                                                result, arrays))
+            elif storing:  # the usual wait after a put: its answers, no task, no question
+                reads.settle_when(list(storing.values()), result, arrays)
+            else:
                 result.set_result(None)
-                return
-            fleet = self.session.fleet
-            waits = [fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
-            self.session.spawn(reads.settle(asyncio.gather(*waits), result))
 
         groups = groups_of(arrays)
         self.session.dispatcher.submit(groups, run)

@@ -89,6 +89,12 @@ def refs(args: Any) -> Refs:
     return tuple(a if isinstance(a, int) else tuple(a) for a in args)
 
 
+# A worker stores host data of at most this many bytes before it applies its next command
+# (larger data is placed from a thread): a command behind such a put on the same channel
+# finds the buffer, or the put's error in it.
+ORDERED_PUT_BYTES = 1 << 20
+
+
 # ---- buffers ------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)

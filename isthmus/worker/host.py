@@ -26,7 +26,7 @@ from isthmus.compat import jax as jax_compat
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.transport.base import Commands
-from isthmus.transport.commands import Command, Request
+from isthmus.transport.commands import ORDERED_PUT_BYTES, Command, Request
 from isthmus.worker import platforms, programs, regroup
 from isthmus.worker.buffers import BufferStore, missing
 from isthmus.worker.collectives import CollectiveOrder
@@ -111,8 +111,9 @@ class DeviceHost(CollectiveOrder, PythonCalls):
 
     # ---- buffers -------------------------------------------------------------------------
 
-    # Host data larger than this is placed from a thread, so the event loop keeps going.
-    INLINE_PUT_BYTES = 1 << 20
+    # Host data larger than this is placed from a thread, so the event loop keeps going;
+    # the controller counts on smaller data being stored in command order.
+    INLINE_PUT_BYTES = ORDERED_PUT_BYTES
 
     def put(self, buffer_id: BufferId, device_id: int, value: np.ndarray,
             memory_kind: str | None = None) -> Awaitable[None]:

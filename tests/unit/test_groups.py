@@ -15,6 +15,7 @@ from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
+from isthmus.transport.frames import Parts, Tailed
 from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
 from isthmus.transport.remote import RemoteWorker
 
@@ -33,6 +34,8 @@ class Host(RemoteWorker):
     def commands(self):
         out = []
         for frame in self.frames:
+            if isinstance(frame, Parts):  # bulk bytes (a put's data) beside the message
+                frame = Tailed(frame[0][8:], memoryview(b"".join(frame[1:])))
             for command in m.decode(frame).commands:
                 out.extend(m.decode(command.data) if isinstance(command, m.Shared)
                            else [command])
@@ -187,5 +190,100 @@ def test_a_put_its_worker_could_not_store_fails_the_array():
         with pytest.raises(errors.InvalidRequest, match="could not place"):
             await session.moves.ready([x])
         assert not x.group.all_stored
+        await session.close()
+    run(main())
+
+
+class Holding(Host):
+    """A worker channel whose put answers wait until the test gives them."""
+
+    def __init__(self, slot):
+        super().__init__(slot)
+        self.puts = []
+
+    def ask(self, request):
+        if isinstance(request, c.Put):
+            answer = RemoteWorker.ask(self, request)  # a real request: a PutWhole goes out
+            self.puts.append(answer)
+            return answer
+        return super().ask(request)
+
+
+def _holding_setup():
+    hosts = {h: Holding(h) for h in range(HOSTS)}
+    devices = [Device(h, h, 0, "cpu", "cpu", 0, h) for h in range(HOSTS)]
+    controller = Controller(Fleet(devices, hosts))
+    return hosts, controller, Session(controller)
+
+
+def _kinds(host):
+    return [type(x).__name__ for x in host.commands()]
+
+
+def test_a_program_reading_small_host_data_goes_out_behind_the_puts_unanswered():
+    async def main():
+        hosts, controller, session = _holding_setup()
+        ids = tuple(range(HOSTS))
+        executable = session.compile(CompileRequest(b"", b"", ids))
+        await executable.compiled
+        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
+                               HostData(np.zeros(HOSTS, np.float32)))
+        (y,), _ = session.execute(executable, [x])
+        waiting = asyncio.ensure_future(session.moves.ready([x]))
+        await asyncio.sleep(0.01)
+        controller.fleet.flush()
+        # Each worker stores a small put before its next command: the program follows it
+        # on the channel at once, and nobody is asked whether the put is ready.
+        assert all(_kinds(h) == ["PutWhole", "Execute"] for h in hosts.values())
+        assert not waiting.done() and not x.group.all_stored
+        for host in hosts.values():
+            host.puts[0].set_result(None)
+        await asyncio.wait_for(waiting, 5)
+        assert x.group.all_stored
+        controller.fleet.flush()
+        assert all(_kinds(h) == ["PutWhole", "Execute"] for h in hosts.values())
+        await session.close()
+    run(main())
+
+
+def test_readiness_of_small_host_data_reports_the_put_a_worker_refused():
+    async def main():
+        hosts, controller, session = _holding_setup()
+        ids = tuple(range(HOSTS))
+        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
+                               HostData(np.zeros(HOSTS, np.float32)))
+        waiting = asyncio.ensure_future(session.moves.ready([x]))
+        await asyncio.sleep(0.01)
+        hosts[0].puts[0].set_result(None)
+        hosts[1].puts[0].set_exception(
+            errors.InvalidRequest("could not place the host data on the device"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # the third answer is still out
+        hosts[2].puts[0].set_result(None)
+        with pytest.raises(errors.InvalidRequest, match="could not place"):
+            await asyncio.wait_for(waiting, 5)
+        with pytest.raises(errors.InvalidRequest, match="could not place"):
+            await session.moves.ready([x])  # and later waits, from the recorded error
+        await session.close()
+    run(main())
+
+
+def test_a_read_of_large_host_data_waits_for_the_puts_answers():
+    async def main():
+        hosts, controller, session = _holding_setup()
+        ids = tuple(range(HOSTS))
+        rows = c.ORDERED_PUT_BYTES // 4 + 1  # a worker places this from a thread
+        x = session.make_array(F32, (HOSTS * rows,), Sharding(ShardingKind.HLO, ids),
+                               HostData(np.zeros(HOSTS * rows, np.float32)))
+        fetching = session.moves.fetch(x)
+        await asyncio.sleep(0.01)
+        controller.fleet.flush()
+        assert all(_kinds(h) == ["PutWhole"] for h in hosts.values())  # the read waits
+        for host in hosts.values():
+            host.puts[0].set_result(None)
+        await asyncio.sleep(0.01)
+        controller.fleet.flush()
+        assert len(_kinds(hosts[0])) == 2  # and goes out once they are answered
+        fetching.cancel()
         await session.close()
     run(main())
