@@ -111,6 +111,28 @@ class CollectiveOrder:
                         "to re-form before the next one", self.HOLD_AFTER_FAILURE)
             await first_of(superseded, asyncio.sleep(self.HOLD_AFTER_FAILURE))
 
+    def collective_backlog(self, executable_id: ExecutableId) -> list[Any]:
+        """What a program must wait for before it is dispatched in the embedded backend:
+        the output shards of the oldest collective programs in flight when it runs over
+        several local CPU devices and more than CPU_COLLECTIVES_IN_FLIGHT - 1 are (the
+        first rule of `collective_settled`; there are no peers to wait for); [] when it
+        may go now."""
+        in_flight = self._collectives
+        if not in_flight:
+            return []
+        loaded = self._executables.get(executable_id)
+        if not (isinstance(loaded, Loaded) and len(loaded.positions) > 1
+                and (self._shared_pool or loaded.devices[0].platform == "cpu")):
+            return []
+        self.collectives_finished()
+        room = self.CPU_COLLECTIVES_IN_FLIGHT - 1
+        return [v for values in list(in_flight)[:max(0, len(in_flight) - room)]
+                for v in values if not v.is_ready()]
+
+    def wait_for(self, values: list[Any]) -> asyncio.Future[None]:
+        """Resolves once these arrays are computed (waited for in a thread)."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, block_all, values)
+
     def collective_started(self, outputs: list[Any]) -> None:
         """A collective program was dispatched; these are its output shards."""
         self._collectives.append(outputs)

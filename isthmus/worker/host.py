@@ -31,6 +31,7 @@ from isthmus.worker import platforms, programs, regroup
 from isthmus.worker.buffers import BufferStore, missing
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
+from isthmus.worker.inline import InlineOrder
 from isthmus.worker.persistence import Checkpoints
 from isthmus.worker.profiler import HostProfiles
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
@@ -108,6 +109,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         # Parts: checkpoint I/O (over the buffers and devices) and profiles.
         self.checkpoints = Checkpoints(self.buffers, self.devices, self._pool)
         self.profiles = HostProfiles()
+        self._inline = InlineOrder(self)  # its order as the embedded backend's channel
 
     # ---- buffers -------------------------------------------------------------------------
 
@@ -464,15 +466,14 @@ class DeviceHost(CollectiveOrder, PythonCalls):
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 
     def send(self, command: Command) -> None:
-        command.apply(self)
+        self._inline.send(command)
 
     def ask(self, request: Request[_T]) -> Awaitable[_T]:
-        return request.apply(self)
+        return self._inline.ask(request)
 
     def deliver(self, commands: Commands, more: bool = False) -> None:
         """Commands shared with other workers."""
-        for command in commands.items:
-            command.apply(self)
+        self._inline.deliver(commands)
 
     def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
         """Moves `old`'s buffers into this host's client (a new collective group) and empties
@@ -487,6 +488,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         return moved
 
     async def close(self) -> None:
+        self._inline.close()
         self.free(self.buffers.ids())
         self._executables.clear()
 

@@ -238,3 +238,24 @@ def test_compile_error_reaches_user(server):
     """, server.address)
     assert "isthmus_no_such_target" in str(out["error"]), out["error"]
     assert float(out["after"]) == 2.0
+
+
+def test_many_collective_programs_queued_at_once(server):
+    # 1,000 reductions over all 8 devices dispatched without a wait: local jax on 8 CPU
+    # devices of a small machine hangs on this and aborts after 40 s (XLA:CPU's rendezvous);
+    # the embedded backend and the workers hold them back a few at a time instead.
+    out = run_snippet("""
+        import jax, jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
+        x = jax.device_put((np.arange(256 * 16) % 7).astype(np.float32).reshape(256, 16),
+                           sharding)
+        scaled = [jax.block_until_ready(x * k) for k in range(8)]
+        total = jax.jit(jnp.sum)
+        sums = [total(scaled[i % 8]) for i in range(1000)]  # no host data between them
+        emit("sums", np.array([float(s) for s in sums]))
+    """, server.address, timeout=120)
+    # Small integers: every order of summation gives these exactly.
+    expected = float((np.arange(256 * 16) % 7).sum()) * (np.arange(1000) % 8)
+    np.testing.assert_array_equal(out["sums"], expected)
+    assert server.alive()
