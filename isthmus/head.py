@@ -104,7 +104,9 @@ def embedded_fleet(num_devices: int, platform: str = "cpu",
                for local, d in enumerate(client.local_devices())]
     if companions:
         devices += [d.companion() for d in devices]
-    return Fleet(devices, {worker: host}), host
+    fleet = Fleet(devices, {worker: host})
+    host.attach_flow(fleet.flow, worker)
+    return fleet, host
 
 
 class Head:

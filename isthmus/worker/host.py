@@ -475,6 +475,10 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         """Commands shared with other workers."""
         self._inline.deliver(commands)
 
+    def attach_flow(self, gate: Any, key: Any) -> None:
+        """The fleet's flow gate, which this channel's backlog closes (`InlineOrder`)."""
+        self._inline.attach_flow(gate, key)
+
     def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
         """Moves `old`'s buffers into this host's client (a new collective group) and empties
         `old`; see `regroup.move_buffers`. Blocking; run it in a thread. Returns how many

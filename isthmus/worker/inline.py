@@ -8,7 +8,9 @@ a shared thread pool; with dozens of such programs queued on few cores every dev
 waits for a device that gets no thread, and after 40 s XLA aborts the process (local jax
 does the same). So that program, and every command after it, wait here in order, and a task
 applies them once the programs before have finished; answers to the requests among them
-come then. A worker process does the same in its command loop (`agent.py`).
+come then. A worker process does the same in its command loop (`agent.py`). The backlog
+closes the fleet's flow gate (`transport/flow.py`) as a worker's does, so a client far ahead
+waits in gRPC's flow control instead of growing it without bound.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from isthmus.transport import commands as c
 from isthmus.transport.base import Commands
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
+    from collections.abc import Awaitable, Hashable
 
     from isthmus.transport.commands import Command, Request
+    from isthmus.transport.flow import FlowGate
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -39,6 +42,12 @@ class InlineOrder:
         self._backlog: collections.deque[tuple[Command, asyncio.Future[Any] | None]] = (
             collections.deque())
         self._drainer: asyncio.Task[None] | None = None
+        self._flow: FlowGate | None = None
+        self._key: Hashable = None
+
+    def attach_flow(self, gate: FlowGate, key: Hashable) -> None:
+        """Reports the backlog (a command weighs 1) to `gate` under `key`."""
+        self._flow, self._key = gate, key
 
     @property
     def waiting(self) -> int:
@@ -77,6 +86,8 @@ class InlineOrder:
 
     def _hold(self, command: Command, answer: asyncio.Future[Any] | None) -> None:
         self._backlog.append((command, answer))
+        if self._flow is not None and len(self._backlog) >= self._flow.limits.high:
+            self._flow.report(self._key, len(self._backlog))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
@@ -89,6 +100,8 @@ class InlineOrder:
                     await self._host.wait_for(older)
                     continue
             self._backlog.popleft()
+            if self._flow is not None and len(self._backlog) < self._flow.limits.low:
+                self._flow.report(self._key, len(self._backlog))
             try:
                 result = command.apply(self._host)
             except Exception as e:

@@ -9,6 +9,7 @@ import pytest
 from isthmus import errors
 from isthmus.transport import commands as c
 from isthmus.transport.base import Commands
+from isthmus.transport.flow import FlowGate, FlowLimits
 from isthmus.worker.inline import InlineOrder
 
 
@@ -97,4 +98,25 @@ def test_closing_fails_the_requests_still_held():
         with pytest.raises(errors.SessionClosed):
             await answer
         assert host.log == []
+    run(main())
+
+
+def test_a_long_backlog_closes_the_flow_gate_until_it_drains():
+    async def main():
+        host = Host()
+        order = InlineOrder(host)
+        gate = FlowGate(FlowLimits(high=3, low=2))
+        order.attach_flow(gate, "embedded")
+        host.busy = ["running"]
+        order.send(c.Execute(1, (), (10,)))
+        order.send(c.Free((1,)))
+        assert gate.is_open
+        order.send(c.Free((2,)))  # three held: clients wait
+        assert not gate.is_open
+        await asyncio.sleep(0)
+        host.busy = []
+        host.waited[0][1].set_result(None)
+        await asyncio.wait_for(gate.wait(), 5)
+        await asyncio.sleep(0.01)
+        assert order.waiting == 0 and gate.is_open
     run(main())
