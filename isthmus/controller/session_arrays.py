@@ -220,7 +220,8 @@ class SessionArrays(SessionCore):
             # The usual case (a worker's answer, no file to remove after it): settled from
             # the answers' callbacks, no task per shard.
             answers = cast("list[asyncio.Future[None]]", waits)
-            if all(v.nbytes <= c.ORDERED_PUT_BYTES for v in values):
+            if (not all(a.done() for a in answers)
+                    and all(v.nbytes <= c.ORDERED_PUT_BYTES for v in values)):
                 # Each worker stores these before it applies its next command, and a failed
                 # one becomes an error buffer there: what reads them may go out now, behind
                 # them on the same channels, without waiting for the answers.
