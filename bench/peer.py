@@ -14,19 +14,15 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from isthmus.ports import free_port
+
 HERE = pathlib.Path(__file__).parent
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peer_environment(base: dict[str, str], coordinator: str, processes: int, process_id: int,

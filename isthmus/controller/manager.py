@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,7 @@ from isthmus.compat import jax as jax_compat
 from isthmus.controller.fleet import Device, Fleet
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.logs import event
+from isthmus.ports import free_port
 from isthmus.transport import messages as m
 from isthmus.transport.frames import Parts
 from isthmus.transport.remote import RemoteWorker
@@ -352,7 +352,7 @@ class FleetManager:
             if not members:
                 return
             generation = self.fleet.generation + 1
-            address = f"{self.config.advertise_host}:{_free_port(self.config.advertise_host)}"
+            address = f"{self.config.advertise_host}:{free_port(self.config.advertise_host)}"
             def serve(at: str) -> Any:
                 return jax_compat.jaxlib_extension().get_distributed_runtime_service(
                     at, len(members), recoverable=True)
@@ -363,7 +363,7 @@ class FleetManager:
             companion_address = ""
             if self.fleet.companions:
                 host = self.config.advertise_host
-                companion_address = f"{host}:{_free_port(host)}"
+                companion_address = f"{host}:{free_port(host)}"
                 self._services.append(
                     await loop.run_in_executor(None, serve, companion_address))
             logger.info("forming collective group %s with %s workers at %s", generation,
@@ -435,8 +435,3 @@ class FleetManager:
                                   "shared_memory": channel.shared_dir is not None}
         return out
 
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

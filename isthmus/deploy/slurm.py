@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from isthmus.ports import free_port
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 
 
@@ -61,7 +62,7 @@ def plan(environ: Mapping[str, str], hosts_per_slice: int, devices_per_host: int
                          f"--hosts-per-slice {hosts_per_slice}; change one of them")
     host = environ.get("SLURMD_NODENAME") or socket.gethostname()
     return SlurmFleet(job, workers, hosts_per_slice, devices_per_host, host,
-                      port or _free_port())
+                      port or free_port("0.0.0.0"))
 
 
 def worker_step(fleet: SlurmFleet, worker_options: Sequence[str]) -> list[str]:
@@ -114,11 +115,6 @@ def stop_workers(step: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
             step.kill()
             step.wait(timeout)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
 
 
 def write_address(path: str | None, fleet: SlurmFleet) -> None:

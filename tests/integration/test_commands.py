@@ -10,6 +10,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from isthmus.ports import free_port
 from isthmus.testing import LocalServer
 from tests.integration.harness import compare, run_snippet
 
@@ -175,9 +176,7 @@ def test_cuda_where_there_is_none_is_one_clear_line():
 def test_workers_find_a_fixed_fleet_port_through_the_controller_port():
     import socket
 
-    with socket.socket() as probe:  # a port that is free now
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with LocalServer(devices=None, fleet=(1, 1, 1), args=["--fleet-port", str(port)]) as server:
         # The ready line came after the worker registered, on that port.
         with socket.create_connection(("127.0.0.1", port), timeout=5):
@@ -219,19 +218,12 @@ def test_shared_dir_is_checked_and_off_turns_it_off(tmp_path):
     assert float(result.stdout.strip().splitlines()[-1]) == float((np.arange(1 << 20) * 2.0).sum())
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def test_a_worker_waits_for_its_controller_then_says_why_it_gives_up():
     import time
 
     began = time.monotonic()
-    result = _isthmus("worker", "--controller", f"127.0.0.1:{_free_port()}", "--devices", "1",
+    result = _isthmus("worker", "--controller", f"127.0.0.1:{free_port()}", "--devices", "1",
                       "--connect-timeout", "2", timeout=120)
     assert result.returncode == 3, result.stderr[-2000:]
     assert time.monotonic() - began >= 2
@@ -243,7 +235,7 @@ def test_a_worker_waits_for_its_controller_then_says_why_it_gives_up():
 def test_a_worker_started_first_waits_for_its_controller():
     import socket
 
-    port = _free_port()
+    port = free_port()
     # Something listens on the controller's port first, to see the worker try it.
     stand_in = socket.create_server(("127.0.0.1", port))
     stand_in.settimeout(60)

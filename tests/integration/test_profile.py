@@ -19,6 +19,7 @@ import pytest
 
 from isthmus import errors
 from isthmus.frontend import profile
+from isthmus.ports import free_port
 from isthmus.testing import LocalServer, run_python
 from isthmus.worker.profiler import SUFFIX, host_name
 
@@ -271,18 +272,13 @@ print("OK")
 """
 
 
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.fixture
 def gcs_emulator():
     """A GCS emulator with bucket `prof`; the environment that points gcsfs at it."""
     pytest.importorskip("gcsfs")
     pytest.importorskip("gcp_storage_emulator")
-    port = _free_port()
+    port = free_port()
     emulator = subprocess.Popen(
         [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
          "--port", str(port), "--in-memory", "--default-bucket", "prof", "-q"],
@@ -316,7 +312,7 @@ def gcs_emulator():
 def test_pathwaysutils_profiles_a_fleet_into_gcs(gcs_emulator, tmp_path):
     with LocalServer(devices=None, fleet=(2, 2, 2), env=gcs_emulator) as server:
         result = run_python(PATHWAYSUTILS, server.address, timeout=300, env=gcs_emulator,
-                            args=[str(tmp_path), str(_free_port())])
+                            args=[str(tmp_path), str(free_port())])
         assert result.returncode == 0, (result.stdout + result.stderr[-4000:] +
                                         server.log()[-3000:])
     assert "OK" in result.stdout, result.stdout

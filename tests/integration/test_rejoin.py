@@ -5,11 +5,11 @@ again (compared with numpy); a controller stopped on purpose tells it to leave."
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from isthmus.ports import free_port
 from isthmus.serve import READY_PREFIX
 from isthmus.testing import run_python
 
@@ -20,11 +20,6 @@ np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x * 2 + 1)(jnp.arange
 print("OK")
 """
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def controller(port):

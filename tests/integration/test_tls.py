@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from isthmus.ports import free_port
 from isthmus.testing import LocalServer, run_python, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
@@ -64,7 +65,7 @@ def test_strangers_are_refused(tmp_path):
     ours, theirs = make_fleet_ca(tmp_path / "ours"), make_fleet_ca(tmp_path / "theirs")
     # A --no-launch controller prints its ready line only once its fleet is complete, so it
     # is started by hand here rather than through LocalServer.
-    port = _free_port()
+    port = free_port()
     controller = subprocess.Popen(
         [sys.executable, "-m", "isthmus.cli", "up", "--no-launch", "--port", str(port),
          "--slices", "1", "--hosts-per-slice", "1", "--devices-per-host", "1",
@@ -106,13 +107,6 @@ def test_bad_tls_options_are_refused(tmp_path, which):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
 
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_port(port, timeout):

@@ -2,12 +2,12 @@
 real one-member group made in this process."""
 
 import os
-import socket
 import threading
 
 import pytest
 
 from isthmus.compat import jax as jax_compat
+from isthmus.ports import free_port
 from isthmus.worker import scheduling
 from isthmus.worker.platforms import join_group
 
@@ -39,9 +39,7 @@ def test_only_threads_python_does_not_know_count_as_started():
 
 
 def _service():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     return address, jax_compat.jaxlib_extension().get_distributed_runtime_service(address, 1)
 
 
