@@ -57,8 +57,8 @@ class Host(RemoteWorker):
         return super().ask(request)
 
 
-def _setup():
-    hosts = {h: Host(h) for h in range(HOSTS)}
+def _setup(channel=Host):
+    hosts = {h: channel(h) for h in range(HOSTS)}
     devices = [Device(h, h, 0, "cpu", "cpu", 0, h) for h in range(HOSTS)]
     controller = Controller(Fleet(devices, hosts))
     return hosts, controller, Session(controller)
@@ -209,20 +209,13 @@ class Holding(Host):
         return super().ask(request)
 
 
-def _holding_setup():
-    hosts = {h: Holding(h) for h in range(HOSTS)}
-    devices = [Device(h, h, 0, "cpu", "cpu", 0, h) for h in range(HOSTS)]
-    controller = Controller(Fleet(devices, hosts))
-    return hosts, controller, Session(controller)
-
-
 def _kinds(host):
     return [type(x).__name__ for x in host.commands()]
 
 
 def test_a_program_reading_small_host_data_goes_out_behind_the_puts_unanswered():
     async def main():
-        hosts, controller, session = _holding_setup()
+        hosts, controller, session = _setup(Holding)
         ids = tuple(range(HOSTS))
         executable = session.compile(CompileRequest(b"", b"", ids))
         await executable.compiled
@@ -248,7 +241,7 @@ def test_a_program_reading_small_host_data_goes_out_behind_the_puts_unanswered()
 
 def test_readiness_of_small_host_data_reports_the_put_a_worker_refused():
     async def main():
-        hosts, controller, session = _holding_setup()
+        hosts, controller, session = _setup(Holding)
         ids = tuple(range(HOSTS))
         x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
                                HostData(np.zeros(HOSTS, np.float32)))
@@ -270,7 +263,7 @@ def test_readiness_of_small_host_data_reports_the_put_a_worker_refused():
 
 def test_a_read_of_large_host_data_waits_for_the_puts_answers():
     async def main():
-        hosts, controller, session = _holding_setup()
+        hosts, controller, session = _setup(Holding)
         ids = tuple(range(HOSTS))
         rows = c.ORDERED_PUT_BYTES // 4 + 1  # a worker places this from a thread
         x = session.make_array(F32, (HOSTS * rows,), Sharding(ShardingKind.HLO, ids),
