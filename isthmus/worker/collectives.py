@@ -93,16 +93,9 @@ class CollectiveOrder:
             in_flight.clear()
             self._collective_failed = False
             return
-        loaded = self._executables.get(executable_id)
-        local = (isinstance(loaded, Loaded) and len(loaded.positions) > 1
-                 and (self._shared_pool or loaded.devices[0].platform == "cpu"))
-        room = self.CPU_COLLECTIVES_IN_FLIGHT - 1 if local else len(in_flight)
-        if len(in_flight) > room:
-            oldest = [v for values in list(in_flight)[:len(in_flight) - room] for v in values
-                      if not v.is_ready()]
-            if oldest:
-                await first_of(superseded, asyncio.get_running_loop().run_in_executor(
-                    self._pool, block_all, oldest))
+        oldest = self.collective_backlog(executable_id)
+        if oldest:
+            await first_of(superseded, self.wait_for(oldest))
         self.collectives_finished()
         failed, self._collective_failed = self._collective_failed, False
         if failed and not superseded.is_set():
@@ -112,11 +105,11 @@ class CollectiveOrder:
             await first_of(superseded, asyncio.sleep(self.HOLD_AFTER_FAILURE))
 
     def collective_backlog(self, executable_id: ExecutableId) -> list[Any]:
-        """What a program must wait for before it is dispatched in the embedded backend:
-        the output shards of the oldest collective programs in flight when it runs over
-        several local CPU devices and more than CPU_COLLECTIVES_IN_FLIGHT - 1 are (the
-        first rule of `collective_settled`; there are no peers to wait for); [] when it
-        may go now."""
+        """What a program must wait for before it is dispatched (the first rule of
+        `collective_settled`, and all the embedded backend keeps, having no peers): the
+        output shards of the oldest collective programs in flight when it runs over several
+        local CPU devices and more than CPU_COLLECTIVES_IN_FLIGHT - 1 are; [] when it may
+        go now."""
         in_flight = self._collectives
         if not in_flight:
             return []
