@@ -70,10 +70,10 @@ class BufferStore:
 
     def computing(self, buffer_id: BufferId) -> bool:
         """The buffer is stored and still being computed (a finished one waits for no
-        peer)."""
+        peer; nor does a donated one: the program it was donated to took over its wait)."""
         value = self._slots.get(buffer_id)
         return value is not None and not isinstance(value, (Failed, HostArray)) and (
-            not value.is_ready())
+            not value.is_deleted() and not value.is_ready())
 
     # ---- writing -------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
-from isthmus.worker.slots import Loaded, any_failed, block_all, first_of
+from isthmus.worker.slots import Loaded, block_all, first_of
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +120,10 @@ class CollectiveOrder:
         self.collectives_finished()
         room = self.CPU_COLLECTIVES_IN_FLIGHT - 1
         return [v for values in list(in_flight)[:max(0, len(in_flight) - room)]
-                for v in values if not v.is_ready()]
+                for v in values if not settled(v)]
 
     def wait_for(self, values: list[Any]) -> asyncio.Future[None]:
-        """Resolves once these arrays are computed (waited for in a thread)."""
+        """Resolves once these arrays are computed or donated (waited for in a thread)."""
         return asyncio.get_running_loop().run_in_executor(self._pool, block_all, values)
 
     def collective_started(self, outputs: list[Any]) -> None:
@@ -136,8 +136,36 @@ class CollectiveOrder:
         """Drops the programs in flight that have finished, oldest first, noting a
         failure."""
         in_flight = self._collectives
-        while in_flight and all(v.is_ready() for v in in_flight[0]):
-            if any_failed(in_flight.popleft()):
+        while in_flight and all(settled(v) for v in in_flight[0]):
+            if failed(in_flight.popleft()):
                 self._collective_failed = True
 
     HOLD_AFTER_FAILURE = 3.0  # seconds: the controller re-forms within ~0.5 s of a loss
+
+
+# A program in flight is known by its output shards. A later program may take one of them
+# by donation (a training step donates the last step's parameters) while this one still
+# runs: jaxlib then marks the shard deleted, and a deleted array can no longer be asked
+# whether it is ready (it raises). The program it was donated to cannot start before this
+# one ends, and is counted in its place when it is a collective program itself: so a
+# donated shard counts as settled, and this program as finished once its other shards are.
+# (Only donation deletes a worker's arrays: `BufferStore.free` drops references.)
+
+
+def settled(value: Any) -> bool:
+    """The shard is computed, or was donated to a later program (see above)."""
+    return value.is_deleted() or value.is_ready()
+
+
+def failed(values: list[Any]) -> bool:
+    """Some of these settled shards hold an error (donated ones are their consumer's)."""
+    for value in values:
+        if value.is_deleted():
+            continue
+        try:
+            value.block_until_ready()
+        except Exception:  # noqa: BLE001 - the error itself is reported where it is used
+            if value.is_deleted():  # donated meanwhile
+                continue
+            return True
+    return False

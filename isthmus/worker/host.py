@@ -434,6 +434,10 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 # Shards are in the program's device order; jaxlib's own checks would reject
                 # the local-only shard lists of a multi-process program.
                 arrays.append(array_impl(aval, loaded.arg_shardings[index], shards, True, True))
+            # What its inputs wait for, read before donation deletes them (outputs wait
+            # for whatever peers their inputs wait for).
+            waits = ([s for ref in args for s in self._spans_of(ref, positions)]
+                     if self.buffers.spanning() else [])
             outputs = loaded.executable.execute_sharded(arrays)
             per_output = outputs.disassemble_into_single_device_arrays()
         except Exception as e:  # noqa: BLE001
@@ -446,10 +450,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             for p, shard in zip(positions, shards):
                 self.buffers.store(BufferId(base + p), shard)
         span = loaded.span
-        if self.buffers.spanning():  # outputs wait for whatever peers their inputs wait for
-            inputs = [s for ref in args for s in self._spans_of(ref, positions)]
-            if inputs:
-                span = frozenset().union(span or (), *inputs)
+        if waits:
+            span = frozenset().union(span or (), *waits)
         if span is not None:
             for base in results:
                 for p in positions:

@@ -49,11 +49,15 @@ def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, froze
     for buffer_id, value in items:
         span = spans.get(buffer_id)
         if (span is not None and not span <= new_devices.keys()
-                and not isinstance(value, (Failed, HostArray)) and not value.is_ready()):
+                and not isinstance(value, (Failed, HostArray)) and not value.is_deleted()
+                and not value.is_ready()):
             stuck_devices.update(value.devices())
     for buffer_id, value in items:
         if isinstance(value, (Failed, HostArray)):
             into[buffer_id] = value
+            continue
+        if value.is_deleted():
+            into[buffer_id] = value  # donated to a later program: nothing to move
             continue
         if isinstance(value, Pending):
             into[buffer_id] = Failed(errors.WorkerLost(

@@ -136,11 +136,14 @@ def settle_quietly(value: Any) -> None:
 
 
 def block_all(values: list[Any]) -> None:
+    """Waits until each array is computed; returns at the first that failed (the caller
+    reads the error), passing over one donated meanwhile (its consumer waits for it)."""
     for value in values:
         try:
             value.block_until_ready()
         except Exception:  # noqa: BLE001 - reported by the caller's second pass
-            return
+            if not value.is_deleted():
+                return
 
 
 async def first_of(event: asyncio.Event, other: Any) -> None:
@@ -148,16 +151,6 @@ async def first_of(event: asyncio.Event, other: Any) -> None:
     waits = [asyncio.ensure_future(other), asyncio.ensure_future(event.wait())]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     waits[1].cancel()
-
-
-def any_failed(values: list[Any]) -> bool:
-    """Some of these computed arrays hold an error (call only when all are ready)."""
-    for value in values:
-        try:
-            value.block_until_ready()
-        except Exception:  # noqa: BLE001 - the error itself is reported where it is used
-            return True
-    return False
 
 
 @functools.cache

@@ -17,11 +17,19 @@ class Shard:
     def __init__(self):
         self.done = threading.Event()
         self.error = None
+        self.deleted = False
 
     def is_ready(self):
+        if self.deleted:  # as jaxlib's arrays do
+            raise RuntimeError("INVALID_ARGUMENT: Array has been deleted.")
         return self.done.is_set()
 
+    def is_deleted(self):
+        return self.deleted
+
     def block_until_ready(self):
+        if self.deleted:
+            raise RuntimeError("INVALID_ARGUMENT: Array has been deleted.")
         self.done.wait(10)
         if self.error is not None:
             raise self.error
@@ -87,4 +95,27 @@ def test_a_failed_collective_holds_the_next_until_the_group_re_forms():
         superseded.set()
         await host.collective_settled(7, superseded)
         assert not host._collectives
+    run(main())
+
+
+def test_a_program_whose_outputs_a_later_one_took_by_donation_counts_as_finished():
+    """A training step donates the last step's outputs while that step may still run: the
+    step they went to cannot start before it and is counted in its place (issue 36)."""
+    async def main():
+        host, superseded = Host(), asyncio.Event()
+        first, kept, second = Shard(), Shard(), Shard()
+        host.collective_started([first, kept])
+        await host.collective_settled(7, superseded)
+        first.deleted = True  # donated to the second step, still running
+        host.collective_started([second])
+        waiting = asyncio.ensure_future(host.collective_settled(7, superseded))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # the first step's other output is still being computed
+        kept.finish()
+        await waiting
+        assert list(host._collectives) == [[second]] and not host._collective_failed
+        second.deleted = True  # all of a step's outputs donated: it counts as finished
+        host.collective_started([Shard()])
+        await asyncio.wait_for(host.collective_settled(7, superseded), 5)
+        assert not host._collective_failed
     run(main())

@@ -3,6 +3,7 @@
 import asyncio
 
 import numpy as np
+import pytest
 
 from isthmus import errors
 from isthmus.worker.host import DeviceHost, make_cpu_client
@@ -104,3 +105,58 @@ def test_colocated_cpu_devices_hold_copies_reshards_and_programs(monkeypatch):
         assert refused and next(iter(host.buffers.slot(5).devices())) is host.devices[0]
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def _sum_step(devices: int, n: int):
+    """A program over `devices` CPU devices: x + sum(tanh(x)^2), a cross-device sum, its
+    input donated (a training step's shape)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from isthmus.compat import jax as jax_compat
+    from isthmus.transport.records import CompileRequest
+
+    xc = jax_compat.xla_client()
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:devices]), ("x",)), P("x"))
+    lowered = jax.jit(lambda x: x + jnp.sum(jnp.tanh(x) ** 2), donate_argnums=0,
+                      in_shardings=sharding, out_shardings=sharding).lower(
+        jax.ShapeDtypeStruct((n,), np.float32))
+    options = xc.CompileOptions()
+    options.num_partitions = devices
+    options.executable_build_options.use_spmd_partitioning = True
+    options.executable_build_options.use_shardy_partitioner = jax.config.jax_use_shardy_partitioner
+    return CompileRequest(lowered.as_text().encode(), options.SerializeAsString(),
+                          tuple(range(devices)))
+
+
+def test_a_step_donating_the_output_of_a_running_collective_step_runs_after_it():
+    """Issue 36: `x = f(x)` over several devices with a cross-device sum, its input donated,
+    never waiting. Each step donates the shards of the step before while that one may still
+    run (jaxlib marks them deleted); every step must run, in order, with the right values,
+    and the host's rules for collective programs must not trip over the deleted shards."""
+    devices, n, steps = 4, 1 << 18, 12
+
+    async def main():
+        host = DeviceHost(make_cpu_client(devices))
+        x = np.linspace(-1, 1, n, dtype=np.float32)
+        for p, part in enumerate(np.split(x, devices)):
+            await host.put(100 + p, p, part)
+        info = await host.compile(7, _sum_step(devices, n))
+        assert info.donated_inputs == (0,)
+        want = x.astype(np.float64)
+        for step in range(steps):
+            host.execute(7, [100 * (step + 1)], [100 * (step + 2)])  # no wait between
+            want = want + np.sum(np.tanh(want.astype(np.float32)).astype(np.float64) ** 2)
+            host.buffers.validate_state()
+        last = 100 * (steps + 1)
+        got = np.concatenate([await host.fetch(last + p) for p in range(devices)])
+        np.testing.assert_allclose(got, want, rtol=1e-4)
+        for p in range(devices):  # donated inputs read as deleted, never as "not here"
+            with pytest.raises(errors.ArrayDeleted):
+                host.buffers.value(100 * steps + p)
+        host.collectives_finished()
+        assert not host._collective_failed
+        await host.close()
+    asyncio.run(asyncio.wait_for(main(), 120))
