@@ -35,7 +35,12 @@ logger = logging.getLogger("isthmus.cli")
 def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from isthmus.worker import supervise
     from isthmus.worker.agent import WorkerConfig, run_worker
-    from isthmus.worker.crashes import CRASH_RECORD_ENV, TEST_CRASH_ENV, CrashConfig
+    from isthmus.worker.crashes import (
+        CRASH_RECORD_ENV,
+        TEST_CRASH_ENV,
+        TEST_RAISE_ENV,
+        CrashConfig,
+    )
     from isthmus.worker.process import block_stop_signals, exit_with_parent
 
     if args.cpus is not None:
@@ -70,7 +75,8 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
                           gloo_scheduling=gloo_scheduling,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv),
                           crash=CrashConfig(os.environ.get(CRASH_RECORD_ENV) or None,
-                                            os.environ.get(TEST_CRASH_ENV, "")))
+                                            os.environ.get(TEST_CRASH_ENV, ""),
+                                            os.environ.get(TEST_RAISE_ENV, "")))
     try:
         return asyncio.run(run_worker(config))
     except KeyboardInterrupt:

@@ -63,6 +63,9 @@ class ManagerConfig:
     # Silence (no pulse, no message) after which a worker counts as lost. Pulses come from a
     # thread of the worker's own, so a busy worker is never silent; a stopped or dead one is.
     heartbeat_timeout: float = 4.0
+    # A worker that holds commands it applies none of, while its heartbeats say it waits for
+    # nothing, for this long, has a stopped command loop (a bug): it counts as lost.
+    stall_timeout: float = 5.0
     formation_timeout: float = 60.0  # seconds to build a collective group
     advertise_host: str = "127.0.0.1"  # where workers reach this process
     # A directory for bulk data with workers on this machine (None: every byte streams).
@@ -236,6 +239,8 @@ class FleetManager:
 
     def welcome(self, channel: RemoteWorker) -> m.Welcome:
         device = self._slot_devices(channel.slot)[0]
+        channel.name = (f"{channel.register.hostname}:{channel.register.pid} (slice "
+                        f"{device.slice_index}, host {device.host_index})")
         return m.Welcome(channel.slot, device.slice_index, device.host_index,
                          self.config.heartbeat_interval, self._probe(channel), channel.token,
                          self.incarnation)
@@ -317,12 +322,28 @@ class FleetManager:
                 # us. Judge nobody on this round's evidence.
                 logger.info("the controller was busy for %.1f s; liveness checks resume", slept)
                 continue
-            for channel in list(self.fleet.workers.values()):
-                # A worker building its jaxlib client may be silent; formation has its own
-                # deadline.
-                if isinstance(channel, RemoteWorker) and not channel.forming and (
-                        now - channel.last_seen > self.config.heartbeat_timeout):
-                    self.lost(channel, f"no heartbeat for {self.config.heartbeat_timeout:g} s")
+            self.judge(now)
+
+    def judge(self, now: float) -> None:
+        """Declares lost the workers that went silent, and those whose command loop stopped
+        (`RemoteWorker.stalled`)."""
+        for channel in list(self.fleet.workers.values()):
+            # A worker building its jaxlib client may be silent; formation has its own
+            # deadline.
+            if not isinstance(channel, RemoteWorker):
+                continue
+            if not channel.forming and (
+                    now - channel.last_seen > self.config.heartbeat_timeout):
+                self.lost(channel, f"no heartbeat for {self.config.heartbeat_timeout:g} s")
+            elif channel.stalled(now) > self.config.stall_timeout:
+                # Its command loop stopped (a bug): what waits on it would wait forever.
+                # Lost, its work fails with DATA_LOSS and it registers afresh.
+                where = f"; its log: {channel.register.log}" if channel.register.log else ""
+                self.lost(channel, (
+                    f"it holds {channel.queued} messages it applies none of while it "
+                    f"waits for nothing, for {self.config.stall_timeout:g} s: its command "
+                    f"loop has stopped, which is a bug in isthmus (please report it with "
+                    f"the worker's log{where})"))
 
     # ---- the collective group ------------------------------------------------------------
 

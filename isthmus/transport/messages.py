@@ -24,7 +24,7 @@ from isthmus.transport.frames import Parts, Tailed
 
 __all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
 
-PROTOCOL_VERSION = 10  # bump when a message changes shape
+PROTOCOL_VERSION = 11  # bump when a message changes shape
 PIECE_BYTES = 64 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
@@ -123,12 +123,27 @@ class Register:
     # `controller/fleet.py`); the worker serves them on a CPU client of its own.
     companions: bool = False
     crash: CrashReport | None = None  # how the slot's last worker process died, if it crashed
+    log: str = ""  # the file its output goes to ("": not a file), named in the controller's log
 
 
 @_message
 class Heartbeat:
     stats: dict[str, int]
     applied: int = 0  # weight of the commands applied (flow control), as in `Applied`
+    queued: int = 0  # messages read off the stream that wait to be applied
+    applying: str = ""  # what the command being applied waits for ("": none is)
+
+
+@_message
+class Incident:
+    """An error the worker logged (with its traceback, if any), for the controller's log
+    (`worker/incidents.py`)."""
+
+    level: str  # the record's level name
+    source: str  # the logger that logged it
+    message: str
+    traceback: str = ""
+    dropped: int = 0  # incidents before this one left only in the worker's log (rate limit)
 
 
 @_message

@@ -64,6 +64,17 @@ class RemoteWorker:
         self._fetches: dict[int, _Incoming] = {}
         self.last_seen = time.monotonic()
         self.reported: dict[str, int] = {}
+        # How the worker names itself in the controller's log (the manager sets it when it
+        # welcomes the worker), and the file its output goes to.
+        self.name = f"{register.hostname}:{register.pid}"
+        # What its heartbeats say of its command loop: messages read and not yet applied,
+        # and what the command being applied waits for ("": none is).
+        self.queued = 0
+        self.applying = ""
+        # Since when it has held commands it applies none of while it waits for nothing
+        # (its command loop stopped: a bug, `stalled`), and its progress then.
+        self._stalled_since: float | None = None
+        self._stalled_at = -1
         self.lost: errors.IsthmusError | None = None
         # (shared directory, probe file) offered in the Welcome; the directory is used once
         # the worker has shown that it reads it (`shared_dir`).
@@ -153,6 +164,14 @@ class RemoteWorker:
                 self.applied = message.applied
                 if self._flow is not None:
                     self._flow.report(self.slot, self.sent - self.applied)
+            self.queued, self.applying = message.queued, message.applying
+            if message.queued and not message.applying and self.backlog > 0:
+                if self._stalled_since is None or self._stalled_at != message.applied:
+                    self._stalled_since, self._stalled_at = self.last_seen, message.applied
+            else:
+                self._stalled_since = None
+        elif isinstance(message, m.Incident):
+            self._log_incident(message)
         elif isinstance(message, m.SharedDir):
             if self.probe is not None and message.path == self.probe[0]:
                 self.shared_dir = message.path
@@ -176,6 +195,22 @@ class RemoteWorker:
                 future.set_result(message.value)
         else:
             logger.warning("worker %s sent an unexpected %s", self.slot, type(message).__name__)
+
+    def stalled(self, now: float) -> float:
+        """Seconds for which the worker has held commands it applied none of, while its
+        heartbeats said that nothing it applies waits (0: it has not)."""
+        return 0.0 if self._stalled_since is None else now - self._stalled_since
+
+    def _log_incident(self, incident: m.Incident) -> None:
+        """An error the worker logged, in the controller's log with the worker's name."""
+        level = logging.getLevelName(incident.level)
+        where = f"; its log: {self.register.log}" if self.register.log else ""
+        dropped = (f" ({incident.dropped} more errors before this one are only in its log)"
+                   if incident.dropped else "")
+        logger.log(level if isinstance(level, int) else logging.ERROR,
+                   "worker %s (%s%s): %s%s%s", self.name, incident.source, where,
+                   incident.message, dropped,
+                   f"\n{incident.traceback.rstrip()}" if incident.traceback else "")
 
     def mark_lost(self, error: errors.IsthmusError) -> None:
         """The worker is gone: every pending request fails with `error`, and its stream is

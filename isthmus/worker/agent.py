@@ -34,6 +34,7 @@ from isthmus.worker.applying import CommandApplier
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.crashes import CrashConfig, CrashRecord
 from isthmus.worker.host import DeviceHost
+from isthmus.worker.incidents import IncidentForwarder, own_log_path
 from isthmus.worker.platforms import (
     EXIT_PLATFORM_UNAVAILABLE,
     Description,
@@ -117,6 +118,9 @@ class WorkerAgent(CommandApplier):
         self._applied = 0  # weight of the commands applied in this membership
         self._joined = False  # some controller has welcomed this process
         self._acked = 0  # ... of which the controller has been told (`Applied`)
+        self._queue: asyncio.Queue[Any] | None = None  # read, waiting to be applied
+        self._applying = ""  # what the command being applied waits for (heartbeats say)
+        self.log_path = own_log_path()  # named in errors and in the controller's log
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -139,7 +143,7 @@ class WorkerAgent(CommandApplier):
         register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, described.devices,
                               described.platform, described.device_kind, f"{advertise}:{port}",
                               socket.gethostname(), os.getpid(), described.memory_kinds,
-                              described.companions, crash)
+                              described.companions, crash, self.log_path)
         while not self._stop.is_set():
             code = await self._serve(register)
             if self._joined:
@@ -195,15 +199,25 @@ class WorkerAgent(CommandApplier):
         if welcome.shared_probe is not None and probe_found(*welcome.shared_probe):
             self._link.send(m.SharedDir(os.path.dirname(welcome.shared_probe[0])))
         loop = asyncio.get_running_loop()
+        # This membership's errors also go to the controller's log (`incidents.py`).
+        forwarder = IncidentForwarder(self._link.send, loop.call_soon_threadsafe)
+        logging.getLogger().addHandler(forwarder)
         heartbeat = loop.create_task(self._heartbeat(welcome.heartbeat_interval))
-        reader = loop.create_task(self._read(messages))
+        queue = self._queue = asyncio.Queue()
+        applier = loop.create_task(self._apply_in_order(queue))
+        reader = loop.create_task(self._read(messages, queue, applier))
         stopped = asyncio.ensure_future(self._stop.wait())
-        await asyncio.wait([reader, stopped], return_when=asyncio.FIRST_COMPLETED)
+        # A command loop that failed ends the membership (logged in `_apply_in_order`): the
+        # controller sees the stream close, fails what this worker held with DATA_LOSS, and
+        # this process registers afresh, instead of leaving its requests unanswered.
+        await asyncio.wait([reader, applier, stopped], return_when=asyncio.FIRST_COMPLETED)
         if self._pulse is not None:
             self._pulse.token = None
-        for task in (heartbeat, reader, stopped, *self._tasks):
+        for task in (heartbeat, reader, applier, stopped, *self._tasks):
             task.cancel()
         await self._link.close()
+        logging.getLogger().removeHandler(forwarder)
+        self._queue = None
         return self.exit_code if self._stop.is_set() else EXIT_CONTROLLER_LOST
 
     def _reset(self) -> None:
@@ -250,14 +264,15 @@ class WorkerAgent(CommandApplier):
     async def _heartbeat(self, interval: float) -> None:
         while True:
             self._acked = self._applied
-            self._link.send(m.Heartbeat(self.host.stats() if self.host else {}, self._applied))
+            queued = self._queue.qsize() if self._queue is not None else 0
+            self._link.send(m.Heartbeat(self.host.stats() if self.host else {}, self._applied,
+                                        queued, self._applying))
             await asyncio.sleep(interval)
 
-    async def _read(self, messages: Any) -> None:
+    async def _read(self, messages: Any, queue: asyncio.Queue[Any],
+                    applier: asyncio.Task[None]) -> None:
         """Reads the stream while `_apply_in_order` applies it, so that a FormGroup is seen
         even while the applier waits for a computation of the group it replaces."""
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        applier = asyncio.get_running_loop().create_task(self._apply_in_order(queue))
         try:
             async for message in messages:
                 if isinstance(message, m.FormGroup):
@@ -277,46 +292,42 @@ class WorkerAgent(CommandApplier):
             applier.cancel()
 
     async def _apply_in_order(self, queue: asyncio.Queue[Any]) -> None:
+        """Applies what `_read` queues, in order. A command that fails is refused by itself
+        (`_refuse`); anything else that raises here is a bug that leaves this worker's
+        state unknown: it is logged (and so reaches the controller) and ends the loop, and
+        with it the membership (`_serve`)."""
         while (message := await queue.get()) is not None:
-            await self._handle(message)
+            try:
+                await self._handle(message)
+            except Exception:
+                logger.exception(
+                    "the worker could not apply a %s and leaves the fleet to register afresh "
+                    "(arrays it held are lost); this is a bug in isthmus: please report it "
+                    "with this log%s", type(message).__name__,
+                    f" ({self.log_path})" if self.log_path else "")
+                raise
+            finally:
+                self._applying = ""
 
     # ---- messages ------------------------------------------------------------------------
 
     async def _handle(self, message: Any) -> None:
         if isinstance(message, m.Batch):
             for command in unpack(message.commands):
-                if isinstance(command, m.Ask) and isinstance(command.command, c.CallPython):
-                    await self._load(command.command.executable)
-                elif isinstance(command, c.Execute):
-                    if command.executable in self._refused:
-                        self._fail_refused(command)
-                        self._applied += m.weight(command)
-                        continue
-                    await self._load(command.executable)
-                    if self.host is not None and self.host.is_collective(command.executable):
-                        await self.host.collective_settled(command.executable,
-                                                           self._superseded)
-                        if self._superseded.is_set() and self.host.spans_any(
-                                command.executable, self._gone):
-                            # It would wait for a lost peer on a broken communicator.
-                            self.host.fail_outputs(command.executable, command.results,
-                                                   errors.WorkerLost(
-                                f"the program spanned a worker that was lost "
-                                f"({self._pending_reason or 'a peer left the collective group'}); "
-                                "run it again on the slices that are up."))
-                            self._applied += m.weight(command)
-                            continue
                 try:
-                    self._apply(command)
-                except Exception as e:  # noqa: BLE001
+                    await self._apply_command(command)
+                except Exception as e:  # noqa: BLE001 - refused with the cause, see `_refuse`
                     self._refuse(command, e)
+                self._applying = ""
                 self._applied += m.weight(command)
             if self._applied - self._acked >= m.ACK_EVERY:
                 self._acked = self._applied
                 self._link.send(m.Applied(self._applied))
         elif isinstance(message, m.FormGroup):
+            self._applying = f"joining collective group {message.generation}"
             await self._form(message)
         elif isinstance(message, m.DeviceMap):
+            self._applying = "moving buffers into the new collective group"
             await self._activate(message.mapping)
         elif isinstance(message, m.Shutdown):
             logger.info("shutting down: %s", message.reason)
@@ -324,19 +335,51 @@ class WorkerAgent(CommandApplier):
         else:
             logger.warning("unexpected message %s", type(message).__name__)
 
+    async def _apply_command(self, command: Any) -> None:
+        """Applies one command of a batch, after what it must wait for: its program loaded,
+        the collective programs before it (`CollectiveOrder.collective_settled`)."""
+        if isinstance(command, m.Ask) and isinstance(command.command, c.CallPython):
+            self._applying = "loading a colocated Python function"
+            await self._load(command.command.executable)
+        elif isinstance(command, c.Execute):
+            if command.executable in self._refused:
+                self._fail_refused(command)
+                return
+            self._applying = f"compiling program {command.executable}"
+            await self._load(command.executable)
+            self._crashes.fault(command.executable)
+            if self.host is not None and self.host.is_collective(command.executable):
+                self._applying = (f"program {command.executable} waits for the collective "
+                                  "programs before it")
+                await self.host.collective_settled(command.executable, self._superseded)
+                if self._superseded.is_set() and self.host.spans_any(
+                        command.executable, self._gone):
+                    # It would wait for a lost peer on a broken communicator.
+                    self.host.fail_outputs(command.executable, command.results,
+                                           errors.WorkerLost(
+                        f"the program spanned a worker that was lost "
+                        f"({self._pending_reason or 'a peer left the collective group'}); "
+                        "run it again on the slices that are up."))
+                    return
+        self._applying = ""
+        self._apply(command)
+
     def _refuse(self, command: Any, e: Exception) -> None:
         """A command that could not be applied: whoever waits on it hears why, and the
         buffers it was to produce hold the error (nothing waits forever)."""
         name = type(command.command if isinstance(command, m.Ask) else command).__name__
+        where = f" ({self.log_path})" if self.log_path else ""
         error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
             f"the worker could not apply {name} ({type(e).__name__}: {e}); "
-            "this is a bug in isthmus: please report it with the worker log.")
+            f"this is a bug in isthmus: please report it with the worker log{where}.")
         if not isinstance(e, errors.IsthmusError):
-            logger.exception("command %s failed", name)
+            logger.exception("command %s failed; what it was to make holds the error", name)
         request = request_of(command)
         if request is not None:
             self._reply(request, error=error)
         if self.host is not None:
+            if isinstance(command, c.Execute):  # its outputs, by the program's positions
+                self.host.fail_outputs(command.executable, command.results, error)
             for buffer_id in produced(command):
                 self.host.fail(buffer_id, error)
 

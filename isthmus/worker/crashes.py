@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 CRASH_RECORD_ENV = "ISTHMUS_CRASH_RECORD"
 # Testing aid: a worker segfaults when about to run a program whose name contains this.
 TEST_CRASH_ENV = "ISTHMUS_TEST_CRASH_PROGRAM"
+# Testing aid: a worker raises (as a bug in isthmus would) while preparing to run a program
+# whose name contains this, before it applies the Execute (`CrashRecord.fault`).
+TEST_RAISE_ENV = "ISTHMUS_TEST_RAISE_PROGRAM"
 
 _FIELDS = struct.Struct("<QQQQ")  # controller incarnation, executable, pid, thread
 _U64 = struct.Struct("<Q")
@@ -59,6 +62,7 @@ class CrashConfig:
 
     record: str | None = None  # the slot's record path (None: no records, nothing reported)
     test_crash_program: str = ""  # testing only: crash on programs whose name contains it
+    test_raise_program: str = ""  # testing only: raise on programs whose name contains it
 
 
 def fatal_line(text: str) -> str:
@@ -78,7 +82,8 @@ class CrashRecord:
         self.config = config
         self._fatal: IO[bytes] | None = None
         self._map: mmap.mmap | None = None
-        self._doomed: set[int] = set()  # the testing aid's programs
+        self._doomed: set[int] = set()  # the testing aids' programs: to crash on
+        self._faulty: set[int] = set()  # ... and to raise on
         self.running: Any = _nothing
 
     @property
@@ -158,6 +163,15 @@ class CrashRecord:
         crash = self.config.test_crash_program
         if crash and crash in name:
             self._doomed.add(executable_id)
+        fault = self.config.test_raise_program
+        if fault and fault in name:
+            self._faulty.add(executable_id)
+
+    def fault(self, executable_id: int) -> None:
+        """The testing aid `TEST_RAISE_ENV`: raises for its programs, as a bug would."""
+        if executable_id in self._faulty:
+            raise RuntimeError(f"raising on purpose before executable {executable_id} "
+                               f"({TEST_RAISE_ENV}={self.config.test_raise_program})")
 
 
 def _nothing(executable_id: int) -> None:

@@ -58,14 +58,37 @@ class InlineOrder:
         if self._backlog or self._held(command):
             self._hold(command, None)
         else:
-            command.apply(self._host)
+            self._apply(command)
 
     def ask(self, request: Request[_T]) -> Awaitable[_T]:
         if self._backlog or self._held(request):
             answer: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
             self._hold(request, answer)
             return answer
-        return request.apply(self._host)
+        return self._apply(request)
+
+    def _apply(self, command: Command) -> Any:
+        """Applies a command; one that raises is refused as a worker refuses it (its outputs
+        hold the error, a request fails with it), so that nothing waits on what it was to
+        make: the result, or for a request that raised, a future failed with the error."""
+        try:
+            return command.apply(self._host)
+        except Exception as e:  # refused with the cause
+            error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
+                f"the embedded backend could not apply {type(command).__name__} "
+                f"({type(e).__name__}: {e}); this is a bug in isthmus: please report it "
+                "with the server's log.")
+            if not isinstance(e, errors.IsthmusError):
+                logger.exception("command %s failed; what it was to make holds the error",
+                                 type(command).__name__)
+            if isinstance(command, c.Execute):  # its outputs, by the program's positions
+                self._host.fail_outputs(command.executable, command.results, error)
+            for buffer_id in command.produces():
+                self._host.fail(buffer_id, error)
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(error)
+            failed.exception()  # a told command's failure is read from its outputs
+            return failed
 
     def deliver(self, commands: Commands) -> None:
         for command in commands.items:
@@ -81,8 +104,18 @@ class InlineOrder:
                 answer.set_exception(errors.SessionClosed("the server is shutting down."))
 
     def _held(self, command: Command) -> bool:
-        return isinstance(command, c.Execute) and bool(
-            self._host.collective_backlog(command.executable))
+        return bool(self._older(command))
+
+    def _older(self, command: Command) -> list[Any]:
+        """What an Execute must wait for (`collective_backlog`); [] for other commands."""
+        if not isinstance(command, c.Execute):
+            return []
+        try:
+            return self._host.collective_backlog(command.executable)
+        except Exception:  # a bug: the command goes (and fails, or not)
+            logger.exception("checking the collective programs in flight failed; this is a "
+                             "bug in isthmus")
+            return []
 
     def _hold(self, command: Command, answer: asyncio.Future[Any] | None) -> None:
         self._backlog.append((command, answer))
@@ -94,22 +127,14 @@ class InlineOrder:
     async def _drain(self) -> None:
         while self._backlog:
             command, answer = self._backlog[0]
-            if isinstance(command, c.Execute):
-                older = self._host.collective_backlog(command.executable)
-                if older:
-                    await self._host.wait_for(older)
-                    continue
+            older = self._older(command)
+            if older:
+                await self._host.wait_for(older)
+                continue
             self._backlog.popleft()
             if self._flow is not None and len(self._backlog) < self._flow.limits.low:
                 self._flow.report(self._key, len(self._backlog))
-            try:
-                result = command.apply(self._host)
-            except Exception as e:
-                if answer is None:
-                    logger.exception("a held-back command raised; this is a bug in isthmus")
-                elif not answer.done():
-                    answer.set_exception(e)
-                continue
+            result = self._apply(command)
             if answer is not None:
                 _chain(result, answer)
 

@@ -211,3 +211,67 @@ def test_accelerators_get_colocated_cpu_devices_beside_them():
         with pytest.raises(errors.InvalidRequest, match="colocated CPU devices"):
             manager.register(plain, [].append, "peer")
     run(main())
+
+
+def test_a_worker_holding_commands_it_applies_none_of_while_idle_is_lost():
+    """Issue 36: a worker whose command loop stopped reported idle heartbeats while the
+    controller's backlog to it stayed non-zero, and its readers waited forever. The manager
+    notices (heartbeats: messages queued, nothing being applied, no progress) and declares it
+    lost, naming the cause and its log, so that what waits on it fails with DATA_LOSS."""
+    async def main():
+        manager, fleet, controller = _manager()
+        reg = dataclasses.replace(register(slice_index=0, pid=41), log="/tmp/w-s0-h0.log")
+        worker = manager.register(reg, lambda frame: None, "peer")
+        busy = manager.register(register(slice_index=0, pid=42), lambda frame: None, "peer")
+        fleet.mark_up(0)
+        pending, future = worker.request()
+        for channel in (worker, busy):
+            channel.send(c.Free((1,)))
+            channel.flush()
+            assert channel.backlog > 0
+        now = worker.last_seen
+        # A long program: it applies nothing, but says what it waits for. Not a stall.
+        busy.on_message(m.Heartbeat({}, 0, 3, "program 5 waits for the collective programs "
+                                                "before it"))
+        worker.on_message(m.Heartbeat({}, 0, 0, ""))  # nothing read yet: in transit
+        assert worker.stalled(now + 60) == 0 and busy.stalled(now + 60) == 0
+        worker.on_message(m.Heartbeat({}, 0, 2, ""))  # read, held, and idle: stalled
+        began = worker.last_seen
+        worker.on_message(m.Heartbeat({}, 0, 2, ""))
+        later = began + manager.config.stall_timeout + 0.5
+        for channel in (worker, busy):
+            channel.last_seen = later  # their pulses keep coming: alive, not silent
+        manager.judge(began + 1.0)
+        assert worker.lost is None  # not yet for long
+        manager.judge(later)
+        error = worker.lost
+        assert isinstance(error, errors.WorkerLost) and error.code == errors.Code.DATA_LOSS
+        assert "command loop has stopped" in error.message and "/tmp/w-s0-h0.log" in error.message
+        assert future.exception() is error
+        assert busy.lost is None or busy.lost is error  # lost with its slice, never on its own
+        # Progress resets the clock: a worker that applied something is not stalled.
+        other = manager.register(register(slice_index=1, pid=43), lambda frame: None, "peer")
+        other.send(c.Free((2,)))
+        other.flush()
+        other.on_message(m.Heartbeat({}, 0, 1, ""))
+        other.on_message(m.Heartbeat({}, 0, 1, "compiling program 3"))
+        assert other.stalled(other.last_seen + 60) == 0
+    run(main())
+
+
+def test_a_worker_incident_is_logged_by_the_controller_with_its_log(caplog):
+    async def main():
+        manager, fleet, controller = _manager()
+        reg = dataclasses.replace(register(slice_index=0, pid=44), log="/tmp/w.log")
+        worker = manager.register(reg, lambda frame: None, "peer")
+        manager.welcome(worker)
+        worker.on_message(m.Incident("ERROR", "isthmus.worker.agent", "command Execute failed",
+                                     "Traceback (most recent call last):\nRuntimeError: boom\n",
+                                     dropped=3))
+    with caplog.at_level("WARNING"):
+        run(main())
+    record = next(r for r in caplog.records if "command Execute failed" in r.getMessage())
+    text = record.getMessage()
+    assert record.levelname == "ERROR"
+    assert "host:44 (slice 0, host 0)" in text and "its log: /tmp/w.log" in text
+    assert "RuntimeError: boom" in text and "3 more errors" in text

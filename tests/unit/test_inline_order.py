@@ -120,3 +120,35 @@ def test_a_long_backlog_closes_the_flow_gate_until_it_drains():
         await asyncio.sleep(0.01)
         assert order.waiting == 0 and gate.is_open
     run(main())
+
+
+def test_a_command_that_raises_fails_what_it_makes_and_the_next_ones_go_on():
+    """The embedded backend refuses a command that raises as a worker does: its outputs
+    hold the error (no reader waits on them) and later commands still apply (issue 36)."""
+    class Faulty(Host):
+        failed = {}
+
+        def execute(self, executable, args, results, copy_first):
+            if executable == 9:
+                raise RuntimeError("a bug")
+            super().execute(executable, args, results, copy_first)
+
+        def fail_outputs(self, executable, results, error):
+            for base in results:
+                self.failed[base] = error
+
+        def fail(self, buffer, error):
+            self.failed[buffer] = error
+
+    async def main():
+        host = Faulty()
+        order = InlineOrder(host)
+        order.send(c.Execute(9, (1,), (20,)))
+        order.send(c.Execute(2, (1,), (30,)))
+        error = host.failed[20]
+        assert isinstance(error, errors.InternalError)
+        assert "RuntimeError: a bug" in error.message and "bug in isthmus" in error.message
+        assert ("execute", 2) in host.log and 30 not in host.failed
+        with pytest.raises(errors.InvalidRequest):
+            await order.ask(c.Fetch(-1, 0))
+    run(main())
