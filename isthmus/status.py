@@ -71,6 +71,9 @@ def render(status: dict[str, Any]) -> str:
                    else ("in-process" if not fleet and reason is None else "no worker"))
             if process and process.get("shared_memory"):
                 who += ", shared memory"
+            if process and process.get("backlog"):  # commands sent, not yet applied
+                who += f", backlog {process['backlog']}" + (
+                    f": {process['applying']}" if process.get("applying") else "")
             lines.append(
                 f"  host {host} ({who}): devices {devices[0]['id']}..{devices[-1]['id']}  "
                 f"arrays: {account.get('buffers', 0)} buffers, "

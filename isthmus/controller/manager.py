@@ -453,6 +453,8 @@ class FleetManager:
             if isinstance(channel, RemoteWorker):
                 out[str(slot)] = {"host": channel.register.hostname, "pid": channel.register.pid,
                                   "member": slot in self.members, "backlog": channel.backlog,
+                                  "queued": channel.queued, "applying": channel.applying,
+                                  "log": channel.register.log,
                                   "shared_memory": channel.shared_dir is not None}
         return out
 

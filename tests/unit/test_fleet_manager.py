@@ -233,6 +233,8 @@ def test_a_worker_holding_commands_it_applies_none_of_while_idle_is_lost():
         # A long program: it applies nothing, but says what it waits for. Not a stall.
         busy.on_message(m.Heartbeat({}, 0, 3, "program 5 waits for the collective programs "
                                                 "before it"))
+        described = manager.status()[str(busy.slot)]  # what `isthmus status` shows
+        assert described["queued"] == 3 and described["applying"].startswith("program 5")
         worker.on_message(m.Heartbeat({}, 0, 0, ""))  # nothing read yet: in transit
         assert worker.stalled(now + 60) == 0 and busy.stalled(now + 60) == 0
         worker.on_message(m.Heartbeat({}, 0, 2, ""))  # read, held, and idle: stalled
