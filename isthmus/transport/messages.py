@@ -135,6 +135,14 @@ class Heartbeat:
 
 
 @_message
+class Leaving:
+    """The worker ends its membership because of `reason` (it then closes its stream and
+    registers afresh): the controller names the reason where it reports the loss."""
+
+    reason: str
+
+
+@_message
 class Incident:
     """An error the worker logged (with its traceback, if any), for the controller's log
     (`worker/incidents.py`)."""

@@ -75,6 +75,7 @@ class RemoteWorker:
         # (its command loop stopped: a bug, `stalled`), and its progress then.
         self._stalled_since: float | None = None
         self._stalled_at = -1
+        self.leaving = ""  # why the worker said it leaves (`Leaving`), for its loss
         self.lost: errors.IsthmusError | None = None
         # (shared directory, probe file) offered in the Welcome; the directory is used once
         # the worker has shown that it reads it (`shared_dir`).
@@ -172,6 +173,8 @@ class RemoteWorker:
                 self._stalled_since = None
         elif isinstance(message, m.Incident):
             self._log_incident(message)
+        elif isinstance(message, m.Leaving):
+            self.leaving = message.reason
         elif isinstance(message, m.SharedDir):
             if self.probe is not None and message.path == self.probe[0]:
                 self.shared_dir = message.path

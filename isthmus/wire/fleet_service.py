@@ -157,7 +157,8 @@ class FleetServicer:
         except Exception:
             logger.exception("worker %s sent a frame that does not decode", channel.slot)
         finally:
-            self.manager.lost(channel, "its connection to the controller closed")
+            self.manager.lost(channel, channel.leaving or
+                              "its connection to the controller closed")
 
     async def endpoint(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """The port of the control streams (on the host the worker reached us at)."""

@@ -299,12 +299,15 @@ class WorkerAgent(CommandApplier):
         while (message := await queue.get()) is not None:
             try:
                 await self._handle(message)
-            except Exception:
+            except Exception as e:
+                where = f" ({self.log_path})" if self.log_path else ""
                 logger.exception(
                     "the worker could not apply a %s and leaves the fleet to register afresh "
                     "(arrays it held are lost); this is a bug in isthmus: please report it "
-                    "with this log%s", type(message).__name__,
-                    f" ({self.log_path})" if self.log_path else "")
+                    "with this log%s", type(message).__name__, where)
+                self._link.send(m.Leaving(
+                    f"it left the fleet: {e if isinstance(e, errors.IsthmusError) else repr(e)}"
+                    f"; this is a bug in isthmus: please report it with the worker's log{where}"))
                 raise
             finally:
                 self._applying = ""
@@ -316,8 +319,17 @@ class WorkerAgent(CommandApplier):
             for command in unpack(message.commands):
                 try:
                     await self._apply_command(command)
-                except Exception as e:  # noqa: BLE001 - refused with the cause, see `_refuse`
+                except Exception as e:  # refused with the cause, see `_refuse`
                     self._refuse(command, e)
+                    if (isinstance(command, c.Execute) and self.host is not None
+                            and not isinstance(e, errors.IsthmusError)
+                            and self.host.spans_others(command.executable)):
+                        # The parts of the program on other hosts wait for this one in their
+                        # collectives, forever: only a re-formed group ends their wait.
+                        raise errors.InternalError(
+                            f"its part of program {command.executable}, which spans other "
+                            f"hosts, failed ({type(e).__name__}: {e}), and the other parts "
+                            "would wait for it forever") from e
                 self._applying = ""
                 self._applied += m.weight(command)
             if self._applied - self._acked >= m.ACK_EVERY:

@@ -52,6 +52,11 @@ class CollectiveOrder:
             for p in loaded.positions if loaded is not None else ():
                 self.fail(BufferId(base + p), error)
 
+    def spans_others(self, executable_id: ExecutableId) -> bool:
+        """The program runs on devices of other hosts too: their parts meet this host's."""
+        loaded = self._executables.get(executable_id)
+        return isinstance(loaded, Loaded) and loaded.span is not None
+
     def is_collective(self, executable_id: ExecutableId) -> bool:
         """The program runs on several devices of this host, or on devices of other hosts
         too: it may meet them in collectives."""
