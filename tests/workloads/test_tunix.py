@@ -26,3 +26,14 @@ def test_tunix_grpo_two_slices_matches_local():
     # show as a different token and a jump in the rewards, not a drift a looser tolerance
     # would absorb; 1e-5 leaves room only for a reduction order changed by the fleet's shape.
     assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.workloads
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tunix_grpo_on_one_slice_matches_local():
+    """The default fleet (one slice of 2 hosts x 4 devices): trainer and rollout meshes
+    are both on it, across the two worker processes."""
+    want = run_local(SCRIPT, timeout=300)
+    got = run_isthmus(SCRIPT, timeout=420)
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
