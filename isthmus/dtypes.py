@@ -78,6 +78,15 @@ BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in _TABLE if d.numpy is not 
 
 STRING = BY_KIND["KIND_STRING"]
 TOKEN = BY_KIND["KIND_TOKEN"]
+PRED = BY_KIND["KIND_PRED"]
+
+
+def passes_as(dtype: DType, shape: tuple[int, ...], param: DType,
+              param_shape: tuple[int, ...]) -> bool:
+    """An array of `dtype` and `shape` may be a program's argument of `param`: the same, or
+    jax's stand-in for a token (a bool[0] buffer, which PjRt takes for a token parameter)."""
+    return (dtype == param and shape == param_shape) or (
+        param == TOKEN and dtype == PRED and shape == (0,))
 
 
 def from_numpy(dtype: np.dtype) -> DType:

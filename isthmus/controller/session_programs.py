@@ -9,7 +9,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from isthmus import errors
+from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
@@ -59,7 +59,7 @@ class SessionPrograms(SessionArrays):
         refs: list[int | tuple[BufferId, ...]] = []
         specs = executable.param_specs or self._param_specs(executable)
         for index, (array, aval) in enumerate(zip(args, info.params)):
-            if array.dtype != aval.dtype or array.shape != aval.shape:
+            if not dtypes.passes_as(array.dtype, array.shape, aval.dtype, aval.shape):
                 raise errors.InvalidRequest(
                     f"argument {index} is {array.dtype.kind}{list(array.shape)} but the program "
                     f"expects {aval.dtype.kind}{list(aval.shape)}.")

@@ -288,9 +288,16 @@ def metadata(session: Any, request: Any, response: Any) -> None:
         out.output_shardings.SetInParent()
         for op in info.output_shardings:
             out.output_shardings.shardings.add().ParseFromString(op)
-    out.parameter_layouts_list.SetInParent()
-    _layouts(info.param_layouts, out.parameter_layouts_list)
-    if info.output_layouts is None:  # known at the first call (pathwaysutils' reshard)
+    if info.param_layouts_error:
+        out.parameter_layouts_error.code = int(errors.Code.UNIMPLEMENTED)
+        out.parameter_layouts_error.message = info.param_layouts_error
+    else:
+        out.parameter_layouts_list.SetInParent()
+        _layouts(info.param_layouts, out.parameter_layouts_list)
+    if info.output_layouts_error:
+        out.output_layouts_error.code = int(errors.Code.UNIMPLEMENTED)
+        out.output_layouts_error.message = info.output_layouts_error
+    elif info.output_layouts is None:  # known at the first call (pathwaysutils' reshard)
         out.output_layouts_error.code = int(errors.Code.UNIMPLEMENTED)
         out.output_layouts_error.message = "output layouts are known at the first call"
     else:

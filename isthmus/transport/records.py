@@ -63,6 +63,10 @@ class CompiledInfo:
     # Per parameter, the memory kind the program reads it from (`mhlo.memory_kind`); None:
     # the device's default memory. Empty: no parameter names one.
     param_memory_kinds: tuple[str | None, ...] = ()
+    # Why the backend gives no parameter (output) layouts, e.g. a program that takes (returns)
+    # a token: XLA:CPU answers UNIMPLEMENTED, and jax then uses default layouts. "": none.
+    param_layouts_error: str = ""
+    output_layouts_error: str = ""
 
     @property
     def num_outputs(self) -> int:

@@ -430,7 +430,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                     shards = [self.buffers.value(ref[p]) for p in positions]
                 if index in copy_first:
                     shards = [jax.device_put(s, s.sharding, may_alias=False) for s in shards]
-                aval = loaded.info.param_avals[index]
+                # A token parameter has no aval: jax passes a bool[0] buffer for it.
+                aval = loaded.info.param_avals[index] or shards[0].aval
                 # Shards are in the program's device order; jaxlib's own checks would reject
                 # the local-only shard lists of a multi-process program.
                 arrays.append(array_impl(aval, loaded.arg_shardings[index], shards, True, True))

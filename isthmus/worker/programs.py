@@ -9,6 +9,7 @@ the compiled executable.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -164,26 +165,61 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
         if hasattr(stats, field)}
     memory_kinds = optional(executable.get_output_memory_kinds, [[]])
     fingerprint = optional(lambda: executable.fingerprint, None)
+    param_layouts, param_layouts_error = _layouts(executable.get_parameter_layouts)
+    output_layouts, output_layouts_error = _layouts(executable.get_output_layouts)
+    hlo_text = optional(executable.get_hlo_text, "")
     info = CompiledInfo(
         name=name,
         params=params,
         outputs=outputs,
         param_shardings=shardings(optional(executable.get_parameter_shardings, None)),
         output_shardings=shardings(optional(executable.get_output_shardings, None)),
-        param_layouts=tuple(str(x) for x in optional(executable.get_parameter_layouts, [])),
-        output_layouts=tuple(str(x) for x in optional(executable.get_output_layouts, [])),
+        param_layouts=param_layouts,
+        output_layouts=output_layouts,
         output_memory_kinds=tuple(memory_kinds[0]) if memory_kinds else (),
-        donated_inputs=donated,
+        donated_inputs=compiled_donations(hlo_text, donated),
         fingerprint=fingerprint if isinstance(fingerprint, bytes) else None,
         cost_analysis=dict(optional(executable.cost_analysis, {}) or {}),
-        hlo_text=optional(executable.get_hlo_text, ""),
+        hlo_text=hlo_text,
         memory_stats=memory_stats,
         generated_code_bytes=int(optional(executable.size_of_generated_code_in_bytes, 0)),
         param_avals=tuple(jax.core.ShapedArray(p.shape, p.dtype.numpy) if p.dtype.numpy is not None
                           else None for p in params),
         param_memory_kinds=param_memory_kinds,
+        param_layouts_error=param_layouts_error,
+        output_layouts_error=output_layouts_error,
     )
     return executable, info
+
+
+def _layouts(query: Any) -> tuple[tuple[str, ...], str]:
+    """A layout query's answer as text, or why the backend has none (it raises
+    UNIMPLEMENTED for token parameters and outputs, and jax then uses default layouts)."""
+    try:
+        return tuple(str(x) for x in query()), ""
+    except Exception as e:  # noqa: BLE001 - passed on to the client as its answer
+        return (), _first_line(e)
+
+
+def compiled_donations(hlo_text: str, declared: tuple[int, ...]) -> tuple[int, ...]:
+    """The parameters the compiled program consumes, of those the module offers
+    (`jax.buffer_donor`): the ones XLA aliased to an output, read off the optimized module's
+    header (`input_output_alias={ {0}: (1, {}, may-alias) }`). PjRt consumes those only: an
+    offered buffer that no output could use (still listed as `buffer_donor={ (0, {}) }`)
+    survives the call, locally and here. Without the header: `declared`."""
+    header = hlo_text.split("\n", 1)[0]
+    if not declared or not header.startswith("HloModule "):
+        return declared
+    used: set[int] = set()
+    key = "input_output_alias={"
+    start = header.find(key)
+    if start >= 0:
+        depth, end = 1, start + len(key)
+        while end < len(header) and depth:
+            depth += {"{": 1, "}": -1}.get(header[end], 0)
+            end += 1
+        used.update(int(n) for n in re.findall(r"\((\d+),", header[start:end]))
+    return tuple(i for i in declared if i in used)
 
 
 def arg_shardings(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...]:

@@ -160,3 +160,57 @@ def test_a_step_donating_the_output_of_a_running_collective_step_runs_after_it()
         assert not host._collective_failed
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def _request(fn, *args, donate=()):
+    import jax
+
+    from isthmus.compat import jax as jax_compat
+    from isthmus.transport.records import CompileRequest
+
+    xc = jax_compat.xla_client()
+    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+    return CompileRequest(lowered.as_text().encode(), xc.CompileOptions().SerializeAsString(),
+                          (0,))
+
+
+def test_only_donations_the_compiled_program_uses_are_reported():
+    """PjRt consumes an offered buffer only when XLA aliased it to an output: `x @ x.T`
+    cannot reuse `x` (jax's pjit_test testBufferDonationNotDonated), `y + 1` can."""
+    import jax
+
+    async def main():
+        host = DeviceHost(make_cpu_client(1))
+        x, y = jax.ShapeDtypeStruct((4, 3), np.float32), jax.ShapeDtypeStruct((3,), np.float32)
+        info = await host.compile(1, _request(lambda a, b: (a @ a.T, b + 1), x, y,
+                                              donate=(0, 1)))
+        assert info.donated_inputs == (1,)
+        await host.close()
+    with pytest.warns(UserWarning, match="donated buffers were not usable"):
+        asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_program_with_token_parameters_and_outputs_says_why_it_has_no_layouts():
+    """XLA:CPU has no layouts for tokens; jax falls back to default layouts when the
+    backend says so (UNIMPLEMENTED), and must not get empty lists instead."""
+    import jax
+
+    async def main():
+        host = DeviceHost(make_cpu_client(1))
+        fn, args = (lambda t, v: (t, v + 1)), (jax.lax.create_token(),
+                                                 jax.ShapeDtypeStruct((), np.float32))
+        info = await host.compile(1, _request(fn, *args))
+        local = jax.jit(fn).lower(*args).compile().runtime_executable()
+        for query, layouts, error in [
+                (local.get_parameter_layouts, info.param_layouts, info.param_layouts_error),
+                (local.get_output_layouts, info.output_layouts, info.output_layouts_error)]:
+            try:  # what the local client answers (jaxlib 0.10 raises; later ones answer)
+                want, why = tuple(str(x) for x in query()), ""
+            except Exception as e:  # noqa: BLE001
+                want, why = (), str(e).splitlines()[0]
+            assert (layouts, error) == (want, why)
+        plain = await host.compile(2, _request(lambda v: v + 1,
+                                               jax.ShapeDtypeStruct((3,), np.float32)))
+        assert plain.output_layouts == ("{0}",) and not plain.output_layouts_error
+        await host.close()
+    asyncio.run(asyncio.wait_for(main(), 60))
