@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from isthmus import errors, gctune
-from isthmus.ids import COMPANION_BASE, BufferId
+from isthmus.ids import COMPANION_BASE
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
@@ -45,7 +45,7 @@ from isthmus.worker.platforms import (
     join_group,
 )
 from isthmus.worker.process import exit_now, preload, watch_stop_signals
-from isthmus.worker.reading import Incoming, probe_found, produced, request_of, unpack
+from isthmus.worker.reading import Incoming, probe_found, unpack
 from isthmus.worker.simulated import make_host
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class WorkerAgent(CommandApplier):
             self._link.send(m.SharedDir(os.path.dirname(welcome.shared_probe[0])))
         loop = asyncio.get_running_loop()
         # This membership's errors also go to the controller's log (`incidents.py`).
-        forwarder = IncidentForwarder(self._link.send, loop.call_soon_threadsafe)
+        forwarder = IncidentForwarder(self._link.send, loop)
         logging.getLogger().addHandler(forwarder)
         heartbeat = loop.create_task(self._heartbeat(welcome.heartbeat_interval))
         queue = self._queue = asyncio.Queue()
@@ -347,54 +347,6 @@ class WorkerAgent(CommandApplier):
         else:
             logger.warning("unexpected message %s", type(message).__name__)
 
-    async def _apply_command(self, command: Any) -> None:
-        """Applies one command of a batch, after what it must wait for: its program loaded,
-        the collective programs before it (`CollectiveOrder.collective_settled`)."""
-        if isinstance(command, m.Ask) and isinstance(command.command, c.CallPython):
-            self._applying = "loading a colocated Python function"
-            await self._load(command.command.executable)
-        elif isinstance(command, c.Execute):
-            if command.executable in self._refused:
-                self._fail_refused(command)
-                return
-            self._applying = f"compiling program {command.executable}"
-            await self._load(command.executable)
-            self._crashes.fault(command.executable)
-            if self.host is not None and self.host.is_collective(command.executable):
-                self._applying = (f"program {command.executable} waits for the collective "
-                                  "programs before it")
-                await self.host.collective_settled(command.executable, self._superseded)
-                if self._superseded.is_set() and self.host.spans_any(
-                        command.executable, self._gone):
-                    # It would wait for a lost peer on a broken communicator.
-                    self.host.fail_outputs(command.executable, command.results,
-                                           errors.WorkerLost(
-                        f"the program spanned a worker that was lost "
-                        f"({self._pending_reason or 'a peer left the collective group'}); "
-                        "run it again on the slices that are up."))
-                    return
-        self._applying = ""
-        self._apply(command)
-
-    def _refuse(self, command: Any, e: Exception) -> None:
-        """A command that could not be applied: whoever waits on it hears why, and the
-        buffers it was to produce hold the error (nothing waits forever)."""
-        name = type(command.command if isinstance(command, m.Ask) else command).__name__
-        where = f" ({self.log_path})" if self.log_path else ""
-        error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
-            f"the worker could not apply {name} ({type(e).__name__}: {e}); "
-            f"this is a bug in isthmus: please report it with the worker log{where}.")
-        if not isinstance(e, errors.IsthmusError):
-            logger.exception("command %s failed; what it was to make holds the error", name)
-        request = request_of(command)
-        if request is not None:
-            self._reply(request, error=error)
-        if self.host is not None:
-            if isinstance(command, c.Execute):  # its outputs, by the program's positions
-                self.host.fail_outputs(command.executable, command.results, error)
-            for buffer_id in produced(command):
-                self.host.fail(buffer_id, error)
-
     def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
         self._link.send(m.Reply(request, value, error))
 
@@ -453,31 +405,6 @@ class WorkerAgent(CommandApplier):
             return self._pending_reason
         reason, at = self._last_loss
         return reason if time.monotonic() - at < 2 * LOSS_REASON_WAIT else ""
-
-    def _fail_refused(self, command: c.Execute) -> None:
-        """An Execute of a program the controller refused: its outputs here hold the error."""
-        if self.host is None:
-            return
-        error, device_ids = self._refused[command.executable]
-        positions = self.host.local_positions(device_ids)
-        for base in command.results:
-            for p in positions:
-                self.host.fail(BufferId(base + p), error)
-
-    async def _load(self, executable: int) -> None:
-        """Compiles a known program that the current client lacks (the group re-formed, or
-        the program came with `Load`), before the Execute that needs it is applied. A
-        failure is kept by the host and fails that Execute's outputs."""
-        host, request = self.host, self._programs.get(executable)
-        if host is None or request is None or host.knows(executable):
-            return
-        try:
-            info = await host.compile(executable, request)
-        except Exception:
-            logger.warning("compiling program %s again failed", executable, exc_info=True)
-            return
-        if info is not None:
-            self._crashes.compiled(executable, info.name)
 
     # ---- collective groups ---------------------------------------------------------------
 

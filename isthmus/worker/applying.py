@@ -1,13 +1,16 @@
 """Applying the controller's commands to a worker's `DeviceHost` (a mixin of `WorkerAgent`):
-most commands by their own record (`transport/commands.py`), a few here because they need the
-process (its crash record, the programs it keeps across groups, the transfers a command
-starts: a put arriving in pieces, a fetched buffer sent back on the control stream, a buffer
-pulled from a peer, a buffer served to one)."""
+each inside one guard, after what it waits for (its program loaded, the collective programs
+before it), a command that raises refused by itself (`_refuse`); most by their own record
+(`transport/commands.py`), a few here because they need the process (its crash record, the
+programs it keeps across groups, the transfers a command starts: a put arriving in pieces, a
+fetched buffer sent back on the control stream, a buffer pulled from a peer, a buffer served
+to one)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +26,9 @@ from isthmus.transport.links import ControllerLink, PeerClient
 from isthmus.transport.records import ColocatedProgram, CompileRequest
 from isthmus.worker.crashes import CrashRecord
 from isthmus.worker.host import DeviceHost
-from isthmus.worker.reading import Incoming, write_fetched
+from isthmus.worker.reading import Incoming, produced, request_of, write_fetched
+
+logger = logging.getLogger(__name__)
 
 SMALL_FETCH_BYTES = 64 << 10  # a fetched buffer this small travels inside its Reply
 
@@ -38,12 +43,90 @@ class CommandApplier:
     _crashes: CrashRecord
     _link: ControllerLink
     _peers: PeerClient
+    _applying: str  # what the command being applied waits for (the heartbeats say)
+    _superseded: asyncio.Event  # a FormGroup waits behind the commands being applied
+    _gone: frozenset[int]  # devices the coming group will not have
+    _pending_reason: str  # why the group re-forms
+    log_path: str  # the worker's log file ("": none), named in errors
 
     def _spawn(self, request: int, work: Any, command: Any = None) -> None:
         raise NotImplementedError
 
     def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
         raise NotImplementedError
+
+    async def _apply_command(self, command: Any) -> None:
+        """Applies one command of a batch, after what it must wait for: its program loaded,
+        the collective programs before it (`CollectiveOrder.collective_settled`)."""
+        if isinstance(command, m.Ask) and isinstance(command.command, c.CallPython):
+            self._applying = "loading a colocated Python function"
+            await self._load(command.command.executable)
+        elif isinstance(command, c.Execute):
+            if command.executable in self._refused:
+                self._fail_refused(command)
+                return
+            self._applying = f"compiling program {command.executable}"
+            await self._load(command.executable)
+            self._crashes.fault(command.executable)
+            if self.host is not None and self.host.is_collective(command.executable):
+                self._applying = (f"program {command.executable} waits for the collective "
+                                  "programs before it")
+                await self.host.collective_settled(command.executable, self._superseded)
+                if self._superseded.is_set() and self.host.spans_any(
+                        command.executable, self._gone):
+                    # It would wait for a lost peer on a broken communicator.
+                    self.host.fail_outputs(command.executable, command.results,
+                                           errors.WorkerLost(
+                        f"the program spanned a worker that was lost "
+                        f"({self._pending_reason or 'a peer left the collective group'}); "
+                        "run it again on the slices that are up."))
+                    return
+        self._applying = ""
+        self._apply(command)
+
+    def _refuse(self, command: Any, e: Exception) -> None:
+        """A command that could not be applied: whoever waits on it hears why, and the
+        buffers it was to produce hold the error (nothing waits forever)."""
+        name = type(command.command if isinstance(command, m.Ask) else command).__name__
+        where = f" ({self.log_path})" if self.log_path else ""
+        error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
+            f"the worker could not apply {name} ({type(e).__name__}: {e}); "
+            f"this is a bug in isthmus: please report it with the worker log{where}.")
+        if not isinstance(e, errors.IsthmusError):
+            logger.exception("command %s failed; what it was to make holds the error", name)
+        request = request_of(command)
+        if request is not None:
+            self._reply(request, error=error)
+        if self.host is not None:
+            if isinstance(command, c.Execute):  # its outputs, by the program's positions
+                self.host.fail_outputs(command.executable, command.results, error)
+            for buffer_id in produced(command):
+                self.host.fail(buffer_id, error)
+
+    def _fail_refused(self, command: c.Execute) -> None:
+        """An Execute of a program the controller refused: its outputs here hold the error."""
+        if self.host is None:
+            return
+        error, device_ids = self._refused[command.executable]
+        positions = self.host.local_positions(device_ids)
+        for base in command.results:
+            for p in positions:
+                self.host.fail(BufferId(base + p), error)
+
+    async def _load(self, executable: int) -> None:
+        """Compiles a known program that the current client lacks (the group re-formed, or
+        the program came with `Load`), before the Execute that needs it is applied. A
+        failure is kept by the host and fails that Execute's outputs."""
+        host, request = self.host, self._programs.get(executable)
+        if host is None or request is None or host.knows(executable):
+            return
+        try:
+            info = await host.compile(executable, request)
+        except Exception:
+            logger.warning("compiling program %s again failed", executable, exc_info=True)
+            return
+        if info is not None:
+            self._crashes.compiled(executable, info.name)
 
     def _require_host(self) -> DeviceHost:
         if self.host is None:

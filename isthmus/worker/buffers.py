@@ -144,6 +144,14 @@ class BufferStore:
                 raise AssertionError(f"span of buffer {buffer_id} is {devices!r}")
 
 
+def ids_of(ref: int | Sequence[BufferId], positions: Sequence[int]) -> list[BufferId]:
+    """The buffers of a program's argument at `positions`: `ref` is a group base (position p
+    is `ref + p`) or one id per position, as commands name arguments."""
+    if isinstance(ref, int):
+        return [BufferId(ref + p) for p in positions]
+    return [ref[p] for p in positions]
+
+
 def missing(buffer_id: BufferId) -> errors.IsthmusError:
     return errors.InternalError(
         f"buffer {buffer_id} is not on this host; the controller and worker disagree, "

@@ -28,7 +28,7 @@ from isthmus.transport import records
 from isthmus.transport.base import Commands
 from isthmus.transport.commands import ORDERED_PUT_BYTES, Command, Request
 from isthmus.worker import platforms, programs, regroup
-from isthmus.worker.buffers import BufferStore, missing
+from isthmus.worker.buffers import BufferStore, ids_of, missing
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.compile_cache import CompileCache
 from isthmus.worker.inline import InlineOrder
@@ -424,10 +424,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                     args, positions, loaded.info.donated_inputs)
             arrays = []
             for index, ref in enumerate(args):
-                if isinstance(ref, int):
-                    shards = [self.buffers.value(BufferId(ref + p)) for p in positions]
-                else:
-                    shards = [self.buffers.value(ref[p]) for p in positions]
+                shards = [self.buffers.value(b) for b in ids_of(ref, positions)]
                 if index in copy_first:
                     shards = [jax.device_put(s, s.sharding, may_alias=False) for s in shards]
                 # A token parameter has no aval: jax passes a bool[0] buffer for it.
@@ -437,7 +434,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 arrays.append(array_impl(aval, loaded.arg_shardings[index], shards, True, True))
             # What its inputs wait for, read before donation deletes them (outputs wait
             # for whatever peers their inputs wait for).
-            waits = ([s for ref in args for s in self._spans_of(ref, positions)]
+            waits = ([s for ref in args for s in self.buffers.spans_of(ids_of(ref, positions))]
                      if self.buffers.spanning() else [])
             outputs = loaded.executable.execute_sharded(arrays)
             per_output = outputs.disassemble_into_single_device_arrays()
@@ -459,12 +456,6 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                     self.buffers.span(BufferId(base + p), span)
         if len(positions) > 1 or loaded.span is not None:
             self.collective_started([s for shards in per_output for s in shards])
-
-    def _spans_of(self, ref: int | Sequence[BufferId], positions: Sequence[int]
-                  ) -> list[frozenset[int]]:
-        ids = ([BufferId(ref + p) for p in positions] if isinstance(ref, int)
-               else [ref[p] for p in positions])
-        return self.buffers.spans_of(ids)
 
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 

@@ -12,6 +12,7 @@ how many were left in the worker's log.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import stat
@@ -28,6 +29,13 @@ PERIOD = 10.0  # seconds
 TEXT_LIMIT = 16_000  # characters of a traceback forwarded (its end: where it was raised)
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def own_log_path() -> str:
     """The file this process's standard error goes to (a launcher's log of this worker),
     or "" when it goes to a terminal, a pipe or nowhere readable."""
@@ -39,14 +47,14 @@ def own_log_path() -> str:
 
 
 class IncidentForwarder(logging.Handler):
-    """Sends error records to the controller through `send` (called on the worker's event
-    loop: `call_soon` schedules it there from any thread)."""
+    """Sends error records to the controller through `send`, which runs on the worker's event
+    loop `loop`: at once from it (so an incident leaves before the error reply that follows
+    it), scheduled there from other threads."""
 
-    def __init__(self, send: Callable[[Any], None],
-                 call_soon: Callable[[Callable[[], None]], Any]) -> None:
+    def __init__(self, send: Callable[[Any], None], loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(level=logging.WARNING)
         self._send = send
-        self._call_soon = call_soon
+        self._loop = loop
         self._local = threading.local()  # set while forwarding: a record about sending stays
         self._times: list[float] = []
         self._dropped = 0
@@ -70,7 +78,10 @@ class IncidentForwarder(logging.Handler):
             incident = m.Incident(record.levelname, record.name, record.getMessage()[:4000],
                                   text, self._dropped)
             self._dropped = 0
-            self._call_soon(lambda: self._send(incident))
+            if _running_loop() is self._loop:
+                self._send(incident)
+            else:
+                self._loop.call_soon_threadsafe(self._send, incident)
         except Exception:  # noqa: BLE001 - logging must never raise into the code that logs
             pass
         finally:

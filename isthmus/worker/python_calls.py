@@ -13,7 +13,7 @@ from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.worker import colocated
-from isthmus.worker.buffers import BufferStore
+from isthmus.worker.buffers import BufferStore, ids_of
 from isthmus.worker.slots import Failed, Unloadable, failing
 
 
@@ -65,8 +65,8 @@ class PythonCalls:
         slots = [[BufferId(base + p) for p in positions]
                  for base, positions in zip(results, function.local_out)]
         try:
-            inputs = [[self.buffers.value(BufferId(ref + p) if isinstance(ref, int) else ref[p])
-                       for p in positions] for ref, positions in zip(args, function.local_in)]
+            inputs = [[self.buffers.value(b) for b in ids_of(ref, positions)]
+                       for ref, positions in zip(args, function.local_in)]
         except errors.IsthmusError as e:
             for ids in slots:
                 for buffer_id in ids:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from isthmus.ids import BufferId
+from isthmus.worker.buffers import ids_of
 
 
 class ReadsInFlight:
@@ -51,10 +52,5 @@ class ReadsInFlight:
                           positions: Sequence[int], donated: Sequence[int]) -> frozenset[int]:
         """The donated arguments (group base or ids per position, as `DeviceHost.execute`
         takes them) some local shard of which a read in flight still needs."""
-        def ids(ref: int | Sequence[BufferId]) -> list[BufferId]:
-            if isinstance(ref, int):
-                return [BufferId(ref + p) for p in positions]
-            return [ref[p] for p in positions]
-
         return frozenset(i for i in donated if i < len(args)
-                         and any(b in self._count for b in ids(args[i])))
+                         and any(b in self._count for b in ids_of(args[i], positions)))

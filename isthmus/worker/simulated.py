@@ -25,6 +25,7 @@ import numpy as np
 
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
+from isthmus.worker.buffers import ids_of
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.slots import Failed, Loaded
 
@@ -161,8 +162,7 @@ class SimulatedHost(DeviceHost):
     @staticmethod
     def _ids(args: Sequence[int | Sequence[BufferId]], positions: Sequence[int]
              ) -> list[BufferId]:
-        return [BufferId(ref + p) if isinstance(ref, int) else ref[p]
-                for ref in args for p in positions]
+        return [b for ref in args for b in ids_of(ref, positions)]
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self._templates.pop(executable_id, None)

@@ -89,7 +89,7 @@ def test_a_command_the_worker_cannot_apply_fails_its_readers_and_is_logged(fault
     log = faulty_fleet.log()
     assert "RuntimeError: raising on purpose" in log, log[-4000:]
     assert "Traceback (most recent call last)" in log
-    named = re.search(r"worker \S+ \(slice 0, host \d\) \(isthmus\.worker\.agent; its log: "
+    named = re.search(r"worker \S+ \(slice 0, host \d\) \(isthmus\.worker\.\w+; its log: "
                       r"(\S+worker-s0-h\d\.log)\)", log)
     assert named, log[-4000:]
     assert os.path.exists(named.group(1))

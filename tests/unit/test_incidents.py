@@ -1,5 +1,6 @@
 """A worker's error records travel to the controller (`worker/incidents.py`)."""
 
+import asyncio
 import logging
 
 from isthmus.transport import messages as m
@@ -8,8 +9,12 @@ from isthmus.worker.incidents import IncidentForwarder
 
 
 def test_errors_and_tracebacks_go_warnings_stay_and_a_flood_is_counted(monkeypatch):
+    asyncio.run(asyncio.wait_for(_main(monkeypatch), 10))
+
+
+async def _main(monkeypatch):
     sent = []
-    forwarder = IncidentForwarder(sent.append, lambda call: call())
+    forwarder = IncidentForwarder(sent.append, asyncio.get_running_loop())
     log = logging.getLogger("isthmus.test.incidents")
     log.addHandler(forwarder)
     log.propagate = False
