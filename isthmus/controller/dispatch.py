@@ -46,7 +46,8 @@ class OrderedDispatcher:
     """Runs operations in submission order, each once its input buffers are defined."""
 
     def __init__(self) -> None:
-        self._queue: collections.deque[tuple[tuple[Dependency, ...], Operation]] = (
+        self._queue: collections.deque[
+            tuple[tuple[Dependency, ...], Operation, asyncio.Future[None] | None]] = (
             collections.deque())
         self._drainer: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
@@ -64,20 +65,29 @@ class OrderedDispatcher:
     async def wait_for_room(self) -> None:
         await self._room.wait()
 
-    def submit(self, inputs: Iterable[Dependency], operation: Operation) -> None:
+    def submit(self, inputs: Iterable[Dependency], operation: Operation,
+               track: bool = False) -> asyncio.Future[None] | None:
+        """Runs `operation` now, or queues it behind the operations waiting for their inputs.
+
+        With `track`, returns a future that resolves when this operation has run (None: it
+        already has), so that a caller waits for its own place in the order, not for
+        operations submitted after it (an execution's status does this)."""
         inputs = tuple(inputs)
         if not self._queue and all(_pending(d) is None for d in inputs):
             _run(operation)
-            return
-        self._queue.append((inputs, operation))
+            return None
+        loop = asyncio.get_running_loop()
+        ran = loop.create_future() if track else None
+        self._queue.append((inputs, operation, ran))
         if len(self._queue) >= QUEUE_HIGH:
             self._room.clear()
         if self._drainer is None or self._drainer.done():
-            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+            self._drainer = loop.create_task(self._drain())
+        return ran
 
     async def _drain(self) -> None:
         while self._queue:
-            inputs, operation = self._queue[0]
+            inputs, operation, ran = self._queue[0]
             for dependency in inputs:
                 waiting = _pending(dependency)
                 if waiting is not None:
@@ -88,12 +98,20 @@ class OrderedDispatcher:
             if len(self._queue) < QUEUE_LOW:
                 self._room.set()
             _run(operation)
+            if ran is not None and not ran.done():
+                ran.set_result(None)
         self._room.set()
 
     async def flush(self) -> None:
         """Waits until every submitted operation has run."""
         while self._drainer is not None and not self._drainer.done():
             await asyncio.shield(self._drainer)
+
+    def abandon(self, error: BaseException) -> None:
+        """Fails what waits on operations that will never run (the session is closing)."""
+        for _, _, ran in self._queue:
+            if ran is not None and not ran.done():
+                ran.set_exception(error)
 
 
 def _run(operation: Operation) -> None:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 from typing import Any
 
+from isthmus import errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.session_moves import SessionMoves
 from isthmus.controller.session_persistence import SessionCheckpoints, SessionKept
@@ -56,6 +57,8 @@ class Session(SessionKept):
             await asyncio.wait_for(self.dispatcher.flush(), 60)
         except TimeoutError:
             logger.warning("a closing session's queue did not drain within 60 s")
+            self.dispatcher.abandon(errors.SessionClosed(
+                "the session closed before this operation could run."))
         for task in list(self._tasks):
             task.cancel()
         self.controller.sessions.discard(self)

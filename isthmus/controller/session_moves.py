@@ -251,39 +251,52 @@ class SessionMoves:
         pulled (worker to worker) into temporary buffers beside `dst` first."""
         dst.group.expect()
         channel = self.session.fleet.channel(dst.device.worker)
+        controller = self.session.controller
         parts: list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...]]] = []
         temps: list[Buffer] = []
+        local: list[Buffer] = []
         pulls = []
         for source, src_slices, dst_slices, _ in sh.pieces(
                 list(zip(array.shards, src_boxes)), dst_box):
             if source.device.worker != dst.device.worker:
-                temp = Buffer(self.session.controller.new_group((dst.device,), (source.nbytes,)), 0)
+                temp = Buffer(controller.new_group((dst.device,), (source.nbytes,)), 0)
                 temps.append(temp)
                 pulls.append(self._pull(source, temp, None, files=not array.dtype.is_string))
                 source = temp
+            else:  # read by the Assemble sent later: a delete of the input must wait for it
+                controller.pin(source)
+                local.append(source)
             parts.append((source, src_slices, dst_slices))
 
         async def finish() -> None:
-            await asyncio.gather(*pulls, return_exceptions=True)
-            error = next((t.error for t in temps if t.error is not None), None)
-            if error is None:
-                channel.send(c.Assemble(dst.id, dst.device.id, dst.memory_kind,
-                                        c.dtype_field(array.dtype.numpy),
-                                        sh.shard_shape(dst_box),
-                                        tuple((b.id, s, d) for b, s, d in parts)))
-            self.session.controller.free_buffers(temps)
+            try:
+                await asyncio.gather(*pulls, return_exceptions=True)
+                error = next((t.error for t in temps if t.error is not None), None)
+                if error is None:
+                    channel.send(c.Assemble(dst.id, dst.device.id, dst.memory_kind,
+                                            c.dtype_field(array.dtype.numpy),
+                                            sh.shard_shape(dst_box),
+                                            tuple((b.id, s, d) for b, s, d in parts)))
+            finally:
+                for source in local:
+                    controller.unpin(source)
+            controller.free_buffers(temps)
             self.session.defined(dst, error)
 
         self.session.spawn(finish())
 
     def _copy_after(self, first: Buffer, pull: asyncio.Future[None], dst: Buffer) -> None:
-        """`dst` is a copy of `first` (on the same worker) once `first`'s pull is over."""
+        """`dst` is a copy of `first` (on the same worker) once `first`'s pull is over;
+        `first` stays pinned until the Copy is sent (a delete of it sent meanwhile waits)."""
         dst.group.expect()
+        controller = self.session.controller
+        controller.pin(first)
 
         def copy(_: object) -> None:
             if first.error is None:
                 self.session.fleet.channel(dst.device.worker).send(
                     c.Copy(first.id, dst.id, dst.device.id, dst.memory_kind))
+            controller.unpin(first)
             self.session.defined(dst, first.error)
 
         pull.add_done_callback(copy)

@@ -93,10 +93,11 @@ class SessionPrograms(SessionArrays):
                 for out in outputs:
                     out.group.dispatched = stamp  # type: ignore[union-attr]
 
-        self.dispatcher.submit(dependencies, run)
+        ran = self.dispatcher.submit(dependencies, run, track=True)
 
         async def status() -> None:
-            await self.dispatcher.flush()
+            if ran is not None:  # this execution's own place in the order, nothing later
+                await asyncio.shield(ran)
             by_worker: dict[WorkerId, list[BufferId]] = {}
             for out in outputs:
                 group = out.group

@@ -182,6 +182,28 @@ def test_dispatcher_runs_in_order_and_waits_for_inputs():
     run(main())
 
 
+def test_a_tracked_operation_resolves_when_it_runs_not_when_the_queue_drains():
+    async def main():
+        dispatcher = OrderedDispatcher()
+        first, later = _group(1), _group(2)
+        first.expect()
+        later.expect()
+        assert dispatcher.submit([], lambda: None, track=True) is None  # ran at once
+        ran = dispatcher.submit([first], lambda: None, track=True)
+        dispatcher.submit([later], lambda: None)  # never defined while we wait
+        assert ran is not None and not ran.done()
+        first.settle()
+        await asyncio.wait_for(ran, 1)
+        assert dispatcher.depth == 1  # the later one still waits
+        closing = dispatcher.submit([], lambda: None, track=True)
+        dispatcher.abandon(errors.SessionClosed("gone"))
+        with pytest.raises(errors.SessionClosed):
+            await asyncio.wait_for(closing, 1)
+        later.settle()
+        await dispatcher.flush()
+    run(main())
+
+
 def test_reads_in_flight_name_the_donated_arguments_they_need():
     """A read counts from the moment it is made until it ends; a donated argument (group
     base or ids per position) that one of its local shards is read by is named."""
