@@ -106,7 +106,10 @@ class SessionMoves:
                 donate: bool = False) -> list[Array]:
         """Copies of `arrays` laid out by new shardings, on any devices of the fleet."""
         results = []
-        for array, sharding in zip(arrays, shardings):
+        for index, (array, sharding) in enumerate(zip(arrays, shardings)):
+            if sh.splits(sharding, array.shape):  # shard i of the source to device i
+                sharding = sh.even_from(sharding, sh.shard_boxes(array.sharding, array.shape),
+                                        array.shape, f"array {index}")
             out = self.session.new_array(array.dtype, array.shape, sharding, define=False)
             out.error = array.error
             results.append(out)

@@ -106,10 +106,12 @@ class SessionViews:
         slots: list[list[Buffer | None]] = [[None] * len(spec[2].devices) for spec in outputs]
         # (group, position) -> (dtype, shard shape, memory kind) of each input shard
         sources: dict[tuple[int, int], tuple[dtypes.DType, tuple[int, ...], str | None]] = {}
+        boxes: dict[tuple[int, int], tuple[tuple[int, ...], sh.Box]] = {}  # array shape, box
         for array in inputs:
             for buffer, box in zip(array.shards, sh.shard_boxes(array.sharding, array.shape)):
                 sources[id(buffer.group), buffer.position] = (
                     array.dtype, sh.shard_shape(box), array.sharding.memory_kind)
+                boxes[id(buffer.group), buffer.position] = (array.shape, box)
         for in_index, out_index, src, dst in mappings:
             if not (0 <= in_index < len(inputs) and 0 <= out_index < len(outputs)):
                 raise errors.InvalidRequest(
@@ -139,6 +141,15 @@ class SessionViews:
                     "the remap plan leaves some output shards unmapped; map every shard.")
             buffers = cast("list[Buffer]", slot)  # every shard is mapped (just checked)
             shape = self.session.validate_shape(dtype, shape)
+            if sh.splits(sharding, shape):  # each shard keeps its place in its array
+                placed = [boxes[id(b.group), b.position] for b in buffers]
+                if any(whole != shape for whole, _ in placed):
+                    raise errors.Unimplemented(
+                        f"remap output {index} has a ConcreteEvenSharding that splits it, "
+                        "from shards of arrays of another shape: where each shard lies is "
+                        "not defined; use an HloSharding (jax's NamedSharding) instead.")
+                sharding = sh.even_from(sharding, [box for _, box in placed], shape,
+                                        f"remap output {index}")
             _check_views(f"remap output {index}", dtype, shape, sharding,
                          buffers, [sources[id(b.group), b.position] for b in buffers])
             for device_id, buffer in zip(sharding.devices, buffers):

@@ -44,6 +44,9 @@ class Sharding:
     memory_kind: str | None = None  # None: the device's default memory
     op_sharding: bytes = b""  # serialized xla.OpSharding, for kind HLO
     shard_shape: tuple[int, ...] | None = None  # for CONCRETE_EVEN
+    # For a CONCRETE_EVEN sharding that splits the array: the box of each device position,
+    # taken from the array its shards came from (`even_from`); IFRT defines no mapping.
+    boxes: tuple[Box, ...] | None = None
 
     @staticmethod
     def single(device: DeviceId, memory_kind: str | None = None) -> Sharding:
@@ -129,6 +132,8 @@ def shard_boxes(sharding: Sharding, shape: tuple[int, ...]) -> tuple[Box, ...]:
 
     Uneven dimensions follow XLA: tiles of ceil(n / tiles), the last ones shorter or empty.
     """
+    if sharding.boxes is not None:
+        return sharding.boxes
     tiling = _tiling(sharding, shape)
     boxes = []
     for coord in tiling.coords:
@@ -139,6 +144,42 @@ def shard_boxes(sharding: Sharding, shape: tuple[int, ...]) -> tuple[Box, ...]:
             box.append((start, min(start + size, dim)))
         boxes.append(tuple(box))
     return tuple(boxes)
+
+
+def splits(sharding: Sharding, shape: tuple[int, ...]) -> bool:
+    """A ConcreteEvenSharding whose shards are pieces of the array, with no boxes yet."""
+    return (sharding.kind is ShardingKind.CONCRETE_EVEN and sharding.boxes is None
+            and sharding.shard_shape is not None and tuple(sharding.shard_shape) != shape)
+
+
+def even_from(target: Sharding, boxes: Sequence[Box], shape: tuple[int, ...],
+              what: str) -> Sharding:
+    """`target`, a ConcreteEvenSharding that splits an array of `shape`, given the boxes of
+    the shards that land on its devices, in device-list order: IFRT's CopyArrays, Reshard
+    and RemapArrays move shard i of the source to device i of such a target (jax's
+    device_put between meshes and its reorder_shards send this). Refuses boxes that are not
+    the target's shard shape or do not cover the array once."""
+    wanted = tuple(target.shard_shape or ())
+    if len(boxes) != len(target.devices) or any(shard_shape(b) != wanted for b in boxes):
+        raise errors.InvalidRequest(
+            f"{what}: a ConcreteEvenSharding of shard shape {list(wanted)} over "
+            f"{len(target.devices)} devices does not match the source's {len(boxes)} shards "
+            f"({', '.join(_box_text(b) for b in boxes[:4])}); give a sharding whose shards "
+            "are the source's, or an HloSharding (jax's NamedSharding).")
+    if len(boxes) * math.prod(wanted) != math.prod(shape) * _copies(boxes):
+        raise errors.InvalidRequest(
+            f"{what}: the source's shards do not cover the {list(shape)} array evenly; "
+            "use an HloSharding (jax's NamedSharding) instead.")
+    return dataclasses.replace(target, boxes=tuple(boxes))
+
+
+def _copies(boxes: Sequence[Box]) -> int:
+    """How many times each distinct box occurs (1 when they differ), or 0 if not evenly."""
+    counts: dict[Box, int] = {}
+    for box in boxes:
+        counts[box] = counts.get(box, 0) + 1
+    values = set(counts.values())
+    return values.pop() if len(values) == 1 else 0
 
 
 def shard_shape(box: Box) -> tuple[int, ...]:

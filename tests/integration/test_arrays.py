@@ -160,3 +160,35 @@ def test_shared_memory_uploads(server):
     assert bool(out["same"]) and bool(out["same_sharded"])
     assert abs(float(out["sum"]) - float(out["expected"])) <= 1e-3 * abs(float(out["expected"]))
     assert os.listdir(shared) == []  # every handed-over file was taken and removed
+
+
+def test_device_put_between_meshes_of_another_device_order(server):
+    """jax moves an array to a mesh whose device order differs by reordering its shards
+    (a RemapArrays to a ConcreteEvenSharding: shard i stays on its device) and then
+    resharding with a program, donating when asked (JAX's pjit_test
+    test_device_put_efficient_reshard_* and test_device_put_donate_pytree)."""
+    out = compare("""
+        import math
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        devices = np.asarray(jax.devices())
+        mesh1 = Mesh(devices.reshape(1, 2, 2, 2), ("replica", "data", "seq", "model"))
+        mesh2 = Mesh(devices.reshape(1, 1, 2, 2, 2, 1).swapaxes(2, 3).reshape(1, 1, 4, 2, 1),
+                     ("replica", "data", "seq", "model_q", "model_kv"))
+        for shape in [(8, 2), (8, 384)]:
+            value = np.arange(math.prod(shape), dtype=np.int32).reshape(shape)
+            for spec1, spec2 in [(P("model"), P("model_q")), (P(None, "seq"), P("seq")),
+                                 (P(), P("model_q"))]:
+                x = jax.device_put(value, NamedSharding(mesh1, spec1))
+                kept = jax.device_put(value, NamedSharding(mesh1, spec1))
+                moved, donated = jax.device_put((kept, x), NamedSharding(mesh2, spec2),
+                                                donate=(False, True))
+                emit(f"{shape}{spec1}{spec2}", np.asarray(moved))
+                emit(f"{shape}{spec1}{spec2} donated", np.asarray(donated))
+                emit(f"{shape}{spec1}{spec2} shards",
+                     [(s.device.id, str(s.index)) for s in donated.addressable_shards])
+                emit(f"{shape}{spec1}{spec2} kept", np.asarray(kept))
+                total = jax.jit(lambda a, b: a + b)(moved, donated)  # used by a program
+                emit(f"{shape}{spec1}{spec2} sum", np.asarray(total))
+    """, server.address)
+    assert len(out) == 2 * 3 * 5

@@ -1,12 +1,16 @@
+import dataclasses
+
 import pytest
 
 from isthmus import errors
 from isthmus.controller.sharding import (
     Sharding,
     ShardingKind,
+    even_from,
     is_fully_replicated,
     shard_boxes,
     shard_shape,
+    splits,
 )
 from isthmus.protocol.schema import schema
 
@@ -86,3 +90,23 @@ def test_matches_jaxlib_for_a_jax_named_sharding():
         want = tuple((sl.start or 0, sl.stop if sl.stop is not None else n)
                      for sl, n in zip(expected[device], (8, 6)))
         assert box == want
+
+
+def test_a_splitting_concrete_even_sharding_takes_its_boxes_from_the_source():
+    target = Sharding(ShardingKind.CONCRETE_EVEN, (5, 4, 7, 6), None, shard_shape=(2, 3))
+    assert splits(target, (8, 3))
+    assert not splits(dataclasses.replace(target, shard_shape=(8, 3)), (8, 3))
+    source = ((2, 4), (0, 2), (6, 8), (4, 6))
+    boxes = tuple(((a, b), (0, 3)) for a, b in source)
+    resolved = even_from(target, boxes, (8, 3), "x")
+    assert shard_boxes(resolved, (8, 3)) == boxes and not splits(resolved, (8, 3))
+    assert resolved.with_devices((0, 1, 2, 3), None).boxes == boxes  # a copy keeps them
+    with pytest.raises(errors.InvalidRequest, match="does not match the source's"):
+        even_from(target, boxes[:3], (8, 3), "x")  # too few shards
+    with pytest.raises(errors.InvalidRequest, match="does not match the source's"):
+        even_from(target, tuple(((0, 4), (0, 3)) for _ in range(4)), (8, 3), "x")
+    with pytest.raises(errors.InvalidRequest, match="do not cover"):
+        even_from(target, (boxes[0],) * 3 + (boxes[1],), (8, 3), "x")  # one shard twice
+    # Replicated twice over: every box twice is even.
+    twice = even_from(target, boxes[:2] * 2, (4, 3), "x")
+    assert twice.boxes == boxes[:2] * 2
