@@ -8,6 +8,7 @@ or a fleet of worker processes, grouped into slices, that register with it; with
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -122,6 +123,7 @@ class Head:
         self.shared_dir: str | None = None
         self._own_shared_dir = False
         self._hosts: list[Any] = []
+        self._vetter_started: asyncio.Task[None] | None = None
         self.fleet_service: Any = None  # the workers' control streams (a fleet only)
         self.shared: Any = None  # a shared service's leases (frontend/shared.py)
         self.service_cert: str | None = None  # the certificate clients of it trust
@@ -178,6 +180,9 @@ class Head:
             shared_dir=None if config.shared is not None else self.shared_dir))
         if self.manager is not None:
             self.frontend.extra_status = self.manager.status
+        # The process that parses client programs, started now: the first compile then does
+        # not wait for its imports.
+        self._vetter_started = asyncio.get_running_loop().create_task(controller.vetter.start())
         gate = None
         if config.shared is not None:
             gate = self._make_shared(controller, extra_methods)
@@ -287,6 +292,7 @@ class Head:
             self.fleet_service = None
         if self.frontend is not None:
             await self.frontend.close()
+            await self.frontend.controller.vetter.close()
         if self.launcher is not None:
             self.launcher.stop()
             self.launcher = None

@@ -26,6 +26,7 @@ from isthmus.transport import commands as c
 from isthmus.transport.messages import CrashReport
 from isthmus.transport.records import CompiledInfo, CompileRequest
 from isthmus.worker.programs import canonical_digest
+from isthmus.worker.vetting import ProgramVetter
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ class Controller:
         # Programs that crashed a worker: `program_digest` -> why they are refused.
         self._refused: dict[bytes, str] = {}
         self._digests: dict[bytes, bytes] = {}  # SHA-256 of a program -> its program_digest
+        # Client programs are parsed first in a disposable process (the trust boundary).
+        self.vetter = ProgramVetter()
         self.sessions: set[object] = set()
         self.profile: Any = None  # the fleet's profile being taken (session_profiles.py)
         self.counts = Counts()  # for the metrics (isthmus/observe)
@@ -260,6 +263,16 @@ class Controller:
                                           errors.ProgramRefused(refused)))
                 executable.holders[worker] = channel
         executable.epoch = self.fleet.epoch
+
+    async def vet(self, module: bytes, options: bytes, devices: int) -> bytes:
+        """A client's program as this server writes it (`ProgramVetter`; compiled once there
+        for a CPU fleet): only these bytes reach `executable`, and so the workers' parser
+        and compiler."""
+        # A GPU fleet's programs are only parsed and written: CPU cannot compile for them.
+        trial = options if self.fleet.platform == "cpu" else b""
+        vetted, digest = await self.vetter.vet(module, trial, devices)
+        self._digests[hashlib.sha256(vetted).digest()] = digest
+        return vetted
 
     def program_digest(self, key: bytes, request: CompileRequest) -> bytes:
         """What names a program for refusing it: the SHA-256 of its bytes without debug

@@ -35,7 +35,7 @@ def plan_of(data: bytes) -> PersistencePlan | KeepPlan:
                                     "'__serialized_plugin_program '; send one from jax.")
     try:
         request = json.loads(data[len(PREFIX):])
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
         raise errors.InvalidRequest(f"the plugin program is not JSON ({e}).") from None
     if not isinstance(request, dict):
         raise errors.InvalidRequest("the plugin program must be a JSON object.")

@@ -235,9 +235,15 @@ def compile_program(session: Any, request: Any, response: Any) -> Any:
             "supported by isthmus; remove the callback or run it outside jit.")
     options, device_ids, replicas = session.vetter.vet(
         body.compile_options, [d.id for d in session.fleet.devices])
-    executable = session.ctl.compile(
-        CompileRequest(bytes(program.data), options, device_ids, replicas))
-    return _answer(session, executable, response.compile_response)
+    module = bytes(program.data)
+
+    async def compile_vetted() -> None:
+        # Parsed (and on CPU compiled) in a disposable process first.
+        vetted = await session.ctl.controller.vet(module, options, len(device_ids))
+        executable = session.ctl.compile(CompileRequest(vetted, options, device_ids, replicas))
+        await _answer(session, executable, response.compile_response)
+
+    return compile_vetted()
 
 
 async def _answer(session: Any, executable: Any, out: Any, name: str | None = None) -> None:

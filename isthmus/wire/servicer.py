@@ -195,7 +195,8 @@ class IfrtProxyServicer:
         try:
             store = self.frontend.host_buffers(header.session_id,
                                                getattr(context, "identity", None))
-            store.begin(header.handle, header.buffer_size)
+            store.begin(header.handle, self.frontend.check_host_buffer_size(
+                header.buffer_size))
         except errors.IsthmusError as e:
             await context.abort(grpc_status(e.code), e.message)
             return

@@ -28,8 +28,9 @@ def _refused(e: errors.IsthmusError) -> Refused:
 def _parse(request: bytes) -> dict[str, Any]:
     try:
         parsed = json.loads(bytes(request) or b"{}")
-    except ValueError:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the request is not JSON") from None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python goes
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      "the request is not JSON (or is nested too deeply)") from None
     if not isinstance(parsed, dict):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a JSON object")
     return parsed

@@ -53,6 +53,8 @@ class Upload:
             return
         except errors.IsthmusError as e:
             logger.info("refused host buffer upload: %s", e.message)
+            if getattr(self, "store", None) is not None:  # the array made of it fails now
+                self.store.abort(header.handle, e)
             raise Refused(grpc_status(e.code), e.message) from None
         self.view = memoryview(frontend.upload_buffer(self.size))
 

@@ -22,7 +22,9 @@ from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
 logger = logging.getLogger(__name__)
 
 
-def _parse(context: Any, module: bytes) -> Any:
+def parse_program(context: Any, module: bytes) -> Any:
+    """The module of a program's bytes: a StableHLO portable artifact, or MLIR text or
+    bytecode. Only for bytes this server wrote (`vetting`), or in the disposable process."""
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import stablehlo
 
@@ -47,7 +49,7 @@ def canonical_digest(module: bytes) -> bytes:
 
     context = jax_compat.make_ir_context()
     with context:
-        parsed = _parse(context, module)
+        parsed = parse_program(context, module)
         passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(parsed.operation)
         out = io.BytesIO()
         parsed.operation.write_bytecode(file=out)
@@ -60,7 +62,7 @@ def _parse_signature(module: bytes) -> tuple[str, tuple[Aval, ...], tuple[Aval, 
 
     context = jax_compat.make_ir_context()
     with context:
-        parsed = _parse(context, module)
+        parsed = parse_program(context, module)
         name = "main"
         if "sym_name" in parsed.operation.attributes:
             name = ir.StringAttr(parsed.operation.attributes["sym_name"]).value
@@ -141,8 +143,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
         try:
             executable = client.compile_and_load(request.module, device_list, options)
         except Exception as e:  # noqa: BLE001
-            raise errors.from_runtime_error(e, errors.CompileError,
-                                            "compilation failed") from None
+            raise compile_failure(e) from None
         if cache is not None:
             cache.store(key, client, executable)
 
@@ -190,6 +191,16 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
         output_layouts_error=output_layouts_error,
     )
     return executable, info
+
+
+def compile_failure(e: BaseException) -> errors.IsthmusError:
+    """XLA's refusal of a program is the client's: INVALID_ARGUMENT with XLA's message,
+    whatever code XLA gave it (a RET_CHECK of a pass is INTERNAL to XLA, not to us); only
+    running out of memory keeps its own code."""
+    error = errors.from_runtime_error(e, errors.CompileError, "compilation failed")
+    if error.code not in (errors.Code.RESOURCE_EXHAUSTED, errors.Code.INVALID_ARGUMENT):
+        error = errors.CompileError(error.message)
+    return error
 
 
 def _layouts(query: Any) -> tuple[tuple[str, ...], str]:

@@ -58,3 +58,20 @@ def test_incomplete_or_mismatched_arrays_are_refused(tmp_path):
     write_meta(str(tmp_path / "b"), "float32", (4, 4), [((0, 2), (0, 4))])
     with pytest.raises(errors.InvalidRequest, match="do not cover"):
         read_box(str(tmp_path / "b"), value.dtype, (4, 4), ((0, 4), (0, 4)))
+
+
+def test_json_nested_past_pythons_recursion_is_refused_cleanly():
+    """Deeply nested JSON (a hostile plugin program or a shared service's control call)
+    is INVALID_ARGUMENT, not a RecursionError answered as INTERNAL."""
+    import grpc
+
+    from isthmus.frontend.persistence import PREFIX, plan_of
+    from isthmus.wire.methods import Refused
+    from isthmus.wire.shared_service import _parse
+
+    deep = b"[" * 200_000 + b"]" * 200_000
+    with pytest.raises(errors.InvalidRequest, match="not JSON"):
+        plan_of(PREFIX + deep)
+    with pytest.raises(Refused) as refused:
+        _parse(b'{"a": ' + deep + b"}")
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,238 @@
+"""The trust boundary for programs: a client's program bytes are parsed first in a disposable
+process, and the processes others depend on (the controller, the embedded backend, the
+workers) only ever parse bytes that process wrote.
+
+MLIR's bytecode reader and XLA's compiler are not hardened against hostile input: a portable
+artifact with a few bytes changed can crash the process that reads it, or (still a valid
+module) the one that compiles it. `ProgramVetter` keeps one child process (`python -m
+isthmus.worker.vetting`) that deserializes each new program, verifies it, writes it again as a
+StableHLO portable artifact, with the SHA-256 of its canonical form (no debug information:
+what names a program for the compile caches and for refusing it), and, for a CPU fleet,
+compiles it once with its compile options on CPU devices of its own (`trial`; the result is
+thrown away: a GPU fleet's programs only get parsed and written). A child that dies or hangs
+on a program answers INVALID_ARGUMENT naming the program; those bytes are refused from then
+on, and the next program gets a fresh child. A program the trial compile refuses is the
+client's CompileError, as the workers would have answered. Results are kept by the SHA-256 of
+the client's program and options, so a program compiled again (a warm compile) costs a
+dictionary lookup.
+
+The child speaks length-prefixed frames on its stdin and stdout: a request is the program's
+bytes and then its compile options (empty: no trial compile); a reply is a status byte (0:
+vetted, 1: refused) and then the vetted artifact and its digest, or the reason as UTF-8.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import os
+import struct
+import sys
+from typing import BinaryIO
+
+from isthmus import errors
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("<Q")
+VETTED, REFUSED = 0, 1
+REMEMBERED = 1024  # vetted programs kept by the SHA-256 of the client's bytes
+
+
+class ProgramVetter:
+    """Parses client programs in a disposable child process; see the module docstring."""
+
+    def __init__(self, trial: bool = True, timeout: float = 600.0) -> None:
+        self.trial = trial  # compile on CPU as well (a CPU fleet's programs)
+        self.timeout = timeout  # seconds one program may take
+        self._child: asyncio.subprocess.Process | None = None
+        self._devices = 8  # CPU devices of the child, for trial compiles
+        self._lock = asyncio.Lock()  # one program at a time through the child
+        self._vetted: collections.OrderedDict[bytes, tuple[bytes, bytes]] = (
+            collections.OrderedDict())
+        self._refused: dict[bytes, str] = {}
+        self.children = 0  # started so far (a test sees a crash replaced)
+
+    async def vet(self, module: bytes, options: bytes = b"", devices: int = 1,
+                  name: str = "") -> tuple[bytes, bytes]:
+        """(the program as this server writes it, the SHA-256 of its canonical form).
+        `options`: the vetted CompileOptionsProto for a trial compile on `devices` CPU
+        devices. Raises CompileError for a program that does not parse, verify or compile,
+        and InvalidRequest (refused from then on) for one that took the child down."""
+        if not self.trial:
+            options = b""
+        raw = hashlib.sha256(module).digest() + hashlib.sha256(options).digest()
+        known = self._vetted.get(raw)
+        if known is not None:
+            self._vetted.move_to_end(raw)
+            return known
+        refused = self._refused.get(raw)
+        if refused is not None:
+            raise errors.InvalidRequest(refused)
+        async with self._lock:
+            known = self._vetted.get(raw)
+            if known is not None:
+                return known
+            result = await self._ask(module, options, devices, raw, name)
+        self._vetted[raw] = result
+        while len(self._vetted) > REMEMBERED:
+            self._vetted.popitem(last=False)
+        return result
+
+    async def start(self) -> None:
+        """Starts the child ahead of the first program (its imports take a second)."""
+        async with self._lock:
+            await self._ensure_child()
+
+    async def close(self) -> None:
+        child, self._child = self._child, None
+        if child is not None and child.returncode is None:
+            child.kill()
+            await child.wait()
+
+    async def _ensure_child(self, devices: int = 0) -> asyncio.subprocess.Process:
+        child = self._child
+        if devices > self._devices:  # a program over more devices than the child has
+            await self.close()
+            self._devices = max(devices, 2 * self._devices)
+            child = None
+        if child is None or child.returncode is not None:
+            flags = os.environ.get("XLA_FLAGS", "")
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "isthmus.worker.vetting",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,  # MLIR prints each refusal; we say it
+                env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (
+                    f"{flags} --xla_force_host_platform_device_count={self._devices}")})
+            self._child = child
+            self.children += 1
+        return child
+
+    async def _ask(self, module: bytes, options: bytes, devices: int, raw: bytes, name: str
+                   ) -> tuple[bytes, bytes]:
+        child = await self._ensure_child(devices if options else 0)
+        assert child.stdin is not None and child.stdout is not None
+        what = f"program {name or raw.hex()[:16]}"
+        try:
+            child.stdin.write(_LENGTH.pack(len(module)) + module
+                              + _LENGTH.pack(len(options)) + options)
+            await child.stdin.drain()
+            reply = await asyncio.wait_for(_read_frame(child.stdout), self.timeout)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+            timed_out = isinstance(e, (TimeoutError, asyncio.TimeoutError))
+            await self.close()
+            reason = (f"did not parse and compile within {self.timeout:.0f} s" if timed_out
+                      else f"crashed the process that parses programs (exit "
+                      f"{child.returncode})")
+            self._refused[raw] = message = (
+                f"{what} {reason}: its bytes are not a program this server can read. This "
+                "server refuses these bytes from now on; send a program lowered by jax.")
+            logger.warning("%s", message)
+            raise errors.InvalidRequest(message) from None
+        if reply[:1] == bytes([REFUSED]):
+            raise errors.CompileError(reply[1:].decode("utf-8", "replace"))
+        return reply[1:-32], reply[-32:]
+
+
+async def _read_frame(stream: asyncio.StreamReader) -> bytes:
+    (size,) = _LENGTH.unpack(await stream.readexactly(_LENGTH.size))
+    return await stream.readexactly(size)
+
+
+# ---- the child ---------------------------------------------------------------------------
+
+def vet_program(module: bytes, options: bytes = b"") -> tuple[bytes, bytes]:
+    """In the child: the program parsed, verified and written again, and its digest; with
+    `options`, compiled once on this process's CPU devices."""
+    import io
+
+    from jaxlib.mlir import passmanager
+    from jaxlib.mlir.dialects import stablehlo
+
+    from isthmus.compat import jax as jax_compat
+    from isthmus.worker.programs import parse_program
+
+    context = jax_compat.make_ir_context()
+    with context:
+        parsed = parse_program(context, module)
+        try:
+            parsed.operation.verify()
+        except Exception as e:  # noqa: BLE001 - MLIR's verifier raises MLIRError
+            raise errors.CompileError(
+                f"the program is not valid StableHLO ({_first_line(e)}); send a program "
+                "lowered by jax.") from None
+        # Shardy's dialect (sdy) travels beside StableHLO's, as the client's serializer
+        # writes it.
+        vetted = stablehlo.serialize_portable_artifact(
+            parsed, stablehlo.get_current_version(), allow_other_dialects=True)
+        passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(parsed.operation)
+        stripped = io.BytesIO()
+        parsed.operation.write_bytecode(file=stripped)
+    if options:
+        trial_compile(vetted, options)
+    return vetted, hashlib.sha256(stripped.getvalue()).digest()
+
+
+def trial_compile(module: bytes, options: bytes) -> None:
+    """Compiles `module` as the workers will, on this process's own CPU devices (the
+    executable is thrown away). Raises CompileError with XLA's reason."""
+    import jax
+
+    from isthmus.protocol.schema import schema
+    from isthmus.transport.records import CompileRequest
+    from isthmus.worker.programs import compile_program
+
+    assignment = schema()["xla.CompileOptionsProto"].FromString(
+        options).executable_build_options.device_assignment
+    replicas = max(assignment.replica_count, 1)
+    count = replicas * max(len(assignment.computation_devices), 1)
+    devices = jax.devices("cpu")[:count]
+    if len(devices) < count:
+        raise errors.InternalError(f"the trial compile has {len(devices)} of {count} devices")
+    compile_program(devices[0].client, devices, CompileRequest(
+        module, options, tuple(d.id for d in devices), replicas))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
+    while True:
+        header = requests.read(_LENGTH.size)
+        if len(header) < _LENGTH.size:
+            return  # the server closed our stdin
+        (size,) = _LENGTH.unpack(header)
+        module = requests.read(size)
+        (size,) = _LENGTH.unpack(requests.read(_LENGTH.size))
+        options = requests.read(size)
+        _crash_on_marker(module)
+        try:
+            vetted, digest = vet_program(module, options)
+            reply = bytes([VETTED]) + vetted + digest
+        except errors.IsthmusError as e:
+            reply = bytes([REFUSED]) + e.message.encode()
+        except Exception as e:  # noqa: BLE001 - any other refusal is the program's too
+            reply = bytes([REFUSED]) + (
+                f"the program does not parse as StableHLO ({_first_line(e)}); send a program "
+                "lowered by jax.").encode()
+        replies.write(_LENGTH.pack(len(reply)) + reply)
+        replies.flush()
+
+
+def _crash_on_marker(module: bytes) -> None:
+    """Testing aid: `ISTHMUS_TEST_CRASH_VETTING=TEXT` makes this process abort on a program
+    whose bytes contain TEXT, as the bytecode reader can on damaged bytes."""
+    marker = os.environ.get("ISTHMUS_TEST_CRASH_VETTING")
+    if marker and marker.encode() in module:
+        os.abort()
+
+
+if __name__ == "__main__":
+    from isthmus.compat import jax as jax_compat
+
+    jax_compat.preload()  # the imports, before the first program waits for them
+    _serve(sys.stdin.buffer, sys.stdout.buffer)
