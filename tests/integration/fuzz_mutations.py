@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.integration import fuzz_bytes
 from tests.integration import fuzz_cases as ok
 from tests.integration.fuzz_cases import MEMORIES, make_read, remap_inputs, remap_plan
 from tests.integration.fuzz_programs import PROGRAMS
@@ -730,6 +731,7 @@ EPISODES: dict[str, tuple[float, Episode]] = {
     "empty/request": (1.5, empty_request),
     "array/bad": (2, array_bad),
     "session/abandon": (0.2, session_abandon),
+    **fuzz_bytes.EPISODES,  # damaged program bytes, compile options and shardings
 }
 
 
