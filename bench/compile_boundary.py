@@ -1,6 +1,7 @@
 """Compile times through isthmus beside local jax: cold (a program the server has not seen),
 warm (the same program again, from a fresh client: the server's executable cache) and a
-real model's step (examples/train_mlp.py's, of a new width each run: cold), on the embedded backend and the default fleet.
+real model's step (examples/train_mlp.py's, of a new width each run: cold), on the embedded
+backend and the default fleet.
 
     python -m bench.compile_boundary [ROUNDS]
 
@@ -45,7 +46,7 @@ def program(k):
     return f
 
 x = np.ones((256, 256), np.float32)
-cold = [timed(program(seed * 100 + i), x, x) for i in range(%(programs)d)]
+cold = [timed(program(seed * 100 + i), x, x) for i in range(int(sys.argv[3]))]
 warm = [timed(program(0.5), x, x)]  # the same program every run: cached after the first
 from examples import train_mlp
 devices = jax.devices()
@@ -60,12 +61,12 @@ lowered.compile()
 mlp = (time.perf_counter() - start) * 1e3
 print(json.dumps({"cold": sorted(cold)[len(cold) // 2],
                   "warm": warm[0], "mlp": mlp}))
-""" % {"programs": PROGRAMS}
+"""
 
 
 def _client(env: dict[str, str], seed: int) -> dict[str, float]:
-    result = subprocess.run([sys.executable, "-c", CLIENT, str(ROOT), str(seed)], env=env,
-                            capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "-c", CLIENT, str(ROOT), str(seed), str(PROGRAMS)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode:
         raise RuntimeError(result.stderr[-3000:])
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -67,9 +67,44 @@ def _replicated_tiling(rank: int, count: int) -> _Tiling:
     return _Tiling((1,) * rank, ((0,) * rank,) * count)
 
 
+def _check_fields(op_sharding: bytes, count: int) -> None:
+    """Refuses an xla.OpSharding whose tile assignment does not fit `count` devices, read
+    with Python's protobuf before XLA's own code sees it (XLA trusts an iota's permutation
+    and sizes: a hostile one reads out of bounds)."""
+    from isthmus.protocol.schema import schema
+
+    op = schema()["xla.OpSharding"].FromString(op_sharding)
+    kinds = type(op).Type
+    if op.type == kinds.Value("TUPLE") or op.type not in kinds.values():
+        raise errors.InvalidRequest(
+            "the sharding's xla.OpSharding is a tuple or of an unknown type; give one "
+            "sharding per array.")
+    if op.type != kinds.Value("OTHER"):
+        return
+    dims, reshape = list(op.tile_assignment_dimensions), list(op.iota_reshape_dims)
+    perm = list(op.iota_transpose_perm)
+    if not dims or any(d <= 0 for d in dims) or math.prod(dims) != count or (
+            op.tile_assignment_devices and len(op.tile_assignment_devices) != count) or (
+            not op.tile_assignment_devices and (
+                any(d <= 0 for d in reshape) or math.prod(reshape) != count
+                or sorted(perm) != list(range(len(reshape))))):
+        raise errors.InvalidRequest(
+            f"the sharding's tile assignment (dimensions {dims[:8]}, iota {reshape[:8]} "
+            f"permuted {perm[:8]}) does not cover its {count} devices once each; the "
+            "sharding does not fit its device list.")
+
+
 @functools.lru_cache(maxsize=4096)
 def _hlo_tiling(op_sharding: bytes, rank: int, count: int) -> _Tiling:
     xc = jax_compat.xla_client()  # jaxlib parses iota tile assignments for us
+    try:
+        _check_fields(op_sharding, count)
+    except errors.IsthmusError:
+        raise
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
+        raise errors.InvalidRequest(
+            f"the sharding's xla.OpSharding does not parse ({e}); send a sharding made by "
+            "jax.") from None
     proto = xc.OpSharding()
     try:
         proto.ParseFromString(op_sharding)

@@ -110,3 +110,18 @@ def test_a_splitting_concrete_even_sharding_takes_its_boxes_from_the_source():
     # Replicated twice over: every box twice is even.
     twice = even_from(target, boxes[:2] * 2, (4, 3), "x")
     assert twice.boxes == boxes[:2] * 2
+
+
+@pytest.mark.parametrize("fields", [
+    dict(type=3, tile_assignment_dimensions=[2], iota_reshape_dims=[2], iota_transpose_perm=[5]),
+    dict(type=3, tile_assignment_dimensions=[2], iota_reshape_dims=[1 << 40],
+         iota_transpose_perm=[0]),
+    dict(type=3, tile_assignment_dimensions=[-1, -2], tile_assignment_devices=[0, 1]),
+    dict(type=3, tile_assignment_dimensions=[4], tile_assignment_devices=[0, 1]),
+    dict(type=2),
+])
+def test_a_hostile_tile_assignment_is_refused_before_xla_reads_it(fields):
+    """XLA trusts an iota's permutation (one out of range read out of bounds: std::bad_alloc
+    at best); these are refused from the proto's fields first."""
+    with pytest.raises(errors.InvalidRequest, match="tile assignment|tuple"):
+        shard_boxes(hlo([0, 1], **fields), (8,))
