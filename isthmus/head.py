@@ -157,6 +157,8 @@ class Head:
                                          config.platform.compile_cache)
             self._hosts.append(host)
             controller = Controller(fleet, config.controller)
+            controller.loads_vetted = (config.platform.name == "cpu"
+                                       and not config.platform.simulate_flops)
         else:
             from isthmus.wire.fleet_service import FleetServicer
 

@@ -102,6 +102,9 @@ class Controller:
         self._digests: dict[bytes, bytes] = {}  # SHA-256 of a program -> its program_digest
         # Client programs are parsed first in a disposable process (the trust boundary).
         self.vetter = ProgramVetter()
+        # The hosts are in this process on CPU (the embedded backend): they load what the
+        # vetting process compiled instead of compiling it again (set by `head`).
+        self.loads_vetted = False
         self.sessions: set[object] = set()
         self.profile: Any = None  # the fleet's profile being taken (session_profiles.py)
         self.counts = Counts()  # for the metrics (isthmus/observe)
@@ -264,15 +267,16 @@ class Controller:
                 executable.holders[worker] = channel
         executable.epoch = self.fleet.epoch
 
-    async def vet(self, module: bytes, options: bytes, devices: int) -> bytes:
+    async def vet(self, module: bytes, options: bytes, devices: int) -> tuple[bytes, bytes]:
         """A client's program as this server writes it (`ProgramVetter`; compiled once there
         for a CPU fleet): only these bytes reach `executable`, and so the workers' parser
-        and compiler."""
+        and compiler. Also the executable compiled there, for a host in this process
+        (`loads_vetted`) to load; else empty."""
         # A GPU fleet's programs are only parsed and written: CPU cannot compile for them.
         trial = options if self.fleet.platform == "cpu" else b""
-        vetted, digest = await self.vetter.vet(module, trial, devices)
-        self._digests[hashlib.sha256(vetted).digest()] = digest
-        return vetted
+        vetted = await self.vetter.vet(module, trial, devices)
+        self._digests[hashlib.sha256(vetted.module).digest()] = vetted.digest
+        return vetted.module, vetted.executable if self.loads_vetted else b""
 
     def program_digest(self, key: bytes, request: CompileRequest) -> bytes:
         """What names a program for refusing it: the SHA-256 of its bytes without debug
@@ -356,6 +360,8 @@ class Controller:
             raise error from None
         if executable.info is None:
             executable.info = infos[0]
+        if request.executable:  # loaded: a later Load compiles (or finds it cached)
+            executable.request = dataclasses.replace(request, executable=b"")
         info = executable.info
         if info is None:
             raise errors.InternalError(

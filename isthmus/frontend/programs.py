@@ -239,8 +239,9 @@ def compile_program(session: Any, request: Any, response: Any) -> Any:
 
     async def compile_vetted() -> None:
         # Parsed (and on CPU compiled) in a disposable process first.
-        vetted = await session.ctl.controller.vet(module, options, len(device_ids))
-        executable = session.ctl.compile(CompileRequest(vetted, options, device_ids, replicas))
+        vetted, compiled = await session.ctl.controller.vet(module, options, len(device_ids))
+        executable = session.ctl.compile(CompileRequest(vetted, options, device_ids, replicas,
+                                                        executable=compiled))
         await _answer(session, executable, response.compile_response)
 
     return compile_vetted()

@@ -24,7 +24,7 @@ from isthmus.transport.frames import Parts, Tailed
 
 __all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
 
-PROTOCOL_VERSION = 11  # bump when a message changes shape
+PROTOCOL_VERSION = 12  # bump when a message changes shape
 PIECE_BYTES = 64 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight

@@ -126,10 +126,12 @@ class CompileCache:
             pass
         return executable
 
-    def store(self, key: str, client: Any, executable: Any) -> None:
-        """Writes an executable (errors are logged: the cache is an optimisation)."""
+    def store(self, key: str, client: Any, executable: Any, payload: bytes = b"") -> None:
+        """Writes an executable, or its `payload` when it came serialized (an executable
+        loaded from bytes does not serialize whole again); errors are logged: the cache is
+        an optimisation."""
         try:
-            payload = client.serialize_executable(executable)
+            payload = payload or client.serialize_executable(executable)
         except Exception as e:  # noqa: BLE001 - a backend that cannot serialize
             logger.info("compile cache: this executable cannot be serialized (%s)", e)
             return

@@ -139,13 +139,23 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
                         request.compile_options, request.device_ids, request.replicas,
                         request.namespace)
         executable = cache.load(key, client, device_list, options)
+    fresh = executable is None  # not from the persistent cache: stored there once made
+    payload = b""
+    if executable is None and request.executable:
+        try:  # compiled by the vetting process on its own devices (worker/vetting.py)
+            executable = client.deserialize_executable(request.executable, device_list,
+                                                        options)
+            payload = request.executable
+        except Exception as e:  # noqa: BLE001 - compiled here instead
+            logger.info("the vetted executable of %s does not load here (%s); compiling",
+                        name, _first_line(e))
     if executable is None:
         try:
             executable = client.compile_and_load(request.module, device_list, options)
         except Exception as e:  # noqa: BLE001
             raise compile_failure(e) from None
-        if cache is not None:
-            cache.store(key, client, executable)
+    if cache is not None and fresh:
+        cache.store(key, client, executable, payload)
 
     def shardings(values: Any) -> tuple[bytes, ...] | None:
         return None if values is None else tuple(s.SerializeToString() for s in values)

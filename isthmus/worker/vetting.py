@@ -18,19 +18,23 @@ dictionary lookup.
 
 The child speaks length-prefixed frames on its stdin and stdout: a request is the program's
 bytes and then its compile options (empty: no trial compile); a reply is a status byte (0:
-vetted, 1: refused) and then the vetted artifact and its digest, or the reason as UTF-8.
+vetted, 1: refused) and then the vetted artifact, its digest and the serialized executable
+(`_pack`), or the reason as UTF-8. The embedded backend loads that executable instead of
+compiling the program again (`Controller.loads_vetted`); a worker process compiles the
+vetted program itself (its devices are not the child's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import logging
 import os
 import struct
 import sys
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from isthmus import errors
 
@@ -51,32 +55,33 @@ class ProgramVetter:
         self._devices = 8  # CPU devices of the child, for trial compiles
         self._lock = asyncio.Lock()  # one program at a time through the child
         self._vetted: collections.OrderedDict[bytes, tuple[bytes, bytes]] = (
-            collections.OrderedDict())
+            collections.OrderedDict())  # (program, digest) by the client's bytes
         self._refused: dict[bytes, str] = {}
         self.children = 0  # started so far (a test sees a crash replaced)
 
     async def vet(self, module: bytes, options: bytes = b"", devices: int = 1,
-                  name: str = "") -> tuple[bytes, bytes]:
-        """(the program as this server writes it, the SHA-256 of its canonical form).
-        `options`: the vetted CompileOptionsProto for a trial compile on `devices` CPU
-        devices. Raises CompileError for a program that does not parse, verify or compile,
-        and InvalidRequest (refused from then on) for one that took the child down."""
+                  name: str = "") -> Vetted:
+        """The program as this server writes it, the SHA-256 of its canonical form, and
+        (the first time, after a trial compile) the serialized executable. `options`: the
+        vetted CompileOptionsProto for a trial compile on `devices` CPU devices. Raises
+        CompileError for a program that does not parse, verify or compile, and
+        InvalidRequest (refused from then on) for one that took the child down."""
         if not self.trial:
             options = b""
         raw = hashlib.sha256(module).digest() + hashlib.sha256(options).digest()
         known = self._vetted.get(raw)
         if known is not None:
             self._vetted.move_to_end(raw)
-            return known
+            return Vetted(*known)
         refused = self._refused.get(raw)
         if refused is not None:
             raise errors.InvalidRequest(refused)
         async with self._lock:
             known = self._vetted.get(raw)
             if known is not None:
-                return known
+                return Vetted(*known)
             result = await self._ask(module, options, devices, raw, name)
-        self._vetted[raw] = result
+        self._vetted[raw] = (result.module, result.digest)  # executables are not kept
         while len(self._vetted) > REMEMBERED:
             self._vetted.popitem(last=False)
         return result
@@ -99,19 +104,18 @@ class ProgramVetter:
             self._devices = max(devices, 2 * self._devices)
             child = None
         if child is None or child.returncode is not None:
-            flags = os.environ.get("XLA_FLAGS", "")
             child = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "isthmus.worker.vetting",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL,  # MLIR prints each refusal; we say it
-                env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (
-                    f"{flags} --xla_force_host_platform_device_count={self._devices}")})
+                env={**os.environ, "JAX_PLATFORMS": "cpu",
+                     "ISTHMUS_VETTING_DEVICES": str(self._devices)})
             self._child = child
             self.children += 1
         return child
 
     async def _ask(self, module: bytes, options: bytes, devices: int, raw: bytes, name: str
-                   ) -> tuple[bytes, bytes]:
+                   ) -> Vetted:
         child = await self._ensure_child(devices if options else 0)
         assert child.stdin is not None and child.stdout is not None
         what = f"program {name or raw.hex()[:16]}"
@@ -133,7 +137,27 @@ class ProgramVetter:
             raise errors.InvalidRequest(message) from None
         if reply[:1] == bytes([REFUSED]):
             raise errors.CompileError(reply[1:].decode("utf-8", "replace"))
-        return reply[1:-32], reply[-32:]
+        return _unpack(reply[1:])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Vetted:
+    """What the disposable process made of a client's program."""
+
+    module: bytes  # the program as it wrote it
+    digest: bytes  # SHA-256 of its form without debug information
+    executable: bytes = b""  # its trial compile, serialized (empty: none, or seen before)
+
+
+def _pack(vetted: Vetted) -> bytes:
+    return (_LENGTH.pack(len(vetted.module)) + vetted.module + vetted.digest
+            + vetted.executable)
+
+
+def _unpack(data: bytes) -> Vetted:
+    (size,) = _LENGTH.unpack_from(data)
+    end = _LENGTH.size + size
+    return Vetted(data[_LENGTH.size:end], data[end:end + 32], data[end + 32:])
 
 
 async def _read_frame(stream: asyncio.StreamReader) -> bytes:
@@ -143,9 +167,9 @@ async def _read_frame(stream: asyncio.StreamReader) -> bytes:
 
 # ---- the child ---------------------------------------------------------------------------
 
-def vet_program(module: bytes, options: bytes = b"") -> tuple[bytes, bytes]:
+def vet_program(module: bytes, options: bytes = b"") -> Vetted:
     """In the child: the program parsed, verified and written again, and its digest; with
-    `options`, compiled once on this process's CPU devices."""
+    `options`, compiled once on this process's CPU devices, and that executable."""
     import io
 
     from jaxlib.mlir import passmanager
@@ -170,16 +194,14 @@ def vet_program(module: bytes, options: bytes = b"") -> tuple[bytes, bytes]:
         passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(parsed.operation)
         stripped = io.BytesIO()
         parsed.operation.write_bytecode(file=stripped)
-    if options:
-        trial_compile(vetted, options)
-    return vetted, hashlib.sha256(stripped.getvalue()).digest()
+    executable = trial_compile(vetted, options) if options else b""
+    return Vetted(vetted, hashlib.sha256(stripped.getvalue()).digest(), executable)
 
 
-def trial_compile(module: bytes, options: bytes) -> None:
-    """Compiles `module` as the workers will, on this process's own CPU devices (the
-    executable is thrown away). Raises CompileError with XLA's reason."""
-    import jax
-
+def trial_compile(module: bytes, options: bytes) -> bytes:
+    """Compiles `module` as the workers will, on this process's own CPU devices; returns
+    the executable serialized (a host in the controller's process loads it on its own
+    devices instead of compiling). Raises CompileError with XLA's reason."""
     from isthmus.protocol.schema import schema
     from isthmus.transport.records import CompileRequest
     from isthmus.worker.programs import compile_program
@@ -188,11 +210,28 @@ def trial_compile(module: bytes, options: bytes) -> None:
         options).executable_build_options.device_assignment
     replicas = max(assignment.replica_count, 1)
     count = replicas * max(len(assignment.computation_devices), 1)
-    devices = jax.devices("cpu")[:count]
+    devices = _client().local_devices()[:count]
     if len(devices) < count:
         raise errors.InternalError(f"the trial compile has {len(devices)} of {count} devices")
-    compile_program(devices[0].client, devices, CompileRequest(
+    executable, _ = compile_program(devices[0].client, devices, CompileRequest(
         module, options, tuple(d.id for d in devices), replicas))
+    try:
+        return bytes(executable.serialize())
+    except Exception:  # noqa: BLE001 - a program jaxlib cannot serialize is compiled again
+        return b""
+
+
+_CLIENTS: list[object] = []
+
+
+def _client() -> Any:
+    """This process's CPU client, made as the hosts make theirs (`make_cpu_client`), with
+    the devices the server asked for (`ISTHMUS_VETTING_DEVICES`)."""
+    if not _CLIENTS:
+        from isthmus.worker.slots import make_cpu_client
+
+        _CLIENTS.append(make_cpu_client(int(os.environ.get("ISTHMUS_VETTING_DEVICES", "8"))))
+    return _CLIENTS[0]
 
 
 def _first_line(e: BaseException) -> str:
@@ -211,8 +250,7 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
         options = requests.read(size)
         _crash_on_marker(module)
         try:
-            vetted, digest = vet_program(module, options)
-            reply = bytes([VETTED]) + vetted + digest
+            reply = bytes([VETTED]) + _pack(vet_program(module, options))
         except errors.IsthmusError as e:
             reply = bytes([REFUSED]) + e.message.encode()
         except Exception as e:  # noqa: BLE001 - any other refusal is the program's too
@@ -234,5 +272,6 @@ def _crash_on_marker(module: bytes) -> None:
 if __name__ == "__main__":
     from isthmus.compat import jax as jax_compat
 
-    jax_compat.preload()  # the imports, before the first program waits for them
+    jax_compat.preload()  # the imports and the client, before the first program waits
+    _client()
     _serve(sys.stdin.buffer, sys.stdout.buffer)
