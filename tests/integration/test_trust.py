@@ -118,3 +118,20 @@ def test_an_upload_refused_for_its_size_fails_its_array_at_once(client: Client) 
     assert code == INVALID and "cannot have -1 bytes" in message, (code, message)
     assert time.monotonic() - started < 5, "the array waited for the host-buffer timeout"
     _still_computes(c)
+
+
+def test_a_program_xla_refuses_for_its_options_is_invalid_argument(client: Client) -> None:
+    """A module lowered for Shardy compiled with `use_shardy_partitioner=False`: XLA's
+    partitioner refuses it with a RET_CHECK (INTERNAL to XLA); to the client it is its
+    program's error, INVALID_ARGUMENT with XLA's message."""
+    c = client
+    devices = c.devices[:4]
+    options = c.options(devices, use_shardy_partitioner=False)
+    body = c.raw.msg("CompileRequest")
+    body.program.type_name = "xla::ifrt::XlaProgram"
+    body.program.data = lowered()["add4"]
+    body.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
+    body.compile_options.data = options.SerializeToString()
+    code, message = status_of(c.raw.call("compile_request", body, timeout=60))
+    assert code == INVALID and "RET_CHECK" in message, (code, message)  # XLA's own words
+    _still_computes(c)
