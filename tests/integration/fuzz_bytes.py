@@ -33,34 +33,30 @@ def damage(rng: random.Random, data: bytes, start: int = 0) -> bytes:
     return bytes(out)
 
 
-def program_bytes(s: Sess) -> None:
-    """A real program with its StableHLO bytecode damaged past the artifact's header."""
+def _damaged_compile(s: Sess, what: str) -> None:
+    """A real program compiled with its bytecode (`what` "program", damaged past the
+    artifact's header) or its serialized XlaCompileOptions ("options") damaged."""
     rng = s.f.rng
     program = rng.choice([p for p in PROGRAMS if p.devices <= len(s.devices)])
     devices = s.program_devices(program)
+    module = s.f.programs[program.name]
+    options = s.compile_options(devices).SerializeToString()
     body = s.msg("CompileRequest")
     body.program.type_name = "xla::ifrt::XlaProgram"
-    body.program.data = damage(rng, s.f.programs[program.name], 24)
+    body.program.data = damage(rng, module, 24) if what == "program" else module
     body.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
-    body.compile_options.data = s.compile_options(devices).SerializeToString()
+    body.compile_options.data = damage(rng, options) if what == "options" else options
     s.request("compile_request", body, expect="any",
-              text=f"program {program.name} with damaged bytes over {list(devices)}")
+              text=f"program {program.name} with damaged {what} bytes over {list(devices)}")
     s.settle()
+
+
+def program_bytes(s: Sess) -> None:
+    _damaged_compile(s, "program")
 
 
 def options_bytes(s: Sess) -> None:
-    """A real program with its serialized XlaCompileOptions damaged."""
-    rng = s.f.rng
-    program = rng.choice([p for p in PROGRAMS if p.devices <= len(s.devices)])
-    devices = s.program_devices(program)
-    body = s.msg("CompileRequest")
-    body.program.type_name = "xla::ifrt::XlaProgram"
-    body.program.data = s.f.programs[program.name]
-    body.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
-    body.compile_options.data = damage(rng, s.compile_options(devices).SerializeToString())
-    s.request("compile_request", body, expect="any",
-              text=f"program {program.name} with damaged compile options over {list(devices)}")
-    s.settle()
+    _damaged_compile(s, "options")
 
 
 def sharding_bytes(s: Sess) -> None:
