@@ -360,7 +360,7 @@ class Controller:
             raise error from None
         if executable.info is None:
             executable.info = infos[0]
-        if request.executable:  # loaded: a later Load compiles (or finds it cached)
+        if getattr(request, "executable", b""):  # loaded: a later Load compiles it again
             executable.request = dataclasses.replace(request, executable=b"")
         info = executable.info
         if info is None:
