@@ -10,6 +10,8 @@ The file is TOML, one table per tenant, plus service-wide settings:
     max_slices = 2                     # quota: slices held at once, over all leases
     priority = 10                      # higher is served first (default 0)
     max_lease_seconds = 86400          # a lease ends this long after its grant (default: none)
+    storage_root = "/data/alice"       # where its checkpoints and profiles go (or an fsspec URL)
+    colocated_python = false           # may run colocated Python on its workers (default: no)
 
 Tokens are compared by their SHA-256, in constant time; the file never needs to hold one.
 """
@@ -41,6 +43,9 @@ class Tenant:
     priority: int = 0  # higher first in the queue; may reclaim slices of lower elastic leases
     max_lease_seconds: float | None = None  # a lease ends this long after its grant
     admin: bool = False  # may list every lease and the queue, and revoke
+    storage_root: str | None = None  # its files' place: an absolute local directory or an
+    #   fsspec URL; None: it may not persist or profile
+    colocated_python: bool = False  # may run colocated Python (in its lease's sandboxed workers)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -128,7 +133,8 @@ def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Te
         raise ValueError(f"{where}: a tenant name is letters, digits, '_', '.' and '-'")
     if not isinstance(table, dict):
         raise ValueError(f"{where} must be a table")
-    known = {"token_file", "token_sha256", "max_slices", "priority", "max_lease_seconds"}
+    known = {"token_file", "token_sha256", "max_slices", "priority", "max_lease_seconds",
+             "storage_root", "colocated_python"}
     unknown = set(table) - known
     if unknown:
         raise ValueError(f"{where}: unknown fields {sorted(unknown)} (known: {sorted(known)})")
@@ -155,8 +161,30 @@ def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Te
     if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(
             seconds, bool) or not seconds > 0):
         raise ValueError(f"{where}: max_lease_seconds must be a number of seconds > 0")
+    colocated = table.get("colocated_python", False)
+    if not isinstance(colocated, bool):
+        raise ValueError(f"{where}: colocated_python must be true or false")
     return Tenant(name, digest, max_slices, priority,
-                  None if seconds is None else float(seconds), admin)
+                  None if seconds is None else float(seconds), admin,
+                  _storage_root(table.get("storage_root"), directory, where), colocated)
+
+
+def _storage_root(value: Any, directory: str, where: str) -> str | None:
+    """A tenant's storage root: a local directory (relative to the tenants file, made absolute
+    and normalized) or an fsspec URL (`gs://bucket/alice`), kept without a trailing '/'."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: storage_root must be a directory or an fsspec URL")
+    if "://" in value:
+        scheme, _, rest = value.partition("://")
+        if scheme == "file":
+            value = rest
+        else:
+            if not rest.strip("/"):
+                raise ValueError(f"{where}: storage_root {value!r} names no bucket or path")
+            return value.rstrip("/")
+    return os.path.normpath(os.path.join(directory, os.path.expanduser(value)))
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
