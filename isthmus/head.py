@@ -151,6 +151,7 @@ class Head:
             self.observer = Observer(config.observe, self)
             self.observer.attach_events()  # the fleet's first events are seen too
         self.shared_dir = self._make_shared_dir()
+        joins = None
         if config.fleet is None:
             fleet, host = embedded_fleet(config.devices, config.platform.name,
                                          config.platform.simulate_flops,
@@ -160,6 +161,7 @@ class Head:
             controller.loads_vetted = (config.platform.name == "cpu"
                                        and not config.platform.simulate_flops)
         else:
+            from isthmus.transport.auth import JoinTokens
             from isthmus.wire.fleet_service import FleetServicer
 
             fleet = Fleet([], {})
@@ -172,7 +174,11 @@ class Head:
                               heartbeat_timeout=config.heartbeat_timeout),
                 on_slice_down=controller.poison_slice, on_crash=controller.crashed,
                 last_program=controller.last_program)
-            self.fleet_service = FleetServicer(self.manager, config.fleet_token, config.tls)
+            # A shared service's own workers join with single-use tokens (`transport/auth.py`).
+            joins = (JoinTokens() if config.shared is not None and config.launch_workers
+                     else None)
+            self.fleet_service = FleetServicer(self.manager, config.fleet_token, config.tls,
+                                               joins)
             await self.fleet_service.start(config.host, config.fleet_port)
             extra_methods = self.fleet_service.methods()
         # Clients' files in the shared directory are named by handle, not by session: a
@@ -210,6 +216,8 @@ class Head:
                                               spec.devices_per_host, restart=config.restart,
                                               token=config.fleet_token, tls=config.tls,
                                               pin_slices=config.pin_slices,
+                                              join_tokens=None if joins is None
+                                              else joins.issue,
                                               platform=dataclasses.replace(
                                                   config.platform, name=spec.platform))
             try:

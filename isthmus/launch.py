@@ -26,10 +26,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from isthmus.logs import event
 from isthmus.options import cpu_list
-from isthmus.transport.auth import TOKEN_ENVIRONMENT
+from isthmus.transport.auth import DATA_KEY_ENVIRONMENT, TOKEN_ENVIRONMENT, data_key
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker.crashes import CRASH_RECORD_ENV
 from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
@@ -140,12 +141,16 @@ class LocalLauncher:
                  devices_per_host: int, log_dir: str | None = None,
                  restart: RestartPolicy = RestartPolicy(),
                  platform: Platform = _DEFAULT_PLATFORM, token: str = "",
-                 tls: TlsConfig | None = None, pin_slices: bool = False) -> None:
+                 tls: TlsConfig | None = None, pin_slices: bool = False,
+                 join_tokens: Callable[[], str] | None = None) -> None:
         self.controller = controller
         # Each slice's workers run on a share of this machine's CPUs of their own, as slices
         # on separate hardware would (`slice_cpus`); None: all run anywhere.
         self.cpus = sorted(os.sched_getaffinity(0)) if pin_slices else None
-        self.token = token  # the fleet's, handed to each worker in its environment
+        self.token = token  # the fleet's, handed to each worker in its environment...
+        # ... unless each start gets a single-use join token of its own, made by this
+        # (`transport/auth.py`; a shared service's workers), and the fleet's data key.
+        self.join_tokens = join_tokens
         self.tls = tls  # the controller's certificate, which local workers share
         self.platform = platform
         self.slices = slices
@@ -216,6 +221,8 @@ class LocalLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENVIRONMENT}
         self._env[TOKEN_ENVIRONMENT] = self.token
+        if self.join_tokens is not None:
+            self._env[DATA_KEY_ENVIRONMENT] = data_key(self.token)
         with self._lock:
             for slice_index in range(self.slices):
                 for host in range(self.hosts_per_slice):
@@ -326,7 +333,9 @@ class LocalLauncher:
                 slot.process = subprocess.Popen(
                     self.command(slot.slice_index, slot.host), stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**self._env, CRASH_RECORD_ENV: str(slot.crash_record)})
+                    env={**self._env, CRASH_RECORD_ENV: str(slot.crash_record),
+                         **({} if self.join_tokens is None else
+                            {TOKEN_ENVIRONMENT: self.join_tokens()})})
             except OSError as e:
                 if not self._restarting:  # the first start: the caller hears of it
                     raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import sys
 from typing import Any
@@ -180,7 +181,16 @@ def head_config(args: argparse.Namespace) -> object:
                           hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
                           devices_per_host=args.devices_per_host or per_host, platform=name)
     token = fleet_token(args)
-    if fleet is not None and not token and args.host not in ("127.0.0.1", "localhost", "::1"):
+    beyond = args.host not in ("127.0.0.1", "localhost", "::1")
+    if fleet is not None and args.tenants is not None and not token and tls_config(args) is None:
+        # A shared service admits only workers that prove they are the fleet's.
+        if args.no_launch and beyond:
+            refuse(f"a shared service (--tenants) on {args.host} admits only the fleet's own "
+                   "workers: give the controller and every worker started elsewhere the same "
+                   f"--token-file (or ${TOKEN_ENVIRONMENT}), or mutual TLS (--tls-cert, "
+                   "--tls-key, --tls-ca)")
+        token = secrets.token_hex(32)  # its own workers' (single-use join tokens from it)
+    elif fleet is not None and not token and beyond:
         print(f"isthmus: listening on {args.host} without a fleet token: any process that "
               "reaches the controller can join as a worker; give the controller and every "
               f"worker the same --token-file (or ${TOKEN_ENVIRONMENT})", file=sys.stderr)

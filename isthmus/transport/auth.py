@@ -8,8 +8,18 @@ knows the token before it trusts anything the controller says, and the controlle
 same of the worker before it takes it into the fleet. Nobody sends the token itself.
 
 A fleet without a token uses the empty one: every member agrees, so it runs as before, on a
-network it must trust (`isthmus up` warns when it listens beyond this machine without one).
-Peer data requests (`isthmus.WorkerData/Fetch`) carry an HMAC of the buffer they ask for.
+network it must trust (`isthmus up` warns when it listens beyond this machine without one; a
+shared service refuses to, and makes a token of its own for the workers it launches).
+
+*Single-use join tokens.* A shared service hands each worker it launches a token of its own
+(`JoinTokens.issue`), good for one handshake: the worker's stream starts with `MAGIC_JOIN` and
+the token's public id, the controller proves and checks with that token and then forgets it.
+What the worker's memory or environment holds afterwards (where a tenant's code runs) opens
+nothing. A worker that must join again is started afresh, with a new token.
+
+Peer data requests (`isthmus.WorkerData/Fetch`) carry an HMAC of the buffer they ask for,
+keyed by the fleet's *data key* (`data_key`: derived from the fleet token, so that it is not
+the token and does not let its holder join).
 
 This authenticates; it does not encrypt. On a network others can watch, run the fleet inside
 a private network or a VPN.
@@ -25,6 +35,10 @@ from typing import Any
 
 TOKEN_ENVIRONMENT = "ISTHMUS_FLEET_TOKEN"  # where workers (and `isthmus up`) may find it
 MAGIC = b"isthmus-fleet/1\n"  # what a worker's stream starts with
+MAGIC_JOIN = b"isthmus-join/v1\n"  # ... with a single-use join token (then its id)
+JOIN_PREFIX = "isthmus-join:"  # a join token is JOIN_PREFIX + id + ":" + secret
+JOIN_ID_BYTES = 16
+DATA_KEY_ENVIRONMENT = "ISTHMUS_FLEET_DATA_KEY"  # how a launched worker gets the data key
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 HANDSHAKE_TIMEOUT = 10.0  # seconds an end waits for the other's part of the handshake
@@ -45,12 +59,46 @@ async def _read(reader: Any, n: int) -> bytes:
         raise Unauthenticated("the other end closed or stalled during the handshake") from None
 
 
+class JoinTokens:
+    """The single-use join tokens a controller has issued and not yet seen used."""
+
+    def __init__(self) -> None:
+        self._pending: dict[bytes, str] = {}  # public id -> the whole token
+
+    def issue(self) -> str:
+        ident = secrets.token_bytes(JOIN_ID_BYTES)
+        token = f"{JOIN_PREFIX}{ident.hex()}:{secrets.token_hex(32)}"
+        self._pending[ident] = token
+        return token
+
+    def take(self, ident: bytes) -> str | None:
+        """The token of `ident`, forgotten from now on; None if unknown or used."""
+        return self._pending.pop(ident, None)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def is_join_token(token: str) -> bool:
+    return token.startswith(JOIN_PREFIX)
+
+
+def data_key(token: str) -> str:
+    """The fleet's data key for peer data requests, from its token (empty: no token)."""
+    return "" if not token else hmac.new(token.encode(), b"isthmus data key",
+                                         hashlib.sha256).hexdigest()
+
+
 async def prove_worker(reader: Any, writer: Any,
                        token: str) -> None:
     """The worker's side: raises Unauthenticated unless the controller knows `token`."""
     key = token.encode()
     mine = secrets.token_bytes(NONCE_BYTES)
-    writer.write(MAGIC + mine)
+    if is_join_token(token):
+        ident = bytes.fromhex(token[len(JOIN_PREFIX):].partition(":")[0])
+        writer.write(MAGIC_JOIN + ident + mine)
+    else:
+        writer.write(MAGIC + mine)
     answer = await _read(reader, NONCE_BYTES + MAC_BYTES)
     theirs, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
     if not hmac.compare_digest(proof, _mac(key, b"controller", mine, theirs)):
@@ -61,13 +109,23 @@ async def prove_worker(reader: Any, writer: Any,
 
 
 async def check_worker(reader: Any, writer: Any,
-                       token: str) -> None:
-    """The controller's side: raises Unauthenticated unless the worker knows `token`."""
-    key = token.encode()
+                       token: str, joins: JoinTokens | None = None) -> None:
+    """The controller's side: raises Unauthenticated unless the worker knows `token`, or a
+    join token of `joins` (which is then used up, whether the worker proves it or not)."""
     hello = await _read(reader, len(MAGIC) + NONCE_BYTES)
-    if not hello.startswith(MAGIC):
+    if hello.startswith(MAGIC_JOIN):
+        rest = hello[len(MAGIC_JOIN):] + await _read(reader, JOIN_ID_BYTES)
+        ident, theirs = rest[:JOIN_ID_BYTES], rest[JOIN_ID_BYTES:]
+        joined = joins.take(ident) if joins is not None else None
+        if joined is None:
+            raise Unauthenticated("a join token that this controller never issued, or one "
+                                  "used already (a worker that joins again is started afresh)")
+        key = joined.encode()
+    elif hello.startswith(MAGIC):
+        theirs = hello[len(MAGIC):]
+        key = token.encode()
+    else:
         raise Unauthenticated("the stream did not start with the fleet handshake")
-    theirs = hello[len(MAGIC):]
     mine = secrets.token_bytes(NONCE_BYTES)
     writer.write(mine + _mac(key, b"controller", theirs, mine))
     proof = await _read(reader, MAC_BYTES)

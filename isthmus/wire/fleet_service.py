@@ -47,9 +47,11 @@ NOT_TLS = ("WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "HTTP_REQUEST", "RECORD_L
 
 class FleetServicer:
     def __init__(self, manager: FleetManager, token: str = "",
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, joins: auth.JoinTokens | None = None) -> None:
         self.manager = manager
         self._token = token  # the fleet's: a stream must prove it first (`transport/auth.py`)
+        self.joins = joins  # single-use tokens of the workers it launched, or None
+        self._refused_peers: set[str] = set()  # hosts whose refusal was logged (once each)
         self._tls = tls  # mutual TLS on every control stream (`transport/tls.py`), or None
         self.port = 0  # of the control streams, once started
         self._server: asyncio.Server | None = None
@@ -114,13 +116,12 @@ class FleetServicer:
                     reason = f"{e.reason or e}: a certificate of another fleet CA?"
                 else:
                     reason = "the worker gave up: it does not trust this controller's certificate"
-                logger.warning("refused a worker stream from %s:%s: TLS handshake failed (%s)",
-                               host, port, reason)
+                self._refused(host, port, f"TLS handshake failed ({reason})")
                 return
         try:
-            await auth.check_worker(reader, writer, self._token)
+            await auth.check_worker(reader, writer, self._token, self.joins)
         except auth.Unauthenticated as e:
-            logger.warning("refused a worker stream from %s:%s: %s", host, port, e)
+            self._refused(host, port, str(e))
             return
         try:
             first = m.decode(await asyncio.wait_for(read_frame(reader), REGISTER_TIMEOUT))
@@ -159,6 +160,16 @@ class FleetServicer:
         finally:
             self.manager.lost(channel, channel.leaving or
                               "its connection to the controller closed")
+
+    def _refused(self, host: Any, port: Any, why: str) -> None:
+        """Logs a refused worker stream: a warning the first time for its host (a stranger
+        that retries does not fill the log), at debug level after that."""
+        level = logging.DEBUG if host in self._refused_peers else logging.WARNING
+        if len(self._refused_peers) > 4096:  # bounded, whoever knocks
+            self._refused_peers.clear()
+        self._refused_peers.add(host)
+        logger.log(level, "refused a worker stream from %s:%s: %s (the fleet did not change; "
+                   "further refusals of this host are logged at debug level)", host, port, why)
 
     async def endpoint(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """The port of the control streams (on the host the worker reached us at)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 from isthmus import errors, gctune
 from isthmus.ids import COMPANION_BASE
+from isthmus.transport import auth
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
@@ -70,7 +71,9 @@ class WorkerConfig:
     connect_timeout: float = 180.0  # seconds to wait for the controller (at start, or back)
     group_timeout: int = 60  # seconds to join a collective group
     gloo_scheduling: str = scheduling.DEFAULT  # of a CPU group's gloo loop thread
-    token: str = ""  # the fleet's shared secret ("": a fleet on a network it trusts)
+    token: str = ""  # the fleet's shared secret ("": a fleet on a network it trusts), or a
+    #   single-use join token of a shared service's launched worker (`transport/auth.py`)
+    data_key: str = ""  # the key of peer data requests ("": derived from `token`)
     tls: TlsConfig | None = None  # mutual TLS with the controller and peers
     # The command line that starts this worker afresh (a worker the controller declared
     # lost while it was alive replaces itself with it); empty: it exits instead.
@@ -108,8 +111,9 @@ class WorkerAgent(CommandApplier):
         self._pending_reason = ""  # why it re-forms (FormGroup.reason)
         self._last_loss = ("", float("-inf"))  # the last FormGroup.reason, and when
         self._link = ControllerLink(config.controller, config.token, config.tls)
-        self._peers = PeerClient(config.token, config.tls)
-        self._data = PeerDataServer(self._serve_buffer, config.token, config.tls)
+        key = config.data_key or auth.data_key(config.token)
+        self._peers = PeerClient(key, config.tls)
+        self._data = PeerDataServer(self._serve_buffer, key, config.tls)
         self._stop = asyncio.Event()
         self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
@@ -150,6 +154,11 @@ class WorkerAgent(CommandApplier):
                 register = dataclasses.replace(register, crash=None)  # reported once
             if self._stop.is_set() or code != EXIT_CONTROLLER_LOST:
                 self.exit_code = code if not self._stop.is_set() else self.exit_code
+                break
+            if auth.is_join_token(self.config.token) and self._joined:
+                # Its join token is used up: its launcher starts a fresh worker instead.
+                logger.info("membership ended; exiting for a fresh worker to take the slot")
+                self.exit_code = EXIT_CONTROLLER_LOST
                 break
             # The controller dropped us (or went away): start afresh and register again; a
             # controller that is really gone makes the next connection attempt fail.

@@ -40,7 +40,8 @@ def test_a_fleet_with_a_token_refuses_workers_without_it(tmp_path):
         assert "does not know this worker's fleet token" in stranger.stderr
         other = _worker(server.address, {**base, "ISTHMUS_FLEET_TOKEN": "another secret"})
         assert other.returncode == 2 and "refused this worker" in other.stderr
-        assert server.log().count("refused a worker stream") >= 2, server.log()[-3000:]
+        # Logged once for its host, however often strangers knock from there.
+        assert server.log().count("refused a worker stream") == 1, server.log()[-3000:]
         assert len(server.status()["fleet"]) == 2  # nobody else joined
         assert server.alive()
 
