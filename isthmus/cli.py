@@ -33,7 +33,7 @@ logger = logging.getLogger("isthmus.cli")
 
 
 def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from isthmus.worker import supervise
+    from isthmus.worker import sandbox, supervise
     from isthmus.worker.agent import WorkerConfig, run_worker
     from isthmus.worker.crashes import (
         CRASH_RECORD_ENV,
@@ -53,6 +53,14 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     block_stop_signals()  # before any thread starts
     logs.configure(args.log_level, os.environ.get("ISTHMUS_LOG_FORMAT", "text"),
                    "%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    confining = os.environ.pop(sandbox.ENVIRONMENT, None)
+    if confining is not None:  # a shared service's worker: before any thread, any jax
+        try:
+            sandbox.confine(sandbox.Sandbox.decode(confining))
+        except (OSError, ImportError, ValueError) as e:
+            print(f"isthmus worker: cannot confine this worker ({e}); a shared service's "
+                  "workers run only confined", file=sys.stderr)
+            return 2
     platform = platform_config(args)
     try:
         prepare_process(platform)  # before jax is imported: GPUs owned, memory settings

@@ -211,13 +211,14 @@ class Head:
             if config.launch_workers:
                 from isthmus.launch import LocalLauncher
 
+                confined = self._sandbox() if config.shared is not None else None
                 self.launcher = LocalLauncher(self.address.removeprefix("grpc://"),
                                               spec.slices, spec.hosts_per_slice,
                                               spec.devices_per_host, restart=config.restart,
                                               token=config.fleet_token, tls=config.tls,
                                               pin_slices=config.pin_slices,
                                               join_tokens=None if joins is None
-                                              else joins.issue,
+                                              else joins.issue, sandbox=confined,
                                               platform=dataclasses.replace(
                                                   config.platform, name=spec.platform))
             try:
@@ -263,6 +264,31 @@ class Head:
         methods.update(shared_service.methods(self.shared))
         return Gate(self.shared.authenticate, self.shared.lease_for,
                     certificate.server_context(), shared.allow_plain_connect)
+
+    def _sandbox(self) -> Any:
+        """How a shared service's launched workers confine themselves (`worker/sandbox.py`),
+        or None where this machine cannot: then no tenant runs colocated Python."""
+        import os
+
+        from isthmus.worker import sandbox
+
+        assert self.shared is not None
+        why = sandbox.unavailable()
+        if why is not None:
+            self.shared.python_refusal = (
+                f"this service's workers cannot be confined: {why}; colocated Python is off "
+                "for every tenant. Ask the operator to run the service where Landlock works")
+            logger.warning("%s", self.shared.python_refusal)
+            return None
+        roots = []
+        for tenant in self.shared.tenants.by_name.values():
+            root = tenant.storage_root
+            if root is not None and "://" not in root:
+                os.makedirs(root, mode=0o700, exist_ok=True)
+                roots.append(root)
+        self.shared.python_refusal = None
+        return sandbox.Sandbox(writable=tuple(
+            p for p in (self.shared_dir, *roots) if p is not None))
 
     def _make_shared_dir(self) -> str | None:
         import os

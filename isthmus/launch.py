@@ -34,6 +34,8 @@ from isthmus.transport.auth import DATA_KEY_ENVIRONMENT, TOKEN_ENVIRONMENT, data
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker.crashes import CRASH_RECORD_ENV
 from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
+from isthmus.worker.sandbox import ENVIRONMENT as SANDBOX_ENVIRONMENT
+from isthmus.worker.sandbox import Sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +144,8 @@ class LocalLauncher:
                  restart: RestartPolicy = RestartPolicy(),
                  platform: Platform = _DEFAULT_PLATFORM, token: str = "",
                  tls: TlsConfig | None = None, pin_slices: bool = False,
-                 join_tokens: Callable[[], str] | None = None) -> None:
+                 join_tokens: Callable[[], str] | None = None,
+                 sandbox: Sandbox | None = None) -> None:
         self.controller = controller
         # Each slice's workers run on a share of this machine's CPUs of their own, as slices
         # on separate hardware would (`slice_cpus`); None: all run anywhere.
@@ -151,6 +154,7 @@ class LocalLauncher:
         # ... unless each start gets a single-use join token of its own, made by this
         # (`transport/auth.py`; a shared service's workers), and the fleet's data key.
         self.join_tokens = join_tokens
+        self.sandbox = sandbox  # each worker confines itself so (`worker/sandbox.py`), or None
         self.tls = tls  # the controller's certificate, which local workers share
         self.platform = platform
         self.slices = slices
@@ -223,6 +227,13 @@ class LocalLauncher:
         self._env[TOKEN_ENVIRONMENT] = self.token
         if self.join_tokens is not None:
             self._env[DATA_KEY_ENVIRONMENT] = data_key(self.token)
+        if self.sandbox is not None:
+            cache = self.platform.compile_cache
+            local_cache = [cache.location] if cache is not None and "://" not in cache.location \
+                else []
+            self._env[SANDBOX_ENVIRONMENT] = dataclasses.replace(
+                self.sandbox, writable=(*self.sandbox.writable, str(self.log_dir),
+                                        *local_cache)).encode()
         with self._lock:
             for slice_index in range(self.slices):
                 for host in range(self.hosts_per_slice):

@@ -25,6 +25,7 @@ class SessionCore:
         # What the session may use: the whole fleet, or a lease's part of it (`FleetView`).
         self.fleet = fleet if fleet is not None else controller.fleet
         self.namespace = namespace  # a shared service's tenant (its own executables)
+        self.python_refusal: str | None = None  # why it may not run colocated Python, or None
         self.dispatcher = OrderedDispatcher()
         self._arrays: set[Array] = set()
         self._executables: list[Executable] = []

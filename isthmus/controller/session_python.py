@@ -32,6 +32,9 @@ class SessionPython(SessionPrograms):
 
     def compile_python(self, name: str, text: bytes, device_ids: Sequence[int],
                        inputs: Sequence[Spec], outputs: Sequence[Spec]) -> Executable:
+        if self.python_refusal is not None:
+            raise errors.NotPermitted(f"colocated Python {name!r} refused: "
+                                      f"{self.python_refusal}.")
         devices = self.fleet.devices_of(device_ids)
         if len(set(device_ids)) != len(device_ids):
             raise errors.InvalidRequest("the colocated function names a device twice.")

@@ -121,6 +121,7 @@ class Frontend:
             assert self.shared is not None
             controller_session = ControllerSession(self.controller, self.shared.view(lease),
                                                    lease.tenant.name)
+            controller_session.python_refusal = self.shared.colocated_refusal(lease.tenant)
         else:
             controller_session = ControllerSession(self.controller)
         session = FrontendSession(

@@ -52,6 +52,19 @@ class SharedService:
             hooks=Hooks(ended=self._ended, reclaimed=self._reclaimed))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ticker: asyncio.Task[None] | None = None
+        # Why no tenant may run colocated Python here, or None: the head clears it when the
+        # workers it launches confine themselves (`worker/sandbox.py`).
+        self.python_refusal: str | None = (
+            "this service's workers were not started by it (--no-launch), so it cannot tell "
+            "that they are confined; colocated Python is off for every tenant")
+
+    def colocated_refusal(self, tenant: Tenant) -> str | None:
+        """Why `tenant` may not run colocated Python here, or None when it may."""
+        if not tenant.colocated_python:
+            return (f"tenant {tenant.name} may not run colocated Python on this service; the "
+                    f"operator allows it with colocated_python = true in its "
+                    f"[tenants.{tenant.name}] table of the tenants file")
+        return self.python_refusal
 
     def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._tick())

@@ -1,0 +1,100 @@
+"""Colocated Python on a shared service (issue 38, item 3): per tenant, off by default, and
+confined.
+
+Before, every tenant could run colocated Python, and a tenant's function read the controller's
+command line, the tenants file and another tenant's token file, then leased slices as that
+tenant. Now a tenant runs colocated Python only where the tenants file allows it, and its
+function runs in a worker confined with Landlock (`worker/sandbox.py`): it computes as before,
+and every secret it tries is out of reach.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from isthmus import shared
+from isthmus.testing import LocalServer, run_python
+from isthmus.worker import sandbox
+
+pytestmark = pytest.mark.skipif(sandbox.unavailable() is not None,
+                                reason=f"no Landlock here: {sandbox.unavailable()}")
+
+THIEF = """
+import os, jax, numpy as np
+from jax.experimental import colocated_python as cp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+cpu = cp.colocated_cpu_devices(jax.devices())
+rows = NamedSharding(Mesh(np.array(cpu), ("x",)), P("x"))
+x = jax.device_put(np.arange(8.0).reshape(4, 2), rows)
+SECRETS = {secrets!r}
+
+@cp.colocated_python
+def steal(x):
+    got = []
+    for path in SECRETS:
+        try:
+            with open(path, "rb") as f:
+                got.append(f.read(4096))
+        except OSError:
+            got.append(None)
+    stolen = sum(value is not None for value in got)
+    shards = [jax.device_put(np.asarray(s.data) * 2 + stolen, s.device)
+              for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
+
+print("RESULT", np.asarray(steal(x)).tolist())
+"""
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tenants")
+    for name in ("alice", "bob"):
+        (directory / f"{name}.token").write_text(f"{name}-secret-{os.getpid()}\n")
+    (directory / "tenants.toml").write_text("""
+[tenants.alice]
+token_file = "alice.token"
+max_slices = 1
+colocated_python = true
+[tenants.bob]
+token_file = "bob.token"
+max_slices = 1
+""")
+    with LocalServer(fleet=(2, 1, 2), args=[
+            "--tenants", str(directory / "tenants.toml")]) as server:
+        server.directory = directory
+        server.service = server.address.removeprefix("grpc://")
+        server.ca = str(directory / "isthmus-service" / "service-cert.pem")
+        yield server
+
+
+def _run(service, who, secrets=()):
+    with shared.lease(service.service, slices=1, token_file=str(service.directory /
+                                                                  f"{who}.token"),
+                      ca=service.ca, report=lambda line: None) as grant:
+        return run_python(THIEF.format(secrets=list(secrets)), grant.target, timeout=180)
+
+
+def test_a_tenant_without_colocated_python_is_refused_and_told_why(service):
+    result = _run(service, "bob")
+    assert result.returncode != 0
+    assert "PERMISSION_DENIED" in result.stderr or "Permission" in result.stderr, \
+        result.stderr[-3000:]
+    assert "colocated_python = true" in result.stderr, result.stderr[-3000:]
+    assert "[tenants.bob]" in result.stderr
+
+
+def test_a_tenants_function_runs_confined_and_reads_no_secret(service):
+    controller = service.process.pid
+    secrets = [str(service.directory / "bob.token"), str(service.directory / "tenants.toml"),
+               f"/proc/{controller}/cmdline", f"/proc/{controller}/environ",
+               str(service.directory / "isthmus-service" / "service-key.pem"),
+               os.path.abspath(__file__)]
+    assert all(os.path.exists(p) for p in secrets[:4]), secrets
+    result = _run(service, "alice", secrets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    # It ran (each value doubled), and read none of them (nothing added).
+    assert line == f"RESULT {[[2.0 * (2 * i), 2.0 * (2 * i + 1)] for i in range(4)]}", line
