@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 # Host buffers at least this large go through the shared directory when the client opts in.
 SHARED_TRANSFER_THRESHOLD = 1 << 20
+RENEW_TIMEOUT = 120.0  # seconds a shared service waits for a slice's fresh workers
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -221,6 +222,8 @@ class Head:
                                               else joins.issue, sandbox=confined,
                                               platform=dataclasses.replace(
                                                   config.platform, name=spec.platform))
+            if self.launcher is not None and self.shared is not None:
+                self.shared.renew = self._renew
             try:
                 if self.launcher is not None:
                     self.launcher.start()
@@ -264,6 +267,32 @@ class Head:
         methods.update(shared_service.methods(self.shared))
         return Gate(self.shared.authenticate, self.shared.lease_for,
                     certificate.server_context(), shared.allow_plain_connect)
+
+    async def _renew(self, slices: list[int], reason: str) -> None:
+        """Fresh worker processes for `slices` (`LocalLauncher.renew`); returns once they
+        serve, or after RENEW_TIMEOUT s (the slices stay out of the pool until they do)."""
+        import time
+
+        manager, launcher = self.manager, self.launcher
+        assert manager is not None and launcher is not None
+        loop = asyncio.get_running_loop()
+        for slice_index in slices:
+            manager.retire(SliceId(slice_index), reason)
+        olds = await asyncio.gather(*(loop.run_in_executor(None, launcher.renew, s)
+                                      for s in slices))
+        old = {pid for pids in olds for pid in pids}
+        hosts = manager.spec.hosts_per_slice
+        fleet = manager.fleet
+
+        def serving(s: int) -> bool:
+            channels = [manager.members.get(manager.slot(SliceId(s), h)) for h in range(hosts)]
+            return fleet.slice_error(SliceId(s)) is None and all(
+                c is not None and c.register.pid not in old for c in channels)
+
+        deadline = time.monotonic() + RENEW_TIMEOUT
+        while not all(serving(s) for s in slices) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        logger.info("renewed the workers of slices %s (%s)", slices, reason)
 
     def _sandbox(self) -> Any:
         """How a shared service's launched workers confine themselves (`worker/sandbox.py`),

@@ -255,6 +255,36 @@ class LocalLauncher:
         with self._lock:
             self._restarting = False
 
+    def renew(self, slice_index: int, timeout: float = 10.0) -> list[int]:
+        """Replaces the workers of a slice with fresh processes (a shared service's slice
+        after a lease whose tenant ran its own code there): SIGTERM, SIGKILL after
+        `timeout` s, then a new start at once, not counted as a restart. Returns the old
+        pids. Blocks: call it from a thread."""
+        with self._lock:
+            if not self._restarting and self.restart.enabled:
+                return []  # stopping
+            slots = [s for s in self.slots if s.slice_index == slice_index]
+            old = [s.process for s in slots if s.process is not None]
+            for slot in slots:
+                slot.process, slot.restart_at = None, None
+        for process in old:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in old:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        with self._lock:
+            if self._restarting or not self.restart.enabled:
+                for slot in slots:
+                    if slot.process is None:
+                        slot.restarts = 0
+                        self._spawn(slot)
+        return [p.pid for p in old]
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stops restarting, then the workers: SIGTERM, and SIGKILL for those still running
         after `timeout` s. Returns once none is left."""

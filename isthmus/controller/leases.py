@@ -349,6 +349,7 @@ class LeaseBook:
             "active_users": len({lease.tenant.name for lease in active}),
             "capacity_in_use": sum(len(lease.slices) for lease in active),
             "capacity_total": len(list(self._pool())),
+            "capacity_free": len(self.free()),  # healthy, scrubbed and held by no lease
             "requested_capacity": sum(lease.wanted for lease in active + queued),
             "assignment_seconds_median": statistics.median(seconds) if seconds else None,
             "successful_requests": self.granted_count,

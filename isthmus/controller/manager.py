@@ -93,6 +93,7 @@ class FleetManager:
         self.incarnation = secrets.randbits(63) | 1  # this controller process (never 0)
         self.members: dict[WorkerId, RemoteWorker] = {}  # slots in the current group
         self._tokens: dict[str, RemoteWorker] = {}  # live memberships by pulse token
+        self._retiring: dict[WorkerId, str] = {}  # workers replaced on purpose, and why
         self._losses: list[str] = []  # losses since the group last formed (for errors)
         self.lost_count = 0  # workers lost since start (for the metrics)
         fleet.members = set()
@@ -284,6 +285,21 @@ class FleetManager:
         self._tokens.pop(channel.token, None)
         if self.fleet.workers.get(channel.slot) is not channel:
             return
+        retired = self._retiring.pop(channel.slot, None)
+        if retired is not None:  # we replace it on purpose: no loss, no warning
+            device = self._slot_devices(channel.slot)[0]
+            logger.info("worker %s:%s (slice %s) retired: %s", channel.register.hostname,
+                        channel.register.pid, device.slice_index, retired)
+            self.fleet.detach(channel.slot)
+            self.members.pop(channel.slot, None)
+            self.fleet.members = set(self.members)
+            error = errors.WorkerLost(f"slice {device.slice_index}'s worker was retired: "
+                                      f"{retired}.")
+            channel.mark_lost(error)
+            self.fleet.mark_down(device.slice_index, error)
+            self._on_slice_down(device.slice_index, error)
+            self._form_wanted.set()
+            return
         if self._stopping:  # we told it to go
             self.fleet.detach(channel.slot)
             channel.mark_lost(errors.SessionClosed("the server is shutting down."))
@@ -309,6 +325,12 @@ class FleetManager:
         self.fleet.mark_down(device.slice_index, error)
         self._on_slice_down(device.slice_index, error)
         self._form_wanted.set()
+
+    def retire(self, slice_index: SliceId, reason: str) -> None:
+        """The workers of `slice_index` are about to end on purpose (`LocalLauncher.renew`):
+        their loss is logged as a retirement, not a failure."""
+        for host in range(self.spec.hosts_per_slice):
+            self._retiring[self.slot(slice_index, host)] = reason
 
     async def _monitor(self) -> None:
         interval = self.config.heartbeat_interval

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from isthmus import errors
@@ -52,6 +52,9 @@ class SharedService:
             hooks=Hooks(ended=self._ended, reclaimed=self._reclaimed))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ticker: asyncio.Task[None] | None = None
+        # Replaces the workers of slices with fresh processes, and returns once they serve
+        # (the head's, when it launched them); None: workers stay.
+        self.renew: Callable[[list[SliceId], str], Awaitable[None]] | None = None
         # Why no tenant may run colocated Python here, or None: the head clears it when the
         # workers it launches confine themselves (`worker/sandbox.py`).
         self.python_refusal: str | None = (
@@ -239,6 +242,13 @@ class SharedService:
                     await session.close()
                 if kept is not None:
                     await kept.close()
+                if self.renew is not None and lease.tenant.colocated_python:
+                    # Its own code ran in those workers: fresh ones serve the next lease.
+                    await self.renew(slices, f"lease {lease.id} ended, and its tenant may "
+                                             "run colocated Python")
+            except Exception:
+                logger.exception("scrubbing the slices %s of lease %s failed", slices,
+                                 lease.id)
             finally:
                 self.book.scrubbed(slices)
         self._spawn(scrub())
