@@ -3,6 +3,9 @@
 The file is TOML, one table per tenant, plus service-wide settings:
 
     grace_seconds = 60                 # a disconnected lease is kept this long
+    fresh_workers = "colocated"        # after which leases a slice gets fresh worker processes:
+                                       #   "colocated" (its tenant may run colocated Python) or
+                                       #   "always"
     admins = ["ops"]                   # tenants that may list and revoke leases
 
     [tenants.alice]
@@ -55,6 +58,7 @@ class Tenants:
     by_name: Mapping[str, Tenant]
     grace_seconds: float = DEFAULT_GRACE_SECONDS  # a lease without its client is kept this long
     path: str = ""  # where it was read from
+    fresh_workers: str = "colocated"  # "colocated" or "always": which ended leases renew workers
 
     def authenticate(self, name: str, token: str) -> Tenant:
         """The tenant `name` if `token` is its secret; `Unauthenticated` otherwise (the same
@@ -102,10 +106,10 @@ def load(path: str) -> Tenants:
 
 
 def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") -> Tenants:
-    unknown = set(data) - {"tenants", "admins", "grace_seconds"}
+    unknown = set(data) - {"tenants", "admins", "grace_seconds", "fresh_workers"}
     if unknown:
         raise ValueError(f"{path}: unknown settings {sorted(unknown)}; a tenants file has "
-                         "[tenants.NAME] tables, admins and grace_seconds")
+                         "[tenants.NAME] tables, admins, grace_seconds and fresh_workers")
     tables = data.get("tenants")
     if not isinstance(tables, dict) or not tables:
         raise ValueError(f"{path}: no [tenants.NAME] table; add one per user or team")
@@ -119,12 +123,15 @@ def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") 
     if not isinstance(grace, (int, float)) or isinstance(grace, bool) or not grace >= 0 or (
             grace == math.inf):
         raise ValueError(f"{path}: grace_seconds must be a number of seconds >= 0")
+    fresh = data.get("fresh_workers", "colocated")
+    if fresh not in ("colocated", "always"):
+        raise ValueError(f"{path}: fresh_workers must be \"colocated\" or \"always\"")
     by_name = {name: _tenant(name, table, directory, path, name in admins)
                for name, table in tables.items()}
     digests = [t.token_sha256 for t in by_name.values()]
     if len(set(digests)) != len(digests):
         raise ValueError(f"{path}: two tenants share a token; give each its own")
-    return Tenants(by_name, float(grace), path)
+    return Tenants(by_name, float(grace), path, fresh)
 
 
 def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Tenant:

@@ -242,10 +242,10 @@ class SharedService:
                     await session.close()
                 if kept is not None:
                     await kept.close()
-                if self.renew is not None and lease.tenant.colocated_python:
+                if self.renew is not None and (lease.tenant.colocated_python or
+                                               self.tenants.fresh_workers == "always"):
                     # Its own code ran in those workers: fresh ones serve the next lease.
-                    await self.renew(slices, f"lease {lease.id} ended, and its tenant may "
-                                             "run colocated Python")
+                    await self.renew(slices, f"lease {lease.id} ended")
             except Exception:
                 logger.exception("scrubbing the slices %s of lease %s failed", slices,
                                  lease.id)

@@ -215,3 +215,35 @@ def test_tenant_repr_hides_the_digest():
     alice = tenants.parse(valid()).by_name["alice"]
     assert "token_sha256" not in repr(alice)
     assert ALICE not in repr(alice)
+
+
+def test_storage_roots_colocated_python_and_fresh_workers():
+    data = valid()
+    data["fresh_workers"] = "always"
+    data["tenants"]["alice"].update(storage_root="data/alice", colocated_python=True)
+    data["tenants"]["bob"]["storage_root"] = "gs://bucket/bob/"
+    parsed = tenants.parse(data, "/srv/isthmus", "t.toml")
+    alice, bob = parsed.by_name["alice"], parsed.by_name["bob"]
+    assert alice.storage_root == "/srv/isthmus/data/alice" and alice.colocated_python
+    assert bob.storage_root == "gs://bucket/bob" and not bob.colocated_python
+    assert parsed.fresh_workers == "always"
+    assert tenants.parse(valid(), ".", "t.toml").fresh_workers == "colocated"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("colocated_python", "yes", "colocated_python must be true or false"),
+    ("storage_root", "", "storage_root must be a directory or an fsspec URL"),
+    ("storage_root", "gs://", "names no bucket or path"),
+])
+def test_bad_storage_root_or_colocated_python_is_one_line(field, value, message):
+    data = valid()
+    data["tenants"]["alice"][field] = value
+    with pytest.raises(ValueError, match=message):
+        tenants.parse(data, ".", "t.toml")
+
+
+def test_bad_fresh_workers_is_one_line():
+    data = valid()
+    data["fresh_workers"] = "sometimes"
+    with pytest.raises(ValueError, match="fresh_workers must be"):
+        tenants.parse(data, ".", "t.toml")
