@@ -25,7 +25,7 @@ from isthmus.options import (
     tls_config,
 )
 from isthmus.shared_commands import add_leases_command, leases_command, service_run
-from isthmus.transport.auth import DATA_KEY_ENVIRONMENT, TOKEN_ENVIRONMENT
+from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.worker import scheduling
 from isthmus.worker.platforms import PlatformUnavailable, prepare_process
 
@@ -78,7 +78,6 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
         refuse(str(e))
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
                           devices=args.devices, platform=platform, token=token,
-                          data_key=os.environ.pop(DATA_KEY_ENVIRONMENT, ""),
                           tls=tls_config(args), connect_timeout=args.connect_timeout,
                           listen=args.listen, advertise=args.advertise,
                           gloo_scheduling=gloo_scheduling,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from isthmus.logs import event
 from isthmus.options import cpu_list
-from isthmus.transport.auth import DATA_KEY_ENVIRONMENT, TOKEN_ENVIRONMENT, data_key
+from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker.crashes import CRASH_RECORD_ENV
 from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
@@ -225,8 +225,6 @@ class LocalLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENVIRONMENT}
         self._env[TOKEN_ENVIRONMENT] = self.token
-        if self.join_tokens is not None:
-            self._env[DATA_KEY_ENVIRONMENT] = data_key(self.token)
         if self.sandbox is not None:
             cache = self.platform.compile_cache
             local_cache = [cache.location] if cache is not None and "://" not in cache.location \

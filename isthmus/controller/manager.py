@@ -244,7 +244,7 @@ class FleetManager:
                         f"{device.slice_index}, host {device.host_index})")
         return m.Welcome(channel.slot, device.slice_index, device.host_index,
                          self.config.heartbeat_interval, self._probe(channel), channel.token,
-                         self.incarnation)
+                         self.incarnation, channel.data_key)
 
     def alive(self, token: str) -> bytes:
         """A worker's pulse: what it should do (`messages.ALIVE_*`)."""

@@ -325,7 +325,8 @@ class SessionMoves:
         work = (relay(src.id, target, dst.id, dst.device.id, memory_kind)
                 if files and relay is not None and src.nbytes >= RELAY_BYTES else None)
         if work is None:
-            work = target.ask(c.Pull(src.id, address, dst.id, dst.device.id, memory_kind))
+            work = target.ask(c.Pull(src.id, address, dst.id, dst.device.id, memory_kind,
+                                     source.pull_mac(src.id)))
         self.session.controller.counts.peer_bytes += src.nbytes
 
         async def finish() -> None:

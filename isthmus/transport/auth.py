@@ -18,8 +18,9 @@ What the worker's memory or environment holds afterwards (where a tenant's code 
 nothing. A worker that must join again is started afresh, with a new token.
 
 Peer data requests (`isthmus.WorkerData/Fetch`) carry an HMAC of the buffer they ask for,
-keyed by the fleet's *data key* (`data_key`: derived from the fleet token, so that it is not
-the token and does not let its holder join).
+keyed by the serving worker's data key of this membership (`Welcome.data_key`, random); only
+the controller, which knows every worker's key, makes them (`Pull.mac`). A worker thus fetches
+the buffers it was told to, and nothing else, whatever its memory holds.
 
 This authenticates; it does not encrypt. On a network others can watch, run the fleet inside
 a private network or a VPN.
@@ -38,7 +39,6 @@ MAGIC = b"isthmus-fleet/1\n"  # what a worker's stream starts with
 MAGIC_JOIN = b"isthmus-join/v1\n"  # ... with a single-use join token (then its id)
 JOIN_PREFIX = "isthmus-join:"  # a join token is JOIN_PREFIX + id + ":" + secret
 JOIN_ID_BYTES = 16
-DATA_KEY_ENVIRONMENT = "ISTHMUS_FLEET_DATA_KEY"  # how a launched worker gets the data key
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 HANDSHAKE_TIMEOUT = 10.0  # seconds an end waits for the other's part of the handshake
@@ -81,12 +81,6 @@ class JoinTokens:
 
 def is_join_token(token: str) -> bool:
     return token.startswith(JOIN_PREFIX)
-
-
-def data_key(token: str) -> str:
-    """The fleet's data key for peer data requests, from its token (empty: no token)."""
-    return "" if not token else hmac.new(token.encode(), b"isthmus data key",
-                                         hashlib.sha256).hexdigest()
 
 
 async def prove_worker(reader: Any, writer: Any,

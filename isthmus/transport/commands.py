@@ -154,6 +154,7 @@ class Pull(Request[None]):
     dst: int
     device: int
     memory_kind: str | None
+    mac: bytes = b""  # of `src` under the peer's data key (`RemoteWorker.pull_mac`)
 
     def apply(self, host: Any) -> Awaitable[None]:
         raise errors.InternalError("an in-process host has no peers to pull from; this is a "

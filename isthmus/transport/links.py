@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -119,10 +120,12 @@ class ControllerLink:
 class PeerDataServer:
     """Serves this worker's buffers to its peers."""
 
-    def __init__(self, fetch: Callable[[int], Awaitable[np.ndarray]], token: str = "",
+    def __init__(self, fetch: Callable[[int], Awaitable[np.ndarray]],
                  tls: TlsConfig | None = None) -> None:
         self._fetch = fetch
-        self._token = token
+        # The controller's key for this membership (`Welcome.data_key`); until then a random
+        # one that nobody knows.
+        self.key = secrets.token_hex(32)
         self._tls = tls
         self._server: grpc.aio.Server | None = None
 
@@ -142,11 +145,11 @@ class PeerDataServer:
                      ) -> AsyncIterator[bytes]:
         buffer_id = int(request.decode())
         mac = dict(context.invocation_metadata()).get(MAC_KEY)
-        if not isinstance(mac, bytes) or not auth.fetch_allowed(self._token, buffer_id, mac):
-            logger.warning("refused a buffer request from %s: wrong or missing fleet token",
-                           context.peer())
+        if not isinstance(mac, bytes) or not auth.fetch_allowed(self.key, buffer_id, mac):
+            logger.warning("refused a buffer request from %s: no valid HMAC from the "
+                           "controller for that buffer", context.peer())
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "wrong or missing fleet token")
+                                "no valid HMAC from the controller for that buffer")
             return
         # These messages hold no Bulk bytes: each encodes to one bytes object.
         try:
@@ -171,12 +174,13 @@ class PeerDataServer:
 class PeerClient:
     """Fetches buffers from other workers' data servers."""
 
-    def __init__(self, token: str = "", tls: TlsConfig | None = None) -> None:
-        self._token = token
+    def __init__(self, tls: TlsConfig | None = None) -> None:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    async def fetch(self, peer: str, buffer_id: int, timeout: float = 600.0) -> np.ndarray:
+    async def fetch(self, peer: str, buffer_id: int, mac: bytes,
+                    timeout: float = 600.0) -> np.ndarray:
+        """Buffer `buffer_id` of the worker at `peer`; `mac` is the controller's for it."""
         channel = self._channels.get(peer)
         if channel is None:
             channel = (grpc.aio.insecure_channel(peer, options=CHANNEL_OPTIONS)
@@ -186,7 +190,7 @@ class PeerClient:
             self._channels[peer] = channel
         call = channel.unary_stream("/isthmus.WorkerData/Fetch")(
             str(buffer_id).encode(), timeout=timeout,
-            metadata=((MAC_KEY, auth.fetch_mac(self._token, buffer_id)),))
+            metadata=((MAC_KEY, mac),))
         try:
             header = m.decode(await call.read())
             if "error" in header:

@@ -24,7 +24,7 @@ from isthmus.transport.frames import Parts, Tailed
 
 __all__ = ["Bulk"]  # senders wrap bulk bytes in it (`encode`)
 
-PROTOCOL_VERSION = 12  # bump when a message changes shape
+PROTOCOL_VERSION = 13  # bump when a message changes shape
 PIECE_BYTES = 64 << 20  # bulk data on a worker's stream travels in pieces of this size
 WEIGHT_BYTES = 64 << 10  # put data counts as one command per this many bytes (flow control)
 ACK_EVERY = 128  # a worker reports its progress (`Applied`) at least this often, in weight
@@ -212,6 +212,10 @@ class Welcome:
     # This controller process, among all that ever ran (random): a crash report names the
     # programs of the controller it came from, and another controller ignores it.
     controller: int = 0
+    # The key of this worker's data server in this membership: a peer's request for one of
+    # its buffers carries an HMAC of the buffer id under it, which only the controller hands
+    # out (in `Pull`), so that a worker's memory lets nobody fetch another worker's buffers.
+    data_key: str = ""
 
 
 @_message

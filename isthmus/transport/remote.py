@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -22,6 +23,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.hostmem import Assembly, backing_file, byte_view, map_file, write_file
 from isthmus.ids import WorkerId
+from isthmus.transport import auth
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.base import Commands
@@ -45,6 +47,7 @@ class RemoteWorker:
                  flow: FlowGate | None = None, token: str = "") -> None:
         self.slot = slot
         self.token = token  # names this membership in the worker's pulses
+        self.data_key = secrets.token_hex(32)  # of its data server, this membership
         self.register = register
         self.peer = peer
         self._send = send
@@ -86,6 +89,10 @@ class RemoteWorker:
     @property
     def data_address(self) -> str:
         return self.register.data_address
+
+    def pull_mac(self, buffer_id: int) -> bytes:
+        """What a peer's request for this worker's buffer `buffer_id` must carry."""
+        return auth.fetch_mac(self.data_key, buffer_id)
 
     # ---- sending -------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ class FleetServicer:
         self.manager = manager
         self._token = token  # the fleet's: a stream must prove it first (`transport/auth.py`)
         self.joins = joins  # single-use tokens of the workers it launched, or None
-        self._refused_peers: set[str] = set()  # hosts whose refusal was logged (once each)
+        self._refused_peers: set[tuple[Any, str]] = set()  # (host, why) logged once each
         self._tls = tls  # mutual TLS on every control stream (`transport/tls.py`), or None
         self.port = 0  # of the control streams, once started
         self._server: asyncio.Server | None = None
@@ -162,14 +162,16 @@ class FleetServicer:
                               "its connection to the controller closed")
 
     def _refused(self, host: Any, port: Any, why: str) -> None:
-        """Logs a refused worker stream: a warning the first time for its host (a stranger
-        that retries does not fill the log), at debug level after that."""
-        level = logging.DEBUG if host in self._refused_peers else logging.WARNING
+        """Logs a refused worker stream: a warning the first time for its host and reason (a
+        stranger that retries does not fill the log), at debug level after that."""
+        seen = (host, why)
+        level = logging.DEBUG if seen in self._refused_peers else logging.WARNING
         if len(self._refused_peers) > 4096:  # bounded, whoever knocks
             self._refused_peers.clear()
-        self._refused_peers.add(host)
+        self._refused_peers.add(seen)
         logger.log(level, "refused a worker stream from %s:%s: %s (the fleet did not change; "
-                   "further refusals of this host are logged at debug level)", host, port, why)
+                   "the same refusal of this host again is logged at debug level)", host, port,
+                   why)
 
     async def endpoint(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """The port of the control streams (on the host the worker reached us at)."""

@@ -73,7 +73,6 @@ class WorkerConfig:
     gloo_scheduling: str = scheduling.DEFAULT  # of a CPU group's gloo loop thread
     token: str = ""  # the fleet's shared secret ("": a fleet on a network it trusts), or a
     #   single-use join token of a shared service's launched worker (`transport/auth.py`)
-    data_key: str = ""  # the key of peer data requests ("": derived from `token`)
     tls: TlsConfig | None = None  # mutual TLS with the controller and peers
     # The command line that starts this worker afresh (a worker the controller declared
     # lost while it was alive replaces itself with it); empty: it exits instead.
@@ -111,9 +110,8 @@ class WorkerAgent(CommandApplier):
         self._pending_reason = ""  # why it re-forms (FormGroup.reason)
         self._last_loss = ("", float("-inf"))  # the last FormGroup.reason, and when
         self._link = ControllerLink(config.controller, config.token, config.tls)
-        key = config.data_key or auth.data_key(config.token)
-        self._peers = PeerClient(key, config.tls)
-        self._data = PeerDataServer(self._serve_buffer, key, config.tls)
+        self._peers = PeerClient(config.tls)
+        self._data = PeerDataServer(self._serve_buffer, config.tls)
         self._stop = asyncio.Event()
         self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
@@ -205,6 +203,7 @@ class WorkerAgent(CommandApplier):
                                 self._on_pulse)
             self._pulse.start()
         self._pulse.token = welcome.token or None
+        self._data.key = welcome.data_key
         if welcome.shared_probe is not None and probe_found(*welcome.shared_probe):
             self._link.send(m.SharedDir(os.path.dirname(welcome.shared_probe[0])))
         loop = asyncio.get_running_loop()

@@ -249,7 +249,7 @@ class CommandApplier:
         return None
 
     async def _pulled(self, command: c.Pull) -> None:
-        value = await self._peers.fetch(command.peer, command.src)
+        value = await self._peers.fetch(command.peer, command.src, command.mac)
         host = self._require_host()  # the group may have re-formed while the bytes came
         dst = BufferId(command.dst)
         await host.put(dst, command.device, value, command.memory_kind)

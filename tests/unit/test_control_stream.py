@@ -152,3 +152,35 @@ def test_peer_data_requests_carry_a_mac_of_their_buffer():
     assert auth.fetch_allowed(TOKEN, 7, auth.fetch_mac(TOKEN, 7))
     assert not auth.fetch_allowed(TOKEN, 8, auth.fetch_mac(TOKEN, 7))
     assert not auth.fetch_allowed(TOKEN, 7, auth.fetch_mac("another secret", 7))
+
+
+def test_a_data_server_serves_only_what_the_controller_signed_under_its_key():
+    """A worker's memory (the fleet token, its own key, MACs it was given) fetches no other
+    buffer of a peer: only the controller knows the peer's key (`Welcome.data_key`)."""
+    import numpy as np
+
+    from isthmus import errors
+    from isthmus.transport.links import PeerClient, PeerDataServer
+
+    async def main():
+        served = {5: np.arange(4.0), 6: np.ones(3)}
+
+        async def fetch(buffer_id):
+            return served[buffer_id]
+
+        server = PeerDataServer(fetch)
+        port = await server.start("127.0.0.1")
+        server.key = "the controller's key for this worker"
+        peer, client = f"127.0.0.1:{port}", PeerClient()
+        try:
+            got = await client.fetch(peer, 5, auth.fetch_mac(server.key, 5), timeout=10)
+            np.testing.assert_array_equal(got, served[5])
+            for buffer_id, mac in ((6, auth.fetch_mac(server.key, 5)),  # another buffer's
+                                   (6, auth.fetch_mac(TOKEN, 6)),  # the fleet token's
+                                   (6, b"")):
+                with pytest.raises(errors.WorkerLost, match="PERMISSION_DENIED"):
+                    await client.fetch(peer, buffer_id, mac, timeout=10)
+        finally:
+            await client.close()
+            await server.stop()
+    run(main())

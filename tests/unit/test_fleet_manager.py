@@ -45,8 +45,10 @@ def test_slots_device_ids_and_refusals():
         b = manager.register(register(slice_index=1, pid=11), sent.append, "peer")
         assert (a.slot, b.slot) == (2, 3)  # slice 1, hosts 0 and 1
         assert manager.welcome(b) == m.Welcome(3, 1, 1, manager.config.heartbeat_interval,
-                                               token=b.token, controller=manager.incarnation)
+                                               token=b.token, controller=manager.incarnation,
+                                               data_key=b.data_key)
         assert a.token != b.token and len(b.token) == 16
+        assert a.data_key != b.data_key and len(b.data_key) == 64
         # Pulses: a member carries on; a lost (or unknown) membership starts afresh.
         assert manager.alive(b.token) == m.ALIVE_OK
         assert manager.alive("no-such-token") == m.ALIVE_DROPPED

@@ -407,7 +407,7 @@ def test_figures():
     clock = Clock()
     book = make_book(4, clock=clock)
     assert book.figures() == {
-        "active_users": 0, "capacity_in_use": 0, "capacity_total": 4,
+        "active_users": 0, "capacity_in_use": 0, "capacity_total": 4, "capacity_free": 4,
         "requested_capacity": 0, "assignment_seconds_median": None,
         "successful_requests": 0, "users_waiting": 0, "refused_requests": 0,
         "leases_ended": 0}
@@ -418,14 +418,14 @@ def test_figures():
     with pytest.raises(errors.NoCapacity):
         book.ask(C, 1, wait=False)
     assert book.figures() == {
-        "active_users": 1, "capacity_in_use": 4, "capacity_total": 4,
+        "active_users": 1, "capacity_in_use": 4, "capacity_total": 4, "capacity_free": 0,
         "requested_capacity": 8, "assignment_seconds_median": 0.0,
         "successful_requests": 1, "users_waiting": 1, "refused_requests": 1,
         "leases_ended": 0}
     clock.advance(4)
     book.end(first, errors.LeaseEnded("done"))
     assert book.figures() == {
-        "active_users": 1, "capacity_in_use": 4, "capacity_total": 4,
+        "active_users": 1, "capacity_in_use": 4, "capacity_total": 4, "capacity_free": 0,
         "requested_capacity": 4, "assignment_seconds_median": 4.0,
         "successful_requests": 3, "users_waiting": 0, "refused_requests": 1,
         "leases_ended": 1}
