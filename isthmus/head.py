@@ -316,8 +316,9 @@ class Head:
                 os.makedirs(root, mode=0o700, exist_ok=True)
                 roots.append(root)
         self.shared.python_refusal = None
-        return sandbox.Sandbox(writable=tuple(
-            p for p in (self.shared_dir, *roots) if p is not None))
+        # Not the fleet's shared directory: other leases' buffers pass through it (workers
+        # that cannot read it pull from their peers instead).
+        return sandbox.Sandbox(writable=tuple(roots))
 
     def _make_shared_dir(self) -> str | None:
         import os

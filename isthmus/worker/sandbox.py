@@ -8,15 +8,17 @@ every thread and child it makes, may
 - read and execute Python's installation, the system's libraries and the few files of /etc
   that libraries read (the dynamic linker's cache, time zones, CA certificates, name
   resolution), its own /proc entries, /sys, and the devices it computes on;
-- read and write its own temporary directory, the fleet's shared directory, the compile cache,
-  its crash record, and the tenants' local storage roots (checkpoints, traces);
+- read and write its own temporary directory, the compile cache, the launcher's log
+  directory (its crash record), and the tenants' local storage roots (checkpoints, traces);
 
 and nothing else: not the tenants file, tenants' token files, TLS keys, the controller's
-/proc (command line, environment, memory), other tenants' files elsewhere. Signals and
+/proc (command line, environment, memory), the fleet's shared directory (other leases' large
+transfers between workers of one machine pass through it: a confined worker pulls from its
+peers instead), other tenants' files elsewhere. Signals and
 abstract Unix sockets outside the sandbox are out of reach too (Landlock scopes, where the
 kernel has them). Network access is not confined (a worker talks to the controller and to its
-peers on ports it cannot know ahead); the fleet's credentials it holds are single-use
-(`transport/auth.py`).
+peers on ports it cannot know ahead); the fleet credential it holds is single-use and used
+up, and its peers serve it only the buffers the controller signed for it (`transport/auth.py`).
 
 Where the kernel has no Landlock, `confine` says why, and the service refuses colocated Python
 to every tenant (`Controller.sandboxed`).
