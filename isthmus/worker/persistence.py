@@ -51,6 +51,11 @@ def _filesystem(location: str) -> tuple[Any, str]:
     except (ImportError, ValueError) as e:
         raise errors.InvalidRequest(f"cannot use the checkpoint location {location!r}: {e} "
                                     "(install the fsspec backend for that URL)") from None
+    except Exception as e:  # noqa: BLE001 - a backend that connects at once (ftp://) fails
+        #   in its own ways (EOFError, socket errors): the location is what is wrong
+        raise errors.InvalidRequest(
+            f"cannot use the checkpoint location {location!r} ({type(e).__name__}: {e}); "
+            "pick a location every host can reach.") from None
 
 
 def _is_local(fs: Any) -> bool:

@@ -116,6 +116,11 @@ def write_trace(data: bytes, directory: str, name: str) -> str:
     except (ImportError, ValueError) as e:
         raise errors.InvalidRequest(f"cannot write the profile to {path!r}: {e} (install the "
                                     "fsspec backend for that URL: gcsfs for gs://)") from None
+    except Exception as e:  # noqa: BLE001 - a backend that connects at once (ftp://) fails
+        #   in its own ways (EOFError, socket errors): the location is what is wrong
+        raise errors.InvalidRequest(
+            f"cannot write the profile to {path!r} ({type(e).__name__}: {e}); pick a "
+            "location every host can write to.") from None
     try:
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         if protocol in ("file", "local"):
@@ -127,9 +132,10 @@ def write_trace(data: bytes, directory: str, name: str) -> str:
         else:
             with fs.open(target, "wb") as f:
                 f.write(data)
-    except OSError as e:
-        raise errors.InvalidRequest(f"cannot write the profile to {path!r} ({e}); pick a "
-                                    "location every host can write to.") from None
+    except (OSError, EOFError) as e:  # EOFError: a remote backend's connection closed
+        raise errors.InvalidRequest(f"cannot write the profile to {path!r} ("
+                                    f"{type(e).__name__}: {e}); pick a location every host "
+                                    "can write to.") from None
     return path
 
 

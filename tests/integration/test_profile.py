@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -85,6 +86,46 @@ else:
     raise AssertionError("maxNumHosts=0 was accepted")
 print("OK")
 """
+
+
+TO_FTP = BY_HAND.split("step()  # compiled before")[0] + """
+profile = PluginExecutable(request())
+call(profile)  # started: nothing is written before the stop
+try:
+    call(profile)
+except Exception as e:
+    print("ERR", " ".join(str(e).split()))
+else:
+    print("WROTE")
+"""
+
+
+def test_a_profile_into_a_location_that_cannot_be_written_fails_clearly(server):
+    # An ftp:// server that hangs up at once: fsspec's FTP backend raises EOFError (once an
+    # INTERNAL "this is a bug"); the stop says the location cannot be written.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def hang_up():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connection.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    location = f"ftp://127.0.0.1:{listener.getsockname()[1]}/profile"
+    try:
+        result = run_python(TO_FTP, server.address, timeout=120, args=[location])
+    finally:
+        listener.close()
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("ERR")]
+    assert "INVALID_ARGUMENT" in line and "INTERNAL" not in line and "bug" not in line, line
+    assert f"cannot write the profile to '{location}/plugins/profile/by_hand/" in line, line
+    assert "EOFError" in line and "pick a location every host can write to" in line, line
 
 
 def _hosts(server):
