@@ -106,7 +106,9 @@ class Controller:
         # vetting process compiled instead of compiling it again (set by `head`).
         self.loads_vetted = False
         self.sessions: set[object] = set()
-        self.profile: Any = None  # the fleet's profile being taken (session_profiles.py)
+        # The profiles being taken (session_profiles.py), by scope: "" the fleet's, or the id
+        # of the lease whose workers it covers (a shared service: one per lease at a time).
+        self.profiles: dict[str, Any] = {}
         self.counts = Counts()  # for the metrics (isthmus/observe)
 
     # ---- buffers -------------------------------------------------------------------------

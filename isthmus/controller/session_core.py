@@ -15,6 +15,7 @@ from isthmus import errors
 from isthmus.controller.arrays import Array
 from isthmus.controller.controller import Controller, Executable
 from isthmus.controller.dispatch import OrderedDispatcher
+from isthmus.controller.storage import TenantFiles
 
 
 class SessionCore:
@@ -26,6 +27,9 @@ class SessionCore:
         self.fleet = fleet if fleet is not None else controller.fleet
         self.namespace = namespace  # a shared service's tenant (its own executables)
         self.python_refusal: str | None = None  # why it may not run colocated Python, or None
+        # A shared service's tenant: where its files go and which workers it may profile
+        # (`storage.TenantFiles`); None: locations are used as the client names them.
+        self.files: TenantFiles | None = None
         self.dispatcher = OrderedDispatcher()
         self._arrays: set[Array] = set()
         self._executables: list[Executable] = []

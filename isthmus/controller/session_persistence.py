@@ -32,6 +32,7 @@ from isthmus.controller.session_python import (
     finish,
     settle_after,
 )
+from isthmus.controller.storage import TenantFiles
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, CompiledInfo
@@ -63,6 +64,7 @@ class CheckpointOwner(Protocol):
     controller: Controller
     fleet: Any  # the session's fleet (`Fleet` or a lease's `FleetView`)
     dispatcher: OrderedDispatcher
+    files: TenantFiles | None  # a shared service's tenant's storage root
 
     def own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
             group: BufferGroup) -> Array: ...
@@ -83,6 +85,11 @@ class SessionCheckpoints:
         self.dispatcher = session.dispatcher
 
     def compile(self, plan: PersistencePlan) -> Executable:
+        files = self._session.files
+        if files is not None:  # a shared service's tenant: its own storage root only
+            plan = dataclasses.replace(plan, arrays=tuple(
+                dataclasses.replace(a, location=files.resolve(a.location, "a checkpoint"))
+                for a in plan.arrays))
         device_ids = tuple(dict.fromkeys(d for a in plan.arrays for d in a.sharding.devices))
         devices = self.fleet.devices_of(device_ids)
         outputs = () if plan.write else tuple(

@@ -12,6 +12,12 @@ programs the client ran in between are in the trace.
 One profile runs on the fleet at a time (jax's profiler is one per process); another
 client's start meanwhile fails with FAILED_PRECONDITION. A profile stops by itself after
 `max_duration`, and when the session that started it ends.
+
+On a shared service (the session has `TenantFiles`) a profile is its lease's: it covers the
+lease's workers only (they serve no other lease while it holds them) and never the
+controller, whose work is every tenant's; it is written inside the tenant's storage root
+(`storage.py`); it runs at most the service's `max_profile_seconds` (a request without a
+duration gets that); and one runs per lease at a time, so tenants never wait on each other's.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from isthmus.controller.dispatch import OrderedDispatcher
 from isthmus.controller.session_arrays import HostData
 from isthmus.controller.session_core import as_error
 from isthmus.controller.session_persistence import plugin_info
+from isthmus.controller.storage import TenantFiles
 from isthmus.ids import ExecutableId, WorkerId
 from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, TraceOptions
@@ -62,11 +69,12 @@ class FleetTrace:
     """One profile of the fleet, from its start to its files."""
 
     def __init__(self, plan: ProfilePlan, caller: ExecutableId,
-                 hosts: list[tuple[WorkerId, str]], directory: str) -> None:
+                 hosts: list[tuple[WorkerId, str]], directory: str, scope: str = "") -> None:
         self.id = secrets.token_hex(8)  # names it to the hosts' profilers
         self.plan = plan
         self.caller = caller  # the executable whose next call stops it
         self.hosts = hosts  # (worker, its label in file names)
+        self.scope = scope  # its key in `Controller.profiles`: "" the fleet, or a lease's id
         self.directory = directory  # the run directory
         self.own = False  # this process's profiler records it for the controller
         loop = asyncio.get_running_loop()
@@ -88,6 +96,7 @@ class ProfileOwner(Protocol):
     controller: Controller
     fleet: Any  # the session's fleet (`Fleet` or a lease's `FleetView`)
     dispatcher: OrderedDispatcher
+    files: TenantFiles | None  # a shared service's tenant: its root, lease and duration cap
 
     def make_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
                    data: Any) -> Array: ...
@@ -109,6 +118,12 @@ class SessionProfiles:
         self._profiles: dict[ExecutableId, FleetTrace] = {}
 
     def compile(self, plan: ProfilePlan) -> Executable:
+        files = self._session.files
+        if files is not None:  # a lease's profile: its workers, into its tenant's root
+            cap = files.max_profile_seconds
+            plan = dataclasses.replace(
+                plan, location=files.resolve(plan.location, "a profile"), controller=False,
+                max_duration=cap if plan.max_duration is None else min(plan.max_duration, cap))
         outputs = (Aval(dtypes.STRING, (1,)),) if plan.output else ()
         # It names no devices: it is the session's, on its first one (the default device).
         executable = self.controller.executable(plan, tuple(self.fleet.devices[:1]),
@@ -160,15 +175,22 @@ class SessionProfiles:
     # ---- starting ------------------------------------------------------------------------
 
     def _start(self, plan: ProfilePlan, caller: ExecutableId) -> FleetTrace:
-        running: FleetTrace | None = self.controller.profile
+        files = self._session.files
+        scope = "" if files is None else files.lease
+        running: FleetTrace | None = self.controller.profiles.get(scope)
         if running is not None:
+            if files is not None:  # the lease's own: its location is this tenant's
+                raise errors.ProfileRunning(
+                    f"a profile of lease {files.lease}'s workers is being taken already (into "
+                    f"{running.directory}); jax's profiler records one at a time per worker: "
+                    "stop that one first.")
             raise errors.ProfileRunning(
                 f"a profile of the fleet is being taken already (into {running.directory}); "
                 "jax's profiler records one at a time: stop that one first.")
         run = plan.run or time.strftime("%Y_%m_%d_%H_%M_%S")  # as jax names its runs
         trace = FleetTrace(plan, caller, self._hosts(plan.max_hosts),
-                           f"{plan.location.rstrip('/')}/plugins/profile/{run}")
-        self.controller.profile = trace
+                           f"{plan.location.rstrip('/')}/plugins/profile/{run}", scope)
+        self.controller.profiles[scope] = trace
 
         def start() -> None:
             waits = [self.fleet.channel(w).ask(c.StartProfile(trace.id, plan.options))
@@ -193,8 +215,8 @@ class SessionProfiles:
                     trace.spawn(_quietly(self.fleet.channel(worker).ask(
                         c.StopProfile(trace.id, "", ""))))
             self._profiles.pop(trace.caller, None)
-            if self.controller.profile is trace:
-                self.controller.profile = None
+            if self.controller.profiles.get(trace.scope) is trace:
+                del self.controller.profiles[trace.scope]
             failure = as_error(error, "starting the profile")
             trace.started.set_exception(failure)
             trace.started.exception()  # retrieved: the caller's status reports it
@@ -245,8 +267,8 @@ class SessionProfiles:
         except Exception as e:  # noqa: BLE001 - the start failed: the stop reports why
             error = e
         finally:
-            if self.controller.profile is trace:
-                self.controller.profile = None
+            if self.controller.profiles.get(trace.scope) is trace:
+                del self.controller.profiles[trace.scope]
         if error is not None:
             failed = [label for (_, label), o in zip(trace.hosts, outcomes)
                       if isinstance(o, BaseException)]

@@ -7,6 +7,7 @@ The file is TOML, one table per tenant, plus service-wide settings:
                                        #   "colocated" (its tenant may run colocated Python) or
                                        #   "always"
     admins = ["ops"]                   # tenants that may list and revoke leases
+    max_profile_seconds = 60           # a tenant's profile stops by itself after this long
 
     [tenants.alice]
     token_file = "alice.token"         # relative to this file; or token_sha256 = "<hex>"
@@ -33,6 +34,7 @@ from typing import Any, TypeGuard
 from isthmus import errors
 
 DEFAULT_GRACE_SECONDS = 60.0
+DEFAULT_MAX_PROFILE_SECONDS = 60.0
 NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
@@ -59,6 +61,7 @@ class Tenants:
     grace_seconds: float = DEFAULT_GRACE_SECONDS  # a lease without its client is kept this long
     path: str = ""  # where it was read from
     fresh_workers: str = "colocated"  # "colocated" or "always": which ended leases renew workers
+    max_profile_seconds: float = DEFAULT_MAX_PROFILE_SECONDS  # a tenant's profile stops then
 
     def authenticate(self, name: str, token: str) -> Tenant:
         """The tenant `name` if `token` is its secret; `Unauthenticated` otherwise (the same
@@ -106,10 +109,12 @@ def load(path: str) -> Tenants:
 
 
 def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") -> Tenants:
-    unknown = set(data) - {"tenants", "admins", "grace_seconds", "fresh_workers"}
+    unknown = set(data) - {"tenants", "admins", "grace_seconds", "fresh_workers",
+                           "max_profile_seconds"}
     if unknown:
         raise ValueError(f"{path}: unknown settings {sorted(unknown)}; a tenants file has "
-                         "[tenants.NAME] tables, admins, grace_seconds and fresh_workers")
+                         "[tenants.NAME] tables, admins, grace_seconds, fresh_workers and "
+                         "max_profile_seconds")
     tables = data.get("tenants")
     if not isinstance(tables, dict) or not tables:
         raise ValueError(f"{path}: no [tenants.NAME] table; add one per user or team")
@@ -126,12 +131,16 @@ def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") 
     fresh = data.get("fresh_workers", "colocated")
     if fresh not in ("colocated", "always"):
         raise ValueError(f"{path}: fresh_workers must be \"colocated\" or \"always\"")
+    profile = data.get("max_profile_seconds", DEFAULT_MAX_PROFILE_SECONDS)
+    if not isinstance(profile, (int, float)) or isinstance(profile, bool) or not (
+            0 < profile < math.inf):
+        raise ValueError(f"{path}: max_profile_seconds must be a number of seconds > 0")
     by_name = {name: _tenant(name, table, directory, path, name in admins)
                for name, table in tables.items()}
     digests = [t.token_sha256 for t in by_name.values()]
     if len(set(digests)) != len(digests):
         raise ValueError(f"{path}: two tenants share a token; give each its own")
-    return Tenants(by_name, float(grace), path, fresh)
+    return Tenants(by_name, float(grace), path, fresh, float(profile))
 
 
 def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Tenant:

@@ -122,6 +122,7 @@ class Frontend:
             controller_session = ControllerSession(self.controller, self.shared.view(lease),
                                                    lease.tenant.name)
             controller_session.python_refusal = self.shared.colocated_refusal(lease.tenant)
+            controller_session.files = self.shared.files(lease)
         else:
             controller_session = ControllerSession(self.controller)
         session = FrontendSession(

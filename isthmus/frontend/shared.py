@@ -22,6 +22,7 @@ from isthmus.controller.lease_view import FleetView, reclaimed_error
 from isthmus.controller.leases import Hooks, Lease, LeaseBook, LeaseState
 from isthmus.controller.session import Session as ControllerSession
 from isthmus.controller.session_persistence import KeptArrays
+from isthmus.controller.storage import TenantFiles
 from isthmus.controller.tenants import Tenant, Tenants
 from isthmus.ids import SliceId
 
@@ -68,6 +69,12 @@ class SharedService:
                     f"operator allows it with colocated_python = true in its "
                     f"[tenants.{tenant.name}] table of the tenants file")
         return self.python_refusal
+
+    def files(self, lease: Lease) -> TenantFiles:
+        """Where the sessions of `lease` keep files (its tenant's storage root) and what they
+        may profile (its workers, for at most the service's max_profile_seconds)."""
+        return TenantFiles(lease.tenant.name, lease.tenant.storage_root, self.tenants.path,
+                           lease.id, self.tenants.max_profile_seconds)
 
     def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._tick())

@@ -198,7 +198,7 @@ def test_a_profile_stops_by_itself_when_its_time_or_its_session_ends(tmp_path):
         await _appears(tmp_path / "left" / "plugins" / "profile" / "l" / (
             host_name("slice0-host0") + SUFFIX))
         deadline = time.monotonic() + 30
-        while controller.profile is not None:  # free for the next profile
+        while controller.profiles:  # free for the next profile
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         await first.close()
