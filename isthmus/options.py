@@ -77,15 +77,12 @@ def fleet_token(args: argparse.Namespace) -> str:
     """The fleet's shared secret: --token-file, else $ISTHMUS_FLEET_TOKEN, else none (any
     worker that reaches the controller may join: a network the fleet trusts)."""
     if args.token_file:
-        try:
-            with open(args.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as e:
-            refuse(f"--token-file {args.token_file}: {e.strerror}")
-        if not token:
-            refuse(f"--token-file {args.token_file} is empty; put a "
-                    "secret in it (e.g. `openssl rand -hex 32 > FILE`)")
-        return token
+        from isthmus.controller.tenants import read_token
+
+        try:  # a FIFO or a device is refused, not read (reading one would wait)
+            return read_token(args.token_file, "--token-file")
+        except ValueError as e:  # "--token-file PATH: No such file or directory"
+            refuse(str(e).removeprefix("cannot read "))
     return os.environ.get(TOKEN_ENVIRONMENT, "").strip()
 
 

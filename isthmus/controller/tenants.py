@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import math
 import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from typing import Any, TypeGuard
@@ -34,6 +35,7 @@ from typing import Any, TypeGuard
 from isthmus import errors
 
 DEFAULT_GRACE_SECONDS = 60.0
+MAX_TOKEN_BYTES = 4096  # a token file longer than this is not a token
 DEFAULT_MAX_PROFILE_SECONDS = 60.0
 NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
@@ -84,25 +86,54 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.strip().encode()).hexdigest()
 
 
-def read_token(path: str) -> str:
-    """A token from its file (surrounding whitespace dropped); ValueError naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
+def read_file(path: str, what: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file `path` (`what` names it in errors: "the token file");
+    ValueError naming it when it cannot be read, is not a regular file or is over `limit`
+    bytes. A FIFO is refused, not read: reading one waits, silently, for a writer."""
+    try:  # O_NONBLOCK: opening a FIFO does not wait for its writer
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | os.O_CLOEXEC)
     except OSError as e:
-        raise ValueError(f"cannot read the token file {path}: {e.strerror or e}") from None
+        raise ValueError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise ValueError(f"{what} {path} is {kind}, not a regular file; give a file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read() if limit is None else f.read(limit + 1)
+        except OSError as e:
+            raise ValueError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"{what} {path} is longer than {limit} bytes; a token is a short "
+                         "secret (e.g. `openssl rand -hex 32 > FILE`)")
+    return data
+
+
+def decode(data: bytes, path: str, what: str) -> str:
+    """`data` of the file `path` as UTF-8; ValueError naming the file and the byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start}); save it as "
+                         "UTF-8") from None
+
+
+def read_token(path: str, what: str = "the token file") -> str:
+    """A token from its file (surrounding whitespace dropped); ValueError naming the file."""
+    token = decode(read_file(path, what, MAX_TOKEN_BYTES), path, what).strip()
     if not token:
-        raise ValueError(f"the token file {path} is empty; put the tenant's secret in it")
+        raise ValueError(f"{what} {path} is empty; put the secret in it (e.g. "
+                         "`openssl rand -hex 32 > FILE`)")
     return token
 
 
 def load(path: str) -> Tenants:
     """Reads a tenants file; ValueError with one line naming the file, table and field."""
+    text = decode(read_file(path, "the tenants file"), path, "the tenants file")
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read the tenants file {path}: {e.strerror or e}") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"the tenants file {path} is not TOML: {e}") from None
     return parse(data, os.path.dirname(os.path.abspath(path)), path)

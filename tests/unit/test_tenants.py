@@ -2,7 +2,10 @@
 authentication by token digest. Plain dicts through `tenants.parse`, and real files in tmp_path
 through `tenants.load`."""
 
+import argparse
 import hashlib
+import os
+import threading
 
 import pytest
 
@@ -247,3 +250,81 @@ def test_bad_fresh_workers_is_one_line():
     data["fresh_workers"] = "sometimes"
     with pytest.raises(ValueError, match="fresh_workers must be"):
         tenants.parse(data, ".", "t.toml")
+
+
+# ---- files that are not what they should be: refused in one line naming them, never waited on
+
+
+def refusal_of(read, fifo):
+    """The message of `read()`'s ValueError (or SystemExit's stderr); fails, rather than
+    hanging, when `read` waits on the FIFO `fifo` for a writer."""
+    outcome = []
+
+    def run():
+        try:
+            read()
+        except (ValueError, SystemExit, Exception) as e:  # noqa: BLE001 - returned to assert on
+            outcome.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # lets the blocked reader go
+        thread.join(10)
+        pytest.fail(f"reading {fifo} waited for a writer")
+    assert outcome, "nothing was refused"
+    return outcome[0]
+
+
+def test_a_fifo_as_token_file_or_tenants_file_is_refused_without_waiting(tmp_path):
+    fifo = tmp_path / "alice.token"
+    os.mkfifo(fifo)
+    (tmp_path / "tenants.toml").write_text(
+        '[tenants.alice]\ntoken_file = "alice.token"\nmax_slices = 1\n')
+    refused = refusal_of(lambda: tenants.load(str(tmp_path / "tenants.toml")), fifo)
+    assert isinstance(refused, ValueError)
+    assert str(refused) == f"the token file {fifo} is a FIFO, not a regular file; give a file"
+    refused = refusal_of(lambda: tenants.load(str(fifo)), fifo)
+    assert str(refused) == (f"the tenants file {fifo} is a FIFO, not a regular file; give a "
+                            "file")
+
+
+def test_a_fifo_as_the_clients_or_the_fleets_token_file_is_refused(tmp_path, capsys):
+    from isthmus import shared
+    from isthmus.options import fleet_token
+
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    refused = refusal_of(lambda: shared.read_token_file(str(fifo)), fifo)
+    assert isinstance(refused, shared.LeaseRefused) and f"token file {fifo} is a FIFO" in str(
+        refused)
+    refused = refusal_of(lambda: fleet_token(argparse.Namespace(token_file=str(fifo))), fifo)
+    assert isinstance(refused, SystemExit) and refused.code == 2
+    assert capsys.readouterr().err == (f"isthmus: --token-file {fifo} is a FIFO, not a "
+                                       "regular file; give a file\n")
+
+
+def test_a_directory_a_device_or_a_long_file_is_not_a_token_file(tmp_path):
+    with pytest.raises(ValueError, match=f"the token file {tmp_path} is a directory"):
+        tenants.read_token(str(tmp_path))
+    with pytest.raises(ValueError, match="the token file /dev/zero is a device"):
+        tenants.read_token("/dev/zero")
+    long = tmp_path / "long.token"
+    long.write_text("x" * (tenants.MAX_TOKEN_BYTES + 1))
+    with pytest.raises(ValueError, match=f"token file {long} is longer than 4096 bytes"):
+        tenants.read_token(str(long))
+    long.write_text("x" * tenants.MAX_TOKEN_BYTES)
+    assert tenants.read_token(str(long)) == "x" * 4096
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_bytes(b'[tenants.alice]\ntoken_sha256 = "\xff"\nmax_slices = 1\n')
+    with pytest.raises(ValueError) as refused:
+        tenants.load(str(path))
+    assert str(refused.value) == (f"the tenants file {path} is not UTF-8 text (byte 32); save "
+                                  "it as UTF-8")
+    (tmp_path / "alice.token").write_bytes(b"secret\xe9\n")
+    path.write_text('[tenants.alice]\ntoken_file = "alice.token"\nmax_slices = 1\n')
+    with pytest.raises(ValueError, match=f"the token file {tmp_path}/alice.token is not UTF-8"):
+        tenants.load(str(path))
