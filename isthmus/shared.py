@@ -156,6 +156,7 @@ class LeaseClient:
         self.report(f"isthmus: lost the service ({broke}); coming back to lease "
                     f"{self.grant.lease}")
         deadline = time.monotonic() + RESUME_SECONDS
+        held = None  # why the service refused: it still counts the broken stream as a holder
         while not self._released and time.monotonic() < deadline:
             time.sleep(0.5)
             self.call = self._lease(json.dumps({"resume": self.grant.lease}).encode())
@@ -167,6 +168,9 @@ class LeaseClient:
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     continue
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # until it sees it end
+                    held = e.details()
+                    continue
                 if not self._released:
                     self.ended = e.details() or str(e.code())
                     self.report(f"isthmus: lease {self.grant.lease} is gone: {self.ended}")
@@ -175,7 +179,7 @@ class LeaseClient:
                 self.report(f"isthmus: back on lease {self.grant.lease}")
                 return updates
         if not self._released:
-            self.ended = f"the service was unreachable for {RESUME_SECONDS:g} s"
+            self.ended = held or f"the service was unreachable for {RESUME_SECONDS:g} s"
             self.report(f"isthmus: lease {self.grant.lease} is gone: {self.ended}")
         return None
 
@@ -218,6 +222,11 @@ def lease(service: str, *, slices: int = 1, token_file: str | None = None,
     """A lease held for the block (for jax in a child process: `Grant.target`; with
     `separate_process`, the tunnels run in a process of their own, so that jax may run in
     this one). Raises LeaseRefused with the service's one-line reason."""
+    from isthmus.controller.leases import name_refusal
+
+    refusal = name_refusal(name)
+    if refusal is not None:  # refused here, before a connection
+        raise LeaseRefused(refusal)
     token = read_token_file(token_file)
     ca = ca or os.environ.get(CA_ENVIRONMENT) or None
     if service.startswith("grpc://"):
@@ -253,7 +262,8 @@ def connect(service: str, *, slices: int = 1, token_file: str | None = None,
       wait: seconds to wait in the queue at most (0: fail at once when nothing is free;
         None: as long as it takes).
       name: a name for the lease: a client that restarts within the service's grace period
-        gets the same lease back by giving the same name (a notebook's kernel).
+        gets the same lease back by giving the same name (a notebook's kernel); at most 64
+        letters, digits, '_', '.' and '-'.
       elastic: the job tolerates losing slices (pathwaysutils' elastic Manager): a higher
         priority may reclaim some while it runs; they come back when free.
       initialize_pathwaysutils: call `pathwaysutils.initialize()` when it is installed.

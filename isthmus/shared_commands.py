@@ -49,8 +49,9 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait in the service's queue at most; 0: fail at once "
                              "when nothing is free (default: as long as it takes)")
     parser.add_argument("--lease-name", default="",
-                        help="name the lease: a command restarted within the service's grace "
-                             "period gets it back")
+                        help="name the lease (at most 64 letters, digits, '_', '.' and '-'): "
+                             "a command restarted within the service's grace period gets it "
+                             "back")
     parser.add_argument("--elastic", action="store_true",
                         help="the job survives losing slices (pathwaysutils' elastic Manager): "
                              "a higher priority may reclaim some; they come back when free")

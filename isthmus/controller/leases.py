@@ -25,11 +25,27 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from isthmus import errors
-from isthmus.controller.tenants import Tenant, Tenants
+from isthmus.controller.tenants import NAME_CHARACTERS, Tenant, Tenants
 from isthmus.ids import SliceId
 from isthmus.logs import event
 
 logger = logging.getLogger(__name__)
+
+MAX_NAME = 64  # characters of a lease's name (letters, digits, '_', '.', '-')
+
+
+def name_refusal(name: str) -> str | None:
+    """Why `name` cannot name a lease (it is shown on every page and listing), or None."""
+    if len(name) <= MAX_NAME and set(name) <= NAME_CHARACTERS:
+        return None
+    shown = name if len(name) <= MAX_NAME else f"{name[:24]}... ({len(name)} characters)"
+    return (f"a lease name is at most {MAX_NAME} letters, digits, '_', '.' and '-', not "
+            f"{shown!r}; pick such a name.")
+
+
+def _shown(lease_id: str) -> str:
+    """A lease id a client sent, for a message (ids are short: a long one is cut)."""
+    return lease_id if len(lease_id) <= 24 else f"{lease_id[:24]}..."
 
 
 class LeaseState(enum.Enum):
@@ -123,18 +139,14 @@ class LeaseBook:
             wait: bool = True) -> Lease:
         """A lease for `slices` slices: granted now, or queued (when `wait`). A live lease
         of the tenant with this `name` and no client is resumed instead."""
+        refusal = name_refusal(name)
+        if refusal is not None:
+            self.refused_count += 1
+            raise errors.InvalidRequest(refusal)
         if name:
             for lease in self.leases.values():
                 if lease.tenant.name == tenant.name and lease.name == name:
-                    if lease.holders:
-                        self.refused_count += 1
-                        raise errors.NotPermitted(
-                            f"lease {name!r} ({lease.id}) is in use by another client of "
-                            f"tenant {tenant.name}; end that client or pick another name.")
-                    logger.info("lease %s (%s) of %s resumed", lease.id, name, tenant.name,
-                                extra=event("lease_resumed", lease=lease.id,
-                                            tenant=tenant.name))
-                    return lease
+                    return self._resumed(lease, "pick another name")
         if slices < 1:
             self.refused_count += 1
             raise errors.InvalidRequest(f"a lease is of 1 slice or more, not {slices}.")
@@ -164,6 +176,26 @@ class LeaseBook:
                 f"no {slices} slices are free now ({len(self.free())} of {len(pool)} free; "
                 f"{position - 1} requests ahead); wait for them (--wait SECONDS) or ask for "
                 "fewer.")
+        return lease
+
+    def resume(self, tenant: Tenant, lease_id: str) -> Lease:
+        """The live lease `lease_id` of `tenant` again, for a client whose lease stream broke;
+        refused while a client holds it (its stream is live), as a resume by name is."""
+        lease = self.lease(lease_id)
+        if lease.tenant.name != tenant.name:
+            raise errors.LeaseEnded(f"lease {lease.id} is not live for tenant {tenant.name}.")
+        return self._resumed(lease, "ask for a lease of its own")
+
+    def _resumed(self, lease: Lease, otherwise: str) -> Lease:
+        # Invariant: a live lease stream holds its lease; no second client takes it over.
+        if lease.holders:
+            self.refused_count += 1
+            named = f"{lease.name!r} ({lease.id})" if lease.name else lease.id
+            raise errors.NotPermitted(
+                f"lease {named} is in use by another client of tenant {lease.tenant.name}; "
+                f"end that client or {otherwise}.")
+        logger.info("lease %s (%s) of %s resumed", lease.id, lease.name, lease.tenant.name,
+                    extra=event("lease_resumed", lease=lease.id, tenant=lease.tenant.name))
         return lease
 
     def hold(self, lease: Lease) -> None:
@@ -197,8 +229,8 @@ class LeaseBook:
             if lease_id in self.ended:
                 raise self.ended[lease_id]
             raise errors.LeaseEnded(
-                f"lease {lease_id} is not live on this service (it ended, or the service "
-                "restarted); ask for a new lease.")
+                f"lease {_shown(lease_id)} is not live on this service (it ended, or the "
+                "service restarted); ask for a new lease.")
         return lease
 
     # ---- time ------------------------------------------------------------------------------

@@ -158,13 +158,13 @@ class SharedService:
         slices = ask.get("slices", 1)
         if not isinstance(slices, int) or isinstance(slices, bool):
             raise errors.InvalidRequest("slices must be a whole number.")
-        if ask.get("resume"):  # a client whose stream broke comes back to its lease
-            lease = self.book.lease(str(ask["resume"]))
-            if lease.tenant.name != identity.tenant.name:
-                raise errors.LeaseEnded(f"lease {lease.id} is not live for tenant "
-                                        f"{identity.tenant.name}.")
+        name, resume = ask.get("name") or "", ask.get("resume") or ""
+        if not isinstance(name, str) or not isinstance(resume, str):
+            raise errors.InvalidRequest("a lease's name and the lease to resume are strings.")
+        if resume:  # a client whose stream broke comes back to its lease
+            lease = self.book.resume(identity.tenant, resume)
         else:
-            lease = self.book.ask(identity.tenant, slices, name=str(ask.get("name") or ""),
+            lease = self.book.ask(identity.tenant, slices, name=name,
                                   elastic=bool(ask.get("elastic")),
                                   wait=bool(ask.get("wait", True)))
         changed = asyncio.Event()

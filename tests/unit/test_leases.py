@@ -292,6 +292,53 @@ def test_resume_by_name():
     assert again is not lease and again.id == "L3"
 
 
+
+def test_resume_by_id_is_refused_while_a_client_holds_the_lease():
+    """A second client that names a held lease's id is refused as one naming it by name is;
+    once the holder's stream is gone (its grace period), the lease is resumed by id."""
+    book = make_book(4)
+    lease = book.ask(A, 1)
+    book.hold(lease)
+    with pytest.raises(errors.NotPermitted) as refused:
+        book.resume(A, lease.id)
+    assert refused.value.message == ("lease L1 is in use by another client of tenant a; end "
+                                     "that client or ask for a lease of its own.")
+    named = book.ask(A, 1, name="train")
+    book.hold(named)
+    with pytest.raises(errors.NotPermitted, match="lease 'train' \\(L2\\) is in use by another"):
+        book.resume(A, named.id)
+    assert (lease.holders, book.figures()["refused_requests"]) == (1, 2)
+    # Another tenant does not reach it; an unknown (or absurdly long) id is not live.
+    with pytest.raises(errors.LeaseEnded, match="lease L1 is not live for tenant b"):
+        book.resume(B, lease.id)
+    with pytest.raises(errors.LeaseEnded, match="lease LLLLLLLLLLLLLLLLLLLLLLLL... is not live"):
+        book.resume(A, "L" * (1 << 20))
+    book.let_go(lease, clean=False)  # its client vanished: kept for the grace period
+    assert book.resume(A, lease.id) is lease
+
+
+@pytest.mark.parametrize("name", ["x" * 65, "a b", "<b>", "caf\u00e9", "a/b", "n\n"])
+def test_a_lease_name_is_bounded(name):
+    book = make_book(4)
+    with pytest.raises(errors.InvalidRequest) as refused:
+        book.ask(A, 1, name=name)
+    assert refused.value.code.name == "INVALID_ARGUMENT"
+    assert refused.value.message.startswith(
+        "a lease name is at most 64 letters, digits, '_', '.' and '-', not ")
+    assert len(refused.value.message) < 200 and not book.leases
+    assert book.figures()["refused_requests"] == 1
+
+
+def test_a_32_mib_lease_name_is_refused_without_echoing_it():
+    book = make_book(4)
+    with pytest.raises(errors.InvalidRequest) as refused:
+        book.ask(A, 1, name="n" * (32 << 20))
+    assert refused.value.message == (
+        "a lease name is at most 64 letters, digits, '_', '.' and '-', not "
+        "'nnnnnnnnnnnnnnnnnnnnnnnn... (33554432 characters)'; pick such a name.")
+    longest = "my-notebook_v2." + "x" * 49
+    assert book.ask(A, 1, name=longest).name == longest  # 64 characters: fine
+
 def test_unhealthy_slices_are_granted_once_healthy():
     sick = {SliceId(0), SliceId(1)}
     book = make_book(4, healthy=lambda s: s not in sick)
