@@ -369,10 +369,18 @@ def test_the_stock_clients_own_proxy_route_when_the_operator_allows_it(service):
         assert devices_of(ran) == f"DEVICES {[2 * held.slices[0], 2 * held.slices[0] + 1]} [0]"
 
 
+# A command as a user's shell starts it, with SIGINT's default action, whatever this process
+# inherited: a suite started as a background job (`scripts/test &`, nohup) has SIGINT ignored,
+# and an ignored signal stays ignored across exec (right for `isthmus run`, wrong for a test
+# that interrupts one). A wrapper, not preexec_fn: this process has threads.
+WITH_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+               "signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]
+
+
 def test_ctrl_c_while_queued_leaves_the_queue(service):
     with lease(service, "carol", slices=3):
         waiting = subprocess.Popen(
-            [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
+            [*WITH_SIGINT, "-m", "isthmus.cli", "run", "--service", service.service,
              "--service-ca", service.ca, "--token-file", service.tokens["alice"],
              "--slices", "1", "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
