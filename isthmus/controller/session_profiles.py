@@ -195,12 +195,13 @@ class SessionProfiles:
         def start() -> None:
             waits = [self.fleet.channel(w).ask(c.StartProfile(trace.id, plan.options))
                      for w, _ in trace.hosts]
-            trace.spawn(self._started(trace, waits))
+            trace.spawn(self._started(trace, list(trace.hosts), waits))
 
         self.dispatcher.submit((), start)
         return trace
 
-    async def _started(self, trace: FleetTrace, waits: list[Awaitable[bool]]) -> None:
+    async def _started(self, trace: FleetTrace, hosts: list[tuple[WorkerId, str]],
+                       waits: list[Awaitable[bool]]) -> None:
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
         error = next((e for e in outcomes if isinstance(e, BaseException)), None)
         if error is None and trace.plan.controller:
@@ -210,7 +211,7 @@ class SessionProfiles:
             except errors.IsthmusError as e:
                 error = e
         if error is not None:
-            for (worker, _), outcome in zip(trace.hosts, outcomes):
+            for (worker, _), outcome in zip(hosts, outcomes):
                 if outcome is True:  # started: drop what it records
                     trace.spawn(_quietly(self.fleet.channel(worker).ask(
                         c.StopProfile(trace.id, "", ""))))
@@ -248,12 +249,13 @@ class SessionProfiles:
         def stop() -> None:
             waits = [self.fleet.channel(w).ask(c.StopProfile(trace.id, trace.directory, label))
                      for w, label in trace.hosts]
-            trace.spawn(self._finish(trace, waits, stopped))
+            trace.spawn(self._finish(trace, list(trace.hosts), waits, stopped))
 
         self.dispatcher.submit((), stop)
         return stopped
 
-    async def _finish(self, trace: FleetTrace, waits: list[Awaitable[str | None]],
+    async def _finish(self, trace: FleetTrace, hosts: list[tuple[WorkerId, str]],
+                      waits: list[Awaitable[str | None]],
                       stopped: asyncio.Future[list[str]]) -> None:
         outcomes: list[object] = []
         try:
@@ -270,7 +272,7 @@ class SessionProfiles:
             if self.controller.profiles.get(trace.scope) is trace:
                 del self.controller.profiles[trace.scope]
         if error is not None:
-            failed = [label for (_, label), o in zip(trace.hosts, outcomes)
+            failed = [label for (_, label), o in zip(hosts, outcomes)
                       if isinstance(o, BaseException)]
             failure = as_error(error, "writing the profile")
             if failed:
@@ -283,6 +285,24 @@ class SessionProfiles:
         paths = [p for p in outcomes if isinstance(p, str)]
         logger.info("wrote the profile of %d hosts to %s", len(paths), trace.directory)
         stopped.set_result(paths)
+
+
+def leave(controller: Controller, slice_index: int) -> None:
+    """A slice leaves its lease (a higher priority reclaimed it): its workers stop recording
+    the lease's profile at once and drop what they recorded, so that the programs of the
+    lease it goes to never enter that profile (which is written without them)."""
+    workers = {d.worker for d in controller.fleet.devices if d.slice_index == slice_index}
+    for trace in list(controller.profiles.values()):
+        leaving = [w for w, _ in trace.hosts if w in workers]
+        if not leaving:
+            continue
+        # A new list: a start or stop under way keeps the hosts it was sent to.
+        trace.hosts = [(w, label) for w, label in trace.hosts if w not in workers]
+        for worker in leaving:
+            trace.spawn(_quietly(controller.fleet.channel(worker).ask(
+                c.StopProfile(trace.id, "", ""))))
+        logger.info("slice %s left the profile into %s: its hosts' records are dropped",
+                    slice_index, trace.directory)
 
 
 async def _quietly(outcome: Awaitable[object]) -> None:

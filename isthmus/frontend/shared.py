@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from isthmus import errors
+from isthmus.controller import session_profiles
 from isthmus.controller.controller import Controller
 from isthmus.controller.lease_view import FleetView, reclaimed_error
 from isthmus.controller.leases import Hooks, Lease, LeaseBook, LeaseState
@@ -263,6 +264,7 @@ class SharedService:
     def _reclaimed(self, lease: Lease, slice_index: SliceId) -> None:
         self.controller.evict_slice(slice_index, reclaimed_error(lease, slice_index))
 
+        session_profiles.leave(self.controller, slice_index)  # its profile ends there now
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)

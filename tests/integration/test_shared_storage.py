@@ -23,7 +23,7 @@ from isthmus import shared
 from isthmus.testing import LocalServer, child_environment, run_python, wait_until
 from isthmus.worker.profiler import SUFFIX, host_name
 
-PROFILE_CAP = 15  # the service's max_profile_seconds
+PROFILE_CAP = 30  # the service's max_profile_seconds
 
 CLIENT = """
 import datetime, json, sys
@@ -89,6 +89,12 @@ def run(op):
         step()
         call(executable)
         return where
+    if kind == "secret":  # a program whose name must not reach another tenant's profile
+        @jax.jit
+        def bobs_secret_program(a):
+            return a * 3 - 1
+        x = jax.device_put(np.arange(8.0, dtype=np.float32), sharding)
+        return str(np.asarray(bobs_secret_program(x)).tolist())
     if kind == "profile_compile":
         profile(op[1], "refused")
         return "compiled"
@@ -138,11 +144,12 @@ def service(tmp_path_factory):
 max_profile_seconds = {PROFILE_CAP}
 [tenants.alice]
 token_file = "alice.token"
-max_slices = 1
+max_slices = 2
 storage_root = "files/alice"
 [tenants.bob]
 token_file = "bob.token"
 max_slices = 1
+priority = 5
 storage_root = "{files / 'bob'}"
 [tenants.carol]
 token_file = "carol.token"
@@ -160,9 +167,9 @@ max_slices = 1
         yield server
 
 
-def lease(service, who):
+def lease(service, who, slices=1, **options):
     return shared.lease(service.service, token_file=service.tokens[who], ca=service.ca,
-                        report=lambda line: None, slices=1)
+                        report=lambda line: None, slices=slices, **options)
 
 
 def outcomes(grant, ops):
@@ -305,3 +312,34 @@ def test_a_profile_without_a_duration_stops_at_the_services_cap(service, tmp_pat
         finally:
             client.kill()
             client.wait()
+
+
+def test_a_reclaimed_slice_leaves_its_leases_profile_before_another_lease_runs(service,
+                                                                              tmp_path):
+    """alice profiles her elastic 2-slice lease; bob (priority 5) reclaims one of its slices
+    and runs a program there: alice's profile is written without that slice's host, and
+    nothing of bob's program is in it."""
+    root = service.roots["alice"]
+    with lease(service, "carol"), lease(service, "alice", slices=2, elastic=True) as alice:
+        client = _held(alice, "elastic", "reclaim", tmp_path)
+        try:
+            _line(client, "READY")
+            (tmp_path / "start").touch()
+            assert _line(client, "STARTED") == f"{root}/elastic/plugins/profile/reclaim"
+            with lease(service, "bob") as bob:
+                (taken,) = bob.slices
+                assert taken in alice.slices
+                assert outcomes(bob, [["secret"]]) == [
+                    "OK " + str((np.arange(8.0) * 3 - 1).tolist())]
+            # alice's profile was still being taken while bob ran (it is written at its stop).
+            assert _run_files(root / "elastic", "reclaim") == []
+            (tmp_path / "stop").touch()
+            _line(client, "STOPPED")
+            assert client.wait(60) == 0, client.stderr.read()[-3000:]
+        finally:
+            client.kill()
+            client.wait()
+    (kept,) = set(alice.slices) - {taken}
+    assert _run_files(root / "elastic", "reclaim") == [host_name(f"slice{kept}-host0") + SUFFIX]
+    for path in root.rglob("*"):
+        assert not path.is_file() or b"bobs_secret_program" not in path.read_bytes(), path
