@@ -262,9 +262,9 @@ class SharedService:
         self._spawn(scrub())
 
     def _reclaimed(self, lease: Lease, slice_index: SliceId) -> None:
+        session_profiles.leave(self.controller, slice_index)  # its profile ends there now
         self.controller.evict_slice(slice_index, reclaimed_error(lease, slice_index))
 
-        session_profiles.leave(self.controller, slice_index)  # its profile ends there now
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
