@@ -30,6 +30,13 @@ from isthmus.worker.vetting import ProgramVetter
 
 logger = logging.getLogger(__name__)
 
+SHOWN_NAME = 128  # characters of a program's name in logs, events (the live page), messages
+
+
+def shown(name: str) -> str:
+    """A program's name (its client's module's, of any length) as logs and pages show it."""
+    return name if len(name) <= SHOWN_NAME else f"{name[:SHOWN_NAME]}... ({len(name)} characters)"
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ControllerConfig:
@@ -304,7 +311,7 @@ class Controller:
             if executable.dispatched and worker in executable.parts and (
                     last is None or executable.dispatched > last.dispatched):
                 last = executable
-        return last.info.name if last is not None and last.info is not None else None
+        return shown(last.info.name) if last is not None and last.info is not None else None
 
     def crashed(self, report: CrashReport, where: str) -> None:
         """A worker process died of a fatal signal while dispatching `report.executable`
@@ -325,11 +332,11 @@ class Controller:
             return
         name = executable.info.name if executable.info is not None else "(unnamed)"
         self._refused[digest] = message = (
-            f"program {name} crashed worker {where} with "
+            f"program {shown(name)} crashed worker {where} with "
             f"\"{report.fatal or 'a fatal signal'}\"; this server refuses to compile or run it "
             "until its controller restarts. Change the program or its inputs (the worker's "
             "log has the fatal traceback), or restart the controller to try it again.")
-        logger.warning("%s", message, extra=event("program_refused", program=name))
+        logger.warning("%s", message, extra=event("program_refused", program=shown(name)))
         for other in self._executables.values():
             # The same program has the same name (the module's): only those are digested.
             if other is executable or (
@@ -369,8 +376,9 @@ class Controller:
             raise errors.InternalError(
                 "the workers compiled the program but described none of it; this is a bug in "
                 "isthmus: please report it.")
-        logger.info("compiled %s for devices %s", info.name, executable.device_ids,
-                    extra=event("compiled", program=info.name, devices=len(executable.devices)))
+        logger.info("compiled %s for devices %s", shown(info.name), executable.device_ids,
+                    extra=event("compiled", program=shown(info.name),
+                                devices=len(executable.devices)))
         return info
 
     def release_executable(self, executable: Executable) -> None:

@@ -1,5 +1,6 @@
 """A shared service's leases as a second client of the same tenant would try them: naming a
-lease its first client still holds (by id), and names too long to keep and show.
+lease its first client still holds (by id), and names too long to keep and show (a lease's,
+a program's).
 
 A 2-slice CPU fleet of its own; the test process holds leases itself (`isthmus.shared.lease`)
 and runs the stock jax client in subprocesses through the lease's tunnel; results are
@@ -37,7 +38,7 @@ token_file = "bob.token"
 max_slices = 1
 """)
     with LocalServer(fleet=(2, 1, 2), args=[
-            "--tenants", str(directory / "tenants.toml")]) as server:
+            "--tenants", str(directory / "tenants.toml"), "--log-level", "INFO"]) as server:
         server.tokens = {name: str(directory / f"{name}.token") for name in ("alice", "bob")}
         server.ca = str(directory / "isthmus-service" / "service-cert.pem")
         server.service = server.address.removeprefix("grpc://")
@@ -175,3 +176,24 @@ def test_isthmus_run_refuses_a_long_lease_name_at_once(service):
         "'yyyyyyyyyyyyyyyyyyyyyyyy... (100 characters)'; pick such a name."], ran.stderr
     after = service.status()["shared"]
     assert [after[k] - before[k] for k in ("refused_requests", "successful_requests")] == [0, 0]
+
+
+LONG_NAME = """
+import jax, jax.numpy as jnp
+def f(a):
+    return (a @ a.T).sum() * 0.5
+f.__name__ = f.__qualname__ = "model_" + "v" * 20000
+print("RESULT", float(jax.jit(f)(jnp.arange(32.0).reshape(4, 8))))
+"""
+
+
+def test_a_programs_name_is_shown_bounded(service):
+    """A program's name is its client's (the jitted function's): logs and the live page's
+    events show at most 128 characters of it, and the program runs as it is."""
+    with lease(service, "alice", slices=1) as held:
+        assert result_of(run_python(LONG_NAME, held.target)) == EXPECTED
+    log = service.log()
+    name = "jit_model_" + "v" * 20000
+    assert f"compiled {name[:128]}... (20010 characters) for devices" in log, log[-3000:]
+    assert "v" * 129 not in log
+
