@@ -20,6 +20,7 @@ from isthmus.ids import COMPANION_BASE, DeviceId, SliceId, WorkerId
 from isthmus.launch import RestartPolicy
 from isthmus.observe.options import ObserveConfig
 from isthmus.transport.tls import TlsConfig
+from isthmus.wire.peers import Limits
 from isthmus.worker.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class SharedConfig:
     state_dir: str | None = None  # None: a directory beside the tenants file
     unix_socket: str | None = None  # also serve tunnels here (clients on this machine)
     allow_plain_connect: bool = False  # accept credentials in clear over TCP
+    limits: Limits = Limits()  # what connections without credentials may cost (wire/peers.py)
 
 
 def embedded_fleet(num_devices: int, platform: str = "cpu",
@@ -266,7 +268,7 @@ class Head:
         self.service_cert = certificate.cert
         methods.update(shared_service.methods(self.shared))
         return Gate(self.shared.authenticate, self.shared.lease_for,
-                    certificate.server_context(), shared.allow_plain_connect)
+                    certificate.server_context(), shared.allow_plain_connect, shared.limits)
 
     async def _renew(self, slices: list[int], reason: str) -> None:
         """Fresh worker processes for `slices` (`LocalLauncher.renew`); returns once they

@@ -30,6 +30,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-plain-connect", action="store_true",
                         help="accept tenants' tunnels in clear over TCP (the stock client's "
                              "grpc_proxy route): their tokens cross the network unencrypted")
+    parser.add_argument("--auth-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="a shared service closes a connection that has not said who it "
+                             "is (a tenant's tunnel, a worker's pulse) this long after it "
+                             "opened (default: 5)")
+    parser.add_argument("--peer-connections", type=int, default=16, metavar="N",
+                        help="connections without credentials one address may hold open at "
+                             "once (default: 16; not counted: this machine's own)")
+    parser.add_argument("--peer-requests", type=float, default=20.0, metavar="N",
+                        help="new connections and calls without credentials one address may "
+                             "make a second (default: 20; not counted: this machine's own)")
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,9 +98,15 @@ def shared_config(args: argparse.Namespace) -> Any:
         load(args.tenants)  # refused now, in one line, rather than at start
     except ValueError as e:
         refuse(str(e))
+    from isthmus.wire.peers import Limits
+
+    if not (args.auth_timeout > 0 and args.peer_connections > 0 and args.peer_requests > 0):
+        refuse("--auth-timeout, --peer-connections and --peer-requests must be > 0")
     return SharedConfig(args.tenants, args.service_cert, args.service_key,
                         unix_socket=args.unix_socket,
-                        allow_plain_connect=args.allow_plain_connect)
+                        allow_plain_connect=args.allow_plain_connect,
+                        limits=Limits(args.auth_timeout, args.peer_connections,
+                                      args.peer_requests))
 
 
 def service_run(args: argparse.Namespace, command: list[str], environment: Any) -> int:

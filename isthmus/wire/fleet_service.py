@@ -178,8 +178,14 @@ class FleetServicer:
         return str(self.port).encode()
 
     async def alive(self, token: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """A worker's pulse (from its own thread, apart from its stream)."""
-        return self.manager.alive(token.decode(errors="replace"))
+        """A worker's pulse (from its own thread, apart from its stream). One the manager
+        knows proves the connection a fleet worker's: on a shared service it is then no
+        stranger (`wire/peers.py`)."""
+        answer = self.manager.alive(token.decode(errors="replace"))
+        prove = getattr(context, "prove", None)
+        if answer == m.ALIVE_OK and prove is not None:
+            prove()
+        return answer
 
     def methods(self) -> dict[str, Method]:
         """The fleet's methods on the client port (raw bytes in and out)."""

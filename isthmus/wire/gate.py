@@ -14,6 +14,9 @@ looked at before HTTP/2 starts, by its first byte:
 - `PRI` (HTTP/2 at once): a connection without identity, for the fleet's workers and
   `isthmus status`; IFRT calls on it are refused as unauthenticated.
 
+Until a connection has said who it is it is a stranger, held to the per-peer limits of
+`wire/peers.py`: closed after `auth_seconds`, a few open per peer, a few calls a second.
+
 A refused tunnel gets one HTTP status line and one line of reason, and is closed; nothing is
 left behind. After `200 Connection established` the bytes are HTTP/2, served by the same
 `h2server` connection as any other, which carries the identity into every call's context.
@@ -31,10 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 from isthmus import errors
+from isthmus.wire.peers import Limits, PeerBook, Ticket, is_local
 
 logger = logging.getLogger(__name__)
 
-PREAMBLE_SECONDS = 10.0  # a connection must say who it is within this long
 MAX_PREAMBLE = 8192  # bytes of a CONNECT request, headers included
 TLS_RECORD = 0x16
 
@@ -48,12 +51,14 @@ class Gate:
 
     def __init__(self, authenticate: Callable[[str, str, str | None], Any],
                  lease_for: Callable[[Any], Any],
-                 tls: ssl.SSLContext | None, allow_plain_connect: bool = False) -> None:
+                 tls: ssl.SSLContext | None, allow_plain_connect: bool = False,
+                 limits: Limits | None = None) -> None:
         self.authenticate = authenticate
         self.lease_for = lease_for
         self.tls = tls
         self.allow_plain_connect = allow_plain_connect
         self.refused = 0
+        self.peers = PeerBook(limits or Limits())  # what strangers may cost, by peer
 
     def identify(self, head: bytes, secure: bool) -> Any:
         """The identity a CONNECT request (`head`, up to its blank line) establishes."""
@@ -95,19 +100,23 @@ class Gate:
 class Preamble(asyncio.Protocol):
     """A connection of a shared service until it has said who it is; then HTTP/2."""
 
-    def __init__(self, gate: Gate, connect: Callable[[Any], Any], secure: bool) -> None:
+    def __init__(self, gate: Gate, connect: Callable[[Any, Ticket | None], Any], secure: bool,
+                 ticket: Ticket) -> None:
         self.gate = gate
-        self.connect = connect  # identity -> a fresh h2server connection (its `wire`)
+        # (identity, ticket) -> a fresh h2server connection (its `wire`); the ticket goes on
+        # with a connection that is still a stranger.
+        self.connect = connect
         self.secure = secure
+        self.ticket = ticket  # until it says who it is
         self.buffer = b""
         self.transport: Any = None
-        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
-        self.timer = asyncio.get_running_loop().call_later(
-            PREAMBLE_SECONDS, self._refuse, 408, "Request Timeout",
-            "the connection said nothing within 10 s.")
+        seconds = self.gate.peers.limits.auth_seconds
+        self.ticket.watch(lambda: self._refuse(
+            408, "Request Timeout", f"the connection did not say who it is within "
+            f"{seconds:g} s."))
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -137,9 +146,11 @@ class Preamble(asyncio.Protocol):
         self._switch(identity, buffer[end + 4:])
 
     def _switch(self, identity: Any, rest: bytes) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        wire = self.connect(identity)
+        ticket: Ticket | None = self.ticket
+        if identity is not None:
+            self.ticket.release()  # a tenant's tunnel: no longer a stranger
+            ticket = None
+        wire = self.connect(identity, ticket)
         self.transport.set_protocol(wire)
         wire.connection_made(self.transport)
         view = memoryview(rest)
@@ -159,21 +170,19 @@ class Preamble(asyncio.Protocol):
                                  b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
                                  % (status, phrase.encode(), len(body), body))
             self.transport.close()
-        if self.timer is not None:
-            self.timer.cancel()
+        self.ticket.release()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        self.ticket.release()
 
 
 class GatedListener:
     """Accepts TCP connections and sorts them by their first byte (module docstring)."""
 
-    def __init__(self, gate: Gate, plain: Callable[[], Any],
-                 connect: Callable[[Any], Any]) -> None:
+    def __init__(self, gate: Gate, plain: Callable[[Ticket], Any],
+                 connect: Callable[[Any, Ticket | None], Any]) -> None:
         self.gate = gate
-        self.plain = plain  # () -> the protocol of a connection without identity (HTTP/2)
+        self.plain = plain  # ticket -> the protocol of a connection without identity (HTTP/2)
         self.connect = connect
         self.sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -204,8 +213,25 @@ class GatedListener:
             task.add_done_callback(self._sorting.discard)
 
     async def _sort(self, conn: socket.socket) -> None:
+        try:
+            peer, local = str(conn.getpeername()[0]), str(conn.getsockname()[0])
+        except OSError:
+            conn.close()
+            return
+        ticket = self.gate.peers.admit(peer, is_local(peer, local))
+        if ticket is None:  # over its peer's limits: closed before any handshake
+            conn.close()
+            return
+        try:
+            await self._route(conn, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def _route(self, conn: socket.socket, ticket: Ticket) -> None:
         loop = asyncio.get_running_loop()
         readable = loop.create_future()
+        seconds = self.gate.peers.limits.auth_seconds
 
         def ready() -> None:
             if not readable.done():
@@ -213,31 +239,34 @@ class GatedListener:
 
         loop.add_reader(conn.fileno(), ready)
         try:
-            await asyncio.wait_for(readable, PREAMBLE_SECONDS)
+            await asyncio.wait_for(readable, seconds)
             first = conn.recv(1, socket.MSG_PEEK)
         except (TimeoutError, OSError):
             first = b""
         finally:
             loop.remove_reader(conn.fileno())
         if not first:
+            ticket.release()
             conn.close()
             return
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if first[0] == TLS_RECORD:
                 if self.gate.tls is None:
+                    ticket.release()
                     conn.close()
                     return
                 await loop.connect_accepted_socket(
-                    lambda: Preamble(self.gate, self.connect, True), conn, ssl=self.gate.tls,
-                    ssl_handshake_timeout=PREAMBLE_SECONDS)
+                    lambda: Preamble(self.gate, self.connect, True, ticket), conn,
+                    ssl=self.gate.tls, ssl_handshake_timeout=seconds)
             elif first == b"C":
                 await loop.connect_accepted_socket(
-                    lambda: Preamble(self.gate, self.connect, False), conn)
+                    lambda: Preamble(self.gate, self.connect, False, ticket), conn)
             else:
-                await loop.connect_accepted_socket(self.plain, conn)
+                await loop.connect_accepted_socket(lambda: self.plain(ticket), conn)
         except (TimeoutError, OSError, ssl.SSLError) as e:
             logger.info("a connection failed before it said who it is: %s", e)
+            ticket.release()
             conn.close()
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -28,11 +28,16 @@ class Context:
     """What a handler sees of its call (the part of grpc.aio's ServicerContext used)."""
 
     def __init__(self, metadata: tuple[tuple[str, Any], ...], peer: str,
-                 identity: Any = None) -> None:
+                 identity: Any = None, prove: Callable[[], None] | None = None,
+                 local: bool = True) -> None:
         self._metadata, self._peer = metadata, peer
         # Who the connection is, on a shared service (`frontend.shared.Identity`; None: a
         # connection without credentials).
         self.identity = identity
+        # A shared service's connection without identity: `prove()` says a fleet worker's
+        # pulse was recognized on it (`wire/peers.py`: it is then no stranger); None else.
+        self.prove = prove
+        self.local = local  # from the service's own machine (or a connection with identity)
 
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
         return self._metadata

@@ -52,6 +52,7 @@ CONNECTION_WINDOW = (1 << 31) - 1 - 65535  # the most HTTP/2 allows, beyond the 
 MAX_FRAME = (1 << 24) - 1  # the largest DATA frame a client may send us
 WRITE_HIGH = 8 << 20  # bytes queued on the socket at which a sender waits
 MAX_STREAMS = 1 << 20
+REFUSED_CLOSE_SECONDS = 0.5  # a stranger over its rate is closed this long after
 
 
 
@@ -76,6 +77,10 @@ class _Connection:
         self.direct = Direct(self)
         self.peer = "ipv4:?:0"
         self.identity: Any = None  # a shared service's gate sets who the connection is
+        # A shared service's connection without identity: its peer's limits and deadline
+        # (`wire/peers.py`), until a worker's pulse proves it (`Context.prove`).
+        self.ticket: Any = None
+        self._closing = False  # over its peer's rate: closed in REFUSED_CLOSE_SECONDS
 
     def _made(self, transport: asyncio.Transport) -> None:
         keep_alive(transport, idle=30, interval=10, count=2)  # notice clients that vanished
@@ -95,6 +100,18 @@ class _Connection:
         h2c.initiate_connection()
         h2c.increment_flow_control_window(CONNECTION_WINDOW)
         self.flush()
+        if self.ticket is not None:
+            self.ticket.watch(self._expired)
+
+    def _expired(self) -> None:
+        logger.debug("closed a connection from %s that did not say who it is", self.peer)
+        self.close()
+
+    def _prove(self) -> None:
+        """The connection is a fleet worker's (its pulse was recognized): no stranger."""
+        if self.ticket is not None:
+            self.ticket.release()
+            self.ticket = None
 
     def _events(self, events: list[Any]) -> None:
         for event in events:
@@ -112,6 +129,8 @@ class _Connection:
                 if stream.sink is not None:
                     self.direct.cancel(stream, ConnectionResetError("the connection closed"))
             self._wake_senders()
+            if self.ticket is not None:
+                self.ticket.release()
             if self.wire.transport is not None:
                 self.wire.transport.close()
 
@@ -194,11 +213,22 @@ class _Connection:
         stream = Call(self, stream_id, method or Method("unary_unary", _unknown))
         stream.bare = bare
         self.streams[stream_id] = stream
+        ticket = self.ticket
+        if ticket is not None and not ticket.spend():
+            self.trailers(stream, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "too many calls without credentials from this address (the "
+                          "service's --peer-requests); the connection is closed")
+            if not self._closing:  # soon, not at once: the client reads why first
+                self._closing = True
+                asyncio.get_running_loop().call_later(REFUSED_CLOSE_SECONDS, self.close)
+            return
         if method is None:
             self.trailers(stream, grpc.StatusCode.UNIMPLEMENTED,
                            f"method {path} is not served here")
             return
-        context = Context(metadata(headers), self.peer, self.identity)
+        context = Context(metadata(headers), self.peer, self.identity,
+                          prove=self._prove if ticket is not None else None,
+                          local=ticket is None or ticket.local)
         if method.sink is not None:
             self.direct.start(stream, method, context)
             size = getattr(stream.sink, "size", None)
@@ -462,16 +492,18 @@ class H2Server:
         old = os.umask(0o177)
         try:
             self._unix = await asyncio.get_running_loop().create_unix_server(
-                lambda: Preamble(self.gate, self._identified, True), path)
+                lambda: Preamble(self.gate, self._identified, True, self.gate.peers.unix()),
+                path)
         finally:
             os.umask(old)
 
-    def _connected(self) -> Wire:
-        return self._identified(None)
+    def _connected(self, ticket: Any = None) -> Wire:
+        return self._identified(None, ticket)
 
-    def _identified(self, identity: Any) -> Wire:
+    def _identified(self, identity: Any, ticket: Any = None) -> Wire:
         connection = _Connection(self.methods, self.max_message)
         connection.identity = identity
+        connection.ticket = ticket
         self._connections.add(connection)
         task = asyncio.get_running_loop().create_task(connection.run())
         task.add_done_callback(lambda _: self._connections.discard(connection))
