@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--controller", required=True, help="HOST:PORT of the server")
     status.add_argument("--json", action="store_true", help="print raw JSON")
     status.add_argument("--timeout", type=float, default=10.0)
+    status.add_argument("--token-file", default=None, metavar="PATH",
+                        help="a shared service: a tenant's secret (an admin's shows sessions "
+                             "and memory too); without it only a caller on the service's own "
+                             "machine is told the status")
+    status.add_argument("--service-ca", default=os.environ.get("ISTHMUS_SERVICE_CA"),
+                        metavar="PEM", help="a shared service's certificate to trust")
     add_leases_command(commands)
     return parser
 
@@ -145,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.subcommand == "status":
         from isthmus.status import command as status_command
 
-        return status_command(args.controller, args.timeout, args.json)
+        return status_command(args.controller, args.timeout, args.json, args.token_file,
+                              args.service_ca)
     if args.subcommand == "worker":
         return _worker(args, argv)
     if args.subcommand == "k8s":

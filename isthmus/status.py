@@ -7,24 +7,51 @@ import sys
 from typing import Any
 
 
-def command(controller: str, timeout: float, as_json: bool) -> int:
-    """Prints the status of the server at `controller`; 1 (and one line on stderr) when it
-    cannot be reached."""
+def command(controller: str, timeout: float, as_json: bool, token_file: str | None = None,
+            service_ca: str | None = None) -> int:
+    """Prints the status of the server at `controller` (a shared service's through a tunnel
+    with the tenant's token of `token_file`); 1 (and one line on stderr) when it cannot be
+    reached."""
     from isthmus.wire.servicer import fetch_status
 
     try:
-        status = fetch_status(controller, timeout=timeout)
+        status = (fetch_status(controller, timeout=timeout) if token_file is None
+                  else fetch_shared_status(controller, token_file, service_ca, timeout))
     except Exception as e:  # noqa: BLE001 - report any connection failure plainly
         # A gRPC error's str() is a multi-line dump; its code and details are the one line.
         code, details = getattr(e, "code", None), getattr(e, "details", None)
         why = (f"{code().name}: {details()}" if callable(code) and callable(details)
                else str(e))
         why = " ".join(why.split())  # one line, whatever the transport says
+        if callable(code) and code().name in ("UNAUTHENTICATED", "PERMISSION_DENIED") or (
+                type(e).__name__ == "LeaseRefused"):  # it answered: its reason is the line
+            print(f"isthmus status: {why}", file=sys.stderr)
+            return 2
         print(f"isthmus status: cannot reach {controller} ({why}); is the server running "
               "there (isthmus up prints its address)?", file=sys.stderr)
         return 1
     print(json.dumps(status, indent=2, sort_keys=True) if as_json else render(status))
     return 0
+
+
+def fetch_shared_status(service: str, token_file: str, ca: str | None,
+                        timeout: float) -> dict[str, Any]:
+    """A shared service's status asked on a control tunnel with a tenant's token."""
+    import grpc
+
+    from isthmus import shared
+    from isthmus.wire.servicer import ADMIN_SERVICE
+
+    forwarder = shared.Forwarder(service.removeprefix("grpc://"),
+                                 shared.read_token_file(token_file), ca)
+    try:
+        forwarder.check()
+        control = forwarder.listen("control", "control")
+        with grpc.insecure_channel(f"unix:{control}") as channel:
+            call = channel.unary_unary(f"/{ADMIN_SERVICE}/Status")
+            return dict(json.loads(call(b"", timeout=timeout)))
+    finally:
+        forwarder.close()
 
 
 def _device_memory(account: dict[str, Any]) -> str:

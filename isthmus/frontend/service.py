@@ -201,10 +201,17 @@ class Frontend:
                 "live session.")
         return session.host_buffers
 
-    def status(self, identity: Any = None) -> dict[str, Any]:
+    def status(self, identity: Any = None, local: bool = True) -> dict[str, Any]:
         """The fleet, its sessions and arrays. On a shared service only an admin's tunnel
-        sees sessions and memory figures (they are other tenants'); anyone sees the fleet's
-        health and the service's aggregate figures."""
+        sees sessions and memory figures (they are other tenants'); a tenant, or a caller
+        on the service's own machine (`local`), sees the fleet's health and the service's
+        aggregate figures; a stranger elsewhere, that a credential is needed."""
+        if self.shared is not None and identity is None and not local:
+            raise errors.Unauthenticated(
+                "this shared service tells its status to its tenants and admins only: run "
+                "isthmus status --controller HOST:PORT --token-file FILE --service-ca PEM "
+                "with a tenant's (an admin's, for everything) token, or on the service's "
+                "own machine.")
         status = self._status()
         if self.shared is not None and not getattr(
                 getattr(identity, "tenant", None), "admin", False):

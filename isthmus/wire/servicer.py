@@ -212,8 +212,12 @@ class IfrtProxyServicer:
     # ---- admin ---------------------------------------------------------------------------
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return json.dumps(self.frontend.status(getattr(context, "identity", None)),
-                          sort_keys=True).encode()
+        try:
+            status = self.frontend.status(getattr(context, "identity", None),
+                                          getattr(context, "local", True))
+        except errors.IsthmusError as e:
+            raise Refused(grpc_status(e.code), e.message) from None
+        return json.dumps(status, sort_keys=True).encode()
 
     def methods(self) -> dict[str, Method]:
         """Every method of the client port, by path (for either transport)."""
