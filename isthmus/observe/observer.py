@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from isthmus import errors
 from isthmus.observe import state
 from isthmus.observe.events import EventLog
 from isthmus.observe.metrics import Collected, FleetCollector, Snapshot, families
@@ -95,18 +96,35 @@ class Observer:
         self.lag.stop()
         logging.getLogger(EVENT_LOGGER).removeHandler(self.events)
 
-    def _view(self) -> tuple[str, bytes]:
+    def _view(self, headers: dict[str, str]) -> tuple[str, bytes]:
         return "text/html; charset=utf-8", self._page
 
-    async def _metrics(self) -> tuple[str, bytes]:
+    async def _metrics(self, headers: dict[str, str]) -> tuple[str, bytes]:
         snapshot = self.collector.snapshot()  # read here, on the loop; written out aside
         text = await asyncio.get_running_loop().run_in_executor(None, _exposition, snapshot)
         return CONTENT_TYPE_LATEST, text
 
-    async def _state(self) -> tuple[str, bytes]:
+    async def _state(self, headers: dict[str, str]) -> tuple[str, bytes]:
         snapshot = state.snapshot(self.sources, self.events, self._started)
+        if not self._admin(headers.get("authorization", "")):
+            snapshot = state.redacted(snapshot)
         body = await asyncio.get_running_loop().run_in_executor(None, state.render, snapshot)
         return "application/json", body
+
+
+    def _admin(self, authorization: str) -> bool:
+        """Whether a request may see a shared service's tenants: it carries an admin's token
+        (`Authorization: Bearer TOKEN`). Anyone may, on a server that is not shared."""
+        shared = self.sources.head.shared
+        if shared is None:
+            return True
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        try:
+            return bool(shared.tenants.authenticate("", token.strip()).admin)
+        except errors.IsthmusError:
+            return False
 
 
 def _exposition(snapshot: Snapshot | None) -> bytes:

@@ -83,6 +83,16 @@ def snapshot(sources: Sources, events: EventLog | None, started: float) -> dict[
     }
 
 
+def redacted(state: dict[str, Any]) -> dict[str, Any]:
+    """A shared service's view for a request without an admin's token: the fleet's health
+    and aggregate figures; no tenant's name, lease, session or program (events name them)."""
+    shared = state.get("shared")
+    return {**state, "sessions": [], "events": [],
+            "shared": shared and {**shared, "leases": [], "queue": []},
+            "redacted": "tenants' leases, sessions and events are shown with an admin's token "
+                        "(Authorization: Bearer TOKEN; the page: open it as /#token=TOKEN)"}
+
+
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
     if "slices" not in state:
         return state

@@ -1,10 +1,10 @@
 """A small HTTP/1.1 server for GET (and HEAD) only, on the server's event loop.
 
-Each route is a function that returns (content type, body), or an awaitable of them; it
-runs on the loop's thread, between the server's other work, so what it reads is consistent
-(it may hand the writing-out to a thread). One request per connection (`Connection:
-close`): the view polls once a second and Prometheus scrapes every few, so keeping
-connections would buy nothing. Every read and write has a deadline.
+Each route is a function of the request's headers (lower-case names) that returns (content
+type, body), or an awaitable of them; it runs on the loop's thread, between the server's
+other work, so what it reads is consistent (it may hand the writing-out to a thread). One
+request per connection (`Connection: close`): the view polls once a second and Prometheus
+scrapes every few, so keeping connections would buy nothing. Every read and write has a deadline.
 
 On a loopback address, requests must name a loopback host (`Host:`), so that a web page
 elsewhere cannot reach the port through a DNS name that points at 127.0.0.1.
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
-Route = Callable[[], "tuple[str, bytes] | Awaitable[tuple[str, bytes]]"]
+Route = Callable[[dict[str, str]], "tuple[str, bytes] | Awaitable[tuple[str, bytes]]"]
 IO_TIMEOUT = 10.0  # seconds a client has to send its request, or to take the answer
 MAX_HEAD = 16384  # bytes of request line and headers
 
@@ -99,7 +99,7 @@ class WebServer:
             return _text("404 Not Found", f"no page at {target[:200]}; try /, /metrics or "
                          "/api/state\n") + (method,)
         try:
-            answer = route()
+            answer = route(headers)
             if inspect.isawaitable(answer):
                 answer = await answer
             content_type, body = answer

@@ -204,13 +204,13 @@ def test_metrics_keep_info_records_while_the_console_keeps_its_level():
 
 
 def test_web_server_answers_get_only_for_a_loopback_host():
-    def broken():
+    def broken(headers):
         raise RuntimeError("no")
 
-    async def later():
+    async def later(headers):
         return "text/plain", b"later"
 
-    server = WebServer({"/": lambda: ("text/plain", b"hi"), "/broken": broken,
+    server = WebServer({"/": lambda headers: ("text/plain", b"hi"), "/broken": broken,
                         "/later": later})
     server._loopback = True
 
