@@ -8,6 +8,8 @@ The file is TOML, one table per tenant, plus service-wide settings:
                                        #   "always"
     admins = ["ops"]                   # tenants that may list and revoke leases
     max_profile_seconds = 60           # a tenant's profile stops by itself after this long
+    max_upload_bytes = 4294967296      # default of each tenant's (below)
+    max_requests_per_second = 2000     # default of each tenant's (below)
 
     [tenants.alice]
     token_file = "alice.token"         # relative to this file; or token_sha256 = "<hex>"
@@ -16,6 +18,8 @@ The file is TOML, one table per tenant, plus service-wide settings:
     max_lease_seconds = 86400          # a lease ends this long after its grant (default: none)
     storage_root = "/data/alice"       # where its checkpoints and profiles go (or an fsspec URL)
     colocated_python = false           # may run colocated Python on its workers (default: no)
+    max_upload_bytes = 1073741824      # bytes of uploaded host buffers held, not yet used
+    max_requests_per_second = 500      # its sessions' requests, together (its flood waits)
 
 Tokens are compared by their SHA-256, in constant time; the file never needs to hold one.
 """
@@ -37,6 +41,10 @@ from isthmus import errors
 DEFAULT_GRACE_SECONDS = 60.0
 MAX_TOKEN_BYTES = 4096  # a token file longer than this is not a token
 DEFAULT_MAX_PROFILE_SECONDS = 60.0
+DEFAULT_MAX_UPLOAD_BYTES = 4 << 30
+DEFAULT_MAX_REQUESTS_PER_SECOND = 2000.0
+# A tenant's limits: each a field of its table, its default a setting of the file's top.
+LIMITS = ("max_upload_bytes", "max_requests_per_second")
 NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
@@ -53,6 +61,11 @@ class Tenant:
     storage_root: str | None = None  # its files' place: an absolute local directory or an
     #   fsspec URL; None: it may not persist or profile
     colocated_python: bool = False  # may run colocated Python (in its lease's sandboxed workers)
+    # Bytes its sessions' uploaded host buffers hold before a request takes them; one more
+    # upload is refused (RESOURCE_EXHAUSTED).
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    # Requests a second of its sessions together; beyond, its sessions' reading waits.
+    max_requests_per_second: float = DEFAULT_MAX_REQUESTS_PER_SECOND
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,11 +154,11 @@ def load(path: str) -> Tenants:
 
 def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") -> Tenants:
     unknown = set(data) - {"tenants", "admins", "grace_seconds", "fresh_workers",
-                           "max_profile_seconds"}
+                           "max_profile_seconds", *LIMITS}
     if unknown:
         raise ValueError(f"{path}: unknown settings {sorted(unknown)}; a tenants file has "
-                         "[tenants.NAME] tables, admins, grace_seconds, fresh_workers and "
-                         "max_profile_seconds")
+                         "[tenants.NAME] tables, admins, grace_seconds, fresh_workers, "
+                         "max_profile_seconds, max_upload_bytes and max_requests_per_second")
     tables = data.get("tenants")
     if not isinstance(tables, dict) or not tables:
         raise ValueError(f"{path}: no [tenants.NAME] table; add one per user or team")
@@ -166,7 +179,8 @@ def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") 
     if not isinstance(profile, (int, float)) or isinstance(profile, bool) or not (
             0 < profile < math.inf):
         raise ValueError(f"{path}: max_profile_seconds must be a number of seconds > 0")
-    by_name = {name: _tenant(name, table, directory, path, name in admins)
+    by_name = {name: _limited(_tenant(name, table, directory, path, name in admins), table,
+                              data, path)
                for name, table in tables.items()}
     digests = [t.token_sha256 for t in by_name.values()]
     if len(set(digests)) != len(digests):
@@ -181,7 +195,7 @@ def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Te
     if not isinstance(table, dict):
         raise ValueError(f"{where} must be a table")
     known = {"token_file", "token_sha256", "max_slices", "priority", "max_lease_seconds",
-             "storage_root", "colocated_python"}
+             "storage_root", "colocated_python", *LIMITS}
     unknown = set(table) - known
     if unknown:
         raise ValueError(f"{where}: unknown fields {sorted(unknown)} (known: {sorted(known)})")
@@ -214,6 +228,22 @@ def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Te
     return Tenant(name, digest, max_slices, priority,
                   None if seconds is None else float(seconds), admin,
                   _storage_root(table.get("storage_root"), directory, where), colocated)
+
+
+def _limited(tenant: Tenant, table: Mapping[str, Any], top: Mapping[str, Any],
+             path: str) -> Tenant:
+    """`tenant` with its limits: its table's, else the file's defaults (`LIMITS`)."""
+    where = f"{path}: [tenants.{tenant.name}]"
+    upload = table.get("max_upload_bytes", top.get("max_upload_bytes",
+                                                   DEFAULT_MAX_UPLOAD_BYTES))
+    if not _is_int(upload) or upload < 0:
+        raise ValueError(f"{where}: max_upload_bytes must be a whole number of bytes >= 0")
+    rate = table.get("max_requests_per_second", top.get("max_requests_per_second",
+                                                        DEFAULT_MAX_REQUESTS_PER_SECOND))
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate < math.inf:
+        raise ValueError(f"{where}: max_requests_per_second must be a number > 0")
+    return dataclasses.replace(tenant, max_upload_bytes=upload,
+                               max_requests_per_second=float(rate))
 
 
 def _storage_root(value: Any, directory: str, where: str) -> str | None:

@@ -19,9 +19,13 @@ import os
 import stat
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from isthmus import errors
 from isthmus.ids import HostBufferHandle
+
+if TYPE_CHECKING:
+    from isthmus.frontend.tenant_limits import UploadBudget
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ Receiver = Callable[[memoryview | None, errors.IsthmusError | None], None]
 
 
 class _Entry:
-    __slots__ = ("future", "started", "size", "receiver", "promised")
+    __slots__ = ("future", "started", "size", "receiver", "promised", "charged")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[memoryview] = loop.create_future()
@@ -43,13 +47,17 @@ class _Entry:
         self.promised = False  # a download under way (`promise`): looked up without a deadline
         self.size = 0
         self.receiver: Receiver | None = None  # `when_ready`'s, until the buffer is there
+        self.charged = 0  # bytes counted against the tenant's upload budget, until dropped
 
 
 class HostBufferStore:
     """The host buffers of one session."""
 
-    def __init__(self, start_timeout: float) -> None:
+    def __init__(self, start_timeout: float, budget: UploadBudget | None = None) -> None:
         self._start_timeout = start_timeout
+        # A shared service's tenant's: what its uploads not yet used may hold, over all its
+        # sessions (`frontend/tenant_limits.py`); None: no cap beyond the buffer size's.
+        self._budget = budget
         self._entries: dict[int, _Entry] = {}
         self._activity = time.monotonic()  # the last upload that began or ended
         self._closed: errors.IsthmusError | None = None
@@ -80,6 +88,9 @@ class HostBufferStore:
             raise errors.InvalidRequest(
                 f"host buffer {handle} was uploaded twice in this session; use a new handle "
                 "for each buffer.")
+        if self._budget is not None:
+            self._budget.take(size)  # TooLarge over the tenant's cap: nothing is counted
+            entry.charged = size
         entry.started = True
         entry.size = size
         self._waiting.pop(handle, None)
@@ -96,6 +107,7 @@ class HostBufferStore:
 
     def abort(self, handle: HostBufferHandle, error: errors.IsthmusError) -> None:
         entry = self._entry(handle)
+        self._uncharge(entry)  # its bytes were dropped
         if not entry.future.done():
             entry.future.set_exception(error)
             entry.future.exception()  # retrieved: no "never retrieved" warning
@@ -218,8 +230,15 @@ class HostBufferStore:
     def delete(self, handle: HostBufferHandle) -> None:
         self._drop(handle)
 
+    def _uncharge(self, entry: _Entry) -> None:
+        if entry.charged and self._budget is not None:
+            self._budget.give(entry.charged)
+        entry.charged = 0
+
     def _drop(self, handle: int) -> None:
         entry = self._entries.pop(handle, None)
+        if entry is not None:
+            self._uncharge(entry)
         if entry is not None and entry.future.done() and not entry.future.cancelled() \
                 and entry.future.exception() is None:
             self.bytes_held -= len(entry.future.result())
@@ -235,6 +254,7 @@ class HostBufferStore:
             self._watchdog = None
         self._waiting.clear()
         for handle, entry in list(self._entries.items()):
+            self._uncharge(entry)
             if not entry.future.done():
                 entry.future.set_exception(error)
                 entry.future.exception()

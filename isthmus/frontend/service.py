@@ -125,9 +125,11 @@ class Frontend:
             controller_session.files = self.shared.files(lease)
         else:
             controller_session = ControllerSession(self.controller)
+        budget = self.shared.limits(lease.tenant).uploads if (
+            self.shared is not None and lease is not None) else None
         session = FrontendSession(
             session_id, version, self.schema, self.serdes, controller_session,
-            HostBufferStore(self.controller.config.host_buffer_timeout), send,
+            HostBufferStore(self.controller.config.host_buffer_timeout, budget), send,
             self.platform, self.vetter, peer, on_close=self._closed)
         session.lease, session.shared_service = lease, self.shared
         if lease is not None:

@@ -25,6 +25,7 @@ from isthmus.controller.session import Session as ControllerSession
 from isthmus.controller.session_persistence import KeptArrays
 from isthmus.controller.storage import TenantFiles
 from isthmus.controller.tenants import Tenant, Tenants
+from isthmus.frontend.tenant_limits import TenantLimits
 from isthmus.ids import SliceId
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class SharedService:
             tenants, pool, healthy=lambda s: fleet.slice_error(s) is None,
             hooks=Hooks(ended=self._ended, reclaimed=self._reclaimed))
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._limits: dict[str, TenantLimits] = {}  # by tenant (`limits`)
         self._ticker: asyncio.Task[None] | None = None
         # Replaces the workers of slices with fresh processes, and returns once they serve
         # (the head's, when it launched them); None: workers stay.
@@ -272,3 +274,10 @@ class SharedService:
 
     def figures(self) -> dict[str, Any]:
         return self.book.figures()
+
+    def limits(self, tenant: Tenant) -> TenantLimits:
+        """What `tenant`'s sessions together may hold and ask (made on first use)."""
+        limits = self._limits.get(tenant.name)
+        if limits is None:
+            limits = self._limits[tenant.name] = TenantLimits(tenant, self.tenants.path)
+        return limits

@@ -137,7 +137,7 @@ class SessionStream:
     """One IfrtSession call: requests go to the session as they come, responses leave from
     its queue (`answer`), what is ready at once in one batch."""
 
-    __slots__ = ("frontend", "session", "queue", "parse")
+    __slots__ = ("frontend", "session", "queue", "parse", "pace")
 
     def __init__(self, frontend: Frontend, context: Any) -> None:
         metadata = dict(context.invocation_metadata() or ())
@@ -150,6 +150,9 @@ class SessionStream:
                 identity=getattr(context, "identity", None))
         except errors.IsthmusError as e:
             raise Refused(grpc_status(e.code), e.message) from None
+        # A shared service's tenant's rate, over all its sessions (`tenant_limits.Pace`).
+        lease, shared = self.session.lease, self.session.shared_service
+        self.pace = shared.limits(lease.tenant).pace if lease is not None else None
 
     def message(self, message: Any) -> Awaitable[None] | None:
         try:
@@ -164,6 +167,10 @@ class SessionStream:
         """Hands a request to the session; flow control: when a worker is far behind, or
         this session's uploads are, what to wait for before the next one."""
         self.session.handle(request)
+        if self.pace is not None:
+            delay = self.pace.spend()
+            if delay > 0:  # the tenant is over its max_requests_per_second: it waits
+                return asyncio.sleep(delay)
         flow = self.session.fleet.flow  # a lease's session: its own workers' backlogs only
         if not flow.is_open:
             return flow.wait()
