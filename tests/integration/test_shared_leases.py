@@ -1,6 +1,6 @@
 """A shared service's leases as a second client of the same tenant would try them: naming a
 lease its first client still holds (by id), and names too long to keep and show (a lease's,
-a program's).
+a program's); and `isthmus up` given a FIFO or a non-UTF-8 file for its tenants or tokens.
 
 A 2-slice CPU fleet of its own; the test process holds leases itself (`isthmus.shared.lease`)
 and runs the stock jax client in subprocesses through the lease's tunnel; results are
@@ -197,3 +197,28 @@ def test_a_programs_name_is_shown_bounded(service):
     assert f"compiled {name[:128]}... (20010 characters) for devices" in log, log[-3000:]
     assert "v" * 129 not in log
 
+
+
+@pytest.mark.parametrize("mistake", ["fifo token", "fifo tenants", "latin-1"])
+def test_isthmus_up_refuses_a_fifo_or_a_non_utf8_file_in_one_line(tmp_path, mistake):
+    """`isthmus up --tenants` with a FIFO where a token file or the tenants file should be
+    (reading one would wait for a writer forever) or a file that is not UTF-8: one line
+    naming the file, exit 2, at start."""
+    tenants_file = tmp_path / "tenants.toml"
+    tenants_file.write_text('[tenants.alice]\ntoken_file = "alice.token"\nmax_slices = 1\n')
+    if mistake == "fifo token":
+        os.mkfifo(tmp_path / "alice.token")
+        expected = f"the token file {tmp_path}/alice.token is a FIFO"
+    elif mistake == "fifo tenants":
+        tenants_file = tmp_path / "fifo.toml"
+        os.mkfifo(tenants_file)
+        expected = f"the tenants file {tenants_file} is a FIFO"
+    else:
+        tenants_file.write_bytes("# Zoë's team\n".encode("latin-1"))
+        expected = f"the tenants file {tenants_file} is not UTF-8 text (byte 4)"
+    ran = subprocess.run([sys.executable, "-m", "isthmus.cli", "up", "--tenants",
+                          str(tenants_file), "--slices", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 2, ran.stderr
+    assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert ran.stderr.startswith(f"isthmus: {expected}"), ran.stderr
