@@ -9,7 +9,7 @@ The file is TOML, one table per tenant, plus service-wide settings:
     admins = ["ops"]                   # tenants that may list and revoke leases
     max_profile_seconds = 60           # a tenant's profile stops by itself after this long
     max_upload_bytes = 4294967296      # default of each tenant's (below)
-    max_requests_per_second = 2000     # default of each tenant's (below)
+    max_requests_per_second = 10000    # default of each tenant's (below)
 
     [tenants.alice]
     token_file = "alice.token"         # relative to this file; or token_sha256 = "<hex>"
@@ -42,7 +42,7 @@ DEFAULT_GRACE_SECONDS = 60.0
 MAX_TOKEN_BYTES = 4096  # a token file longer than this is not a token
 DEFAULT_MAX_PROFILE_SECONDS = 60.0
 DEFAULT_MAX_UPLOAD_BYTES = 4 << 30
-DEFAULT_MAX_REQUESTS_PER_SECOND = 2000.0
+DEFAULT_MAX_REQUESTS_PER_SECOND = 10000.0
 # A tenant's limits: each a field of its table, its default a setting of the file's top.
 LIMITS = ("max_upload_bytes", "max_requests_per_second")
 NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

@@ -16,6 +16,8 @@ import time
 from isthmus import errors
 from isthmus.controller.tenants import Tenant
 
+QUANTUM_SECONDS = 0.01  # a tenant over its rate waits at least this long, then goes on
+
 
 class UploadBudget:
     """The bytes a tenant's uploads hold until a request takes them, and its cap."""
@@ -57,7 +59,9 @@ class Pace:
         if self.tokens >= 0:
             return 0.0
         self.waited += 1
-        return -self.tokens / self.rate
+        # Until the debt is paid and a quantum's worth is back: the next ones then go in a
+        # burst (a wait per request would be a timer's resolution each, well below the rate).
+        return -self.tokens / self.rate + QUANTUM_SECONDS
 
 
 class TenantLimits:

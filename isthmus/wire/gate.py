@@ -27,9 +27,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
+import contextlib
 import logging
 import socket
 import ssl
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +42,10 @@ from isthmus.wire.peers import Limits, PeerBook, Ticket, is_local
 logger = logging.getLogger(__name__)
 
 MAX_PREAMBLE = 8192  # bytes of a CONNECT request, headers included
+ACCEPT_BATCH = 64  # connections taken from the listening socket in one turn at most
+RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
+HOLD_SECONDS = 1.0  # a connection refused for its peer's limits is held unread this long
+MAX_HELD = 1024  # ... and at most this many are held at once
 TLS_RECORD = 0x16
 
 
@@ -185,43 +192,80 @@ class GatedListener:
         self.plain = plain  # ticket -> the protocol of a connection without identity (HTTP/2)
         self.connect = connect
         self.sock: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
+        self._bound = ""  # the address listened on ("": any of this machine's)
         self._sorting: set[asyncio.Task[None]] = set()
+        # Refused connections held unread until their deadline (`_hold`), oldest first.
+        self._held: collections.deque[tuple[float, socket.socket]] = collections.deque()
+        self._sweeping: asyncio.TimerHandle | None = None
 
     def listen(self, host: str, port: int) -> int:
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, port), family=family, backlog=1024)
         self.sock.setblocking(False)
-        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        address = str(self.sock.getsockname()[0])
+        self._bound = "" if address in ("0.0.0.0", "::") else address
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._accept)
         return int(self.sock.getsockname()[1])
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _accept(self) -> None:
+        """Takes what the listening socket holds, up to ACCEPT_BATCH connections a turn; a
+        connection over its peer's limits is closed here, before a task or a handshake (a
+        flood of them costs an accept and a close each)."""
         assert self.sock is not None
-        while True:
+        loop = asyncio.get_running_loop()
+        for _ in range(ACCEPT_BATCH):
             try:
-                conn, _ = await loop.sock_accept(self.sock)
-            except asyncio.CancelledError:
-                raise
-            except OSError as e:  # out of descriptors, or a connection reset while queued
+                conn, address = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors: wait a moment, not spin
                 logger.warning("accepting a connection failed: %s", e)
-                await asyncio.sleep(0.1)
+                fileno = self.sock.fileno()
+                loop.remove_reader(fileno)
+                loop.call_later(0.1, self._resume, fileno)
+                return
+            peer = str(address[0])
+            try:
+                local = self._bound or str(conn.getsockname()[0])
+            except OSError:
+                conn.close()
                 continue
-            task = loop.create_task(self._sort(conn))
+            ticket = self.gate.peers.admit(peer, is_local(peer, local))
+            if ticket is None:  # over its peer's limits
+                self._hold(conn)
+                continue
+            conn.setblocking(False)
+            task = loop.create_task(self._sort(conn, ticket))
             self._sorting.add(task)
             task.add_done_callback(self._sorting.discard)
 
-    async def _sort(self, conn: socket.socket) -> None:
-        try:
-            peer, local = str(conn.getpeername()[0]), str(conn.getsockname()[0])
-        except OSError:
-            conn.close()
-            return
-        ticket = self.gate.peers.admit(peer, is_local(peer, local))
-        if ticket is None:  # over its peer's limits: closed before any handshake
-            conn.close()
-            return
+    def _hold(self, conn: socket.socket) -> None:
+        """A refused connection is held unread for HOLD_SECONDS, then reset (no FIN
+        exchange, no TIME_WAIT): a flooder that waits for its answer waits that long, and
+        one that does not pays a connection each time, not a handshake of ours. At most
+        MAX_HELD are held (the oldest goes first)."""
+        loop = asyncio.get_running_loop()
+        self._held.append((loop.time() + HOLD_SECONDS, conn))
+        if len(self._held) > MAX_HELD:
+            _reset(self._held.popleft()[1])
+        if self._sweeping is None:
+            self._sweeping = loop.call_later(HOLD_SECONDS, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeping = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._held and self._held[0][0] <= now:
+            _reset(self._held.popleft()[1])
+        if self._held:
+            self._sweeping = loop.call_at(self._held[0][0], self._sweep)
+
+    def _resume(self, fileno: int) -> None:
+        if self.sock is not None and self.sock.fileno() == fileno:
+            asyncio.get_running_loop().add_reader(fileno, self._accept)
+
+    async def _sort(self, conn: socket.socket, ticket: Ticket) -> None:
         try:
             await self._route(conn, ticket)
         except BaseException:
@@ -270,10 +314,21 @@ class GatedListener:
             conn.close()
 
     def close(self) -> None:
-        if self._accepting is not None:
-            self._accepting.cancel()
         for task in list(self._sorting):
             task.cancel()
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+        while self._held:
+            _reset(self._held.popleft()[1])
         if self.sock is not None:
+            with contextlib.suppress(RuntimeError, ValueError):  # the loop is closed already
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
             self.sock.close()
             self.sock = None
+
+
+def _reset(conn: socket.socket) -> None:
+    """Closes with a reset: no FIN exchange, no TIME_WAIT."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
+    conn.close()
