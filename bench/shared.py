@@ -1,6 +1,6 @@
 """The shared service (issue 24): a queued job's start, a lease's grant, three tenants at once.
 
-    python -m bench.shared [--quick]
+    python -m bench.shared [--quick] [--floods]
 
 Starts a shared server (`--tenants`, a self-signed TLS port) on a local fleet of 3 slices x
 1 host x 1 device and measures, as clients of the service do it (`isthmus.shared`):
@@ -21,6 +21,7 @@ Starts a shared server (`--tenants`, a self-signed TLS port) on a local fleet of
   processes on the same cores: what the machine's CPU contention alone does), with the CPU
   each kind of process spends per program.
 
+Then floods beside a tenant's loop (`bench/shared_floods.py`; `--floods`: only those).
 Prints a table; JSON to bench/out/shared.json. `run(quick)` is the section of
 `python -m bench`. No figure here is a test assertion.
 """
@@ -472,14 +473,22 @@ def report(results: dict[str, Any]) -> list[str]:
 
 
 def main() -> int:
+    """`--floods`: only the floods beside a tenant (`bench/shared_floods.py`)."""
+    from bench import shared_floods
+
     quick = "--quick" in sys.argv
-    results = run(quick)
+    only_floods = "--floods" in sys.argv
+    results = {} if only_floods else run(quick)
+    results["floods"] = shared_floods.run(quick)
     print(f"{os.cpu_count()} cores; {'quick' if quick else 'full'} mode")
-    print("\n".join(report(results)))
+    print("\n".join([*([] if only_floods else report(results)),
+                     *shared_floods.report(results["floods"])]))
+    results.setdefault("seconds", {"all": results["floods"]["wall_s"]})
     out = pathlib.Path(__file__).parent / "out"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "shared.json").write_text(json.dumps(results, indent=2))
-    print(f"\nJSON: {out / 'shared.json'}   ({results['seconds']['all']:.0f} s in all)")
+    written = out / ("shared_floods.json" if only_floods else "shared.json")
+    written.write_text(json.dumps(results, indent=2))
+    print(f"\nJSON: {written}   ({results['seconds']['all']:.0f} s in all)")
     return 0
 
 
