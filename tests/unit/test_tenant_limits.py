@@ -70,3 +70,29 @@ def test_a_peer_is_refused_over_its_connections_and_its_rate():
     assert book.admit("127.0.0.1", True) is not None  # this machine is not counted
     assert _key("2001:db8::1") == _key("2001:db8::2") == "2001:db8::/64"
     assert _key("::ffff:10.0.0.1") == "10.0.0.1"
+
+
+def test_a_store_counts_uploads_until_a_request_takes_them():
+    import asyncio
+
+    from isthmus.frontend.host_buffers import HostBufferStore
+    from isthmus.ids import HostBufferHandle
+
+    async def main():
+        budget = UploadBudget(tenants(alice="max_upload_bytes = 100").by_name["alice"], "")
+        one, two = HostBufferStore(10.0, budget), HostBufferStore(10.0, budget)
+        one.begin(HostBufferHandle(1), 60)
+        with pytest.raises(errors.TooLarge):  # the tenant's other session shares the cap
+            two.begin(HostBufferHandle(1), 50)
+        one.complete(HostBufferHandle(1), memoryview(bytes(60)))
+        taken = []
+        one.when_ready(HostBufferHandle(1), lambda data, error: taken.append(len(data)))
+        assert taken == [60] and budget.held == 0  # a request took it
+        two.begin(HostBufferHandle(2), 100)
+        two.abort(HostBufferHandle(2), errors.HostBufferMissing("broke off"))
+        assert budget.held == 0
+        one.begin(HostBufferHandle(3), 40)
+        one.close(errors.SessionClosed("closed"))
+        assert budget.held == 0
+
+    asyncio.run(main())
