@@ -265,16 +265,7 @@ class LocalLauncher:
             old = [s.process for s in slots if s.process is not None]
             for slot in slots:
                 slot.process, slot.restart_at = None, None
-        for process in old:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for process in old:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        _end(old, timeout)
         with self._lock:
             if self._restarting or not self.restart.enabled:
                 for slot in slots:
@@ -287,19 +278,7 @@ class LocalLauncher:
         """Stops restarting, then the workers: SIGTERM, and SIGKILL for those still running
         after `timeout` s. Returns once none is left."""
         self.stop_restarting()
-        processes = self.processes
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for process in processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("worker %s ignored SIGTERM for %g s; killing it", process.pid,
-                               timeout)
-                process.kill()
-                process.wait(timeout)
+        _end(self.processes, timeout)
         # The watcher ends only now: a worker started by it dies with it (PR_SET_PDEATHSIG
         # follows the thread that forked the worker), and these are all dead already.
         self._done.set()
@@ -386,3 +365,20 @@ class LocalLauncher:
                         slot.slice_index, slot.host, slot.process.pid, extra=event(
                             "worker_restarted", slice=slot.slice_index, host=slot.host,
                             pid=slot.process.pid))
+
+
+def _end(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """SIGTERM to each process still running, SIGKILL to those still running `timeout` s
+    later; returns once all have exited."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("worker %s ignored SIGTERM for %g s; killing it", process.pid,
+                           timeout)
+            process.kill()
+            process.wait(timeout)
