@@ -24,7 +24,7 @@ from isthmus.options import (
     tls_arguments,
     tls_config,
 )
-from isthmus.shared_commands import add_leases_command, leases_command, service_run
+from isthmus.lease_cli import add_leases_command, leases_command, service_run
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.worker import scheduling
 from isthmus.worker.platforms import PlatformUnavailable, prepare_process

@@ -243,9 +243,9 @@ class Head:
         import os
 
         from isthmus.controller import tenants as tenants_file
-        from isthmus.frontend.shared import SharedService
+        from isthmus.frontend.lease_service import SharedService
         from isthmus.transport import service_tls
-        from isthmus.wire import shared_service
+        from isthmus.wire import lease_methods
         from isthmus.wire.gate import Gate
 
         config = self.config
@@ -266,7 +266,7 @@ class Head:
             logger.warning("made a self-signed certificate for the client port: hand users "
                            "%s (--service-ca)", certificate.cert)
         self.service_cert = certificate.cert
-        methods.update(shared_service.methods(self.shared))
+        methods.update(lease_methods.methods(self.shared))
         return Gate(self.shared.authenticate, self.shared.lease_for,
                     certificate.server_context(), shared.allow_plain_connect, shared.limits)
 

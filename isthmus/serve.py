@@ -25,7 +25,7 @@ from isthmus.options import (
     tls_arguments,
     tls_config,
 )
-from isthmus.shared_commands import add_client_arguments, add_server_arguments, shared_config
+from isthmus.lease_cli import add_client_arguments, add_server_arguments, shared_config
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.worker import scheduling
 from isthmus.worker.platforms import Platform, check_local_cuda, prepare_process, resolve

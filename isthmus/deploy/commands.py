@@ -11,7 +11,7 @@ from typing import Any
 
 from isthmus import options, serve
 from isthmus.deploy.kubernetes import TENANTS_DIR, TENANTS_FILE
-from isthmus.shared_commands import add_server_arguments, shared_config
+from isthmus.lease_cli import add_server_arguments, shared_config
 
 
 def add_deploy_commands(commands: Any,

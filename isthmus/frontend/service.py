@@ -23,7 +23,7 @@ from isthmus.frontend.programs import CompileOptionsVetter
 from isthmus.frontend.registry import HANDLERS
 from isthmus.frontend.serdes import Serdes
 from isthmus.frontend.session import FrontendSession
-from isthmus.frontend.shared import SharedService
+from isthmus.frontend.lease_service import SharedService
 from isthmus.hostmem import aligned_empty, shared_empty
 from isthmus.ids import HostBufferHandle, SessionId
 from isthmus.protocol import versions

@@ -62,7 +62,7 @@ class FrontendSession:
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
         self.lease: Any = None  # on a shared service, the lease it runs under
-        self.shared_service: Any = None  # ... and the service (frontend/shared.py)
+        self.shared_service: Any = None  # ... and the service (frontend/lease_service.py)
         self.requests = 0
         # MakeArraysFromHostBufferShards' specs checked so far (`transfers._check_shards`).
         self.checked_specs: dict[Any, Any] = {}

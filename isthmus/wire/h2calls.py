@@ -31,7 +31,7 @@ class Context:
                  identity: Any = None, prove: Callable[[], None] | None = None,
                  local: bool = True) -> None:
         self._metadata, self._peer = metadata, peer
-        # Who the connection is, on a shared service (`frontend.shared.Identity`; None: a
+        # Who the connection is, on a shared service (`frontend.lease_service.Identity`; None: a
         # connection without credentials).
         self.identity = identity
         # A shared service's connection without identity: `prove()` says a fleet worker's

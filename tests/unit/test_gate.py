@@ -9,7 +9,7 @@ import pytest
 
 from isthmus import errors
 from isthmus.controller import tenants
-from isthmus.frontend.shared import Identity
+from isthmus.frontend.lease_service import Identity
 from isthmus.wire.gate import Gate
 
 TENANTS = tenants.parse({"tenants": {"alice": {"token_sha256": tenants.token_digest("s3cret"),

@@ -126,7 +126,7 @@ def secret_volumes(pod):
 @pytest.mark.parametrize("variant", ["jobset", "plain"])
 def test_a_shared_service_runs_its_controller_from_the_secrets(variant, tmp_path):
     from isthmus.controller.tenants import load
-    from isthmus.shared_commands import shared_config
+    from isthmus.lease_cli import shared_config
     from isthmus.transport.service_tls import self_signed
 
     # The Secrets' files where the pod mounts them, here under tmp_path.

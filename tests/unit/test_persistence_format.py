@@ -67,7 +67,7 @@ def test_json_nested_past_pythons_recursion_is_refused_cleanly():
 
     from isthmus.frontend.persistence import PREFIX, plan_of
     from isthmus.wire.methods import Refused
-    from isthmus.wire.shared_service import _parse
+    from isthmus.wire.lease_methods import _parse
 
     deep = b"[" * 200_000 + b"]" * 200_000
     with pytest.raises(errors.InvalidRequest, match="not JSON"):

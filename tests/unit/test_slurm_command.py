@@ -15,7 +15,7 @@ import pytest
 from isthmus.cli import build_parser
 from isthmus.deploy import slurm
 from isthmus.deploy.commands import service_options
-from isthmus.shared_commands import add_server_arguments, shared_config
+from isthmus.lease_cli import add_server_arguments, shared_config
 
 ROOT = pathlib.Path(__file__).parents[2]
 ALLOCATION = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURMD_NODENAME": "node1"}

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from isthmus import errors
-from isthmus.frontend.shared import Identity, SharedService
+from isthmus.frontend.lease_service import Identity, SharedService
 from isthmus.wire.methods import Method, Refused
 
 SHARED_SERVICE = "isthmus.Shared"
