@@ -75,17 +75,17 @@ async def programs_per_second(hosts: int, seconds: float, per_turn: int = 1) -> 
     controller = Controller(Fleet(devices, workers))  # type: ignore[arg-type]
     session = Session(controller)
     ids = tuple(range(hosts))
-    executable = session.compile(CompileRequest(b"", b"", ids))
+    executable = session.programs.compile(CompileRequest(b"", b"", ids))
     await executable.compiled
     replicated = Sharding(ShardingKind.HLO, ids)
-    x = session.make_array(F32, (hosts,), replicated, HostData(np.zeros(hosts, np.float32)))
+    x = session.arrays.make_array(F32, (hosts,), replicated, HostData(np.zeros(hosts, np.float32)))
     await asyncio.sleep(0)
     count = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         for _ in range(per_turn):
-            outputs, _ = session.execute(executable, [x])
-            session.release([x])
+            outputs, _ = session.programs.execute(executable, [x])
+            session.arrays.release([x])
             x = outputs[0]
         count += per_turn
         await asyncio.sleep(0)  # let batches go out, as the real loop would

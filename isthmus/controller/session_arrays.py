@@ -4,7 +4,8 @@ A new array gets a new buffer group. Its contents arrive from the client as host
 shard, or a whole array cut into its shards, is placed on its devices in the turn its host
 buffer is here (`HostShard`; thousands a second, so no task each). The group is defined once
 every expected piece has settled. `delete` frees an array's buffers at once, for every
-sharer; `release` frees those that no other array holds.
+sharer; `release` frees those that no other array holds. `SessionArrays` is the part of a
+`Session` (session.py) that holds the session's arrays.
 """
 
 from __future__ import annotations
@@ -46,8 +47,19 @@ class HostData:
         receive(self.value)
 
 
-class SessionArrays(SessionCore):
-    """Creating and freeing a session's arrays."""
+class SessionArrays:
+    """Creating and freeing a session's arrays (a part of `Session`)."""
+
+    def __init__(self, core: SessionCore) -> None:
+        self.core = core
+        self.controller = core.controller
+        self.fleet = core.fleet
+        self.dispatcher = core.dispatcher
+        self._arrays: set[Array] = set()
+
+    def close(self) -> None:
+        """The session ends: it releases every array it still holds."""
+        self.release(list(self._arrays))
 
     # ---- creating arrays -----------------------------------------------------------------
 
@@ -231,7 +243,7 @@ class SessionArrays(SessionCore):
             else:
                 self._settle_when_answered(group, placed, answers)
         else:
-            self.spawn(self._settle_puts(group, placed, waits))
+            self.core.spawn(self._settle_puts(group, placed, waits))
 
     def _settle_when_answered(self, group: BufferGroup, placed: list[int],
                               answers: list[asyncio.Future[None]], early: bool = False

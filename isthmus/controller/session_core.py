@@ -1,50 +1,62 @@
-"""The state every part of a controller session shares, and the helpers they have in common.
+"""The state every part of a controller session shares, the protocols through which parts
+see each other, and the helpers they have in common.
 
-A `Session` (session.py) is a line of mixins over `SessionCore` (arrays, programs, colocated
-Python, kept arrays) that holds parts (views, moves, checkpoints, profiles); session.py says
-which is which.
+A `Session` (session.py) is a `SessionCore` and the parts that hold it; session.py says
+which part holds what.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Protocol
 
-from isthmus import errors
-from isthmus.controller.arrays import Array
+from isthmus import dtypes, errors
+from isthmus.controller import sharding as sh
+from isthmus.controller.arrays import Array, BufferGroup
 from isthmus.controller.controller import Controller, Executable
 from isthmus.controller.dispatch import OrderedDispatcher
 from isthmus.controller.storage import TenantFiles
 
 
 class SessionCore:
-    """The controller, queue, arrays, executables and background tasks of one session."""
+    """The controller, fleet, queue, storage and background tasks of one session: what
+    every part of it shares."""
 
-    def __init__(self, controller: Controller, fleet: Any = None, namespace: str = "") -> None:
+    def __init__(self, controller: Controller, fleet: Any = None, namespace: str = "",
+                 files: TenantFiles | None = None, python_refusal: str | None = None) -> None:
         self.controller = controller
         # What the session may use: the whole fleet, or a lease's part of it (`FleetView`).
-        self.fleet = fleet if fleet is not None else controller.fleet
+        self.fleet: Any = fleet if fleet is not None else controller.fleet
         self.namespace = namespace  # a shared service's tenant (its own executables)
-        self.python_refusal: str | None = None  # why it may not run colocated Python, or None
+        self.python_refusal = python_refusal  # why it may not run colocated Python, or None
         # A shared service's tenant: where its files go and which workers it may profile
         # (`storage.TenantFiles`); None: locations are used as the client names them.
-        self.files: TenantFiles | None = None
+        self.files = files
         self.dispatcher = OrderedDispatcher()
-        self._arrays: set[Array] = set()
-        self._executables: list[Executable] = []
-        self._tasks: set[asyncio.Task[object]] = set()
+        self.tasks: set[asyncio.Task[object]] = set()
         self.closed = False
         controller.sessions.add(self)
 
-    def keep(self, executable: Executable) -> None:
-        """The session holds `executable` (it is released when the session closes)."""
-        self._executables.append(executable)
-
     def spawn(self, coroutine: Awaitable[object]) -> None:
         task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
+class Keeper(Protocol):
+    """The session's executables table, as a part that makes executables sees it
+    (`SessionPrograms`)."""
+
+    def keep(self, executable: Executable) -> None: ...
+
+
+class Owner(Protocol):
+    """Making an array over a new group, as a part that makes outputs sees the session's
+    arrays (`SessionArrays`)."""
+
+    def own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
+            group: BufferGroup) -> Array: ...
 
 
 def as_error(e: BaseException, doing: str) -> errors.IsthmusError:

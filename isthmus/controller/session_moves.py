@@ -2,7 +2,8 @@
 arrays back (`fetch` to the host, `ready` to wait for them).
 
 Each operation queues on the session's dispatcher behind the arrays it reads; transfers
-between workers and host reads finish in background tasks.
+between workers and host reads finish in background tasks. `SessionMoves` is the part of a
+`Session` (session.py) that does them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar, Protocol, cast
+from typing import ClassVar, Protocol, cast
 
 import numpy as np
 
@@ -20,9 +21,8 @@ from isthmus import dtypes, errors
 from isthmus.controller import reads
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, BufferGroup, first_error, groups_of
-from isthmus.controller.controller import Controller, Executable
-from isthmus.controller.dispatch import OrderedDispatcher
-from isthmus.controller.session_core import as_error
+from isthmus.controller.controller import Executable
+from isthmus.controller.session_core import Keeper, SessionCore, as_error
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
 from isthmus.transport.base import answered
@@ -49,12 +49,8 @@ class ReshardPlan:
     on_hosts: ClassVar[bool] = False  # nothing to load on the workers
 
 
-class MoveOwner(Protocol):
-    """What moving and reading arrays need of their session (`SessionArrays`)."""
-
-    controller: Controller
-    fleet: Any  # the session's fleet (`Fleet` or a lease's `FleetView`)
-    dispatcher: OrderedDispatcher
+class MoveArrays(Protocol):
+    """What moving and reading arrays need of the session's arrays (`SessionArrays`)."""
 
     def new_array(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
                   *, define: bool = True) -> Array: ...
@@ -69,17 +65,19 @@ class MoveOwner(Protocol):
 
     def release(self, arrays: Sequence[Array]) -> None: ...
 
-    def spawn(self, coroutine: Awaitable[object]) -> None: ...
-
-    def keep(self, executable: Executable) -> None: ...
-
 
 class SessionMoves:
-    """Copying, resharding, bitcasting and reading a session's arrays (a part of
-    `Session`)."""
+    """Copying, resharding, bitcasting and reading a session's arrays (a part of `Session`,
+    which holds them in its arrays, `MoveArrays`, and a reshard plan's executable in its
+    programs, a `Keeper`)."""
 
-    def __init__(self, session: MoveOwner) -> None:
-        self.session = session
+    def __init__(self, core: SessionCore, arrays: MoveArrays, programs: Keeper) -> None:
+        self.core = core
+        self.controller = core.controller
+        self.fleet = core.fleet
+        self.dispatcher = core.dispatcher
+        self.arrays = arrays
+        self.programs = programs
 
     # ---- moving data ---------------------------------------------------------------------
 
@@ -90,7 +88,7 @@ class SessionMoves:
         With `device_ids` None each array keeps its devices (a memory-kind change)."""
         shardings = []
         for array in arrays:
-            targets = self.session.fleet.devices_of(
+            targets = self.fleet.devices_of(
                 array.sharding.devices if device_ids is None else device_ids)
             if len(targets) != len(array.sharding.devices):
                 raise errors.InvalidRequest(
@@ -110,7 +108,7 @@ class SessionMoves:
             if sh.splits(sharding, array.shape):  # shard i of the source to device i
                 sharding = sh.even_from(sharding, sh.shard_boxes(array.sharding, array.shape),
                                         array.shape, f"array {index}")
-            out = self.session.new_array(array.dtype, array.shape, sharding, define=False)
+            out = self.arrays.new_array(array.dtype, array.shape, sharding, define=False)
             out.error = array.error
             results.append(out)
         inputs = groups_of(arrays)
@@ -131,15 +129,15 @@ class SessionMoves:
                     else:
                         dst.error = error
                 if donate:
-                    self.session.donate(array)
+                    self.arrays.donate(array)
 
-        self.session.dispatcher.submit(inputs, run)
+        self.dispatcher.submit(inputs, run)
         return results
 
     def compile_reshard(self, plan: ReshardPlan) -> Executable:
         """The session's executable for a reshard plan. Its devices are its arguments'
         (jaxlib's `execute_sharded` wants each argument to have a shard on each of them)."""
-        devices = self.session.fleet.devices_of(dict.fromkeys(
+        devices = self.fleet.devices_of(dict.fromkeys(
             d for s in plan.sources for d in s.devices))
         # Dtypes and shapes come with the first call's arguments, so output layouts are
         # unknown here (None: the client then takes each output's default layout).
@@ -151,8 +149,8 @@ class SessionMoves:
             donated_inputs=tuple(range(len(plan.sources))) if plan.donate else (),
             fingerprint=hashlib.sha256(repr(plan).encode()).digest(), cost_analysis={},
             hlo_text="", memory_stats={}, generated_code_bytes=0)
-        executable = self.session.controller.executable(plan, devices, info)
-        self.session.keep(executable)
+        executable = self.controller.executable(plan, devices, info)
+        self.programs.keep(executable)
         return executable
 
     def run_reshard(self, executable: Executable, args: Sequence[Array],
@@ -204,7 +202,7 @@ class SessionMoves:
             executable.output_specs = [(aval, out.sharding, None)
                                        for aval, out in zip(first, outputs)]
         for index in donated:  # after the reshard read them, as a donating device_put
-            self.session.donate_in_order(args[index])
+            self.arrays.donate_in_order(args[index])
         computed = self.ready(outputs)
         computed.add_done_callback(  # type: ignore[attr-defined]
             lambda f: f.cancelled() or f.exception())
@@ -219,7 +217,7 @@ class SessionMoves:
         """Makes `dst` from the array's shards: a local copy or assembly where the worker
         has the data, else a pull from another worker. A replicated target pulls each box
         once per worker (`pulled`) and copies it there to the worker's other devices."""
-        channel = self.session.fleet.channel(dst.device.worker)
+        channel = self.fleet.channel(dst.device.worker)
         local = [(b, box) for b, box in zip(array.shards, src_boxes)
                  if b.device.worker == dst.device.worker]
         # Prefer the shard already on the target device, then any holding the whole box.
@@ -253,8 +251,8 @@ class SessionMoves:
         """Builds `dst` from shards of several workers: the pieces that live elsewhere are
         pulled (worker to worker) into temporary buffers beside `dst` first."""
         dst.group.expect()
-        channel = self.session.fleet.channel(dst.device.worker)
-        controller = self.session.controller
+        channel = self.fleet.channel(dst.device.worker)
+        controller = self.controller
         parts: list[tuple[Buffer, tuple[slice, ...], tuple[slice, ...]]] = []
         temps: list[Buffer] = []
         local: list[Buffer] = []
@@ -284,23 +282,23 @@ class SessionMoves:
                 for source in local:
                     controller.unpin(source)
             controller.free_buffers(temps)
-            self.session.defined(dst, error)
+            self.arrays.defined(dst, error)
 
-        self.session.spawn(finish())
+        self.core.spawn(finish())
 
     def _copy_after(self, first: Buffer, pull: asyncio.Future[None], dst: Buffer) -> None:
         """`dst` is a copy of `first` (on the same worker) once `first`'s pull is over;
         `first` stays pinned until the Copy is sent (a delete of it sent meanwhile waits)."""
         dst.group.expect()
-        controller = self.session.controller
+        controller = self.controller
         controller.pin(first)
 
         def copy(_: object) -> None:
             if first.error is None:
-                self.session.fleet.channel(dst.device.worker).send(
+                self.fleet.channel(dst.device.worker).send(
                     c.Copy(first.id, dst.id, dst.device.id, dst.memory_kind))
             controller.unpin(first)
-            self.session.defined(dst, first.error)
+            self.arrays.defined(dst, first.error)
 
         pull.add_done_callback(copy)
 
@@ -311,23 +309,23 @@ class SessionMoves:
         numeric array), a large buffer between two workers of the controller's machine goes
         through a file of its shared directory instead (`RemoteWorker.relay`)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        source = self.session.fleet.channel(src.device.worker)
+        source = self.fleet.channel(src.device.worker)
         address = getattr(source, "data_address", None)
         if address is None:
             if dst.error is None:
-                dst.error = self.session.fleet.slice_error_of(src.device.worker)
+                dst.error = self.fleet.slice_error_of(src.device.worker)
             done.set_result(None)
             return done
         dst.group.expect()
-        self.session.controller.pin(src)
-        target = self.session.fleet.channel(dst.device.worker)
+        self.controller.pin(src)
+        target = self.fleet.channel(dst.device.worker)
         relay = getattr(source, "relay", None)
         work = (relay(src.id, target, dst.id, dst.device.id, memory_kind)
                 if files and relay is not None and src.nbytes >= RELAY_BYTES else None)
         if work is None:
             work = target.ask(c.Pull(src.id, address, dst.id, dst.device.id, memory_kind,
                                      source.pull_mac(src.id)))
-        self.session.controller.counts.peer_bytes += src.nbytes
+        self.controller.counts.peer_bytes += src.nbytes
 
         async def finish() -> None:
             error = None
@@ -336,11 +334,11 @@ class SessionMoves:
             except Exception as e:  # noqa: BLE001
                 error = as_error(e, "moving an array between workers")
             finally:
-                self.session.controller.unpin(src)
-            self.session.defined(dst, error)
+                self.controller.unpin(src)
+            self.arrays.defined(dst, error)
             done.set_result(None)
 
-        self.session.spawn(finish())
+        self.core.spawn(finish())
         return done
 
     def bitcast(self, arrays: Sequence[Array],
@@ -354,17 +352,17 @@ class SessionMoves:
                     "a bitcast keeps every shard where it is; give the same devices.")
             if dtype.is_string or array.dtype.is_string:
                 raise errors.InvalidRequest("string arrays cannot be bitcast.")
-            default = self.session.fleet.device(sharding.devices[0]).memory_kinds[0] \
+            default = self.fleet.device(sharding.devices[0]).memory_kinds[0] \
                 if sharding.devices else None
             if (sharding.memory_kind or default) != (array.sharding.memory_kind or default):
                 raise errors.InvalidRequest(
                     f"a bitcast keeps every shard where it is, but memory kind "
                     f"{array.sharding.memory_kind!r} was asked to become "
                     f"{sharding.memory_kind!r}; copy the array first.")
-            out = self.session.new_array(dtype, self.session.validate_shape(dtype, shape), sharding,
-                                  define=False)
+            out = self.arrays.new_array(dtype, self.arrays.validate_shape(dtype, shape),
+                                        sharding, define=False)
             if any(a.nbytes != b.nbytes for a, b in zip(array.shards, out.shards)):
-                self.session.release([out])
+                self.arrays.release([out])
                 raise errors.InvalidRequest(
                     f"bitcasting {array.dtype.kind}{list(array.shape)} to "
                     f"{dtype.kind}{list(shape)} changes the size of the shards.")
@@ -380,13 +378,13 @@ class SessionMoves:
                         dst.error = error
                     else:
                         # Not a string array (refused above): it has a numpy dtype.
-                        self.session.fleet.channel(src.device.worker).send(c.Bitcast(
+                        self.fleet.channel(src.device.worker).send(c.Bitcast(
                             src.id, dst.id, c.dtype_name(cast(np.dtype, out.dtype.numpy)),
                             sh.shard_shape(box)))
                 if donate:
-                    self.session.donate(array)
+                    self.arrays.donate(array)
 
-        self.session.dispatcher.submit(groups_of(arrays), run)
+        self.dispatcher.submit(groups_of(arrays), run)
         return results
 
     def fetch(self, array: Array) -> asyncio.Future[np.ndarray]:
@@ -402,10 +400,10 @@ class SessionMoves:
             wanted: dict[sh.Box, Buffer] = {}
             for buffer, box in zip(array.shards, boxes):
                 wanted.setdefault(box, buffer)
-            fleet = self.session.fleet
+            fleet = self.fleet
             pieces = [(box, fleet.channel(b.device.worker).ask(c.Fetch(b.id, b.nbytes)))
                       for box, b in wanted.items()]
-            self.session.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
+            self.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
             if all(answered(p) for _, p in pieces):  # all on the host already (in-process)
                 ready = cast("list[tuple[sh.Box, asyncio.Future[np.ndarray]]]", pieces)
                 result.set_result(reads.assembled(array, [(box, p.result()) for box, p in ready]))
@@ -416,11 +414,11 @@ class SessionMoves:
                 cast(asyncio.Future, answer).add_done_callback(  # a Future: checked above
                     lambda f: reads.settle_fetch(array, box, f, result))
                 return
-            self.session.spawn(reads.assemble_host(array, pieces, result))
+            self.core.spawn(reads.assemble_host(array, pieces, result))
 
         groups = array.groups
-        self.session.dispatcher.submit(groups, run)
-        if self.session.controller.counts.timing:  # only then are dispatches stamped
+        self.dispatcher.submit(groups, run)
+        if self.controller.counts.timing:  # only then are dispatches stamped
             result.add_done_callback(lambda f: self._waited(f, groups))
         return result
 
@@ -428,7 +426,7 @@ class SessionMoves:
         """A client's fetch or readiness wait ended: it times the programs that made the
         groups, if it went well (the metrics' program latency)."""
         if not wait.cancelled() and wait.exception() is None:
-            self.session.controller.counts.waited(groups)
+            self.controller.counts.waited(groups)
 
     def ready(self, arrays: Sequence[Array]) -> Awaitable[None]:
         """Resolves when every array is computed; fails with the first error."""
@@ -453,10 +451,10 @@ class SessionMoves:
                     else:
                         by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
             if by_worker:
-                fleet = self.session.fleet
+                fleet = self.fleet
                 waits: list[Awaitable[object]] = [
                     fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
-                self.session.spawn(reads.settle(asyncio.gather(*waits, *storing.values()),
+                self.core.spawn(reads.settle(asyncio.gather(*waits, *storing.values()),
                                                 result, arrays))
             elif storing:  # the usual wait after a put: its answers, no task, no question
                 reads.settle_when(list(storing.values()), result, arrays)
@@ -464,8 +462,8 @@ class SessionMoves:
                 result.set_result(None)
 
         groups = groups_of(arrays)
-        self.session.dispatcher.submit(groups, run)
-        if self.session.controller.counts.timing:
+        self.dispatcher.submit(groups, run)
+        if self.controller.counts.timing:
             result.add_done_callback(lambda f: self._waited(f, groups))
         return result
 

@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -37,11 +37,9 @@ from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array
 from isthmus.controller.controller import Controller, Executable
-from isthmus.controller.dispatch import OrderedDispatcher
-from isthmus.controller.session_arrays import HostData
-from isthmus.controller.session_core import as_error
-from isthmus.controller.session_persistence import plugin_info
-from isthmus.controller.storage import TenantFiles
+from isthmus.controller.session_arrays import HostData, HostShard
+from isthmus.controller.session_checkpoints import plugin_info
+from isthmus.controller.session_core import Keeper, SessionCore, as_error
 from isthmus.ids import ExecutableId, WorkerId
 from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, TraceOptions
@@ -90,35 +88,31 @@ class FleetTrace:
         task.add_done_callback(self.tasks.discard)
 
 
-class ProfileOwner(Protocol):
-    """What profiles need of their session."""
-
-    controller: Controller
-    fleet: Any  # the session's fleet (`Fleet` or a lease's `FleetView`)
-    dispatcher: OrderedDispatcher
-    files: TenantFiles | None  # a shared service's tenant: its root, lease and duration cap
+class ProfileArrays(Protocol):
+    """What profiles need of the session's arrays (`SessionArrays`)."""
 
     def make_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
-                   data: Any) -> Array: ...
-
-    def keep(self, executable: Executable) -> None: ...
+                   host: HostShard) -> Array: ...
 
 
 class SessionProfiles:
-    """Starting and stopping profiles of the fleet: a part of a `Session`, which it sees
-    as a `ProfileOwner`."""
+    """Starting and stopping profiles of the fleet (a part of `Session`, which makes the
+    run directory's name an array through its arrays, `ProfileArrays`, and holds a profile
+    plan's executable in its programs, a `Keeper`)."""
 
-    def __init__(self, session: ProfileOwner) -> None:
-        self._session = session
-        self.controller = session.controller
-        self.fleet = session.fleet
-        self.dispatcher = session.dispatcher
+    def __init__(self, core: SessionCore, arrays: ProfileArrays, programs: Keeper) -> None:
+        self.core = core
+        self.controller = core.controller
+        self.fleet = core.fleet
+        self.dispatcher = core.dispatcher
+        self.arrays = arrays
+        self.programs = programs
         # The profiles this session started and has not stopped, by the executable that
         # started them (its next call stops them).
         self._profiles: dict[ExecutableId, FleetTrace] = {}
 
     def compile(self, plan: ProfilePlan) -> Executable:
-        files = self._session.files
+        files = self.core.files
         if files is not None:  # a lease's profile: its workers, into its tenant's root
             cap = files.max_profile_seconds
             plan = dataclasses.replace(
@@ -128,7 +122,7 @@ class SessionProfiles:
         # It names no devices: it is the session's, on its first one (the default device).
         executable = self.controller.executable(plan, tuple(self.fleet.devices[:1]),
                                                 plugin_info("profile", outputs, plan))
-        self._session.keep(executable)
+        self.programs.keep(executable)
         return executable
 
     def run(self, executable: Executable, args: Sequence[Array]
@@ -147,7 +141,7 @@ class SessionProfiles:
             wait = self._stop(trace)  # type: ignore[assignment]
         outputs = []
         if plan.output:  # what pathwaysutils expects back: one string on the default device
-            outputs.append(self._session.make_array(
+            outputs.append(self.arrays.make_array(
                 dtypes.STRING, (1,), sh.Sharding.single(executable.devices[0].id),
                 HostData(np.array([trace.directory.encode()], dtype=object))))
 
@@ -175,7 +169,7 @@ class SessionProfiles:
     # ---- starting ------------------------------------------------------------------------
 
     def _start(self, plan: ProfilePlan, caller: ExecutableId) -> FleetTrace:
-        files = self._session.files
+        files = self.core.files
         scope = "" if files is None else files.lease
         running: FleetTrace | None = self.controller.profiles.get(scope)
         if running is not None:

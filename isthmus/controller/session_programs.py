@@ -1,5 +1,9 @@
 """Programs: compiling them for a session and running them, with each argument mapped onto
 the program's devices and a new array (one buffer group) made for each output.
+
+`SessionPrograms` is the part of a `Session` (session.py) that holds the session's
+executables table: the other parts that make executables add theirs to it (`keep`), and it
+releases them all when the session closes.
 """
 
 from __future__ import annotations
@@ -13,14 +17,32 @@ from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
-from isthmus.controller.session_arrays import SessionArrays
+from isthmus.controller.session_core import Owner, SessionCore
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
 from isthmus.transport.records import CompileRequest
 
 
-class SessionPrograms(SessionArrays):
-    """Compiling and executing a session's programs."""
+class SessionPrograms:
+    """Compiling and executing a session's programs (a part of `Session`, which makes their
+    outputs through its arrays, an `Owner`)."""
+
+    def __init__(self, core: SessionCore, arrays: Owner) -> None:
+        self.core = core
+        self.controller = core.controller
+        self.fleet = core.fleet
+        self.dispatcher = core.dispatcher
+        self.arrays = arrays
+        self._executables: list[Executable] = []
+
+    def keep(self, executable: Executable) -> None:
+        """The session holds `executable` (it is released when the session closes)."""
+        self._executables.append(executable)
+
+    def close(self) -> None:
+        """The session ends: it releases every executable it still holds."""
+        for executable in list(self._executables):
+            self.release(executable)
 
     # ---- programs ------------------------------------------------------------------------
 
@@ -34,13 +56,13 @@ class SessionPrograms(SessionArrays):
             raise errors.InvalidRequest(
                 "the program spans accelerators and colocated CPU devices; run it on one "
                 "kind of device (jax.device_put the arrays across first).")
-        if self.namespace:
-            request = dataclasses.replace(request, namespace=self.namespace)
+        if self.core.namespace:
+            request = dataclasses.replace(request, namespace=self.core.namespace)
         executable = self.controller.executable(request, devices)
         self._executables.append(executable)
         return executable
 
-    def release_executable(self, executable: Executable) -> None:
+    def release(self, executable: Executable) -> None:
         if executable in self._executables:
             self._executables.remove(executable)
             self.controller.release_executable(executable)
@@ -180,9 +202,10 @@ class SessionPrograms(SessionArrays):
                 nbytes = sh.shard_nbytes(sharding, aval.shape, aval.dtype.itemsize)
                 specs.append((aval, sharding, nbytes))
             executable.output_specs = specs
-        return [self.own(aval.dtype, aval.shape, sharding,
-                          self.controller.new_group(executable.devices, nbytes,
-                                                    sharding.memory_kind, executable.workers))
+        return [self.arrays.own(aval.dtype, aval.shape, sharding,
+                                self.controller.new_group(executable.devices, nbytes,
+                                                          sharding.memory_kind,
+                                                          executable.workers))
                 for aval, sharding, nbytes in executable.output_specs]
 
 

@@ -4,7 +4,8 @@ A call runs on every worker that holds one of its devices (`worker/colocated.py`
 outputs are new arrays, one buffer group each over the devices of its output spec, which stay
 *undefined* until every worker has finished its part: operations that read them wait in the
 session's dispatch queue, as they wait for host data. A failed call (the function raised, a
-worker was lost) leaves its error in the outputs.
+worker was lost) leaves its error in the outputs. `SessionPython` is the part of a `Session`
+(session.py) that compiles and calls them.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
-from isthmus.controller.session_core import as_error
-from isthmus.controller.session_programs import SessionPrograms
+from isthmus.controller.session_core import Keeper, Owner, SessionCore, as_error
 from isthmus.ids import BufferId
 from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, ColocatedProgram, CompiledInfo
@@ -27,14 +27,23 @@ from isthmus.transport.records import Aval, ColocatedProgram, CompiledInfo
 Spec = tuple[dtypes.DType, tuple[int, ...], sh.Sharding]  # dtype, shape, sharding
 
 
-class SessionPython(SessionPrograms):
-    """Colocated Python functions of one session."""
+class SessionPython:
+    """Colocated Python functions of one session (a part of `Session`, which makes their
+    outputs through its arrays, an `Owner`, and holds their executables, a `Keeper`)."""
 
-    def compile_python(self, name: str, text: bytes, device_ids: Sequence[int],
+    def __init__(self, core: SessionCore, arrays: Owner, programs: Keeper) -> None:
+        self.core = core
+        self.controller = core.controller
+        self.fleet = core.fleet
+        self.dispatcher = core.dispatcher
+        self.arrays = arrays
+        self.programs = programs
+
+    def compile(self, name: str, text: bytes, device_ids: Sequence[int],
                        inputs: Sequence[Spec], outputs: Sequence[Spec]) -> Executable:
-        if self.python_refusal is not None:
+        if self.core.python_refusal is not None:
             raise errors.NotPermitted(f"colocated Python {name!r} refused: "
-                                      f"{self.python_refusal}.")
+                                      f"{self.core.python_refusal}.")
         devices = self.fleet.devices_of(device_ids)
         if len(set(device_ids)) != len(device_ids):
             raise errors.InvalidRequest("the colocated function names a device twice.")
@@ -73,11 +82,11 @@ class SessionPython(SessionPrograms):
             (Aval(d, tuple(shape)), s, sh.shard_nbytes(s, tuple(shape), d.itemsize))
             for d, shape, s in outputs]
         executable.input_specs = list(inputs)
-        self._executables.append(executable)
+        self.programs.keep(executable)
         return executable
 
-    def call_python(self, executable: Executable, args: Sequence[Array],
-                    stream: tuple[int, ...]) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
+    def call(self, executable: Executable, args: Sequence[Array],
+             stream: tuple[int, ...]) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
         """Runs a colocated function; returns its outputs and a way to wait for the call."""
         specs = cast(list, executable.input_specs)  # set for every colocated program
         if len(args) != len(specs):
@@ -101,7 +110,7 @@ class SessionPython(SessionPrograms):
             group = self.controller.new_group(self.fleet.devices_of(sharding.devices), nbytes,
                                               sharding.memory_kind)
             group.expect()
-            outputs.append(self.own(aval.dtype, aval.shape, sharding, group))
+            outputs.append(self.arrays.own(aval.dtype, aval.shape, sharding, group))
         results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
         out_groups = [out.group for out in outputs]
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -119,7 +128,7 @@ class SessionPython(SessionPrograms):
             except Exception as e:
                 finish(out_groups, done, as_error(e, "dispatching a colocated call"))
                 raise
-            self.spawn(settle_after(out_groups, done, waits, "a colocated call"))
+            self.core.spawn(settle_after(out_groups, done, waits, "a colocated call"))
 
         self.dispatcher.submit(groups_of(args), run)
 

@@ -17,7 +17,7 @@ def _donate(body: Any) -> bool:
 def _bind_all(session: Any, handles_in: Any, arrays: list[Any], out: Any) -> None:
     handles_in = list(handles_in)
     if handles_in and len(handles_in) != len(arrays):
-        session.ctl.release(arrays)
+        session.ctl.arrays.release(arrays)
         raise errors.InvalidRequest(
             f"the request gives {len(handles_in)} result handles for {len(arrays)} results.")
     for index, array in enumerate(arrays):
@@ -148,7 +148,8 @@ def make_error_arrays(session: Any, request: Any, response: Any) -> None:
     results = []
     for spec_proto in body.array_specs:
         spec = session.serdes.array_spec(spec_proto)
-        results.append(session.ctl.make_error_array(spec.dtype, spec.shape, spec.sharding, error))
+        results.append(session.ctl.arrays.make_error_array(
+            spec.dtype, spec.shape, spec.sharding, error))
     _bind_all(session, body.array_handles, results,
               response.make_error_arrays_response.array_handles)
 
@@ -162,7 +163,7 @@ def delete_array(session: Any, request: Any, response: Any) -> None:
             arrays.append(session.array(handle))
         except errors.IsthmusError as e:
             problems.append(e)
-    done = session.ctl.delete(arrays)
+    done = session.ctl.arrays.delete(arrays)
 
     async def wait() -> None:
         await done
@@ -185,5 +186,5 @@ def destruct_array(session: Any, request: Any, response: Any) -> None:
         value = session.arrays.pop(handle, None)
         if value is not None and not isinstance(value, errors.IsthmusError):
             released.append(value)
-    session.ctl.release(released)
+    session.ctl.arrays.release(released)
     response.destruct_array_response.SetInParent()

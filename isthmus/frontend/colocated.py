@@ -31,7 +31,7 @@ def compile_custom_call(session: Any, program: Any) -> tuple[Any, str]:
     if not device_ids:
         raise errors.InvalidRequest("the colocated function names no devices; specialize it "
                                     "with devices=... or pass it arrays.")
-    executable = session.ctl.compile_python(
+    executable = session.ctl.python.compile(
         custom.name, bytes(custom.serialized_program_text), device_ids,
         [(s.dtype, s.shape, s.sharding) for s in inputs],
         [(s.dtype, s.shape, s.sharding) for s in outputs])

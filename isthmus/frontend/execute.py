@@ -38,18 +38,18 @@ def execute(session: Any, request: Any, response: Any) -> None:
         outputs, status = session.ctl.profiles.run(executable, args)
     elif is_kept(executable):
         kept = session.kept() if session.lease is not None else None
-        outputs, status = session.ctl.run_kept(executable, args, kept)
+        outputs, status = session.ctl.kept.run(executable, args, kept)
     elif is_python(executable):
         # Calls from one client thread (its execution stream) run in order on the hosts.
-        outputs, status = session.ctl.call_python(
+        outputs, status = session.ctl.python.call(
             executable, args, (int(session.id), int(options.execution_stream_id)))
     else:
         non_donatable = frozenset(int(i) for i in options.non_donatable_input_indices)
-        outputs, status = session.ctl.execute(executable, args, non_donatable)
+        outputs, status = session.ctl.programs.execute(executable, args, non_donatable)
     out = response.loaded_executable_execute_response
     if body.result_array_handle:
         if len(body.result_array_handle) != len(outputs):
-            session.ctl.release(outputs)
+            session.ctl.arrays.release(outputs)
             raise errors.InvalidRequest(
                 f"the program has {len(outputs)} outputs but {len(body.result_array_handle)} "
                 "result handles were given.")

@@ -22,7 +22,7 @@ from isthmus.controller.controller import Controller
 from isthmus.controller.lease_view import FleetView, reclaimed_error
 from isthmus.controller.leases import Hooks, Lease, LeaseBook, LeaseState
 from isthmus.controller.session import Session as ControllerSession
-from isthmus.controller.session_persistence import KeptArrays
+from isthmus.controller.session_kept import KeptArrays
 from isthmus.controller.storage import TenantFiles
 from isthmus.controller.tenants import Tenant, Tenants
 from isthmus.frontend.tenant_limits import TenantLimits

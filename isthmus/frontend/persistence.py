@@ -18,7 +18,8 @@ from typing import Any
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.session_persistence import KeepPlan, KeptSpec, PersistencePlan, Saved
+from isthmus.controller.session_checkpoints import PersistencePlan, Saved
+from isthmus.controller.session_kept import KeepPlan, KeptSpec
 from isthmus.frontend import profile, reshard
 from isthmus.ids import DeviceId
 
@@ -130,7 +131,7 @@ def compile_plugin(session: Any, program: Any) -> Any:
         if saved.sharding is not None:
             session.fleet.devices_of(saved.sharding.devices)  # unknown ids: NOT_FOUND now
     if isinstance(plan, KeepPlan):
-        return session.ctl.compile_kept(plan)
+        return session.ctl.kept.compile(plan)
     return session.ctl.checkpoints.compile(plan)
 
 

@@ -239,9 +239,9 @@ def compile_program(session: Any, request: Any, response: Any) -> Any:
 
     async def compile_vetted() -> None:
         # Parsed (and on CPU compiled) in a disposable process first.
-        vetted, compiled = await session.ctl.controller.vet(module, options, len(device_ids))
-        executable = session.ctl.compile(CompileRequest(vetted, options, device_ids, replicas,
-                                                        executable=compiled))
+        vetted, compiled = await session.ctl.core.controller.vet(module, options, len(device_ids))
+        executable = session.ctl.programs.compile(CompileRequest(
+            vetted, options, device_ids, replicas, executable=compiled))
         await _answer(session, executable, response.compile_response)
 
     return compile_vetted()
@@ -252,7 +252,7 @@ async def _answer(session: Any, executable: Any, out: Any, name: str | None = No
     try:
         info = await executable.compiled
     except errors.IsthmusError:
-        session.ctl.release_executable(executable)
+        session.ctl.programs.release(executable)
         raise
     handle = session.new_handle()
     session.executables[handle] = executable
@@ -371,7 +371,7 @@ def delete_executable(session: Any, request: Any, response: Any) -> None:
     handle = request.loaded_executable_delete_request.loaded_executable_handle
     executable = session.executable(handle)
     session.deleted_executables.add(handle)
-    session.ctl.release_executable(executable)
+    session.ctl.programs.release(executable)
 
     async def done() -> None:
         return None
@@ -393,6 +393,6 @@ def destruct_executable(session: Any, request: Any, response: Any) -> None:
     value = session.executables.pop(handle, None)
     if value is not None and not isinstance(value, errors.IsthmusError) \
             and handle not in session.deleted_executables:
-        session.ctl.release_executable(value)
+        session.ctl.programs.release(value)
     session.deleted_executables.discard(handle)
     response.loaded_executable_destruct_response.SetInParent()

@@ -119,10 +119,10 @@ class Frontend:
         session_id = SessionId(next(self._session_ids))
         if lease is not None:
             assert self.shared is not None
-            controller_session = ControllerSession(self.controller, self.shared.view(lease),
-                                                   lease.tenant.name)
-            controller_session.python_refusal = self.shared.colocated_refusal(lease.tenant)
-            controller_session.files = self.shared.files(lease)
+            controller_session = ControllerSession(
+                self.controller, self.shared.view(lease), lease.tenant.name,
+                files=self.shared.files(lease),
+                python_refusal=self.shared.colocated_refusal(lease.tenant))
         else:
             controller_session = ControllerSession(self.controller)
         budget = self.shared.limits(lease.tenant).uploads if (

@@ -46,7 +46,7 @@ class FrontendSession:
         self.schema = schema
         self.serdes = serdes
         self.ctl = controller_session
-        self.fleet = controller_session.fleet
+        self.fleet = controller_session.core.fleet
         self.host_buffers = host_buffers
         self.platform = platform
         self.vetter = vetter
@@ -74,10 +74,10 @@ class FrontendSession:
     def has_room(self) -> bool:
         """False while too many of this session's operations wait for their host data: the
         stream should not be read until `wait_for_room` returns (flow control)."""
-        return self.ctl.dispatcher.has_room
+        return self.ctl.core.dispatcher.has_room
 
     async def wait_for_room(self) -> None:
-        await self.ctl.dispatcher.wait_for_room()
+        await self.ctl.core.dispatcher.wait_for_room()
 
     def handle(self, request: Any) -> None:
         """Handles one request; its response is sent now or when its work completes."""
@@ -164,7 +164,7 @@ class FrontendSession:
         if handle is None:
             handle = self.new_handle()
         elif handle in self.arrays:
-            self.ctl.release([array])
+            self.ctl.arrays.release([array])
             raise errors.InvalidRequest(
                 f"array handle {handle} is already in use in this session; mint a new "
                 "handle for each array.")

@@ -181,7 +181,7 @@ def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> No
     host = _HostShard(session, body.host_buffer_handle, dtype, shape, strides)
     try:
         session.host_buffers.check_unclaimed([body.host_buffer_handle])
-        array = session.ctl.make_array(dtype, shape, sharding, host)
+        array = session.ctl.arrays.make_array(dtype, shape, sharding, host)
     except BaseException:
         # Freed on arrival (a buffer another request waits for stays that request's).
         session.host_buffers.when_ready(body.host_buffer_handle, _ignore)
@@ -239,7 +239,7 @@ def _array_from_shards(session: Any, spec: Any) -> Any:
     array_spec, described = checked
     pieces = [(positions, _HostShard(session, buffer.host_buffer_handle, dtype, shape, strides))
               for (positions, dtype, shape, strides), buffer in zip(described, buffers)]
-    return session.ctl.make_array_from_shards(
+    return session.ctl.arrays.make_array_from_shards(
         array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
 
 
@@ -264,7 +264,7 @@ def _check_shards(session: Any, spec: Any) -> tuple[Any, list[tuple[tuple[int, .
             raise errors.InvalidRequest(
                 f"a host shard has dtype {dtype.kind} but the array is "
                 f"{array_spec.dtype.kind}.")
-        shape = session.ctl.validate_shape(dtype, shape)
+        shape = session.ctl.arrays.validate_shape(dtype, shape)
         strides = _strides(buffer)
         check_upload_strides(dtype, shape, strides)
         pieces.append((tuple(indices.indices), dtype, shape, strides))
@@ -288,7 +288,7 @@ def _check_download_strides(session: Any, array: Any, strides: tuple[int, ...]) 
     if array.dtype.is_string:
         return
     extent = strided_extent(array.shape, strides, array.dtype.itemsize)
-    limit = session.ctl.controller.config.max_array_bytes
+    limit = session.ctl.core.controller.config.max_array_bytes
     if extent > limit:
         raise errors.TooLarge(
             f"byte_strides {list(strides)} lay out the array over {extent} bytes, over the "

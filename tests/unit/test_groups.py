@@ -72,17 +72,17 @@ def test_a_program_is_one_shared_frame_for_every_host():
     async def main():
         hosts, controller, session = _setup()
         ids = tuple(range(HOSTS))
-        executable = session.compile(CompileRequest(b"", b"", ids))
+        executable = session.programs.compile(CompileRequest(b"", b"", ids))
         await executable.compiled
-        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
-                               HostData(np.zeros(HOSTS, np.float32)))
+        x = session.arrays.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
+                                      HostData(np.zeros(HOSTS, np.float32)))
         await asyncio.sleep(0.01)
         for host in hosts.values():
             host.frames.clear()
         outputs = []
         for _ in range(5):
-            (y,), _ = session.execute(executable, [x])
-            session.release([x])
+            (y,), _ = session.programs.execute(executable, [x])
+            session.arrays.release([x])
             outputs.append(y)
             x = y
         controller.fleet.flush()
@@ -104,14 +104,14 @@ def test_shared_shards_are_freed_when_their_last_holder_goes():
     async def main():
         hosts, controller, session = _setup()
         ids = tuple(range(HOSTS))
-        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
-                               HostData(np.zeros(HOSTS, np.float32)))
+        x = session.arrays.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
+                                      HostData(np.zeros(HOSTS, np.float32)))
         await asyncio.sleep(0.01)
         parts = session.views.disassemble(x)
-        session.release([x])
+        session.arrays.release([x])
         await asyncio.sleep(0.01)
         assert not any(isinstance(x, c.Free) for h in hosts.values() for x in h.commands())
-        session.release([parts[1]])
+        session.arrays.release([parts[1]])
         await asyncio.sleep(0.01)
         freed = [x.buffers for h in hosts.values() for x in h.commands() if isinstance(x, c.Free)]
         assert freed == [(x.group.base + 1,)]  # only that shard, only on its host
@@ -121,7 +121,7 @@ def test_shared_shards_are_freed_when_their_last_holder_goes():
                                  [parts[0], parts[2], _single(session, x, 1)])
         await asyncio.sleep(0.01)
         assert whole.group is None and whole.problem() is None
-        await session.delete([parts[0]])
+        await session.arrays.delete([parts[0]])
         assert whole.problem() is not None  # a deleted shard is gone for every sharer
         assert parts[2].problem() is None
         await session.close()
@@ -132,8 +132,8 @@ def test_shared_shards_are_freed_when_their_last_holder_goes():
 def _single(session, x, position):
     """A new single-device array (a replica of `x`'s shape) on the device of its `position`."""
     device = x.sharding.devices[position]
-    return session.make_array(F32, (HOSTS,), Sharding.single(device),
-                              HostData(np.ones(HOSTS, np.float32)))
+    return session.arrays.make_array(F32, (HOSTS,), Sharding.single(device),
+                                     HostData(np.ones(HOSTS, np.float32)))
 
 
 def test_a_single_host_command_never_overtakes_a_shared_one():
@@ -156,15 +156,16 @@ def test_host_data_its_workers_confirmed_is_ready_without_asking_again():
         hosts, controller, session = _setup()
         ids = tuple(range(HOSTS))
         sharding = Sharding(ShardingKind.HLO, ids)
-        x = session.make_array(F32, (HOSTS,), sharding, HostData(np.zeros(HOSTS, np.float32)))
+        x = session.arrays.make_array(F32, (HOSTS,), sharding,
+                                      HostData(np.zeros(HOSTS, np.float32)))
         await session.moves.ready([x])  # every put answered: no Ready goes out
         controller.fleet.flush()
         assert x.group.all_stored
         assert not [r for h in hosts.values() for r in h.commands()
                     if isinstance(r, m.Ask) and isinstance(r.command, c.Ready)]
-        executable = session.compile(CompileRequest(b"", b"", ids))
+        executable = session.programs.compile(CompileRequest(b"", b"", ids))
         await executable.compiled
-        (y,), _ = session.execute(executable, [x])
+        (y,), _ = session.programs.execute(executable, [x])
         waiting = asyncio.ensure_future(session.moves.ready([y]))  # computed: asked
         await asyncio.sleep(0.01)
         controller.fleet.flush()
@@ -185,8 +186,9 @@ def test_a_put_its_worker_could_not_store_fails_the_array():
 
         hosts[1].ask = lambda request: (refused() if isinstance(request, c.Put)
                                         else Host.ask(hosts[1], request))
-        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, tuple(range(HOSTS))),
-                               HostData(np.zeros(HOSTS, np.float32)))
+        x = session.arrays.make_array(F32, (HOSTS,),
+                                      Sharding(ShardingKind.HLO, tuple(range(HOSTS))),
+                                      HostData(np.zeros(HOSTS, np.float32)))
         with pytest.raises(errors.InvalidRequest, match="could not place"):
             await session.moves.ready([x])
         assert not x.group.all_stored
@@ -217,11 +219,11 @@ def test_a_program_reading_small_host_data_goes_out_behind_the_puts_unanswered()
     async def main():
         hosts, controller, session = _setup(Holding)
         ids = tuple(range(HOSTS))
-        executable = session.compile(CompileRequest(b"", b"", ids))
+        executable = session.programs.compile(CompileRequest(b"", b"", ids))
         await executable.compiled
-        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
-                               HostData(np.zeros(HOSTS, np.float32)))
-        (y,), _ = session.execute(executable, [x])
+        x = session.arrays.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
+                                      HostData(np.zeros(HOSTS, np.float32)))
+        (y,), _ = session.programs.execute(executable, [x])
         waiting = asyncio.ensure_future(session.moves.ready([x]))
         await asyncio.sleep(0.01)
         controller.fleet.flush()
@@ -243,8 +245,8 @@ def test_readiness_of_small_host_data_reports_the_put_a_worker_refused():
     async def main():
         hosts, controller, session = _setup(Holding)
         ids = tuple(range(HOSTS))
-        x = session.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
-                               HostData(np.zeros(HOSTS, np.float32)))
+        x = session.arrays.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
+                                      HostData(np.zeros(HOSTS, np.float32)))
         waiting = asyncio.ensure_future(session.moves.ready([x]))
         await asyncio.sleep(0.01)
         hosts[0].puts[0].set_result(None)
@@ -266,8 +268,8 @@ def test_a_read_of_large_host_data_waits_for_the_puts_answers():
         hosts, controller, session = _setup(Holding)
         ids = tuple(range(HOSTS))
         rows = c.ORDERED_PUT_BYTES // 4 + 1  # a worker places this from a thread
-        x = session.make_array(F32, (HOSTS * rows,), Sharding(ShardingKind.HLO, ids),
-                               HostData(np.zeros(HOSTS * rows, np.float32)))
+        x = session.arrays.make_array(F32, (HOSTS * rows,), Sharding(ShardingKind.HLO, ids),
+                                      HostData(np.zeros(HOSTS * rows, np.float32)))
         fetching = session.moves.fetch(x)
         await asyncio.sleep(0.01)
         controller.fleet.flush()

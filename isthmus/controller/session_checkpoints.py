@@ -8,7 +8,8 @@ format); the controller only plans who writes which box and never sees the bytes
 A write is two phases: every distinct box is written by the host of the first device that
 holds it, then the host of the array's first device writes the index (`meta.json`), so an
 array directory with an index is complete. A host lost during a save fails it with
-DATA_LOSS; what was saved before (another directory) is untouched.
+DATA_LOSS; what was saved before (another directory) is untouched. `SessionCheckpoints` is
+the part of a `Session` (session.py) that plans them.
 """
 
 from __future__ import annotations
@@ -17,22 +18,14 @@ import asyncio
 import dataclasses
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar, Protocol, cast
+from typing import ClassVar, cast
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
-from isthmus.controller.controller import Controller, Executable
-from isthmus.controller.dispatch import OrderedDispatcher
-from isthmus.controller.session_core import as_error
-from isthmus.controller.session_python import (
-    SessionPython,
-    default_layout,
-    dtype_name,
-    finish,
-    settle_after,
-)
-from isthmus.controller.storage import TenantFiles
+from isthmus.controller.arrays import Array, first_error, groups_of
+from isthmus.controller.controller import Executable
+from isthmus.controller.session_core import Keeper, Owner, SessionCore, as_error
+from isthmus.controller.session_python import default_layout, dtype_name, finish, settle_after
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, CompiledInfo
@@ -58,34 +51,21 @@ class PersistencePlan:
     on_hosts: ClassVar[bool] = False  # nothing to load on the workers
 
 
-class CheckpointOwner(Protocol):
-    """What checkpoint writes and reads need of their session."""
-
-    controller: Controller
-    fleet: Any  # the session's fleet (`Fleet` or a lease's `FleetView`)
-    dispatcher: OrderedDispatcher
-    files: TenantFiles | None  # a shared service's tenant's storage root
-
-    def own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
-            group: BufferGroup) -> Array: ...
-
-    def spawn(self, coroutine: Awaitable[object]) -> None: ...
-
-    def keep(self, executable: Executable) -> None: ...
-
-
 class SessionCheckpoints:
-    """Checkpoint writes and reads done by the workers: a part of a `Session`, which it
-    sees as a `CheckpointOwner`."""
+    """Checkpoint writes and reads done by the workers (a part of `Session`, which makes
+    what a read restores through its arrays, an `Owner`, and holds the plans' executables,
+    a `Keeper`)."""
 
-    def __init__(self, session: CheckpointOwner) -> None:
-        self._session = session
-        self.controller = session.controller
-        self.fleet = session.fleet
-        self.dispatcher = session.dispatcher
+    def __init__(self, core: SessionCore, arrays: Owner, programs: Keeper) -> None:
+        self.core = core
+        self.controller = core.controller
+        self.fleet = core.fleet
+        self.dispatcher = core.dispatcher
+        self.arrays = arrays
+        self.programs = programs
 
     def compile(self, plan: PersistencePlan) -> Executable:
-        files = self._session.files
+        files = self.core.files
         if files is not None:  # a shared service's tenant: its own storage root only
             plan = dataclasses.replace(plan, arrays=tuple(
                 dataclasses.replace(a, location=files.resolve(a.location, "a checkpoint"))
@@ -97,7 +77,7 @@ class SessionCheckpoints:
         info = plugin_info("persistence_write" if plan.write else "persistence_read",
                            outputs, plan)
         executable = self.controller.executable(plan, devices, info)
-        self._session.keep(executable)
+        self.programs.keep(executable)
         return executable
 
     def run(self, executable: Executable, args: Sequence[Array]
@@ -155,7 +135,7 @@ class SessionCheckpoints:
             waits = [self.fleet.channel(w).ask(
                          c.WriteShards(location, tuple(items)))
                      for w, jobs in writes.items() for location, items in jobs]
-            self._session.spawn(self._finish_write(waits, metas, done))
+            self.core.spawn(self._finish_write(waits, metas, done))
 
         self.dispatcher.submit(groups_of(args), run)
 
@@ -178,7 +158,7 @@ class SessionCheckpoints:
         for aval, sharding, nbytes in executable_specs(plan):
             group = self.controller.new_group(self.fleet.devices_of(sharding.devices), nbytes)
             group.expect()
-            outputs.append(self._session.own(aval.dtype, aval.shape, sharding, group))
+            outputs.append(self.arrays.own(aval.dtype, aval.shape, sharding, group))
         groups = [out.group for out in outputs]
 
         def run() -> None:
@@ -198,7 +178,7 @@ class SessionCheckpoints:
                 waits.extend(self.fleet.channel(w).ask(c.ReadShards(
                                  saved.location, dtype, tuple(saved.shape), tuple(items)))
                              for w, items in per_worker.items())
-            self._session.spawn(settle_after(groups, done, waits, "restoring the checkpoint"))
+            self.core.spawn(settle_after(groups, done, waits, "restoring the checkpoint"))
 
         self.dispatcher.submit((), run)
         return outputs
@@ -219,110 +199,3 @@ def executable_specs(plan: PersistencePlan) -> list[tuple[Aval, sh.Sharding, tup
     return [(Aval(cast(dtypes.DType, a.dtype), a.shape), a.sharding,
              sh.shard_nbytes(a.sharding, a.shape, cast(dtypes.DType, a.dtype).itemsize))
             for a in plan.arrays]
-
-
-# ---- arrays kept for a lease's next client (a shared service) ---------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class KeptSpec:
-    """One array of a keep or take: its name, and for a take what the client expects."""
-
-    name: str
-    dtype: dtypes.DType | None = None  # take only
-    shape: tuple[int, ...] = ()
-    sharding: sh.Sharding | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class KeepPlan:
-    """`keep` (the call's arguments are kept under the names) or take (its outputs)."""
-
-    keep: bool
-    arrays: tuple[KeptSpec, ...]
-    private: ClassVar[bool] = True
-    on_hosts: ClassVar[bool] = False
-
-
-class KeptArrays:
-    """Arrays a lease keeps for its next client, by name (`isthmus.shared.keep`). They are
-    held by a session of their own, which the lease's end closes (freeing them)."""
-
-    def __init__(self, keeper: SessionKept) -> None:
-        self.keeper = keeper
-        self.arrays: dict[str, Array] = {}
-
-    def describe(self) -> dict[str, object]:
-        return {name: {"dtype": dtype_name(a.dtype), "shape": list(a.shape),
-                       "devices": list(a.sharding.devices)}
-                for name, a in self.arrays.items()}
-
-    async def close(self) -> None:
-        self.arrays.clear()
-        await self.keeper.close()  # type: ignore[attr-defined]  # the whole Session's
-
-
-class SessionKept(SessionPython):
-    """Keeping arrays for a lease's next client, and taking them back."""
-
-    def compile_kept(self, plan: KeepPlan) -> Executable:
-        device_ids = tuple(dict.fromkeys(d for a in plan.arrays if a.sharding is not None
-                                         for d in a.sharding.devices))
-        # A keep names no devices (its arguments do): it is the session's, on its first one.
-        devices = (self.fleet.devices_of(device_ids) if device_ids
-                   else tuple(self.fleet.devices[:1]))
-        outputs = () if plan.keep else tuple(
-            Aval(a.dtype, a.shape) for a in plan.arrays)  # type: ignore[arg-type]
-        info = plugin_info("isthmus_keep" if plan.keep else "isthmus_take", outputs, plan)
-        executable = self.controller.executable(plan, devices, info)
-        self.keep(executable)
-        return executable
-
-    def run_kept(self, executable: Executable, args: Sequence[Array], kept: KeptArrays | None
-                 ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
-        plan: KeepPlan = executable.request  # type: ignore[assignment]
-        if kept is None:
-            raise errors.Unimplemented(
-                "keeping arrays for a later client needs a lease of a shared service "
-                "(isthmus.shared.connect); on a server of your own, keep the process.")
-        if plan.keep:
-            if len(args) != len(plan.arrays):
-                raise errors.InvalidRequest(f"keep names {len(plan.arrays)} arrays but "
-                                            f"{len(args)} were given.")
-            for spec, given in zip(plan.arrays, args):
-                old = kept.arrays.pop(spec.name, None)
-                if old is not None:
-                    kept.keeper.disown(old)
-                    self.release([old])  # in this session's order: after its earlier work
-                kept.arrays[spec.name] = kept.keeper.share(
-                    given.dtype, given.shape, given.sharding, given.shards, given.error)
-            outputs: list[Array] = []
-        else:
-            if args:
-                raise errors.InvalidRequest("take takes no arrays.")
-            outputs = []
-            for spec in plan.arrays:
-                array = kept.arrays.get(spec.name)
-                if array is None:
-                    self.release(outputs)
-                    raise errors.UnknownHandle(
-                        f"no array is kept under {spec.name!r} for this lease (kept: "
-                        f"{sorted(kept.arrays)[:8]}); keep it first, within the same lease.")
-                assert spec.sharding is not None
-                if (array.dtype != spec.dtype or array.shape != spec.shape or
-                        sh.shard_boxes(array.sharding, array.shape) != sh.shard_boxes(
-                            spec.sharding, spec.shape) or
-                        tuple(array.sharding.devices) != tuple(spec.sharding.devices)):
-                    self.release(outputs)
-                    raise errors.InvalidRequest(
-                        f"{spec.name!r} is kept as {dtype_name(array.dtype)}"
-                        f"{list(array.shape)} on devices {list(array.sharding.devices)}; take "
-                        "it with that dtype, shape and sharding.")
-                outputs.append(self.share(array.dtype, array.shape, array.sharding,
-                                          array.shards, array.error))
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-
-        async def status() -> None:
-            await done
-        return outputs, status

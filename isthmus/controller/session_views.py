@@ -2,7 +2,8 @@
 and remapping make new arrays over the same shards, with no device work.
 
 An array that is a whole group counts as one more holder of the group; one made of shards of
-other arrays holds each of its `Buffer` views one by one.
+other arrays holds each of its `Buffer` views one by one. `SessionViews` is the part of a
+`Session` (session.py) that makes them.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, first_error
 
 
-class ViewOwner(Protocol):
-    """What arrays over existing buffers need of their session (`SessionArrays`)."""
+class ViewArrays(Protocol):
+    """What arrays over existing buffers need of the session's arrays (`SessionArrays`)."""
 
     def share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
               buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array: ...
@@ -27,27 +28,28 @@ class ViewOwner(Protocol):
 
 
 class SessionViews:
-    """New arrays over the shards of a session's arrays (a part of `Session`)."""
+    """New arrays over the shards of a session's arrays (a part of `Session`, which holds
+    them in its arrays, `ViewArrays`)."""
 
-    def __init__(self, session: ViewOwner) -> None:
-        self.session = session
+    def __init__(self, arrays: ViewArrays) -> None:
+        self.arrays = arrays
 
     def disassemble(self, array: Array, donate: bool = False) -> list[Array]:
         """One single-device array per shard, in the order of the sharding's devices."""
         boxes = sh.shard_boxes(array.sharding, array.shape)
         result = [
-            self.session.share(array.dtype, sh.shard_shape(box),
-                       sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
-                       [buffer], array.error)
+            self.arrays.share(array.dtype, sh.shard_shape(box),
+                              sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
+                              [buffer], array.error)
             for buffer, box in zip(array.shards, boxes)]
         if donate:
-            self.session.donate_in_order(array)
+            self.arrays.donate_in_order(array)
         return result
 
     def assemble(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
                  parts: Sequence[Array], donate: bool = False) -> Array:
         """An array made of single-device arrays (one per device of `sharding`)."""
-        shape = self.session.validate_shape(dtype, shape)
+        shape = self.arrays.validate_shape(dtype, shape)
         boxes = sh.shard_boxes(sharding, shape)
         by_device: dict[int, Array] = {}
         for single in parts:
@@ -76,10 +78,10 @@ class SessionViews:
                     f"{sharding.memory_kind!r}; copy it there first.")
             buffers.append(part.shards[0])
         error = first_error(a for a in parts if a.error is not None)
-        result = self.session.share(dtype, shape, sharding, buffers, error)
+        result = self.arrays.share(dtype, shape, sharding, buffers, error)
         if donate:
             for part in parts:
-                self.session.donate_in_order(part)
+                self.arrays.donate_in_order(part)
         return result
 
     def fully_replicated_shard(self, array: Array, donate: bool = False) -> Array:
@@ -88,11 +90,12 @@ class SessionViews:
                 "the array is not fully replicated, so no single shard holds all of it; "
                 "reshard it to a replicated sharding first.")
         buffer = array.shards[0]
-        result = self.session.share(array.dtype, array.shape,
-                            sh.Sharding.single(buffer.device.id, array.sharding.memory_kind),
-                            [buffer], array.error)
+        result = self.arrays.share(
+            array.dtype, array.shape,
+            sh.Sharding.single(buffer.device.id, array.sharding.memory_kind), [buffer],
+            array.error)
         if donate:
-            self.session.donate_in_order(array)
+            self.arrays.donate_in_order(array)
         return result
 
     def remap(self, inputs: Sequence[Array],
@@ -140,7 +143,7 @@ class SessionViews:
                 raise errors.InvalidRequest(
                     "the remap plan leaves some output shards unmapped; map every shard.")
             buffers = cast("list[Buffer]", slot)  # every shard is mapped (just checked)
-            shape = self.session.validate_shape(dtype, shape)
+            shape = self.arrays.validate_shape(dtype, shape)
             if sh.splits(sharding, shape):  # each shard keeps its place in its array
                 placed = [boxes[id(b.group), b.position] for b in buffers]
                 if any(whole != shape for whole, _ in placed):
@@ -158,10 +161,10 @@ class SessionViews:
                         f"the remap plan puts a shard held on device {buffer.device.id} at "
                         f"the place of device {device_id}; remapping cannot move data.")
             error = first_error(a for a in inputs if a.error is not None)
-            result.append(self.session.share(dtype, shape, sharding, buffers, error))
+            result.append(self.arrays.share(dtype, shape, sharding, buffers, error))
         if donate:
             for array in inputs:
-                self.session.donate_in_order(array)
+                self.arrays.donate_in_order(array)
         return result
 
 
