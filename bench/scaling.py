@@ -19,7 +19,7 @@ import numpy as np
 
 from isthmus import dtypes
 from isthmus.controller.controller import Controller
-from isthmus.controller.fleet import Device, Fleet
+from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.controller.session import Session
 from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
@@ -72,7 +72,7 @@ async def programs_per_second(hosts: int, seconds: float, per_turn: int = 1) -> 
     workers = {WorkerId(h): StandInWorker(h) for h in range(hosts)}
     devices = [Device(DeviceId(h), WorkerId(h), 0, "cpu", "cpu", SliceId(0), h)
                for h in range(hosts)]
-    controller = Controller(Fleet(devices, workers))  # type: ignore[arg-type]
+    controller = Controller(WholeFleet(devices, workers))  # type: ignore[arg-type]
     session = Session(controller)
     ids = tuple(range(hosts))
     executable = session.programs.compile(CompileRequest(b"", b"", ids))

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from isthmus.controller.controller import Controller, ControllerConfig
-from isthmus.controller.fleet import Device, Fleet
+from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
 from isthmus.ids import COMPANION_BASE, DeviceId, SliceId, WorkerId
 from isthmus.launch import RestartPolicy
@@ -81,7 +81,7 @@ class SharedConfig:
 
 def embedded_fleet(num_devices: int, platform: str = "cpu",
                    simulate_flops: float = 0.0, compile_cache: Any = None
-                   ) -> tuple[Fleet, Any]:
+                   ) -> tuple[WholeFleet, Any]:
     """One in-process worker with `num_devices` jaxlib CPU devices, or the GPUs it sees
     (simulated accelerators at `simulate_flops` FLOP/s each, when that is set; executables
     kept in `compile_cache`, a `CacheConfig`, across restarts)."""
@@ -108,7 +108,7 @@ def embedded_fleet(num_devices: int, platform: str = "cpu",
                for local, d in enumerate(client.local_devices())]
     if companions:
         devices += [d.companion() for d in devices]
-    fleet = Fleet(devices, {worker: host})
+    fleet = WholeFleet(devices, {worker: host})
     host.attach_flow(fleet.flow, worker)
     return fleet, host
 
@@ -167,7 +167,7 @@ class Head:
             from isthmus.transport.auth import JoinTokens
             from isthmus.wire.fleet_service import FleetServicer
 
-            fleet = Fleet([], {})
+            fleet = WholeFleet([], {})
             controller = Controller(fleet, config.controller)
             advertise = config.advertise_host or (
                 config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")

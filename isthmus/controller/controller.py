@@ -19,7 +19,7 @@ from typing import Any, cast
 from isthmus import errors
 from isthmus.controller.arrays import Buffer, BufferGroup
 from isthmus.controller.counts import Counts
-from isthmus.controller.fleet import Device, Fleet
+from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.ids import BufferId, ExecutableId, WorkerId
 from isthmus.logs import event
 from isthmus.transport import commands as c
@@ -94,7 +94,7 @@ class Executable:
 class Controller:
     """Fleet, ids, accounting and the compilation cache."""
 
-    def __init__(self, fleet: Fleet, config: ControllerConfig | None = None) -> None:
+    def __init__(self, fleet: WholeFleet, config: ControllerConfig | None = None) -> None:
         self.fleet = fleet
         self.config = config or ControllerConfig()
         self._next_buffer_id = 1

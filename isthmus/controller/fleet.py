@@ -8,6 +8,10 @@ index on its host.
 A slice is usable while every host slot of it has a live worker in the current collective
 group; otherwise `unavailable` names the reason (a DATA_LOSS error naming worker and slice).
 
+`Fleet` is what a session may ask of the fleet it works on: the whole fleet (`WholeFleet`,
+which the controller and the fleet manager hold) or a lease's part of it
+(`lease_view.FleetView`), which answers for the lease's devices and workers only.
+
 On an accelerator fleet each accelerator has a *colocated CPU device* on its host (jax's
 `colocated_python` runs there): a `Device` with `companion_of` set, id `COMPANION_BASE` plus
 its accelerator's, and the accelerator's `colocation_id`. They are in `all_devices` and found
@@ -19,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import NoReturn, Protocol, TypeVar
 
 from isthmus import errors
 from isthmus.ids import COMPANION_BASE, DeviceId, SliceId, WorkerId
@@ -31,6 +35,9 @@ from isthmus.transport.flow import FlowGate
 _T = TypeVar("_T")
 
 MAX_FLUSH_WAIT = 0.001  # seconds shared commands may wait for more of their kind
+
+# A channel's `deliver`: hands it commands (`more`: another of the caller's follows).
+Deliver = Callable[[Commands, bool], None]
 
 # Memory kinds every jaxlib CPU device offers, default first.
 CPU_MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
@@ -65,7 +72,57 @@ class Device:
                       "cpu", self.slice_index, self.host_index, CPU_MEMORY_KINDS, self.id)
 
 
-class Fleet:
+class Flow(Protocol):
+    """Flow control as a session's clients see it: closed while a worker they use has too
+    much outstanding work (`transport.flow.FlowGate`, or a lease's `ScopedFlow`)."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    async def wait(self) -> None: ...
+
+
+class Fleet(Protocol):
+    """What a session may ask of the fleet it works on: its devices, the channels to their
+    workers, and whether work on them can run now."""
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """The accelerators (what `jax.devices()` lists and device assignments draw from)."""
+        ...
+
+    @property
+    def all_devices(self) -> tuple[Device, ...]:
+        """The accelerators and their colocated CPU devices."""
+        ...
+
+    @property
+    def flow(self) -> Flow: ...
+
+    def device(self, device_id: int) -> Device:
+        """The device with this id (an error the client sees when there is none)."""
+        ...
+
+    def devices_of(self, device_ids: Iterable[int]) -> tuple[Device, ...]: ...
+
+    def slice_label(self, device: Device) -> int:
+        """The slice index the client sees for `device`."""
+        ...
+
+    def unavailable(self, devices: Iterable[Device]) -> errors.IsthmusError | None:
+        """Why work on `devices` cannot run now, or None when it can."""
+        ...
+
+    def slice_error_of(self, worker: WorkerId) -> errors.IsthmusError:
+        """Why `worker` has no live channel."""
+        ...
+
+    def channel(self, worker: WorkerId) -> WorkerChannel: ...
+
+    def multicast(self, workers: tuple[WorkerId, ...], command: Command) -> None: ...
+
+
+class WholeFleet:
     """Devices, live worker channels, and why some slices are down."""
 
     def __init__(self, devices: Sequence[Device], workers: dict[WorkerId, WorkerChannel]
@@ -85,7 +142,7 @@ class Fleet:
         # the same workers can be recognised by identity and routes stay few.
         self._worker_sets: dict[tuple[WorkerId, ...], tuple[WorkerId, ...]] = {}
         # worker set id -> (that set, its channels' `deliver`); cleared on any change.
-        self._routes: dict[int, tuple[tuple[WorkerId, ...], list[Any]]] = {}
+        self._routes: dict[int, tuple[tuple[WorkerId, ...], list[Deliver]]] = {}
         self._down: dict[SliceId, errors.IsthmusError] = {}
         self.flow = FlowGate()  # closed while some worker has too much outstanding work
         # Commands for several workers, this event-loop turn, in order. Consecutive ones for
@@ -147,6 +204,9 @@ class Fleet:
 
     def devices_of(self, device_ids: Iterable[int]) -> tuple[Device, ...]:
         return tuple(self.device(d) for d in device_ids)
+
+    def slice_label(self, device: Device) -> int:
+        return device.slice_index
 
     def channel(self, worker: WorkerId) -> WorkerChannel:
         """The channel to one worker (a `LostChannel` when it has none)."""
@@ -262,7 +322,7 @@ class LostChannel:
     def ask(self, request: Request[_T]) -> Awaitable[_T]:
         return self._fail()
 
-    async def _fail(self) -> Any:
+    async def _fail(self) -> NoReturn:
         raise self.error
 
     def deliver(self, commands: Commands, more: bool = False) -> None:

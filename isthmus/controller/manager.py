@@ -34,7 +34,7 @@ from typing import Any
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
-from isthmus.controller.fleet import Device, Fleet
+from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.logs import event
 from isthmus.ports import free_port
@@ -75,7 +75,7 @@ class ManagerConfig:
 class FleetManager:
     """Registers workers into host slots and keeps the collective group formed."""
 
-    def __init__(self, spec: FleetSpec, fleet: Fleet, config: ManagerConfig | None = None,
+    def __init__(self, spec: FleetSpec, fleet: WholeFleet, config: ManagerConfig | None = None,
                  on_slice_down: Callable[[SliceId, errors.IsthmusError], None] | None = None,
                  on_generation: Callable[[int], None] | None = None,
                  on_crash: Callable[[m.CrashReport, str], None] | None = None,

@@ -38,7 +38,7 @@ def init(session: Any, request: Any, response: Any) -> None:
     fleet = session.fleet
     devices = fleet.all_devices
     # A lease's sessions see its slices numbered from 0 (`FleetView.slice_label`).
-    slice_of = getattr(fleet, "slice_label", lambda device: device.slice_index)
+    slice_of = fleet.slice_label
     for position, device in enumerate(devices):
         kinds = device.memory_kinds
         ids = [memory_id(position, k, len(kinds)) for k in range(len(kinds))]
@@ -52,7 +52,7 @@ def init(session: Any, request: Any, response: Any) -> None:
         _attribute(d.attributes, HOST_INDEX, device.host_index)
         # jax's colocated_cpu_devices() matches a device with the CPU device of equal
         # colocation_id: on a CPU fleet each device is its own, on an accelerator fleet each
-        # accelerator has one beside it (`Fleet.companions`).
+        # accelerator has one beside it (`WholeFleet.companions`).
         _attribute(d.attributes, COLOCATION_ID, device.colocation_id)
         for k, (kind, mid) in enumerate(zip(kinds, ids)):
             label = f"{kind.upper()}_{mid}" if device.platform != "cpu" else (

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from isthmus.controller.controller import Controller
-from isthmus.controller.fleet import Fleet
+from isthmus.controller.fleet import WholeFleet
 from isthmus.controller.manager import FleetManager, FleetSpec
 from isthmus.transport import auth
 from isthmus.transport import messages as m
@@ -31,7 +31,7 @@ TOKEN = "the fleet's secret"
 
 
 async def _service(token=TOKEN):
-    fleet = Fleet([], {})
+    fleet = WholeFleet([], {})
     controller = Controller(fleet)
     manager = FleetManager(FleetSpec(slices=1, hosts_per_slice=1, devices_per_host=2), fleet,
                            on_slice_down=controller.poison_slice)

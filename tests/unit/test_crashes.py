@@ -14,7 +14,7 @@ import pytest
 
 from isthmus import errors
 from isthmus.controller.controller import Controller
-from isthmus.controller.fleet import Fleet
+from isthmus.controller.fleet import WholeFleet
 from isthmus.controller.manager import FleetManager, FleetSpec
 from isthmus.launch import RestartPolicy
 from isthmus.transport import commands as c
@@ -138,7 +138,7 @@ def _register(slice_index, pid, crash=None):
 def _fleet():
     """A controller and manager with the workers of two one-host slices as members; returns
     them and, per slot, the frames sent to its worker."""
-    fleet = Fleet([], {})
+    fleet = WholeFleet([], {})
     controller = Controller(fleet)
     manager = FleetManager(FleetSpec(slices=2, hosts_per_slice=1, devices_per_host=2), fleet,
                            on_slice_down=controller.poison_slice, on_crash=controller.crashed,

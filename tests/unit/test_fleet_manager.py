@@ -9,7 +9,7 @@ import pytest
 from isthmus import errors
 from isthmus.controller.arrays import Buffer
 from isthmus.controller.controller import Controller
-from isthmus.controller.fleet import Fleet
+from isthmus.controller.fleet import WholeFleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
@@ -30,7 +30,7 @@ _TWO_BY_TWO = FleetSpec(slices=2, hosts_per_slice=2, devices_per_host=2)  # 8 de
 
 
 def _manager(spec=_TWO_BY_TWO):
-    fleet = Fleet([], {})
+    fleet = WholeFleet([], {})
     controller = Controller(fleet)
     return FleetManager(spec, fleet, on_slice_down=controller.poison_slice), fleet, controller
 
@@ -139,7 +139,7 @@ def test_a_lone_free_waits_to_ride_with_the_next_command():
 
 def test_shared_memory_only_for_a_worker_that_reads_the_probe(tmp_path):
     async def main():
-        fleet = Fleet([], {})
+        fleet = WholeFleet([], {})
         manager = FleetManager(FleetSpec(slices=1, hosts_per_slice=2, devices_per_host=2),
                                fleet, ManagerConfig(shared_dir=str(tmp_path)))
         near, far = (manager.register(register(slice_index=0, pid=p), lambda f: None, "peer")

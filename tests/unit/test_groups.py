@@ -9,7 +9,7 @@ import pytest
 
 from isthmus import dtypes, errors
 from isthmus.controller.controller import Controller
-from isthmus.controller.fleet import Device, Fleet
+from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.controller.session import Session
 from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
@@ -60,7 +60,7 @@ class Host(RemoteWorker):
 def _setup(channel=Host):
     hosts = {h: channel(h) for h in range(HOSTS)}
     devices = [Device(h, h, 0, "cpu", "cpu", 0, h) for h in range(HOSTS)]
-    controller = Controller(Fleet(devices, hosts))
+    controller = Controller(WholeFleet(devices, hosts))
     return hosts, controller, Session(controller)
 
 

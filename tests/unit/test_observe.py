@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from isthmus import errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.counts import PROGRAM_BUCKETS, Counts
-from isthmus.controller.fleet import Device, Fleet
+from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.logs import event
 from isthmus.observe.events import EventLog
@@ -44,7 +44,7 @@ def make_head(shared=None):
                       "compile_cache_misses": 1, "device_bytes_in_use": 300,
                       "memory/0/bytes_in_use": 100, "memory/0/peak_bytes_in_use": 150,
                       "memory/0/bytes_limit": 1000, "memory/1/bytes_in_use": 200})
-    fleet = Fleet(devices, {WorkerId(0): worker})
+    fleet = WholeFleet(devices, {WorkerId(0): worker})
     fleet.mark_down(SliceId(1), errors.WorkerLost("worker b:7 (slice 1, host 0) was lost"))
     controller = Controller(fleet)
     frontend = types.SimpleNamespace(controller=controller, sessions={})
