@@ -68,7 +68,7 @@ class LeaseClient:
         self._release = self.channel.unary_unary("/isthmus.Shared/Release")
         self.call: Any = None
         self.grant: Grant | None = None
-        self.ended: str | None = None  # why the lease ended, once it did
+        self.end_reason: str | None = None  # why the lease ended, once it did
         self._reader: threading.Thread | None = None
         self._released = False
 
@@ -130,18 +130,18 @@ class LeaseClient:
                 for raw in updates:
                     update = json.loads(raw)
                     if "ended" in update:
-                        self.ended = update["ended"]["reason"]
-                        if not self.ended.endswith("released by its client."):
-                            self.report(f"isthmus: {self.ended}")
+                        self.end_reason = update["ended"]["reason"]
+                        if not self.end_reason.endswith("released by its client."):
+                            self.report(f"isthmus: {self.end_reason}")
                         return
                 return
             except grpc.RpcError as e:
                 if self._released or e.code() == grpc.StatusCode.CANCELLED:
                     return
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    self.ended = e.details() or str(e.code())
+                    self.end_reason = e.details() or str(e.code())
                     self.report(f"isthmus: lease {self.grant.lease if self.grant else ''} is "
-                                f"gone: {self.ended}")
+                                f"gone: {self.end_reason}")
                     return
                 broke = e.details() or str(e.code())
             updates = self._resume(broke)
@@ -172,21 +172,21 @@ class LeaseClient:
                     held = e.details()
                     continue
                 if not self._released:
-                    self.ended = e.details() or str(e.code())
-                    self.report(f"isthmus: lease {self.grant.lease} is gone: {self.ended}")
+                    self.end_reason = e.details() or str(e.code())
+                    self.report(f"isthmus: lease {self.grant.lease} is gone: {self.end_reason}")
                 return None
             if "granted" in first:
                 self.report(f"isthmus: back on lease {self.grant.lease}")
                 return updates
         if not self._released:
-            self.ended = held or f"the service was unreachable for {RESUME_SECONDS:g} s"
-            self.report(f"isthmus: lease {self.grant.lease} is gone: {self.ended}")
+            self.end_reason = held or f"the service was unreachable for {RESUME_SECONDS:g} s"
+            self.report(f"isthmus: lease {self.grant.lease} is gone: {self.end_reason}")
         return None
 
     def release(self) -> None:
         """Ends the lease on the service (its arrays are freed); then the stream closes."""
         self._released = True
-        if self.grant is not None and self.ended is None:
+        if self.grant is not None and self.end_reason is None:
             with contextlib.suppress(Exception):
                 self._release(json.dumps({"lease": self.grant.lease}).encode(), timeout=10)
         if self.call is not None:

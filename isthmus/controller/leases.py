@@ -1,8 +1,9 @@
 """The resource manager of a shared service: leases of whole slices, a queue, quotas.
 
 `LeaseBook` is a state object without a network or an event loop: `ask`, `hold`, `let_go`,
-`revoke`, `tick` and `scrubbed` change it, and it calls back (`Hooks`) when a lease ends or
-one of its slices is taken or given back. Time comes from its `clock`, so tests drive expiry
+`revoke`, `tick` and `scrubbed` change it, and it calls back (`Hooks`) when a lease is
+granted, when one ends (its slices are to be scrubbed) and when one of its slices is taken
+or given back. Time comes from its `clock`, so tests drive expiry
 and grace periods without sleeping.
 
 Invariants:
@@ -69,7 +70,7 @@ class Lease:
     slices: list[SliceId] = dataclasses.field(default_factory=list)  # held now
     reclaimed: list[SliceId] = dataclasses.field(default_factory=list)  # taken, to come back
     granted_at: float | None = None
-    ended: errors.IsthmusError | None = None  # why it ended
+    end_reason: errors.IsthmusError | None = None  # why it ended (state ENDED)
     holders: int = 0  # clients attached to it (lease streams)
     away_since: float | None = None  # when its last client left uncleanly
     # What the service attaches (sessions, kept arrays); the book never looks inside.
@@ -92,15 +93,16 @@ class Lease:
                 "reclaimed": list(self.reclaimed), "wanted": self.wanted,
                 "elastic": self.elastic, "priority": self.tenant.priority,
                 "holders": self.holders,
-                "ended": self.ended.message if self.ended else None}
+                "ended": self.end_reason.message if self.end_reason else None}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Hooks:
     """What the service does when the book decides (each may be left out in tests)."""
 
-    # A lease ended: free its arrays, end its sessions, then call `book.scrubbed(slices)`.
-    ended: Callable[[Lease, list[SliceId]], None] | None = None
+    # A lease ended: scrub its slices (end its sessions, free its arrays), then call
+    # `book.scrubbed(slices)`; until then the slices are not free.
+    scrub: Callable[[Lease, list[SliceId]], None] | None = None
     # One of an elastic lease's slices was taken (its work there fails with DATA_LOSS).
     reclaimed: Callable[[Lease, SliceId], None] | None = None
     # A reclaimed slice came back to its lease.
@@ -123,14 +125,14 @@ class LeaseBook:
         self.clock = clock
         self.leases: dict[str, Lease] = {}  # live ones (queued or active)
         self.scrubbing: set[SliceId] = set()
-        # Why recent leases ended, for the clients that still name them (the last 1024).
-        self.ended: dict[str, errors.IsthmusError] = {}
+        # Why recent leases ended, by id, for the clients that still name them (the last 1024).
+        self.history: dict[str, errors.IsthmusError] = {}
         self._order = itertools.count()
         self._ids = itertools.count(1)
         # Figures of the shared service (the six of Shared Pathways Service, and more).
         self.granted_count = 0
         self.refused_count = 0
-        self.ended_count = 0
+        self.finished_count = 0  # leases that ended after their grant (not queued ones)
         self.assign_seconds: list[float] = []  # ask -> grant of the last grants
 
     # ---- asking, holding, letting go -------------------------------------------------------
@@ -226,8 +228,8 @@ class LeaseBook:
     def lease(self, lease_id: str) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None:
-            if lease_id in self.ended:
-                raise self.ended[lease_id]
+            if lease_id in self.history:
+                raise self.history[lease_id]
             raise errors.LeaseEnded(
                 f"lease {_shown(lease_id)} is not live on this service (it ended, or the "
                 "service restarted); ask for a new lease.")
@@ -259,19 +261,19 @@ class LeaseBook:
         if lease.state is LeaseState.ENDED:
             return
         self.leases.pop(lease.id, None)
-        self.ended[lease.id] = reason
-        while len(self.ended) > 1024:
-            del self.ended[next(iter(self.ended))]
+        self.history[lease.id] = reason
+        while len(self.history) > 1024:
+            del self.history[next(iter(self.history))]
         was_active = lease.state is LeaseState.ACTIVE
-        lease.state, lease.ended = LeaseState.ENDED, reason
+        lease.state, lease.end_reason = LeaseState.ENDED, reason
         freed, lease.slices = lease.slices, []
         lease.reclaimed = []
-        self.ended_count += was_active
+        self.finished_count += was_active
         logger.info("lease %s of %s ended: %s", lease.id, lease.tenant.name, reason.message,
                     extra=event("lease_ended", lease=lease.id, tenant=lease.tenant.name))
         self.scrubbing.update(freed)
-        if self.hooks.ended is not None:
-            self.hooks.ended(lease, freed)
+        if self.hooks.scrub is not None:
+            self.hooks.scrub(lease, freed)
         else:
             self.scrubbed(freed)
         lease.changed()
@@ -387,7 +389,7 @@ class LeaseBook:
             "successful_requests": self.granted_count,
             "users_waiting": len({lease.tenant.name for lease in queued}),
             "refused_requests": self.refused_count,
-            "leases_ended": self.ended_count,
+            "leases_ended": self.finished_count,
         }
 
     def describe(self) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class SharedService:
         fleet = controller.fleet
         self.book = LeaseBook(
             tenants, pool, healthy=lambda s: fleet.slice_error(s) is None,
-            hooks=Hooks(ended=self._ended, reclaimed=self._reclaimed))
+            hooks=Hooks(scrub=self._scrub, reclaimed=self._reclaimed))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._limits: dict[str, TenantLimits] = {}  # by tenant (`limits`)
         self._ticker: asyncio.Task[None] | None = None
@@ -178,9 +178,9 @@ class SharedService:
             reported: tuple[Any, ...] = ()
             while True:
                 if lease.state is LeaseState.ENDED:
-                    assert lease.ended is not None
-                    yield {"ended": {"lease": lease.id, "reason": lease.ended.message,
-                                     "code": int(lease.ended.code)}}
+                    assert lease.end_reason is not None
+                    yield {"ended": {"lease": lease.id, "reason": lease.end_reason.message,
+                                     "code": int(lease.end_reason.code)}}
                     clean = True
                     return
                 now = (lease.state, tuple(lease.slices), tuple(lease.reclaimed))
@@ -237,10 +237,11 @@ class SharedService:
 
     # ---- what the book decides -------------------------------------------------------------
 
-    def _ended(self, lease: Lease, slices: list[SliceId]) -> None:
-        """Ends the lease's sessions with its reason, frees its arrays; then its slices are
-        scrubbed (the workers hold nothing of it) and free."""
-        reason = lease.ended or errors.LeaseEnded(f"lease {lease.id} ended.")
+    def _scrub(self, lease: Lease, slices: list[SliceId]) -> None:
+        """Scrubs an ended lease's slices: ends its sessions with its reason, frees its
+        arrays (and renews the workers when its own code ran there); then the workers hold
+        nothing of it, and the book frees the slices."""
+        reason = lease.end_reason or errors.LeaseEnded(f"lease {lease.id} ended.")
         sessions = list(self.sessions(lease))
         for session in sessions:
             session.end(reason)

@@ -129,12 +129,12 @@ def test_a_client_whose_stream_broke_comes_back_once_the_service_saw_it_go(servi
         resumer.start()
         wait_until(lambda: refused(service) >= refusals + 2, 20,
                    "the service to refuse the resume while the first stream holds the lease")
-        assert not back and again.client.ended is None  # it keeps trying
+        assert not back and again.client.end_reason is None  # it keeps trying
         first.client.call.cancel()  # the first client's stream breaks
         resumer.join(30)
         assert back and back[0] is not None, again.lines
         assert again.lines[-1] == f"isthmus: back on lease {grant.lease}"
-        assert again.client.ended is None
+        assert again.client.end_reason is None
         assert in_use(service) == 1
         path = again.forwarder.listen(f"lease/{grant.lease}", "jax")
         assert result_of(run_python(JOB, f"grpc://unix:{path}")) == EXPECTED

@@ -26,7 +26,7 @@ class Clock:
 
 
 class Recorder:
-    """Hooks that write down every call, in order; `scrub` says whether `ended` is given."""
+    """Hooks that write down every call, in order; `scrub` says whether `scrub` is given."""
 
     def __init__(self, scrub=False):
         self.calls = []
@@ -34,7 +34,7 @@ class Recorder:
 
     def hooks(self):
         return Hooks(
-            ended=(lambda lease, slices: self.calls.append(("ended", lease.id, list(slices))))
+            scrub=(lambda lease, slices: self.calls.append(("scrub", lease.id, list(slices))))
             if self.scrub else None,
             reclaimed=lambda lease, s: self.calls.append(("reclaimed", lease.id, s)),
             returned=lambda lease, s: self.calls.append(("returned", lease.id, s)),
@@ -90,7 +90,7 @@ def test_grant_on_a_free_pool():
     assert (second.id, second.slices, book.free()) == ("L2", [2, 3], [])
     book.end(lease, errors.LeaseEnded("done"))
     assert seen == [LeaseState.ENDED]
-    assert (lease.state, lease.slices, lease.ended.message) == (LeaseState.ENDED, [], "done")
+    assert (lease.state, lease.slices, lease.end_reason.message) == (LeaseState.ENDED, [], "done")
     assert book.free() == [0, 1]
 
 
@@ -189,8 +189,8 @@ def test_unclean_let_go_keeps_an_active_lease_for_the_grace_period():
     clock.advance(0.5)
     book.tick()
     assert lease.state is LeaseState.ENDED
-    assert isinstance(lease.ended, errors.LeaseEnded)
-    assert "away longer than the grace period (60 s)" in lease.ended.message
+    assert isinstance(lease.end_reason, errors.LeaseEnded)
+    assert "away longer than the grace period (60 s)" in lease.end_reason.message
     assert book.free() == [0, 1]
     assert book.figures()["leases_ended"] == 1
 
@@ -251,7 +251,7 @@ def test_max_lease_seconds_counts_from_the_grant():
     clock.advance(0.5)
     book.tick()
     assert timed.state is LeaseState.ENDED
-    assert "reached its tenant's max_lease_seconds (100 s)" in timed.ended.message
+    assert "reached its tenant's max_lease_seconds (100 s)" in timed.end_reason.message
     # A tenant without a limit keeps its lease.
     other = book.ask(A, 1)
     clock.advance(10 ** 6)
@@ -266,8 +266,8 @@ def test_revoke_ends_a_lease_and_remembers_why():
     queued = book.ask(B, 1)
     assert book.revoke(lease.id, by="ops") is lease
     assert lease.state is LeaseState.ENDED
-    assert lease.ended.message == ("lease L1 of tenant a was revoked by the service's admin ops; "
-                                   "ask for a new lease.")
+    assert lease.end_reason.message == (
+        "lease L1 of tenant a was revoked by the service's admin ops; ask for a new lease.")
     assert (queued.state, queued.slices) == (LeaseState.ACTIVE, [0])
     with pytest.raises(errors.LeaseEnded, match="lease L1 of tenant a was revoked"):
         book.lease("L1")  # a client that still names it hears why it ended
@@ -353,13 +353,13 @@ def test_unhealthy_slices_are_granted_once_healthy():
     assert book.free() == []
 
 
-def test_ended_hook_holds_slices_until_scrubbed():
+def test_the_scrub_hook_holds_slices_until_scrubbed():
     recorder = Recorder(scrub=True)
     book = make_book(2, recorder=recorder)
     first = book.ask(A, 2)
     queued = book.ask(B, 1)
     book.end(first, errors.LeaseEnded("done"))
-    assert recorder.of("ended") == [("L1", [0, 1])]
+    assert recorder.of("scrub") == [("L1", [0, 1])]
     assert book.scrubbing == {0, 1}
     assert book.free() == []
     assert queued.state is LeaseState.QUEUED
@@ -370,7 +370,7 @@ def test_ended_hook_holds_slices_until_scrubbed():
     assert (book.scrubbing, book.free()) == (set(), [0])
 
 
-def test_without_ended_hook_slices_are_free_at_once():
+def test_without_a_scrub_hook_slices_are_free_at_once():
     book = make_book(2)
     first = book.ask(A, 2)
     book.end(first, errors.LeaseEnded("done"))
