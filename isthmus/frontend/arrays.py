@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
 
 from isthmus import errors
-from isthmus.frontend.registry import handles
+from isthmus.controller.arrays import Array
+from isthmus.frontend.message import Message
+from isthmus.frontend.serdes import ArraySpec
+from isthmus.frontend.session import FrontendSession
 
 DONATE_INPUT = 3  # xla.ifrt.proto.ArrayCopySemantics.ARRAY_COPY_SEMANTICS_DONATE_INPUT
 
 
-def _donate(body: Any) -> bool:
+def _donate(body: Message) -> bool:
     return body.copy_semantics == DONATE_INPUT
 
 
-def _bind_all(session: Any, handles_in: Any, arrays: list[Any], out: Any) -> None:
+def _bind_all(session: FrontendSession, handles_in: Iterable[int], arrays: list[Array],
+              out: list[int]) -> None:
     handles_in = list(handles_in)
     if handles_in and len(handles_in) != len(arrays):
         session.ctl.arrays.release(arrays)
@@ -24,8 +28,7 @@ def _bind_all(session: Any, handles_in: Any, arrays: list[Any], out: Any) -> Non
         out.append(session.bind_array(handles_in[index] if handles_in else None, array))
 
 
-@handles("assemble_array_from_single_device_arrays_request", arrays=("result_handle",))
-def assemble(session: Any, request: Any, response: Any) -> None:
+def assemble(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.assemble_array_from_single_device_arrays_request
     parts = [session.array(h) for h in body.single_device_array_handles]
     if not parts:
@@ -38,8 +41,7 @@ def assemble(session: Any, request: Any, response: Any) -> None:
         session.bind_array(handle, array))
 
 
-@handles("disassemble_into_single_device_arrays_request", arrays=("result_handles",))
-def disassemble(session: Any, request: Any, response: Any) -> None:
+def disassemble(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.disassemble_into_single_device_arrays_request
     array = session.array(body.array_handle)
     parts = session.ctl.views.disassemble(array, _donate(body))
@@ -47,8 +49,7 @@ def disassemble(session: Any, request: Any, response: Any) -> None:
               response.disassemble_into_single_device_arrays_response.array_handles)
 
 
-@handles("fully_replicated_shard_request", arrays=("result_handle",))
-def fully_replicated_shard(session: Any, request: Any, response: Any) -> None:
+def fully_replicated_shard(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.fully_replicated_shard_request
     array = session.ctl.views.fully_replicated_shard(session.array(body.array_handle),
                                                      _donate(body))
@@ -56,8 +57,7 @@ def fully_replicated_shard(session: Any, request: Any, response: Any) -> None:
         body.result_handle or None, array)
 
 
-@handles("copy_arrays_request", arrays=("result_handles",))
-def copy_arrays(session: Any, request: Any, response: Any) -> None:
+def copy_arrays(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.copy_arrays_request
     arrays = [session.array(h) for h in body.array_handles]
     memory_kind = body.memory_kind if body.HasField("memory_kind") and body.memory_kind else None
@@ -67,8 +67,7 @@ def copy_arrays(session: Any, request: Any, response: Any) -> None:
               response.copy_arrays_response.array_handles)
 
 
-@handles("remap_arrays_request", arrays=("result_handles",))
-def remap_arrays(session: Any, request: Any, response: Any) -> None:
+def remap_arrays(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.remap_arrays_request
     plan = body.plan
     serdes = session.serdes
@@ -102,7 +101,7 @@ def remap_arrays(session: Any, request: Any, response: Any) -> None:
               response.remap_arrays_response.array_handles)
 
 
-def _specs(session: Any, body: Any, arrays: list[Any]) -> list[Any]:
+def _specs(session: FrontendSession, body: Message, arrays: list[Array]) -> list[ArraySpec]:
     if len(body.array_specs) != len(arrays):
         raise errors.InvalidRequest(
             f"{len(arrays)} arrays but {len(body.array_specs)} array specs; send one spec per "
@@ -110,8 +109,7 @@ def _specs(session: Any, body: Any, arrays: list[Any]) -> list[Any]:
     return [session.serdes.array_spec(p) for p in body.array_specs]
 
 
-@handles("reshard_arrays_request", arrays=("result_handles",))
-def reshard_arrays(session: Any, request: Any, response: Any) -> None:
+def reshard_arrays(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.reshard_arrays_request
     arrays = [session.array(h) for h in body.array_handles]
     specs = _specs(session, body, arrays)
@@ -125,8 +123,7 @@ def reshard_arrays(session: Any, request: Any, response: Any) -> None:
               response.reshard_arrays_response.array_handles)
 
 
-@handles("bitcast_arrays_request", arrays=("result_handles",))
-def bitcast_arrays(session: Any, request: Any, response: Any) -> None:
+def bitcast_arrays(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.bitcast_arrays_request
     arrays = [session.array(h) for h in body.array_handles]
     specs = _specs(session, body, arrays)
@@ -136,8 +133,7 @@ def bitcast_arrays(session: Any, request: Any, response: Any) -> None:
               response.bitcast_arrays_response.array_handles)
 
 
-@handles("make_error_arrays_request", arrays=("array_handles",))
-def make_error_arrays(session: Any, request: Any, response: Any) -> None:
+def make_error_arrays(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.make_error_arrays_request
     try:
         code = errors.Code(body.error.code or errors.Code.UNKNOWN)
@@ -154,8 +150,7 @@ def make_error_arrays(session: Any, request: Any, response: Any) -> None:
               response.make_error_arrays_response.array_handles)
 
 
-@handles("delete_array_request")
-def delete_array(session: Any, request: Any, response: Any) -> None:
+def delete_array(session: FrontendSession, request: Message, response: Message) -> None:
     # Bad handles do not fail the request; they fail its deletion future (as XLA's server).
     arrays, problems = [], []
     for handle in request.delete_array_request.array_handle:
@@ -173,14 +168,12 @@ def delete_array(session: Any, request: Any, response: Any) -> None:
     response.delete_array_response.deletion_future_handle = session.add_future(None, wait)
 
 
-@handles("is_array_deleted_request")
-def is_array_deleted(session: Any, request: Any, response: Any) -> None:
+def is_array_deleted(session: FrontendSession, request: Message, response: Message) -> None:
     array = session.array(request.is_array_deleted_request.array_handle)
     response.is_array_deleted_response.deleted = array.is_deleted
 
 
-@handles("destruct_array_request")
-def destruct_array(session: Any, request: Any, response: Any) -> None:
+def destruct_array(session: FrontendSession, request: Message, response: Message) -> None:
     released = []
     for handle in request.destruct_array_request.array_handle:
         value = session.arrays.pop(handle, None)

@@ -6,13 +6,14 @@ to the session; the hosts of the call unpickle it (`worker/colocated.py`).
 
 from __future__ import annotations
 
-from typing import Any
-
 from isthmus import errors
+from isthmus.controller.controller import Executable
+from isthmus.frontend.message import Message
+from isthmus.frontend.session import FrontendSession
 from isthmus.transport.records import COLOCATED_PROGRAM_TYPE
 
 
-def compile_custom_call(session: Any, program: Any) -> tuple[Any, str]:
+def compile_custom_call(session: FrontendSession, program: Message) -> tuple[Executable, str]:
     """Starts a Compile of a CustomCallProgram: (the executable, its name). Its hosts
     unpickle it; the executable's `compiled` resolves when they have."""
     proto = session.schema["xla.ifrt.CustomCallProgramProto"]
@@ -38,5 +39,5 @@ def compile_custom_call(session: Any, program: Any) -> tuple[Any, str]:
     return executable, custom.name
 
 
-def is_python(executable: Any) -> bool:
+def is_python(executable: Executable) -> bool:
     return executable.input_specs is not None

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from isthmus import errors
 from isthmus.controller.fleet import Device
-from isthmus.frontend.registry import handles
+from isthmus.frontend.message import Message
+from isthmus.frontend.session import FrontendSession
 
 # Attributes every device carries (read by users and by pathwaysutils).
 SLICE_INDEX = "slice_index"
@@ -25,8 +24,7 @@ def device_strings(device: Device) -> tuple[str, str]:
     return f"{device.platform}:{device.id}", f"{device.kind}(id={device.id})"
 
 
-@handles("init_request")
-def init(session: Any, request: Any, response: Any) -> None:
+def init(session: FrontendSession, request: Message, response: Message) -> None:
     out = response.init_response
     platform = session.platform
     out.session_id = session.id
@@ -66,12 +64,12 @@ def init(session: Any, request: Any, response: Any) -> None:
     _attribute(out.client_attributes, "isthmus", 1)
 
 
-def _attribute(attribute_map: Any, key: str, value: int) -> None:
+def _attribute(attribute_map: Message, key: str, value: int) -> None:
     attribute_map.attributes[key].int64_value = int(value)
 
 
-@handles("get_default_device_assignment_request")
-def default_device_assignment(session: Any, request: Any, response: Any) -> None:
+def default_device_assignment(session: FrontendSession, request: Message,
+                              response: Message) -> None:
     body = request.get_default_device_assignment_request
     replicas, partitions = int(body.num_replicas), int(body.num_partitions)
     devices = session.fleet.devices
@@ -88,8 +86,7 @@ def default_device_assignment(session: Any, request: Any, response: Any) -> None
             devices[c * replicas + r].id for r in range(replicas))
 
 
-@handles("get_default_layout_request")
-def default_layout(session: Any, request: Any, response: Any) -> None:
+def default_layout(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.get_default_layout_request
     session.serdes.dtype(body.dtype)  # validates
     rank = len(body.dims)

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
 
 from isthmus import errors
 from isthmus.frontend.colocated import is_python
+from isthmus.frontend.message import Message
 from isthmus.frontend.persistence import is_kept, is_persistence
 from isthmus.frontend.profile import is_profile
-from isthmus.frontend.registry import handles
 from isthmus.frontend.reshard import is_reshard
+from isthmus.frontend.session import FrontendSession
 
 
-@handles("loaded_executable_execute_request",
-         arrays=("result_array_handle",), futures=("result_status_handle",))
-def execute(session: Any, request: Any, response: Any) -> None:
+def execute(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.loaded_executable_execute_request
     handle = body.loaded_executable_handle
     executable = session.executable(handle)
@@ -71,8 +70,8 @@ def execute(session: Any, request: Any, response: Any) -> None:
     out.SetInParent()
 
 
-@handles("loaded_executable_fetch_execute_result_request")
-def fetch_execute_result(session: Any, request: Any, response: Any) -> Any:
+def fetch_execute_result(session: FrontendSession, request: Message,
+                         response: Message) -> Awaitable[None]:
     handle = request.loaded_executable_fetch_execute_result_request.result_status_handle
     status = session.take_future(handle)
     response.loaded_executable_fetch_execute_result_response.SetInParent()

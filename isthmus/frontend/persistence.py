@@ -18,9 +18,12 @@ from typing import Any
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
+from isthmus.controller.controller import Executable
 from isthmus.controller.session_checkpoints import PersistencePlan, Saved
 from isthmus.controller.session_kept import KeepPlan, KeptSpec
 from isthmus.frontend import profile, reshard
+from isthmus.frontend.message import Message
+from isthmus.frontend.session import FrontendSession
 from isthmus.ids import DeviceId
 
 PREFIX = b"__serialized_plugin_program "
@@ -73,7 +76,7 @@ def plan_of(data: bytes) -> PersistencePlan | KeepPlan:
         "and their bulk forms).")
 
 
-def _list(body: Any, field: str) -> list[Any]:
+def _list(body: object, field: str) -> list[object]:
     items = body.get(field) if isinstance(body, dict) else None
     if not isinstance(items, list) or not items:
         raise errors.InvalidRequest(f"the bulk request needs a non-empty {field!r} list.")
@@ -88,7 +91,7 @@ def _text(body: dict[str, Any], field: str) -> str:
                                     "UTF-8.") from None
 
 
-def _saved(body: Any, write: bool) -> Saved:
+def _saved(body: object, write: bool) -> Saved:
     if not isinstance(body, dict):
         raise errors.InvalidRequest("each persistence request must be a JSON object.")
     location, name = _text(body, "b64_location"), _text(body, "b64_name")
@@ -120,7 +123,7 @@ def _saved(body: Any, write: bool) -> Saved:
                  sharding)
 
 
-def compile_plugin(session: Any, program: Any) -> Any:
+def compile_plugin(session: FrontendSession, program: Message) -> Executable:
     """Starts a Compile of a PluginProgram: the session's executable for the plan."""
     plan = plan_of(bytes(program.data))
     if isinstance(plan, reshard.ReshardPlan):
@@ -135,9 +138,9 @@ def compile_plugin(session: Any, program: Any) -> Any:
     return session.ctl.checkpoints.compile(plan)
 
 
-def is_persistence(executable: Any) -> bool:
+def is_persistence(executable: Executable) -> bool:
     return isinstance(executable.request, PersistencePlan)
 
 
-def is_kept(executable: Any) -> bool:
+def is_kept(executable: Executable) -> bool:
     return isinstance(executable.request, KeepPlan)

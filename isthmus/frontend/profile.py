@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 
 from isthmus import errors
+from isthmus.controller.controller import Executable
 from isthmus.controller.session_profiles import ProfilePlan
+from isthmus.frontend.session import FrontendSession
 from isthmus.transport.records import TraceOptions
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _ADVANCED_KINDS = ("boolValue", "int64Value", "stringValue")
 
 
-def plan_of(body: Any) -> ProfilePlan:
+def plan_of(body: object) -> ProfilePlan:
     """The plan of a `profileRequest`; InvalidRequest naming the field that is wrong."""
     if not isinstance(body, dict):
         raise errors.InvalidRequest("profileRequest must be a JSON object.")
@@ -61,7 +62,7 @@ def plan_of(body: Any) -> ProfilePlan:
                        options, None if duration is None else float(duration))
 
 
-def _xprof(xprof: dict[str, Any]) -> tuple[str | None, TraceOptions]:
+def _xprof(xprof: dict[str, object]) -> tuple[str | None, TraceOptions]:
     run = xprof.get("traceSessionName")
     if run is not None and (not isinstance(run, str) or not _RUN_NAME.fullmatch(run)
                             or run in (".", "..")):
@@ -82,7 +83,7 @@ def _xprof(xprof: dict[str, Any]) -> tuple[str | None, TraceOptions]:
                                      _advanced(pathways.get("advancedConfiguration", {})))
 
 
-def _advanced(config: Any) -> tuple[tuple[str, Any], ...]:
+def _advanced(config: object) -> tuple[tuple[str, bool | int | str], ...]:
     """`advancedConfiguration` ({name: {"boolValue" | "int64Value" | "stringValue": v}}) as
     (name, bool | int | str) pairs for jax's `ProfileOptions.advanced_configuration`."""
     if not isinstance(config, dict):
@@ -113,10 +114,10 @@ def _advanced(config: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(pairs)
 
 
-def compile_profile(session: Any, plan: ProfilePlan) -> Any:
+def compile_profile(session: FrontendSession, plan: ProfilePlan) -> Executable:
     """Starts a Compile of a profile program: the session's executable for the plan."""
     return session.ctl.profiles.compile(plan)
 
 
-def is_profile(executable: Any) -> bool:
+def is_profile(executable: Executable) -> bool:
     return isinstance(executable.request, ProfilePlan)

@@ -9,15 +9,17 @@ overrides stay the server's business.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
+from isthmus.controller.controller import Executable
 from isthmus.frontend.colocated import compile_custom_call
+from isthmus.frontend.message import Message
 from isthmus.frontend.persistence import compile_plugin
-from isthmus.frontend.registry import handles
-from isthmus.transport.records import CompileRequest
+from isthmus.frontend.session import FrontendSession
+from isthmus.protocol.schema import Schema
+from isthmus.transport.records import CompiledInfo, CompileRequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +57,14 @@ class CompileOptionsVetter:
     the way XLA checks them; the allowlisted ones take effect, the others are dropped.
     """
 
-    def __init__(self, schema: Any) -> None:
+    def __init__(self, schema: Schema) -> None:
         xc = jax_compat.xla_client()  # the server's own defaults
         self._xla_options = schema["xla.ifrt.XlaCompileOptionsProto"]
         self._options = schema["xla.CompileOptionsProto"]
         defaults = self._options.FromString(xc.CompileOptions().SerializeAsString())
         self._default_debug = defaults.executable_build_options.debug_options
 
-    def _vet_overrides(self, options: Any) -> None:
+    def _vet_overrides(self, options: Message) -> None:
         overrides = options.env_option_overrides
         for key in sorted(overrides):
             error = _override_error(self._default_debug, key, overrides[key])
@@ -74,7 +76,7 @@ class CompileOptionsVetter:
         for key in dropped:
             del overrides[key]
 
-    def vet(self, serialized: Any, fleet_devices: Sequence[int]
+    def vet(self, serialized: Message, fleet_devices: Sequence[int]
             ) -> tuple[bytes, tuple[int, ...], int]:
         """(vetted CompileOptionsProto bytes, device ids of the assignment, replica count).
 
@@ -132,7 +134,7 @@ _DROPPED_OPTIONS = ("serialized_multi_slice_config", "target_config", "compiler_
                     "allow_in_place_mlir_modification")
 
 
-def _vet_build_options(options: Any, devices: int, replicas: int) -> None:
+def _vet_build_options(options: Message, devices: int, replicas: int) -> None:
     """Checks the client's build options against its device assignment; drops the fields
     that name devices or layouts another way. Raises InvalidRequest naming the field."""
     build = options.executable_build_options
@@ -179,7 +181,7 @@ def _vet_build_options(options: Any, devices: int, replicas: int) -> None:
                 "each.")
 
 
-def _default_assignment(options: Any, fleet_devices: Sequence[int]) -> None:
+def _default_assignment(options: Message, fleet_devices: Sequence[int]) -> None:
     build = options.executable_build_options
     if options.compile_portable_executable:
         devices = [[fleet_devices[0]]]
@@ -200,7 +202,7 @@ def _default_assignment(options: Any, fleet_devices: Sequence[int]) -> None:
         assignment.computation_devices.add().replica_device_ids.extend(replica_ids)
 
 
-def _override_error(debug: Any, key: str, value: Any) -> errors.IsthmusError | None:
+def _override_error(debug: Message, key: str, value: Message) -> errors.IsthmusError | None:
     """XLA's own complaint about one compiler option (jax's `compiler_options`), if any."""
     field = debug.DESCRIPTOR.fields_by_name.get(key)
     if field is None:
@@ -214,8 +216,8 @@ def _override_error(debug: Any, key: str, value: Any) -> errors.IsthmusError | N
     return None
 
 
-@handles("compile_request")
-def compile_program(session: Any, request: Any, response: Any) -> Any:
+def compile_program(session: FrontendSession, request: Message,
+                    response: Message) -> Awaitable[None]:
     body = request.compile_request
     program = body.program
     if program.type_name == CUSTOM_CALL_PROGRAM:
@@ -247,10 +249,13 @@ def compile_program(session: Any, request: Any, response: Any) -> Any:
     return compile_vetted()
 
 
-async def _answer(session: Any, executable: Any, out: Any, name: str | None = None) -> None:
+async def _answer(session: FrontendSession, executable: Executable, out: Message,
+                  name: str | None = None) -> None:
     """Fills a CompileResponse once the executable is loaded on its hosts."""
+    compiled = executable.compiled
+    assert compiled is not None  # the controller starts its compile as it makes it
     try:
-        info = await executable.compiled
+        info = await compiled
     except errors.IsthmusError:
         session.ctl.programs.release(executable)
         raise
@@ -273,7 +278,7 @@ async def _answer(session: Any, executable: Any, out: Any, name: str | None = No
     out.ready_future_handle = session.add_future(None, ready)
 
 
-def _layouts(text_layouts: tuple[str, ...], out: Any) -> None:
+def _layouts(text_layouts: tuple[str, ...], out: Message) -> None:
     for text in text_layouts:
         layout = out.layouts.add()
         inner = text.strip().removeprefix("{").removesuffix("}").split(":")[0]
@@ -281,11 +286,16 @@ def _layouts(text_layouts: tuple[str, ...], out: Any) -> None:
             layout.minor_to_major.extend(int(x) for x in inner.split(","))
 
 
-@handles("loaded_executable_metadata_request")
-def metadata(session: Any, request: Any, response: Any) -> None:
+def _info(executable: Executable) -> CompiledInfo:
+    # An executable enters the session's table once compiled (`_answer`): its info is known.
+    assert executable.info is not None
+    return executable.info
+
+
+def metadata(session: FrontendSession, request: Message, response: Message) -> None:
     executable = session.executable(request.loaded_executable_metadata_request
                                     .loaded_executable_handle)
-    info = executable.info
+    info = _info(executable)
     out = response.loaded_executable_metadata_response
     if info.param_shardings is not None:
         out.parameter_shardings.SetInParent()
@@ -325,8 +335,7 @@ def metadata(session: Any, request: Any, response: Any) -> None:
     out.size_of_generated_code_in_bytes = info.generated_code_bytes
 
 
-@handles("loaded_executable_cost_analysis_request")
-def cost_analysis(session: Any, request: Any, response: Any) -> None:
+def cost_analysis(session: FrontendSession, request: Message, response: Message) -> None:
     # Errors go inside the response: the client cannot survive a top-level error here.
     result = response.loaded_executable_cost_analysis_response
     try:
@@ -338,7 +347,7 @@ def cost_analysis(session: Any, request: Any, response: Any) -> None:
         return
     out = result.attributes
     out.SetInParent()
-    for key, value in sorted(executable.info.cost_analysis.items()):
+    for key, value in sorted(_info(executable).cost_analysis.items()):
         entry = out.attributes[key]
         if isinstance(value, bool):
             entry.bool_value = value
@@ -352,8 +361,7 @@ def cost_analysis(session: Any, request: Any, response: Any) -> None:
             entry.string_value = str(value).encode()
 
 
-@handles("loaded_executable_human_readable_program_text_request")
-def program_text(session: Any, request: Any, response: Any) -> None:
+def program_text(session: FrontendSession, request: Message, response: Message) -> None:
     out = response.loaded_executable_human_readable_program_text_response
     try:
         executable = session.executable(
@@ -363,11 +371,10 @@ def program_text(session: Any, request: Any, response: Any) -> None:
         out.status.code = int(e.code)
         out.status.message = e.message
         return
-    out.human_readable_program_text = executable.info.hlo_text
+    out.human_readable_program_text = _info(executable).hlo_text
 
 
-@handles("loaded_executable_delete_request")
-def delete_executable(session: Any, request: Any, response: Any) -> None:
+def delete_executable(session: FrontendSession, request: Message, response: Message) -> None:
     handle = request.loaded_executable_delete_request.loaded_executable_handle
     executable = session.executable(handle)
     session.deleted_executables.add(handle)
@@ -379,16 +386,14 @@ def delete_executable(session: Any, request: Any, response: Any) -> None:
     response.loaded_executable_delete_response.future_handle = session.add_future(None, done)
 
 
-@handles("loaded_executable_is_deleted_request")
-def executable_is_deleted(session: Any, request: Any, response: Any) -> None:
+def executable_is_deleted(session: FrontendSession, request: Message, response: Message) -> None:
     handle = request.loaded_executable_is_deleted_request.loaded_executable_handle
     session.executable(handle)
     response.loaded_executable_is_deleted_response.is_deleted = (
         handle in session.deleted_executables)
 
 
-@handles("loaded_executable_destruct_request")
-def destruct_executable(session: Any, request: Any, response: Any) -> None:
+def destruct_executable(session: FrontendSession, request: Message, response: Message) -> None:
     handle = request.loaded_executable_destruct_request.loaded_executable_handle
     value = session.executables.pop(handle, None)
     if value is not None and not isinstance(value, errors.IsthmusError) \

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any
 
 from isthmus import errors
 from isthmus.controller import sharding as sh
+from isthmus.controller.controller import Executable
 from isthmus.controller.session_moves import ReshardPlan
+from isthmus.frontend.session import FrontendSession
 from isthmus.ids import DeviceId
+from isthmus.protocol.schema import Schema
 
 REQUEST = "reshardRequest"
 # Each field under its lowerCamel name, with the proto name protobuf's JSON also accepts.
@@ -38,7 +40,7 @@ _DEVICES_FIELDS = {"deviceIds": "device_ids"}
 _TUPLE = 2
 
 
-def plan_of(body: Any) -> ReshardPlan:
+def plan_of(body: object) -> ReshardPlan:
     """The plan of a `reshardRequest` body; InvalidRequest naming the field that is wrong."""
     fields = _fields(body, REQUEST, _REQUEST_FIELDS)
     donate = fields.get("donateInput", False)
@@ -54,7 +56,7 @@ def plan_of(body: Any) -> ReshardPlan:
     return ReshardPlan(sources, targets, donate)
 
 
-def compile_reshard(session: Any, plan: ReshardPlan) -> Any:
+def compile_reshard(session: FrontendSession, plan: ReshardPlan) -> Executable:
     """Starts a Compile of a reshard plan: checks its shardings against the session's fleet
     (devices, memory kinds, tile assignments), and returns the session's executable."""
     for field, shardings in (("inSharding", plan.sources), ("outSharding", plan.targets)):
@@ -74,16 +76,16 @@ def compile_reshard(session: Any, plan: ReshardPlan) -> Any:
     return session.ctl.moves.compile_reshard(plan)
 
 
-def is_reshard(executable: Any) -> bool:
+def is_reshard(executable: Executable) -> bool:
     return isinstance(executable.request, ReshardPlan)
 
 
-def _fields(body: Any, where: str, names: dict[str, str]) -> dict[str, Any]:
+def _fields(body: object, where: str, names: dict[str, str]) -> dict[str, object]:
     """`body`'s fields by their lowerCamel names; refuses unknown and repeated fields."""
     if not isinstance(body, dict):
         raise errors.InvalidRequest(f"{where} must be a JSON object, not {_kind(body)}.")
     by_name = {alias: camel for camel, alias in names.items()} | {c: c for c in names}
-    fields: dict[str, Any] = {}
+    fields: dict[str, object] = {}
     for key, value in body.items():
         camel = by_name.get(key)
         if camel is None:
@@ -96,7 +98,7 @@ def _fields(body: Any, where: str, names: dict[str, str]) -> dict[str, Any]:
     return fields
 
 
-def _shardings(fields: dict[str, Any], name: str) -> tuple[sh.Sharding, ...]:
+def _shardings(fields: dict[str, object], name: str) -> tuple[sh.Sharding, ...]:
     items = fields.get(name)
     if not isinstance(items, list) or not items:
         raise errors.InvalidRequest(
@@ -106,7 +108,7 @@ def _shardings(fields: dict[str, Any], name: str) -> tuple[sh.Sharding, ...]:
                  for index, item in enumerate(items))
 
 
-def _sharding(body: Any, where: str) -> sh.Sharding:
+def _sharding(body: object, where: str) -> sh.Sharding:
     fields = _fields(body, where, _SHARDING_FIELDS)
     devices = _fields(fields.get("devices"), f"{where}.devices", _DEVICES_FIELDS).get(
         "deviceIds")
@@ -136,7 +138,7 @@ def _sharding(body: Any, where: str) -> sh.Sharding:
                        op_sharding)
 
 
-def _check_op_sharding(schema: Any, sharding: sh.Sharding, where: str) -> None:
+def _check_op_sharding(schema: Schema, sharding: sh.Sharding, where: str) -> None:
     """Refuses an OpSharding that does not parse or does not fit its device list. Shapes
     come with the arrays; this checks it at the least rank it tiles."""
     try:
@@ -155,6 +157,6 @@ def _check_op_sharding(schema: Any, sharding: sh.Sharding, where: str) -> None:
         raise errors.InvalidRequest(f"{where}.xla_hlo_sharding: {e.message}") from None
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

@@ -8,10 +8,11 @@ controller: a malformed object becomes `InvalidRequest` naming the field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Iterable
 
 from isthmus import dtypes, errors
 from isthmus.controller.sharding import Sharding, ShardingKind
+from isthmus.frontend.message import Message
 from isthmus.ids import DeviceId
 from isthmus.protocol.schema import Schema
 
@@ -32,6 +33,16 @@ class ArraySpec:
     sharding: Sharding
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostShardSpec:
+    """One host buffer of a MakeArraysFromHostBufferShards spec, checked."""
+
+    positions: tuple[int, ...]  # the shards (device positions of the sharding) it fills
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    byte_strides: tuple[int, ...] | None  # None: C order
+
+
 class Serdes:
     """Converters bound to the installed schema."""
 
@@ -48,11 +59,11 @@ class Serdes:
         self._sharding_proto = schema["xla.ifrt.ShardingProto"]
         self._dtype_proto = schema["xla.ifrt.DTypeProto"]
         self._shape_proto = schema["xla.ifrt.ShapeProto"]
-        self._to_wire_cache: dict[Sharding, Any] = {}
+        self._to_wire_cache: dict[Sharding, Message] = {}
 
     # ---- dtypes and shapes ---------------------------------------------------------------
 
-    def dtype(self, proto: Any) -> dtypes.DType:
+    def dtype(self, proto: Message) -> dtypes.DType:
         name = self._kind_by_number.get(proto.kind)
         dtype = dtypes.BY_KIND.get(name or "")
         if dtype is None or dtype is dtypes.TOKEN:
@@ -61,10 +72,10 @@ class Serdes:
                 "boolean or string dtype.")
         return dtype
 
-    def dtype_proto(self, dtype: dtypes.DType) -> Any:
+    def dtype_proto(self, dtype: dtypes.DType) -> Message:
         return self._dtype_proto(kind=self._number_by_kind[dtype.kind])
 
-    def shape(self, proto: Any) -> tuple[int, ...]:
+    def shape(self, proto: Message) -> tuple[int, ...]:
         dims = tuple(proto.dims)
         if len(dims) > MAX_RANK:
             raise errors.InvalidRequest(
@@ -74,12 +85,12 @@ class Serdes:
                 f"shape {list(dims)} has a negative dimension; dimensions must be >= 0.")
         return dims
 
-    def shape_proto(self, shape: tuple[int, ...]) -> Any:
+    def shape_proto(self, shape: tuple[int, ...]) -> Message:
         return self._shape_proto(dims=shape)
 
     # ---- shardings -----------------------------------------------------------------------
 
-    def sharding(self, proto: Any) -> Sharding:
+    def sharding(self, proto: Message) -> Sharding:
         """A `ShardingProto` (a Serialized sharding) as a `Sharding`."""
         serialized = proto.serialized_sharding
         type_name = serialized.type_name
@@ -113,7 +124,7 @@ class Serdes:
             f"sharding type {type_name!r} is not supported by isthmus; use jax's "
             "NamedSharding, PositionalSharding or SingleDeviceSharding.")
 
-    def sharding_proto(self, sharding: Sharding) -> Any:
+    def sharding_proto(self, sharding: Sharding) -> Message:
         cached = self._to_wire_cache.get(sharding)
         if cached is not None:
             return cached
@@ -146,12 +157,12 @@ class Serdes:
         self._to_wire_cache[sharding] = proto
         return proto
 
-    def array_spec(self, proto: Any) -> ArraySpec:
+    def array_spec(self, proto: Message) -> ArraySpec:
         return ArraySpec(self.dtype(proto.dtype), self.shape(proto.shape),
                          self.sharding(proto.sharding))
 
 
-def _devices(ids: Any) -> tuple[DeviceId, ...]:
+def _devices(ids: Iterable[int]) -> tuple[DeviceId, ...]:
     devices = tuple(DeviceId(i) for i in ids)
     if not devices:
         raise errors.InvalidRequest("a sharding names no devices; give at least one device.")
@@ -161,5 +172,5 @@ def _devices(ids: Any) -> tuple[DeviceId, ...]:
     return devices
 
 
-def _memory_kind(msg: Any) -> str | None:
+def _memory_kind(msg: Message) -> str | None:
     return msg.memory_kind if msg.HasField("memory_kind") and msg.memory_kind else None

@@ -1,7 +1,7 @@
 """The front end: version negotiation, sessions, and routing of host-buffer RPCs.
 
 It sits between the gRPC servicer (which only moves messages) and the controller (which knows
-nothing of the protocol). Importing this module registers every request handler.
+nothing of the protocol). Sessions dispatch requests on the table of frontend/registry.py.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import numpy as np
 from isthmus import errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.session import Session as ControllerSession
-from isthmus.frontend import arrays, devices, execute, futures, programs, transfers, unsupported  # noqa: F401 - importing registers the handlers
 from isthmus.frontend.host_buffers import HostBufferStore, map_shared_file
+from isthmus.frontend.lease_service import Identity, SharedService
+from isthmus.frontend.message import Message
 from isthmus.frontend.programs import CompileOptionsVetter
 from isthmus.frontend.registry import HANDLERS
 from isthmus.frontend.serdes import Serdes
-from isthmus.frontend.session import FrontendSession
-from isthmus.frontend.lease_service import SharedService
+from isthmus.frontend.session import FrontendSession, Platform, Send
 from isthmus.hostmem import aligned_empty, shared_empty
 from isthmus.ids import HostBufferHandle, SessionId
 from isthmus.protocol import versions
@@ -64,6 +64,7 @@ class Frontend:
         self.serdes = Serdes(schema)
         self.vetter = CompileOptionsVetter(schema)
         self.sessions: dict[SessionId, FrontendSession] = {}
+        self.handlers = HANDLERS  # the table its sessions dispatch requests on
         self._session_ids = itertools.count(1)
         self.extra_status: Callable[[], dict[str, Any]] | None = None
         # A shared service's leases (None: whoever reaches the port uses every device).
@@ -75,7 +76,7 @@ class Frontend:
         self._store_metadata = schema["xla.ifrt.proxy.GrpcHostBufferStoreMetadata"]
 
     @property
-    def platform(self) -> dict[str, Any]:
+    def platform(self) -> Platform:
         """The platform sessions report; a fleet's is known once its first worker registered."""
         name = self.controller.fleet.platform
         return {"name": name, "version": self.config.platform_version,
@@ -85,7 +86,7 @@ class Frontend:
     def implemented_requests() -> list[str]:
         return sorted(HANDLERS)
 
-    def get_version(self, request: Any, identity: Any = None) -> Any:
+    def get_version(self, request: Message, identity: Identity | None = None) -> Message:
         if self.shared is not None:
             self.shared.lease_of(identity)  # a stranger learns nothing, not even versions
         low, high = request.min_version, request.max_version
@@ -100,8 +101,8 @@ class Frontend:
         response.version.ifrt_serdes_version_number = version.serdes
         return response
 
-    def open_session(self, metadata: bytes | None, send: Callable[[Any], None],
-                     peer: str = "", identity: Any = None) -> FrontendSession:
+    def open_session(self, metadata: bytes | None, send: Send, peer: str = "",
+                     identity: Identity | None = None) -> FrontendSession:
         lease = None
         if self.shared is not None:
             lease = self.shared.lease_of(identity)
@@ -128,7 +129,7 @@ class Frontend:
         budget = self.shared.limits(lease.tenant).uploads if (
             self.shared is not None and lease is not None) else None
         session = FrontendSession(
-            session_id, version, self.schema, self.serdes, controller_session,
+            session_id, version, self.schema, self.serdes, self.handlers, controller_session,
             HostBufferStore(self.controller.config.host_buffer_timeout, budget), send,
             self.platform, self.vetter, peer, on_close=self._closed)
         session.lease, session.shared_service = lease, self.shared
@@ -191,11 +192,12 @@ class Frontend:
         return map_shared_file(self.config.shared_dir, header.handle,
                                self.check_host_buffer_size(header.buffer_size))
 
-    def host_buffers(self, session_id: int, identity: Any = None) -> HostBufferStore:
+    def host_buffers(self, session_id: int, identity: Identity | None = None
+                     ) -> HostBufferStore:
         """The host buffers of a session; on a shared service, only of the caller's lease."""
         session = self.sessions.get(SessionId(session_id))
         if session is not None and self.shared is not None and (
-                getattr(identity, "lease_id", None) != session.lease.id):
+                session.lease is None or getattr(identity, "lease_id", None) != session.lease.id):
             session = None  # another tenant's (or lease's) session is not there for it
         if session is None:
             raise errors.UnknownHandle(
@@ -203,7 +205,7 @@ class Frontend:
                 "live session.")
         return session.host_buffers
 
-    def status(self, identity: Any = None, local: bool = True) -> dict[str, Any]:
+    def status(self, identity: Identity | None = None, local: bool = True) -> dict[str, Any]:
         """The fleet, its sessions and arrays. On a shared service only an admin's tunnel
         sees sessions and memory figures (they are other tenants'); a tenant, or a caller
         on the service's own machine (`local`), sees the fleet's health and the service's

@@ -4,6 +4,10 @@ Requests are handled in arrival order, each inside `handle`, which never waits: 
 either answers at once or hands back an awaitable, and the response goes out when that
 completes. Responses carry the request's op_id, so they may overtake each other.
 
+Each request kind (a case of `IfrtRequest`'s oneof) has one `Entry` in the table the
+session dispatches on (`registry.HANDLERS`): its handler, and the request fields that carry
+result handles. A kind the table lacks (a newer client's) is answered UNIMPLEMENTED.
+
 Handles belong to the session (a session sees only its own). A handle bound to an error
 (its creating request failed) reports that error on every use.
 """
@@ -11,18 +15,21 @@ Handles belong to the session (a session sees only its own). A handle bound to a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol, TypedDict
 
 from isthmus import errors
 from isthmus.controller.arrays import Array
 from isthmus.controller.controller import Executable
+from isthmus.controller.leases import Lease
 from isthmus.controller.session import Session as ControllerSession
+from isthmus.controller.session_kept import KeptArrays
 from isthmus.frontend.host_buffers import HostBufferStore
-from isthmus.frontend.registry import HANDLERS
-from isthmus.frontend.serdes import Serdes
+from isthmus.frontend.message import Message
+from isthmus.frontend.serdes import ArraySpec, HostShardSpec, Serdes
 from isthmus.ids import SessionId
 from isthmus.protocol.schema import Schema
 from isthmus.protocol.versions import Version
@@ -32,19 +39,43 @@ logger = logging.getLogger(__name__)
 # Handles the server mints start here, far above the small numbers the client mints.
 SERVER_HANDLE_BASE = 1 << 62
 
+Wait = Callable[[], Awaitable[None]]  # a future: resolves when its work is done, or raises
+
+# What a session puts on its client's stream: a response, or the error that ends the stream
+# (`FrontendSession.end`).
+Send = Callable[[Message | errors.IsthmusError], None]
+
+
+class Platform(TypedDict):
+    """The platform sessions report (`InitResponse`)."""
+
+    name: str
+    version: str
+    id: int  # a fingerprint of the name; only equality matters to clients
+    runtime_type: str
+
+
+class OptionsVetter(Protocol):
+    """What a session asks of the compile options' vetter (`programs.CompileOptionsVetter`)."""
+
+    def vet(self, serialized: Message, fleet_devices: Sequence[int]
+            ) -> tuple[bytes, tuple[int, ...], int]: ...
+
+
 
 class FrontendSession:
     """Handle tables and request dispatch of one client session."""
 
     def __init__(self, session_id: SessionId, version: Version, schema: Schema,
-                 serdes: Serdes, controller_session: ControllerSession,
-                 host_buffers: HostBufferStore, send: Callable[[Any], None],
-                 platform: dict[str, Any], vetter: Any, peer: str = "",
+                 serdes: Serdes, handlers: Mapping[str, Entry],
+                 controller_session: ControllerSession, host_buffers: HostBufferStore,
+                 send: Send, platform: Platform, vetter: OptionsVetter, peer: str = "",
                  on_close: Callable[[FrontendSession], None] | None = None) -> None:
         self.id = session_id
         self.version = version
         self.schema = schema
         self.serdes = serdes
+        self._handlers = handlers  # request kind -> its entry (`registry.HANDLERS`)
         self.ctl = controller_session
         self.fleet = controller_session.core.fleet
         self.host_buffers = host_buffers
@@ -56,16 +87,18 @@ class FrontendSession:
         self._response = schema["xla.ifrt.proxy.IfrtResponse"]
         self.arrays: dict[int, Array | errors.IsthmusError] = {}
         self.executables: dict[int, Executable | errors.IsthmusError] = {}
-        self.futures: dict[int, Callable[[], Awaitable[None]] | errors.IsthmusError] = {}
+        self.futures: dict[int, Wait | errors.IsthmusError] = {}
         self.deleted_executables: set[int] = set()
         self._handles = itertools.count(SERVER_HANDLE_BASE)
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
-        self.lease: Any = None  # on a shared service, the lease it runs under
-        self.shared_service: Any = None  # ... and the service (frontend/lease_service.py)
+        self.lease: Lease | None = None  # on a shared service, the lease it runs under
+        # ... and the service (`lease_service.SharedService`): untyped, since the wire layer
+        # reads it beside the lease, without asking whether it is None.
+        self.shared_service: Any = None
         self.requests = 0
         # MakeArraysFromHostBufferShards' specs checked so far (`transfers._check_shards`).
-        self.checked_specs: dict[Any, Any] = {}
+        self.checked_specs: dict[Hashable, tuple[ArraySpec, list[HostShardSpec]]] = {}
         self._seq = itertools.count()  # numbers OK responses, as the client expects
 
     # ---- the request loop ----------------------------------------------------------------
@@ -79,16 +112,16 @@ class FrontendSession:
     async def wait_for_room(self) -> None:
         await self.ctl.core.dispatcher.wait_for_room()
 
-    def handle(self, request: Any) -> None:
+    def handle(self, request: Message) -> None:
         """Handles one request; its response is sent now or when its work completes."""
         self.requests += 1
         op_id = request.request_metadata.op_id
         response = self._response()
         response.response_metadata.op_id = op_id
         kind = request.WhichOneof("request")
-        entry = HANDLERS.get(kind) if kind else None
+        entry = self._handlers.get(kind) if kind else None
         try:
-            if entry is None:
+            if kind is None or entry is None:
                 raise errors.Unimplemented(
                     f"IFRT request {kind or '(empty)'} is not implemented by isthmus; see "
                     "docs/protocol.md for the requests it serves.")
@@ -110,7 +143,7 @@ class FrontendSession:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _finish(self, request: Any, kind: str, response: Any,
+    async def _finish(self, request: Message, kind: str, response: Message,
                       pending: Awaitable[None]) -> None:
         try:
             await pending
@@ -122,15 +155,16 @@ class FrontendSession:
             response.response_metadata.seq_num = next(self._seq)
             self._send(response)
 
-    def _fail(self, request: Any, kind: str | None, response: Any, e: BaseException) -> None:
+    def _fail(self, request: Message, kind: str | None, response: Message,
+              e: BaseException) -> None:
         error = e if isinstance(e, errors.IsthmusError) else errors.InternalError(
             f"handling {kind} failed unexpectedly ({type(e).__name__}: {e}); this is a bug in "
             "isthmus: please report it with the server log.")
         if not isinstance(e, errors.IsthmusError):
             logger.exception("session %s: %s failed", self.id, kind)
-        entry = HANDLERS.get(kind) if kind else None
-        if entry is not None:
-            body = getattr(request, cast(str, kind))  # entry is not None: kind is set
+        entry = self._handlers.get(kind) if kind else None
+        if kind is not None and entry is not None:
+            body = getattr(request, kind)
             for field in entry.array_results:
                 for handle in _handles_in(body, field):
                     self.arrays.setdefault(handle, error)
@@ -181,19 +215,19 @@ class FrontendSession:
             raise value
         return value
 
-    def add_future(self, handle: int | None, wait: Callable[[], Awaitable[None]]) -> int:
+    def add_future(self, handle: int | None, wait: Wait) -> int:
         if handle is None:
             handle = self.new_handle()
         self.futures[handle] = wait
         return handle
 
-    def take_future(self, handle: int) -> Callable[[], Awaitable[None]]:
+    def take_future(self, handle: int) -> Wait:
         """The wait of a future, which leaves the table (the client checks a future once)."""
         wait = self.peek_future(handle)
         del self.futures[handle]
         return wait
 
-    def peek_future(self, handle: int) -> Callable[[], Awaitable[None]]:
+    def peek_future(self, handle: int) -> Wait:
         value = self.futures.get(handle)
         if value is None:
             raise errors.UnknownHandle(
@@ -209,7 +243,7 @@ class FrontendSession:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def kept(self) -> Any:
+    def kept(self) -> KeptArrays:
         """The arrays this session's lease keeps for its next client (a shared service)."""
         return self.shared_service.kept(self.lease)
 
@@ -235,14 +269,26 @@ class FrontendSession:
             self._on_close(self)
 
 
-def _handles_in(body: Any, field: str) -> list[int]:
+Handler = Callable[[FrontendSession, Message, Message], Awaitable[None] | None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """How the session handles one request kind (`registry.HANDLERS` says which)."""
+
+    handler: Handler
+    array_results: tuple[str, ...] = ()  # fields of the request body with result array handles
+    future_results: tuple[str, ...] = ()  # fields with result future handles
+
+
+def _handles_in(body: Message, field: str) -> list[int]:
     value = getattr(body, field)
     if isinstance(value, int):
         return [value] if value else []
     return list(value)
 
 
-def _answered(response: Any, kind: str) -> None:
+def _answered(response: Message, kind: str) -> None:
     """Sets the response's oneof for a request of `kind` if its handler left it unset (an
     empty request's answer is an empty message, never no message: the client reads it)."""
     if response.WhichOneof("response") is None:

@@ -11,18 +11,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
 from isthmus import dtypes, errors
-from isthmus.frontend.registry import handles
+from isthmus.controller.arrays import Array
+from isthmus.frontend.message import Message
+from isthmus.frontend.serdes import ArraySpec, HostShardSpec
+from isthmus.frontend.session import FrontendSession
 from isthmus.hostmem import byte_view
+from isthmus.ids import HostBufferHandle
 
 logger = logging.getLogger(__name__)
 
 
-def decode_host_array(session: Any, data: memoryview, dtype: dtypes.DType,
+def decode_host_array(session: FrontendSession, data: memoryview, dtype: dtypes.DType,
                       shape: tuple[int, ...], byte_strides: tuple[int, ...] | None
                       ) -> np.ndarray:
     """A numpy view of host buffer bytes (no copy for numeric data)."""
@@ -56,7 +60,7 @@ def decode_host_array(session: Any, data: memoryview, dtype: dtypes.DType,
     return np.ndarray(shape, dtype=dtype.numpy, buffer=data, strides=byte_strides)
 
 
-def encode_host_array(session: Any, value: np.ndarray, dtype: dtypes.DType,
+def encode_host_array(session: FrontendSession, value: np.ndarray, dtype: dtypes.DType,
                       byte_strides: tuple[int, ...] | None) -> memoryview:
     """The bytes of `value` laid out as the client asked (C order when no strides)."""
     if dtype.is_string:
@@ -93,7 +97,7 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _check_default_layout(session: Any, layout: Any, rank: int) -> None:
+def _check_default_layout(session: FrontendSession, layout: Message, rank: int) -> None:
     """Accepts only the default (row-major, untiled) layout, in either IFRT form."""
     serialized = layout.serialized_layout
     row_major = list(range(rank))
@@ -116,7 +120,7 @@ def _check_default_layout(session: Any, layout: Any, rank: int) -> None:
         "default row-major layout.")
 
 
-def _strides(body: Any) -> tuple[int, ...] | None:
+def _strides(body: Message) -> tuple[int, ...] | None:
     return tuple(body.byte_strides.strides) if body.HasField("byte_strides") else None
 
 
@@ -146,8 +150,8 @@ class _HostShard:
 
     __slots__ = ("session", "handle", "dtype", "shape", "byte_strides")
 
-    def __init__(self, session: Any, handle: int, dtype: dtypes.DType, shape: tuple[int, ...],
-                 byte_strides: tuple[int, ...] | None) -> None:
+    def __init__(self, session: FrontendSession, handle: HostBufferHandle, dtype: dtypes.DType,
+                 shape: tuple[int, ...], byte_strides: tuple[int, ...] | None) -> None:
         self.session, self.handle, self.dtype = session, handle, dtype
         self.shape, self.byte_strides = shape, byte_strides
 
@@ -168,8 +172,8 @@ class _HostShard:
         self.session.host_buffers.when_ready(self.handle, arrived)
 
 
-@handles("make_array_from_host_buffer_request", arrays=("array_handle",))
-def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> None:
+def make_array_from_host_buffer(session: FrontendSession, request: Message,
+                                response: Message) -> None:
     body = request.make_array_from_host_buffer_request
     serdes = session.serdes
     dtype, shape = serdes.dtype(body.dtype), serdes.shape(body.shape)
@@ -191,8 +195,8 @@ def make_array_from_host_buffer(session: Any, request: Any, response: Any) -> No
         handle, array)
 
 
-@handles("make_arrays_from_host_buffer_shards_request", arrays=("array_handles",))
-def make_arrays_from_host_buffer_shards(session: Any, request: Any, response: Any) -> None:
+def make_arrays_from_host_buffer_shards(session: FrontendSession, request: Message,
+                                        response: Message) -> None:
     body = request.make_arrays_from_host_buffer_shards_request
     out = response.make_arrays_from_host_buffer_shards_response
     out.SetInParent()
@@ -221,7 +225,7 @@ def _ignore(data: object, error: object) -> None:
     """Receives a host buffer nobody needs (of a request that failed)."""
 
 
-def _array_from_shards(session: Any, spec: Any) -> Any:
+def _array_from_shards(session: FrontendSession, spec: Message) -> Array:
     """The array of one spec of MakeArraysFromHostBufferShards."""
     # A loop puts arrays of the same specs again and again, only the handles differ: what
     # they describe is checked once per session (`_check_shards`), found by their fields.
@@ -237,8 +241,9 @@ def _array_from_shards(session: Any, spec: Any) -> Any:
             memo.clear()
         memo[key] = checked
     array_spec, described = checked
-    pieces = [(positions, _HostShard(session, buffer.host_buffer_handle, dtype, shape, strides))
-              for (positions, dtype, shape, strides), buffer in zip(described, buffers)]
+    pieces = [(shard.positions, _HostShard(session, buffer.host_buffer_handle, shard.dtype,
+                                           shard.shape, shard.byte_strides))
+              for shard, buffer in zip(described, buffers)]
     return session.ctl.arrays.make_array_from_shards(
         array_spec.dtype, array_spec.shape, array_spec.sharding, pieces)
 
@@ -246,8 +251,8 @@ def _array_from_shards(session: Any, spec: Any) -> Any:
 CHECKED_SPECS = 256  # specs of host-buffer shards kept checked per session
 
 
-def _check_shards(session: Any, spec: Any) -> tuple[Any, list[tuple[tuple[int, ...], Any, Any,
-                                                                     Any]]]:
+def _check_shards(session: FrontendSession, spec: Message
+                  ) -> tuple[ArraySpec, list[HostShardSpec]]:
     """One spec of MakeArraysFromHostBufferShards, checked: its array spec, and per host
     buffer the shard positions it fills, its dtype, shape and byte strides."""
     serdes = session.serdes
@@ -267,7 +272,7 @@ def _check_shards(session: Any, spec: Any) -> tuple[Any, list[tuple[tuple[int, .
         shape = session.ctl.arrays.validate_shape(dtype, shape)
         strides = _strides(buffer)
         check_upload_strides(dtype, shape, strides)
-        pieces.append((tuple(indices.indices), dtype, shape, strides))
+        pieces.append(HostShardSpec(tuple(indices.indices), dtype, shape, strides))
     return array_spec, pieces
 
 
@@ -281,7 +286,8 @@ def _check_rank_and_sign(byte_strides: tuple[int, ...], shape: Sequence[int]) ->
             "non-negative strides.")
 
 
-def _check_download_strides(session: Any, array: Any, strides: tuple[int, ...]) -> None:
+def _check_download_strides(session: FrontendSession, array: Array,
+                            strides: tuple[int, ...]) -> None:
     """A download's byte strides must match the rank, be non-negative and span no more
     memory than the server allows an array (strides can ask for any size of buffer)."""
     _check_rank_and_sign(strides, array.shape)
@@ -295,8 +301,7 @@ def _check_download_strides(session: Any, array: Any, strides: tuple[int, ...]) 
             f"server's limit of {limit}; ask for a denser layout.")
 
 
-@handles("copy_to_host_buffer_request")
-def copy_to_host_buffer(session: Any, request: Any, response: Any) -> Any:
+def copy_to_host_buffer(session: FrontendSession, request: Message, response: Message) -> None:
     body = request.copy_to_host_buffer_request
     array = session.array(body.array_handle)
     strides = _strides(body)

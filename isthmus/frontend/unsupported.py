@@ -7,33 +7,29 @@ the client copes with best.
 
 from __future__ import annotations
 
-from typing import Any
-
 from isthmus import errors
-from isthmus.frontend.registry import handles
+from isthmus.frontend.message import Message
+from isthmus.frontend.session import FrontendSession
 
 
-@handles("loaded_host_callback_poll_request")
-def host_callback_poll(session: Any, request: Any, response: Any) -> None:
+def host_callback_poll(session: FrontendSession, request: Message, response: Message) -> None:
     # An empty answer tells the client the callback is retired: it stops polling.
     response.loaded_host_callback_poll_response.SetInParent()
 
 
-@handles("loaded_host_callback_return_request")
-def host_callback_return(session: Any, request: Any, response: Any) -> None:
+def host_callback_return(session: FrontendSession, request: Message, response: Message) -> None:
     handle = request.loaded_host_callback_return_request.host_callback_execution_handle
     raise errors.UnknownHandle(
         f"host callback execution {handle} is unknown: isthmus runs no host callbacks.")
 
 
-def _not_mpmd(session: Any, handle: int) -> errors.IsthmusError:
+def _not_mpmd(session: FrontendSession, handle: int) -> errors.IsthmusError:
     session.executable(handle)  # unknown handles fail as such
     return errors.InvalidRequest(
         "the executable is not an MPMD executable; isthmus compiles SPMD programs only.")
 
 
-@handles("loaded_executable_mpmd_metadata_request")
-def mpmd_metadata(session: Any, request: Any, response: Any) -> None:
+def mpmd_metadata(session: FrontendSession, request: Message, response: Message) -> None:
     error = _not_mpmd(
         session, request.loaded_executable_mpmd_metadata_request.mpmd_loaded_executable_handle)
     out = response.loaded_executable_mpmd_metadata_response.mpmd_compiled_memory_stats_error
@@ -41,7 +37,6 @@ def mpmd_metadata(session: Any, request: Any, response: Any) -> None:
     out.message = error.message
 
 
-@handles("loaded_executable_mpmd_cost_analysis_request")
-def mpmd_cost_analysis(session: Any, request: Any, response: Any) -> None:
+def mpmd_cost_analysis(session: FrontendSession, request: Message, response: Message) -> None:
     raise _not_mpmd(
         session, request.loaded_executable_mpmd_cost_analysis_request.loaded_executable_handle)

@@ -1,0 +1,84 @@
+"""The table from request kinds to handlers (frontend/registry.py) against the installed
+jaxlib's schema: every kind has its entry, every entry names a kind and fields that exist."""
+
+import asyncio
+
+from google.protobuf.descriptor import FieldDescriptor
+
+from isthmus.controller.controller import Controller, ControllerConfig
+from isthmus.frontend.registry import HANDLERS
+from isthmus.frontend.service import Frontend
+from isthmus.head import embedded_fleet
+from isthmus.protocol.schema import schema
+
+UNIMPLEMENTED = 12
+HANDLE_TYPES = {FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64,
+                FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64}
+
+
+def _kinds(message: str, oneof: str) -> list[str]:
+    descriptor = schema()[message].DESCRIPTOR
+    return [field.name for field in descriptor.oneofs_by_name[oneof].fields]
+
+
+def test_every_request_kind_of_the_schema_has_an_entry():
+    missing = [kind for kind in _kinds("xla.ifrt.proxy.IfrtRequest", "request")
+               if kind not in HANDLERS]
+    assert missing == [], (
+        "request kinds of this jaxlib without an entry in frontend/registry.py (give each a "
+        f"handler, or one in frontend/unsupported.py that refuses it in words): {missing}")
+
+
+def test_every_entry_names_a_request_kind_of_the_schema():
+    kinds = set(_kinds("xla.ifrt.proxy.IfrtRequest", "request"))
+    assert sorted(set(HANDLERS) - kinds) == []
+
+
+def test_every_request_kind_has_its_response_kind():
+    # The session answers a kind `x_request` with `x_response` (set empty when the handler
+    # left it unset).
+    responses = set(_kinds("xla.ifrt.proxy.IfrtResponse", "response"))
+    assert [kind for kind in HANDLERS
+            if kind.removesuffix("_request") + "_response" not in responses] == []
+
+
+def test_result_handle_fields_are_handle_fields_of_their_request():
+    request = schema()["xla.ifrt.proxy.IfrtRequest"].DESCRIPTOR
+    wrong = []
+    for kind, entry in HANDLERS.items():
+        body = request.fields_by_name[kind].message_type
+        for name in entry.array_results + entry.future_results:
+            field = body.fields_by_name.get(name)
+            if field is None or field.type not in HANDLE_TYPES:
+                wrong.append(f"{kind}.{name}")
+    assert wrong == []
+
+
+def test_a_kind_without_an_entry_is_answered_unimplemented_naming_it():
+    """What a newer client's request kind meets (XLA's server answers it the same way)."""
+
+    async def main():
+        fleet, _ = embedded_fleet(1)
+        frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1)),
+                            schema())
+        frontend.handlers = {k: v for k, v in HANDLERS.items() if k != "init_request"}
+        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
+        metadata.version.protocol_version = 25
+        metadata.version.ifrt_serdes_version_number = 3
+        sent = []
+        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        request = schema()["xla.ifrt.proxy.IfrtRequest"]()
+        request.request_metadata.op_id = 7
+        request.init_request.SetInParent()
+        session.handle(request)
+        empty = schema()["xla.ifrt.proxy.IfrtRequest"]()
+        empty.request_metadata.op_id = 8
+        session.handle(empty)
+        await session.close()
+        return sent
+
+    sent = asyncio.run(main())
+    assert [r.response_metadata.op_id for r in sent] == [7, 8]
+    assert [r.response_metadata.status.code for r in sent] == [UNIMPLEMENTED] * 2
+    assert "init_request" in sent[0].response_metadata.status.message
+    assert "(empty)" in sent[1].response_metadata.status.message
