@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from isthmus import errors
 from isthmus.controller.controller import Controller
+from isthmus.controller.fleet import Fleet
 from isthmus.controller.session_arrays import SessionArrays
 from isthmus.controller.session_checkpoints import SessionCheckpoints
 from isthmus.controller.session_core import SessionCore
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 class Session:
     """Arrays and executables of one client session, held by its parts."""
 
-    def __init__(self, controller: Controller, fleet: Any = None, namespace: str = "",
+    def __init__(self, controller: Controller, fleet: Fleet | None = None, namespace: str = "",
                  files: TenantFiles | None = None, python_refusal: str | None = None) -> None:
         self.core = core = SessionCore(controller, fleet, namespace, files, python_refusal)
         self.arrays = arrays = SessionArrays(core)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import Protocol
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup
 from isthmus.controller.controller import Controller, Executable
 from isthmus.controller.dispatch import OrderedDispatcher
+from isthmus.controller.fleet import Fleet
 from isthmus.controller.storage import TenantFiles
 
 
@@ -23,11 +24,11 @@ class SessionCore:
     """The controller, fleet, queue, storage and background tasks of one session: what
     every part of it shares."""
 
-    def __init__(self, controller: Controller, fleet: Any = None, namespace: str = "",
+    def __init__(self, controller: Controller, fleet: Fleet | None = None, namespace: str = "",
                  files: TenantFiles | None = None, python_refusal: str | None = None) -> None:
         self.controller = controller
         # What the session may use: the whole fleet, or a lease's part of it (`FleetView`).
-        self.fleet: Any = fleet if fleet is not None else controller.fleet
+        self.fleet: Fleet = fleet if fleet is not None else controller.fleet
         self.namespace = namespace  # a shared service's tenant (its own executables)
         self.python_refusal = python_refusal  # why it may not run colocated Python, or None
         # A shared service's tenant: where its files go and which workers it may profile
