@@ -4,10 +4,10 @@ Nothing here counts. Counters kept as things happen live where they happen (the
 controller's `counts.Counts`, the fleet manager's losses, the launcher's restarts); state
 (workers, slices, sessions, queues, memory) is read as it is at the scrape.
 
-A scrape has two halves. `FleetCollector.snapshot` reads the server on its event loop's
+A scrape has two halves. `FleetCollector.read` reads the server on its event loop's
 thread (`web.py` serves from that loop), so it needs no locks; it copies what it reads
 (the workers' reports are dicts that a heartbeat replaces, never changes). `families`
-turns a snapshot into metric families, and prometheus_client writes the text; both can run
+turns a reading into metric families, and prometheus_client writes the text; both can run
 on another thread, which matters on a large fleet: three memory figures per device are tens
 of thousands of samples.
 
@@ -36,7 +36,7 @@ MEMORY_KINDS = {"bytes_in_use": "in_use", "peak_bytes_in_use": "peak", "bytes_li
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Snapshot:
+class Reading:
     """What one scrape read, copied: safe to format on any thread."""
 
     runs: dict[int, int]  # slice -> programs executed
@@ -66,7 +66,7 @@ class FleetCollector:
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
 
-    def snapshot(self) -> Snapshot | None:
+    def read(self) -> Reading | None:
         """Reads the server (on its event loop); None before its controller exists."""
         sources = self.sources
         controller = sources.controller
@@ -74,7 +74,7 @@ class FleetCollector:
             return None
         counts = controller.counts
         fleet = controller.fleet
-        return Snapshot(
+        return Reading(
             runs=controller.program_runs(), slices=sources.slices(),
             slices_down=frozenset(fleet.down_slices),
             program_buckets=list(counts.program_buckets),
@@ -88,13 +88,13 @@ class FleetCollector:
             shared=sources.shared_figures())
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self.snapshot()
-        if snapshot is not None:
-            yield from families(snapshot)
+        reading = self.read()
+        if reading is not None:
+            yield from families(reading)
 
 
-def families(s: Snapshot) -> Iterator[Metric]:
-    """The metric families of a snapshot."""
+def families(s: Reading) -> Iterator[Metric]:
+    """The metric families of a reading."""
     executed = CounterMetricFamily(
         "isthmus_programs_executed", "Executes of compiled programs dispatched, by slice (a "
         "program over several slices counts on each).", labels=["slice"])

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from isthmus import errors
 from isthmus.observe import state
 from isthmus.observe.events import EventLog
-from isthmus.observe.metrics import Collected, FleetCollector, Snapshot, families
+from isthmus.observe.metrics import Collected, FleetCollector, Reading, families
 from isthmus.observe.options import ObserveConfig
 from isthmus.observe.sources import Sources
 from isthmus.observe.web import WebServer
@@ -100,15 +100,15 @@ class Observer:
         return "text/html; charset=utf-8", self._page
 
     async def _metrics(self, headers: dict[str, str]) -> tuple[str, bytes]:
-        snapshot = self.collector.snapshot()  # read here, on the loop; written out aside
-        text = await asyncio.get_running_loop().run_in_executor(None, _exposition, snapshot)
+        reading = self.collector.read()  # read here, on the loop; written out aside
+        text = await asyncio.get_running_loop().run_in_executor(None, _exposition, reading)
         return CONTENT_TYPE_LATEST, text
 
     async def _state(self, headers: dict[str, str]) -> tuple[str, bytes]:
-        snapshot = state.snapshot(self.sources, self.events, self._started)
+        reading = state.read(self.sources, self.events, self._started)
         if not self._admin(headers.get("authorization", "")):
-            snapshot = state.redacted(snapshot)
-        body = await asyncio.get_running_loop().run_in_executor(None, state.render, snapshot)
+            reading = state.redacted(reading)
+        body = await asyncio.get_running_loop().run_in_executor(None, state.render, reading)
         return "application/json", body
 
 
@@ -127,7 +127,7 @@ class Observer:
             return False
 
 
-def _exposition(snapshot: Snapshot | None) -> bytes:
-    """Prometheus text of a snapshot (on any thread)."""
-    metrics = list(families(snapshot)) if snapshot is not None else []
-    return generate_latest(Collected(metrics))  # type: ignore[arg-type]
+def _exposition(reading: Reading | None) -> bytes:
+    """Prometheus text of a reading (on any thread)."""
+    metrics = list(families(reading)) if reading is not None else []
+    return generate_latest(Collected(metrics))

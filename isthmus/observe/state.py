@@ -2,7 +2,7 @@
 and recent events, in one JSON object. Rates are the page's to work out, from the
 difference between two polls of the counters.
 
-As for the metrics, `snapshot` reads the server on its event loop and `render` (the hosts'
+As for the metrics, `read` reads the server on its event loop and `render` (the hosts'
 entries and the JSON text, most of the work on a large fleet) may run on another thread.
 """
 
@@ -20,15 +20,15 @@ from isthmus.observe.sources import Host, Sources
 
 def view_state(sources: Sources, events: EventLog | None, started: float) -> dict[str, Any]:
     """The view's data as plain JSON values."""
-    return _plain(snapshot(sources, events, started))
+    return _plain(read(sources, events, started))
 
 
 def render(state: dict[str, Any]) -> bytes:
-    """A snapshot as the JSON the page reads (on any thread)."""
+    """A reading as the JSON the page reads (on any thread)."""
     return json.dumps(_plain(state), default=str).encode()
 
 
-def snapshot(sources: Sources, events: EventLog | None, started: float) -> dict[str, Any]:
+def read(sources: Sources, events: EventLog | None, started: float) -> dict[str, Any]:
     """Reads the server (on its event loop): the view's data, with each slice's hosts as
     `Host` records (which `render` writes out)."""
     controller = sources.controller

@@ -53,10 +53,10 @@ def make_head(shared=None):
 
 
 def scrape(head, lag=0.25):
-    """The exposition as the observer writes it (a snapshot, then the text), checked to be
+    """The exposition as the observer writes it (a reading, then the text), checked to be
     what a plain registry over the same collector writes."""
     collector = FleetCollector(Sources(head, lambda: lag))
-    text = _exposition(collector.snapshot()).decode()
+    text = _exposition(collector.read()).decode()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     assert generate_latest(registry).decode() == text
