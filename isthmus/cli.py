@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from isthmus import logs, serve
 from isthmus.deploy.commands import add_deploy_commands, k8s_command, slurm_command
+from isthmus.lease_cli import add_leases_command, leases_command, service_run
 from isthmus.options import (
     fleet_token,
     pin_to_cpus,
@@ -24,7 +25,6 @@ from isthmus.options import (
     tls_arguments,
     tls_config,
 )
-from isthmus.lease_cli import add_leases_command, leases_command, service_run
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.worker import scheduling
 from isthmus.worker.platforms import PlatformUnavailable, prepare_process

@@ -15,7 +15,13 @@ import sys
 from typing import Any
 
 from isthmus import gctune, logs
-from isthmus.observe.options import add_observe_arguments, keep_event_records, observe_config
+from isthmus.lease_cli import add_client_arguments, add_server_arguments, shared_config
+from isthmus.observe.options import (
+    ObserveConfig,
+    add_observe_arguments,
+    keep_event_records,
+    observe_config,
+)
 from isthmus.options import (
     fleet_token,
     platform_arguments,
@@ -25,7 +31,6 @@ from isthmus.options import (
     tls_arguments,
     tls_config,
 )
-from isthmus.lease_cli import add_client_arguments, add_server_arguments, shared_config
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.worker import scheduling
 from isthmus.worker.platforms import Platform, check_local_cuda, prepare_process, resolve
@@ -211,7 +216,7 @@ def head_config(args: argparse.Namespace) -> object:
         shared=shared_config(args), observe=_observe_config(args))
 
 
-def _observe_config(args: argparse.Namespace) -> object:
+def _observe_config(args: argparse.Namespace) -> ObserveConfig | None:
     try:
         return observe_config(args)
     except ValueError as e:
@@ -350,7 +355,7 @@ async def run(args: argparse.Namespace) -> int:
         return 127
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda s=sig: child.send_signal(s))
+        loop.add_signal_handler(sig, child.send_signal, sig)
     try:
         code = await child.wait()
     finally:

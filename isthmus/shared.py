@@ -80,11 +80,9 @@ class LeaseClient:
 
         ask = {"slices": slices, "name": name, "elastic": elastic, "wait": wait != 0}
         self.call = self._lease(json.dumps(ask).encode())
-        started = time.monotonic()
         updates = iter(self.call)
-        deadline = None if not wait else started + wait
-        timer = None
-        if deadline is not None:
+        timer = None  # cancels the request after `wait` seconds
+        if wait:
             timer = threading.Timer(wait, self.call.cancel)
             timer.daemon = True
             timer.start()
@@ -108,7 +106,7 @@ class LeaseClient:
                     raise LeaseRefused(update["ended"]["reason"])
             raise LeaseRefused("the service closed the lease stream before a grant.")
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and deadline is not None:
+            if e.code() == grpc.StatusCode.CANCELLED and timer is not None:
                 raise LeaseRefused(f"no {slices} slice(s) were granted within {wait:g} s; "
                                    "the request left the queue (wait longer with "
                                    "--wait).") from None
@@ -144,9 +142,10 @@ class LeaseClient:
                                 f"gone: {self.end_reason}")
                     return
                 broke = e.details() or str(e.code())
-            updates = self._resume(broke)
-            if updates is None:
+            resumed = self._resume(broke)
+            if resumed is None:
                 return
+            updates = resumed
 
     def _resume(self, broke: str) -> Iterator[bytes] | None:
         """A new stream to the lease, retried while the service is unreachable."""

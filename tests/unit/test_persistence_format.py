@@ -66,8 +66,8 @@ def test_json_nested_past_pythons_recursion_is_refused_cleanly():
     import grpc
 
     from isthmus.frontend.persistence import PREFIX, plan_of
-    from isthmus.wire.methods import Refused
     from isthmus.wire.lease_methods import _parse
+    from isthmus.wire.methods import Refused
 
     deep = b"[" * 200_000 + b"]" * 200_000
     with pytest.raises(errors.InvalidRequest, match="not JSON"):
