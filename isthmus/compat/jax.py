@@ -22,7 +22,7 @@ __all__ = [
     "SUPPORTED", "JaxInternalMissing", "backends_are_initialized", "batched_device_put",
     "deserialize_colocated", "device_assignment", "discover_backends", "initialize_lapack",
     "jax_version", "jaxlib_extension", "make_ir_context", "point_colocated_devices",
-    "preload", "profiler_extension", "xla_client",
+    "preload", "profiler_extension", "registered_backends", "xla_client",
 ]
 
 SUPPORTED = "jax 0.10 to 0.12"  # the versions whose internals this module was checked against
@@ -124,7 +124,15 @@ def discover_backends() -> frozenset[str]:
 
         discover = xla_bridge._discover_and_register_pjrt_plugins
     discover()
+    return registered_backends()
+
+
+def registered_backends() -> frozenset[str]:
+    """The names of the backends registered with jax so far (by its own modules, by plugins
+    it found, by `register_backend_factory`), without looking for more plugins."""
     with _needs("jax._src.xla_bridge._backend_factories"):
+        from jax._src import xla_bridge
+
         return frozenset(xla_bridge._backend_factories)
 
 

@@ -80,6 +80,10 @@ def _discover_backends():
     assert "cpu" in jax_compat.discover_backends()
 
 
+def _registered_backends():
+    assert "cpu" in jax_compat.registered_backends()
+
+
 def _make_ir_context():
     from jaxlib.mlir import ir
 
@@ -131,6 +135,7 @@ TOUCH = {
     "point_colocated_devices": _colocated_round_trip,
     "preload": _preload,
     "profiler_extension": _profiler_extension,
+    "registered_backends": _registered_backends,
     "xla_client": _xla_client,
 }
 NOT_INTERNALS = {"SUPPORTED", "JaxInternalMissing", "jax_version"}

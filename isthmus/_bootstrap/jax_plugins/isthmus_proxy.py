@@ -4,7 +4,8 @@ jax imports every module of the `jax_plugins` namespace package (and every `jax_
 entry point) before it creates backends, and calls its `initialize()`. isthmus installs this
 module as such an entry point, and `isthmus run` also puts its folder on the child's
 PYTHONPATH, so that a script that only does `import jax` reaches the server named by
-JAX_BACKEND_TARGET. It imports nothing from isthmus, so it works in any Python with jax.
+JAX_BACKEND_TARGET. It imports nothing from isthmus, so it works in any Python with jax: the
+one jax internal it reads comes from isthmus/compat/jax.py, loaded from its file (`_jax_compat`).
 
 This folder has no __init__.py on purpose: `jax_plugins` must stay a namespace package, or
 it would hide other plugins (CUDA, TPU) installed beside it.
@@ -20,8 +21,10 @@ batch before it); nothing woken by an event waits longer, and the user's threads
 """
 
 import contextlib
+import importlib.util
 import os
 import sys
+from types import ModuleType
 
 SLACK_ENV = "ISTHMUS_CLIENT_TIMER_SLACK_US"
 _PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30  # prctl(2), Linux
@@ -33,13 +36,28 @@ def initialize() -> None:
         return
     _wrap_get_client()
     try:  # jax itself (0.12 on) or pathwaysutils.initialize registered it: leave theirs
-        from jax._src import xla_bridge
-
-        if "proxy" in getattr(xla_bridge, "_backend_factories", {}):
+        if "proxy" in _jax_compat().registered_backends():
             return
-    except ImportError:
+    except (ImportError, OSError):  # this jax lacks the internal, or the file is not there
         pass
     register()
+
+
+def _jax_compat() -> ModuleType:
+    """isthmus/compat/jax.py, where isthmus reaches jax's internals: loaded from its file,
+    two folders up, unless isthmus imported it already. This module must work where isthmus
+    is not importable (a Python that only has this folder on its path); that one imports
+    nothing of isthmus, and no jax, when loaded."""
+    module = sys.modules.get("isthmus.compat.jax")
+    if module is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.path.join(here, os.pardir, os.pardir, "compat", "jax.py")
+        spec = importlib.util.spec_from_file_location("_isthmus_jax_compat", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
 
 
 def register() -> None:
