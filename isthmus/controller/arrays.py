@@ -1,162 +1,33 @@
-"""The array directory: arrays, the buffer groups they are made of, and their accounting.
+"""Arrays: a dtype, a global shape, a sharding, and the shards they are made of.
 
-A `BufferGroup` is one allocation: a buffer on each of its devices, named `base + position`,
-so an array over a thousand hosts is one record, not a thousand. Commands that concern every
-host of a group (run a program, free its outputs) are one shared message, sent once and
-delivered to each host; the hosts work out their own positions. The controller's cost per
-program therefore stays nearly flat as fleets grow.
+An `Array`'s shards are in the order of `sharding.devices`. Most arrays are a whole buffer
+group (`Array.group`, groups.py). Arrays made of shards of other arrays (disassembled,
+assembled, remapped) list their shards as `Buffer` views, one per device, and share the
+groups they come from, as IFRT shares buffers. A shard is freed on its worker when the last
+array holding it is released, or at once when an array holding it is deleted (IFRT `Delete`
+frees the memory for every sharer). The ledger (ledger.py) does both.
 
-An `Array` is a dtype, a global shape, a sharding and its shards, in the order of
-`sharding.devices`. Most arrays are a whole group (`Array.group`). Arrays made of shards of
-other arrays (disassembled, assembled, remapped) list their shards as `Buffer` views, one per
-device, and share the groups they come from, as IFRT shares buffers. A shard is freed on its
-worker when the last array holding it is released, or at once when an array holding it is
-deleted (IFRT `Delete` frees the memory for every sharer).
+An array's own state (`ArrayState`) says whether the client may still use it:
 
-Invariant: the controller holds no device data. A group is only names, places and states; the
-bytes live on the workers that own its devices.
+    LIVE --delete requested--> DELETING --its turn in the dispatch order--> DELETED
+    LIVE --donated, in the dispatch order--> DELETED
+
+The client sees a DELETING array as deleted at once; operations dispatched before the delete
+still see it LIVE, as they would have when they were asked for.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import enum
 import math
 from collections.abc import Iterable, Sequence
 
 from isthmus import dtypes, errors
 from isthmus.controller.fleet import Device
+from isthmus.controller.groups import DELETED, GONE, BufferGroup, IllegalTransition
 from isthmus.controller.sharding import Sharding
-from isthmus.ids import BufferId, WorkerId
-
-DELETED = ("the array was deleted, or donated to a computation that consumed it; keep a copy "
-           "(or don't donate it) if you need it again.")
-
-
-class BufferGroup:
-    """The shard buffers of one allocation; position p is buffer `base + p` on `devices[p]`.
-
-    State that is usually the same for every shard is kept once (`error`, `deleted`, `refs`);
-    the per-position dictionaries hold the exceptions and stay None in the common case.
-    """
-
-    __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "refs", "shard_refs",
-                 "defined", "_waiting", "error", "errors", "deleted", "deleted_at", "freed",
-                 "freed_at", "pins", "free_pending", "dispatched", "stored", "storing",
-                 "_unanswered")
-
-    def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
-                 nbytes: tuple[int, ...], memory_kind: str | None = None) -> None:
-        self.base = base
-        self.devices = devices
-        self.workers = workers  # the distinct workers of `devices`: where group commands go
-        self.nbytes = nbytes  # per position
-        self.memory_kind = memory_kind
-        self.refs = 0  # arrays holding every shard
-        self.shard_refs: dict[int, int] | None = None  # position -> arrays holding just it
-        # Resolved once every worker has been told how to produce its bytes (None: already).
-        self.defined: asyncio.Future[None] | None = None
-        self._waiting = 0  # operations still to define some shard
-        self.error: errors.IsthmusError | None = None  # every shard's, as far as known
-        self.errors: dict[int, errors.IsthmusError] | None = None  # position -> its own
-        self.deleted = False  # every shard deleted or donated
-        self.deleted_at: set[int] | None = None
-        self.freed = False  # every shard dropped on its worker
-        self.freed_at: set[int] | None = None
-        self.pins: dict[int, int] | None = None  # position -> transfers still reading it
-        self.free_pending: set[int] | None = None  # freed once unpinned
-        # A program's output: [perf_counter() at its dispatch], shared by its outputs, until
-        # a client's wait times it (`counts.Counts.waited`); None otherwise.
-        self.dispatched: list[float] | None = None
-        # Positions whose host data its worker confirmed stored and ready (a put's answer):
-        # when all are, the group is ready without asking the workers again.
-        self.stored = 0
-        # Resolved once the answers of puts that defined the group before they came are
-        # recorded (None: none outstanding); a readiness wait waits on it, asking nothing.
-        self.storing: asyncio.Future[None] | None = None
-        self._unanswered = 0
-
-    def __len__(self) -> int:
-        return len(self.devices)
-
-    def __repr__(self) -> str:
-        return f"BufferGroup({self.base}, {len(self.devices)} shards)"
-
-    @property
-    def ids(self) -> range:
-        return range(self.base, self.base + len(self.devices))
-
-    # ---- definition ----------------------------------------------------------------------
-
-    def expect(self, count: int = 1) -> None:
-        """`count` more operations will define shards; uses wait until they have."""
-        if self.defined is None:
-            self.defined = asyncio.get_running_loop().create_future()
-        self._waiting += count
-
-    def settle(self, count: int = 1) -> None:
-        self._waiting -= count
-        if self._waiting <= 0 and self.defined is not None:
-            if not self.defined.done():
-                self.defined.set_result(None)
-            self.defined = None
-
-    def expect_answers(self) -> None:
-        """Puts whose answers the group will not wait for were sent (`answered` follows)."""
-        if self.storing is None:
-            self.storing = asyncio.get_running_loop().create_future()
-        self._unanswered += 1
-
-    def answered(self) -> None:
-        self._unanswered -= 1
-        if self._unanswered <= 0 and self.storing is not None:
-            if not self.storing.done():
-                self.storing.set_result(None)
-            self.storing = None
-
-    @property
-    def all_stored(self) -> bool:
-        """Every shard is host data its worker confirmed stored and ready."""
-        return self.stored >= len(self.devices)
-
-    # ---- state per position --------------------------------------------------------------
-
-    def error_at(self, position: int) -> errors.IsthmusError | None:
-        if self.errors is not None and position in self.errors:
-            return self.errors[position]
-        return self.error
-
-    def set_error(self, position: int, error: errors.IsthmusError) -> None:
-        if self.errors is None:
-            self.errors = {}
-        self.errors[position] = error
-
-    def deleted_position(self, position: int) -> bool:
-        return self.deleted or (self.deleted_at is not None and position in self.deleted_at)
-
-    def freed_position(self, position: int) -> bool:
-        return self.freed or (self.freed_at is not None and position in self.freed_at)
-
-    def held(self, position: int) -> bool:
-        """Some array still holds the shard at `position`."""
-        return self.refs > 0 or bool(self.shard_refs and self.shard_refs.get(position, 0) > 0)
-
-    def first_error(self) -> errors.IsthmusError | None:
-        """The group's error, or its first shard's own, or None."""
-        if self.error is not None:
-            return self.error
-        if self.errors:
-            return self.errors[min(self.errors)]
-        return None
-
-    def first_problem(self) -> errors.IsthmusError | None:
-        """The error a use of the whole group would meet (deleted included), or None."""
-        error = self.first_error()
-        if error is not None:
-            return error
-        if self.deleted or self.deleted_at:
-            return errors.ArrayDeleted(DELETED)
-        return None
+from isthmus.ids import BufferId
 
 
 class Buffer:
@@ -196,34 +67,41 @@ class Buffer:
 
     @property
     def error(self) -> errors.IsthmusError | None:
-        return self.group.error_at(self.position)
+        """Why the shard failed, or None (its deletion is not an error: `problem`)."""
+        return self.group.reason_at(self.position)
 
-    @error.setter
-    def error(self, error: errors.IsthmusError) -> None:
-        self.group.set_error(self.position, error)
-
-    @property
-    def deleted(self) -> bool:
-        return self.group.deleted_position(self.position)
-
-    @deleted.setter
-    def deleted(self, value: bool) -> None:
-        if value and not self.group.deleted:
-            if self.group.deleted_at is None:
-                self.group.deleted_at = set()
-            self.group.deleted_at.add(self.position)
+    def fail(self, reason: errors.IsthmusError) -> None:
+        self.group.fail((self.position,), reason)
 
     @property
-    def freed(self) -> bool:
-        return self.group.freed_position(self.position)
+    def gone(self) -> bool:
+        """Deleted (or freed after its deletion): no array may use its bytes."""
+        return self.group.gone_at(self.position)
+
+    def problem(self) -> errors.IsthmusError | None:
+        return self.group.problem_at(self.position)
 
     def check(self) -> None:
         """Raises the error a use of this buffer would meet, as far as the controller knows."""
-        error = self.error
+        error = self.problem()
         if error is not None:
             raise error
-        if self.deleted:
-            raise errors.ArrayDeleted(DELETED)
+
+
+class ArrayState(enum.Enum):
+    """Whether the client may still use an array (its shards have states of their own)."""
+
+    LIVE = "live"
+    DELETING = "deleting"  # a delete was asked for; it acts in dispatch order
+    DELETED = "deleted"  # deleted or donated, as of the dispatch order
+
+
+A = ArrayState
+ARRAY_LEGAL: dict[ArrayState, frozenset[ArrayState]] = {
+    A.LIVE: frozenset({A.DELETING, A.DELETED}),
+    A.DELETING: frozenset({A.DELETED}),
+    A.DELETED: frozenset(),
+}
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -240,42 +118,45 @@ class Array:
     group: BufferGroup | None = None
     parts: tuple[Buffer, ...] | None = None
     error: errors.IsthmusError | None = None  # poisoned: every use reports this
-    deleted: bool = False  # deleted or donated, as of the dispatch order
-    # A delete or donation was requested; it acts in dispatch order (operations sent
-    # before it still see the array), but the client already sees the array as deleted.
-    delete_sent: bool = False
-    released: bool = False
+    state: ArrayState = ArrayState.LIVE  # changed only by `move`
+
+    def move(self, new: ArrayState) -> None:
+        """The array's only transition; an illegal one is refused (IllegalTransition)."""
+        if new not in ARRAY_LEGAL[self.state]:
+            raise IllegalTransition(
+                f"an array cannot go from {self.state.value} to {new.value}; this is a bug "
+                "in isthmus: please report it.")
+        self.state = new
 
     @property
     def shards(self) -> tuple[Buffer, ...]:
-        """One view per shard (built on demand for a whole group: O(shards))."""
-        if self.parts is None:
-            assert self.group is not None
-            self.parts = tuple(Buffer(self.group, p) for p in range(len(self.group)))
-        return self.parts
+        """One view per shard (O(shards) for a whole group: made on each call)."""
+        if self.parts is not None:
+            return self.parts
+        assert self.group is not None
+        return tuple(Buffer(self.group, p) for p in range(len(self.group)))
 
     @property
     def groups(self) -> list[BufferGroup]:
         """The groups the array's shards belong to, each once."""
         if self.group is not None:
             return [self.group]
-        return list({id(b.group): b.group for b in self.shards}.values())
+        assert self.parts is not None
+        return list({id(b.group): b.group for b in self.parts}.values())
 
     def problem(self) -> errors.IsthmusError | None:
         """The error a use of the array would meet, or None."""
         if self.error is not None:
             return self.error
-        if self.deleted:
+        if self.state is ArrayState.DELETED:
             return errors.ArrayDeleted(
                 "the array was deleted; create it again (or keep a copy) to use it.")
         if self.group is not None:
             return self.group.first_problem()
         for buffer in self.shards:
-            error = buffer.error
+            error = buffer.problem()
             if error is not None:
                 return error
-            if buffer.deleted:
-                return errors.ArrayDeleted(DELETED)
         return None
 
     def check(self) -> None:
@@ -283,23 +164,16 @@ class Array:
         if error is not None:
             raise error
 
-    def consume(self) -> None:
-        """The array's bytes are gone (deleted, or donated to a computation): every use of it,
-        and of any array sharing its shards, reports so."""
-        self.deleted = True
-        if self.group is not None:
-            self.group.deleted = True
-        else:
-            for buffer in self.shards:
-                buffer.deleted = True
-
     @property
     def is_deleted(self) -> bool:
-        if self.deleted or self.delete_sent:
+        """What the client's IsDeleted sees: a delete was asked for (in order or not), or a
+        shard is gone (deleted through another array that shares it)."""
+        if self.state is not ArrayState.LIVE:
             return True
         if self.group is not None:
-            return self.group.deleted or bool(self.group.deleted_at)
-        return any(b.deleted for b in self.shards)
+            return bool(self.group.states() & GONE) and any(
+                self.group.gone_at(p) for p in range(len(self.group)))
+        return any(b.gone for b in self.shards)
 
     @property
     def size(self) -> int:
@@ -339,3 +213,7 @@ def whole_group(buffers: Sequence[Buffer]) -> BufferGroup | None:
         if buffer.group is not group or buffer.position != p:
             return None
     return group
+
+
+__all__ = ["DELETED", "Array", "ArrayState", "Buffer", "BufferGroup", "first_error",
+           "groups_of", "whole_group"]

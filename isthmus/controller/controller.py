@@ -1,7 +1,7 @@
 """The controller: one per head process, shared by every session.
 
-It owns the fleet, hands out buffer and executable ids, keeps the account of live buffers per
-worker, and caches compiled programs by (program, options, devices) so that two sessions
+It owns the fleet, the ledger of buffer groups and the arrays holding them (ledger.py), hands
+out executable ids, and caches compiled programs by (program, options, devices) so that two sessions
 compiling the same step share one executable. A program that crashed a worker process
 (`crashed`) is refused from then on, on any devices (`program_digest`).
 """
@@ -13,14 +13,13 @@ import dataclasses
 import hashlib
 import itertools
 import logging
-from collections.abc import Sequence
 from typing import Any, cast
 
 from isthmus import errors
-from isthmus.controller.arrays import Buffer, BufferGroup
 from isthmus.controller.counts import Counts
 from isthmus.controller.fleet import Device, WholeFleet
-from isthmus.ids import BufferId, ExecutableId, WorkerId
+from isthmus.controller.ledger import Ledger
+from isthmus.ids import ExecutableId, WorkerId
 from isthmus.logs import event
 from isthmus.transport import commands as c
 from isthmus.transport.messages import CrashReport
@@ -92,15 +91,14 @@ class Executable:
 
 
 class Controller:
-    """Fleet, ids, accounting and the compilation cache."""
+    """Fleet, ledger, executables and the compilation cache."""
 
     def __init__(self, fleet: WholeFleet, config: ControllerConfig | None = None) -> None:
         self.fleet = fleet
         self.config = config or ControllerConfig()
-        self._next_buffer_id = 1
         self._executable_ids = itertools.count(1)
         self._private_keys = itertools.count(1)
-        self._live: dict[BufferId, BufferGroup] = {}  # by base id
+        self.ledger = Ledger(fleet)  # the buffer groups and the arrays that hold them
         self._executables: dict[bytes, Executable] = {}
         self._idle: dict[bytes, Executable] = {}  # released executables, oldest first
         self._dispatches = itertools.count(1)
@@ -117,99 +115,6 @@ class Controller:
         # of the lease whose workers it covers (a shared service: one per lease at a time).
         self.profiles: dict[str, Any] = {}
         self.counts = Counts()  # for the metrics (isthmus/observe)
-
-    # ---- buffers -------------------------------------------------------------------------
-
-    def new_group(self, devices: tuple[Device, ...], nbytes: tuple[int, ...],
-                  memory_kind: str | None = None,
-                  workers: tuple[WorkerId, ...] | None = None) -> BufferGroup:
-        """Names a buffer on each device: ids `base .. base + len(devices) - 1`."""
-        base = self._next_buffer_id
-        self._next_buffer_id += len(devices)
-        if workers is None:
-            workers = self.fleet.worker_set(d.worker for d in devices)
-        group = BufferGroup(base, devices, workers, nbytes, memory_kind)
-        self._live[BufferId(base)] = group
-        return group
-
-    def free_groups(self, groups: Sequence[BufferGroup]) -> None:
-        """Drops every shard of the groups on their workers (in dispatch order): one shared
-        command for all the workers of a group."""
-        for group in groups:
-            if group.freed:
-                continue
-            if group.pins or group.freed_at:
-                self.free_buffers([Buffer(group, p) for p in range(len(group))])
-                continue
-            group.freed = True
-            self._live.pop(BufferId(group.base), None)
-            self.fleet.multicast(group.workers, c.Free(group.ids))
-
-    def free_buffers(self, buffers: Sequence[Buffer]) -> None:
-        """Drops single shards on their workers (in dispatch order)."""
-        by_worker: dict[WorkerId, list[BufferId]] = {}
-        for buffer in buffers:
-            group, position = buffer.group, buffer.position
-            if group.freed_position(position):
-                continue
-            if group.pins and group.pins.get(position):
-                if group.free_pending is None:
-                    group.free_pending = set()
-                group.free_pending.add(position)
-                continue
-            if group.freed_at is None:
-                group.freed_at = set()
-            group.freed_at.add(position)
-            if len(group.freed_at) == len(group):
-                group.freed = True
-                self._live.pop(BufferId(group.base), None)
-            by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
-        for worker, ids in by_worker.items():
-            self.fleet.channel(worker).send(c.Free(tuple(ids)))
-
-    def pin(self, buffer: Buffer) -> None:
-        group = buffer.group
-        if group.pins is None:
-            group.pins = {}
-        group.pins[buffer.position] = group.pins.get(buffer.position, 0) + 1
-
-    def unpin(self, buffer: Buffer) -> None:
-        group, position = buffer.group, buffer.position
-        assert group.pins is not None
-        group.pins[position] -= 1
-        if group.pins[position] == 0:
-            del group.pins[position]
-            if group.free_pending and position in group.free_pending:
-                group.free_pending.discard(position)
-                self.free_buffers([buffer])
-
-    def poison_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
-        """Every buffer on the slice is gone: uses of it report `error` (DATA_LOSS)."""
-        for group in self._live.values():
-            for position, device in enumerate(group.devices):
-                if device.slice_index == slice_index and group.error_at(position) is None:
-                    group.set_error(position, error)
-
-    def evict_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
-        """Every buffer on the slice is dropped from its (live) workers and reports `error`
-        on use: the slice was taken from the lease that made them (a shared service)."""
-        self.poison_slice(slice_index, error)
-        self.free_buffers([Buffer(group, position) for group in list(self._live.values())
-                           for position, device in enumerate(group.devices)
-                           if device.slice_index == slice_index])
-
-    def accounting(self) -> dict[WorkerId, dict[str, int]]:
-        """Live buffers and bytes per worker, as the controller counts them."""
-        result: dict[WorkerId, dict[str, int]] = {
-            w: {"buffers": 0, "bytes": 0} for w in self.fleet.workers}
-        for group in self._live.values():
-            for position, device in enumerate(group.devices):
-                if group.freed_position(position):
-                    continue
-                entry = result.setdefault(device.worker, {"buffers": 0, "bytes": 0})
-                entry["buffers"] += 1
-                entry["bytes"] += group.nbytes[position]
-        return result
 
     # ---- programs ------------------------------------------------------------------------
 
@@ -415,7 +320,7 @@ class Controller:
         """Per worker: what the controller accounts ("buffers", "bytes") beside what the
         worker itself reports ("worker_buffers", "worker_bytes")."""
         workers: dict[str, dict[str, int]] = {}
-        for worker, account in self.accounting().items():
+        for worker, account in self.ledger.accounting().items():
             reported = self.fleet.channel(worker).stats()
             workers[str(worker)] = {
                 **account, "worker_buffers": reported.get("buffers", 0),

@@ -19,8 +19,9 @@ import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, Buffer, BufferGroup, whole_group
+from isthmus.controller.arrays import Array, Buffer, whole_group
 from isthmus.controller.fleet import Device
+from isthmus.controller.groups import BufferGroup, ShardState
 from isthmus.controller.session_core import SessionCore, as_error
 from isthmus.ids import BufferId
 from isthmus.transport import commands as c
@@ -55,6 +56,7 @@ class SessionArrays:
         self.controller = core.controller
         self.fleet = core.fleet
         self.dispatcher = core.dispatcher
+        self.ledger = core.controller.ledger
         self._arrays: set[Array] = set()
 
     def close(self) -> None:
@@ -79,20 +81,19 @@ class SessionArrays:
         return shape
 
     def new_array(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
-                   *, define: bool = True) -> Array:
+                  *, definers: int = 1) -> Array:
+        """A new array over a new group, pending until `definers` operations settle (none:
+        defined by the operation dispatched in this turn's order)."""
         devices = self.fleet.devices_of(sharding.devices)
         self._check_memory_kind(devices, sharding.memory_kind)
         nbytes = sh.shard_nbytes(sharding, shape, dtype.itemsize)
-        group = self.controller.new_group(devices, nbytes, sharding.memory_kind)
-        if define:
-            group.expect()
+        group = self.ledger.new_group(devices, nbytes, sharding.memory_kind, definers=definers)
         return self.own(dtype, shape, sharding, group)
 
     def own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
              group: BufferGroup) -> Array:
         """The session's array over a new group (its first holder)."""
-        group.refs = 1
-        array = Array(dtype, shape, sharding, group)
+        array = self.ledger.hold(Array(dtype, shape, sharding, group))
         self._arrays.add(array)
         return array
 
@@ -102,15 +103,10 @@ class SessionArrays:
         another session's), holding them."""
         group = whole_group(buffers)
         if group is not None:
-            group.refs += 1
             array = Array(dtype, shape, sharding, group, error=error)
         else:
-            for buffer in buffers:
-                shared = buffer.group
-                if shared.shard_refs is None:
-                    shared.shard_refs = {}
-                shared.shard_refs[buffer.position] = shared.shard_refs.get(buffer.position, 0) + 1
             array = Array(dtype, shape, sharding, parts=tuple(buffers), error=error)
+        self.ledger.hold(array)
         self._arrays.add(array)
         return array
 
@@ -142,23 +138,21 @@ class SessionArrays:
         (indices into the sharding's device list) with the data all of them hold. Each is
         placed in the turn it arrives (in this one if it is here)."""
         shape = self.validate_shape(dtype, shape)
-        array = self.new_array(dtype, shape, sharding, define=False)
-        group = array.group
-        assert group is not None
+        count = len(sharding.devices)
         covered: set[int] = set()
         for positions, _ in pieces:
             for p in positions:
-                if not 0 <= p < len(group) or p in covered:
-                    array.error = errors.InvalidRequest(
-                        f"shard index {p} is out of range or given twice for an array with "
-                        f"{len(group)} shards; send each shard index once.")
-                    group.error = array.error
+                if not 0 <= p < count or p in covered:
                     for _, unused in pieces:  # their host buffers are freed once here
                         unused.subscribe(_ignore)
-                    return array
+                    return self.make_error_array(dtype, shape, sharding, errors.InvalidRequest(
+                        f"shard index {p} is out of range or given twice for an array with "
+                        f"{count} shards; send each shard index once."))
                 covered.add(p)
+        array = self.new_array(dtype, shape, sharding, definers=len(pieces))
+        group = array.group
+        assert group is not None
         boxes = sh.shard_boxes(sharding, shape)
-        group.expect(len(pieces))
         for positions, data in pieces:
             places, shards = list(positions), [boxes[p] for p in positions]
 
@@ -172,16 +166,15 @@ class SessionArrays:
             error = errors.InvalidRequest(
                 f"no host data was given for shard(s) {missing[:8]} of the array; every "
                 "addressable shard needs data.")
-            for p in missing:
-                group.set_error(p, error)
+            group.fail(missing, error)
         return array
 
     def make_error_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
                          error: errors.IsthmusError) -> Array:
-        array = self.new_array(dtype, self.validate_shape(dtype, shape), sharding, define=False)
+        array = self.new_array(dtype, self.validate_shape(dtype, shape), sharding, definers=0)
         array.error = error
         assert array.group is not None
-        array.group.error = error
+        array.group.fail(None, error)
         return array
 
     def _arrived_whole(self, group: BufferGroup, shape: tuple[int, ...],
@@ -276,16 +269,13 @@ class SessionArrays:
 
     @staticmethod
     def _shards_failed(group: BufferGroup, positions: Sequence[int], e: Exception) -> None:
-        error = as_error(e, "receiving the array's host data")
-        for p in positions:
-            if group.error_at(p) is None:
-                group.set_error(p, error)
+        group.fail(positions, as_error(e, "receiving the array's host data"))
 
     def _start_puts(self, group: BufferGroup, positions: Sequence[int],
                     values: Sequence[np.ndarray]) -> tuple[list[int], list[Awaitable[None]]]:
         waits, placed = [], []
         for p, value in zip(positions, values):
-            if group.freed_position(p):  # released before its data arrived: nothing to store
+            if group.state_at(p) is ShardState.FREED:  # released before its data came
                 continue
             device = group.devices[p]
             placed.append(p)
@@ -298,15 +288,14 @@ class SessionArrays:
     def _record_puts(group: BufferGroup, placed: list[int], outcomes: Sequence[Any]) -> None:
         for p, outcome in zip(placed, outcomes):
             if isinstance(outcome, BaseException):
-                if group.error_at(p) is None:
-                    group.set_error(p, as_error(outcome, "storing host data"))
+                group.fail((p,), as_error(outcome, "storing host data"))
             else:
-                group.stored += 1
+                group.stored(p)
 
     def defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
         """An operation that was to define `buffer` is over (with `error` if it failed)."""
-        if error is not None and buffer.error is None:
-            buffer.error = error
+        if error is not None:
+            buffer.fail(error)
         buffer.group.settle()
 
     # ---- freeing -------------------------------------------------------------------------
@@ -315,17 +304,10 @@ class SessionArrays:
         """Deletes arrays now: their buffers are freed even where other arrays share them."""
         result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for array in arrays:
-            array.delete_sent = True  # deleted in dispatch order: earlier reads see it
+            self.ledger.request_delete(array)  # deleted in dispatch order: earlier reads see it
 
         def run() -> None:
-            # An array already deleted or donated (earlier in dispatch order) owns nothing
-            # any more: its buffers are gone, or another array's now.
-            live = [a for a in arrays if not a.deleted]
-            for array in live:
-                array.consume()
-            self.controller.free_groups([a.group for a in live if a.group is not None])
-            self.controller.free_buffers([b for a in live if a.group is None
-                                          for b in a.shards])
+            self.ledger.delete(arrays)
             result.set_result(None)
 
         self.dispatcher.submit([], run)
@@ -337,46 +319,27 @@ class SessionArrays:
         self._arrays.discard(array)
 
     def release(self, arrays: Sequence[Array]) -> None:
-        """The client dropped these arrays; buffers no other array holds are freed."""
-        groups: list[BufferGroup] = []
-        buffers: list[Buffer] = []
+        """The client dropped these arrays; buffers no other array holds are freed (in
+        dispatch order, after the operations already queued)."""
         for array in arrays:
-            if array.released:
-                continue
-            array.released = True
             self._arrays.discard(array)
-            group = array.group
-            if group is not None:
-                group.refs -= 1
-                if group.refs <= 0:
-                    if group.shard_refs:
-                        buffers.extend(Buffer(group, p) for p in range(len(group))
-                                       if not group.held(p))
-                    else:
-                        groups.append(group)
-                continue
-            for buffer in array.shards:
-                shard_refs = buffer.group.shard_refs
-                assert shard_refs is not None
-                shard_refs[buffer.position] -= 1
-                if not buffer.group.held(buffer.position):
-                    buffers.append(buffer)
+        groups, buffers = self.ledger.release(arrays)
         if groups or buffers:
             def free() -> None:
-                self.controller.free_groups(groups)
-                self.controller.free_buffers(buffers)
+                self.ledger.free_groups(groups)
+                self.ledger.free_buffers(buffers)
 
             self.dispatcher.submit([], free)
 
     def donate(self, array: Array) -> None:
         """The input of a DONATE_INPUT operation, from inside its dispatched operation:
         unusable afterwards, its buffers live on."""
-        array.deleted = True
+        self.ledger.donate(array)
 
     def donate_in_order(self, array: Array) -> None:
         """`donate`, for an operation that needs no dispatch: it still acts in the order
         the requests came, after the operations already queued (they see the array)."""
-        array.delete_sent = True
+        self.ledger.request_delete(array)
         self.dispatcher.submit([], lambda: self.donate(array))
 
 

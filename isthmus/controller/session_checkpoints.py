@@ -156,8 +156,8 @@ class SessionCheckpoints:
     def _plan_read(self, plan: PersistencePlan, done: asyncio.Future[None]) -> list[Array]:
         outputs = []
         for aval, sharding, nbytes in executable_specs(plan):
-            group = self.controller.new_group(self.fleet.devices_of(sharding.devices), nbytes)
-            group.expect()
+            group = self.controller.ledger.new_group(self.fleet.devices_of(sharding.devices),
+                                                     nbytes, definers=1)
             outputs.append(self.arrays.own(aval.dtype, aval.shape, sharding, group))
         groups = [out.group for out in outputs]
 

@@ -53,7 +53,7 @@ class MoveArrays(Protocol):
     """What moving and reading arrays need of the session's arrays (`SessionArrays`)."""
 
     def new_array(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
-                  *, define: bool = True) -> Array: ...
+                  *, definers: int = 1) -> Array: ...
 
     def validate_shape(self, dtype: dtypes.DType, shape: Sequence[int]) -> tuple[int, ...]: ...
 
@@ -108,7 +108,8 @@ class SessionMoves:
             if sh.splits(sharding, array.shape):  # shard i of the source to device i
                 sharding = sh.even_from(sharding, sh.shard_boxes(array.sharding, array.shape),
                                         array.shape, f"array {index}")
-            out = self.arrays.new_array(array.dtype, array.shape, sharding, define=False)
+            # Pending on this reshard itself until it has sent (or failed) every shard.
+            out = self.arrays.new_array(array.dtype, array.shape, sharding, definers=1)
             out.error = array.error
             results.append(out)
         inputs = groups_of(arrays)
@@ -125,11 +126,13 @@ class SessionMoves:
                             self._reshard_one(array, src_boxes, dst, dst_box, pulled)
                             continue
                         except errors.IsthmusError as e:
-                            dst.error = e
+                            dst.fail(e)
                     else:
-                        dst.error = error
+                        dst.fail(error)
                 if donate:
                     self.arrays.donate(array)
+                assert out.group is not None
+                out.group.settle()
 
         self.dispatcher.submit(inputs, run)
         return results
@@ -260,12 +263,14 @@ class SessionMoves:
         for source, src_slices, dst_slices, _ in sh.pieces(
                 list(zip(array.shards, src_boxes)), dst_box):
             if source.device.worker != dst.device.worker:
-                temp = Buffer(controller.new_group((dst.device,), (source.nbytes,)), 0)
+                temp = Buffer(controller.ledger.new_group((dst.device,), (source.nbytes,),
+                                                          definers=1), 0)  # by the pull
                 temps.append(temp)
-                pulls.append(self._pull(source, temp, None, files=not array.dtype.is_string))
+                pulls.append(self._pull(source, temp, None, files=not array.dtype.is_string,
+                                        expect=False))
                 source = temp
             else:  # read by the Assemble sent later: a delete of the input must wait for it
-                controller.pin(source)
+                controller.ledger.pin(source)
                 local.append(source)
             parts.append((source, src_slices, dst_slices))
 
@@ -280,8 +285,8 @@ class SessionMoves:
                                             tuple((b.id, s, d) for b, s, d in parts)))
             finally:
                 for source in local:
-                    controller.unpin(source)
-            controller.free_buffers(temps)
+                    controller.ledger.unpin(source)
+            controller.ledger.free_buffers(temps)
             self.arrays.defined(dst, error)
 
         self.core.spawn(finish())
@@ -291,33 +296,35 @@ class SessionMoves:
         `first` stays pinned until the Copy is sent (a delete of it sent meanwhile waits)."""
         dst.group.expect()
         controller = self.controller
-        controller.pin(first)
+        controller.ledger.pin(first)
 
         def copy(_: object) -> None:
             if first.error is None:
                 self.fleet.channel(dst.device.worker).send(
                     c.Copy(first.id, dst.id, dst.device.id, dst.memory_kind))
-            controller.unpin(first)
+            controller.ledger.unpin(first)
             self.arrays.defined(dst, first.error)
 
         pull.add_done_callback(copy)
 
-    def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None, files: bool = False
-              ) -> asyncio.Future[None]:
+    def _pull(self, src: Buffer, dst: Buffer, memory_kind: str | None, files: bool = False,
+              expect: bool = True) -> asyncio.Future[None]:
         """Moves `src` into `dst` on another worker, worker to worker; `dst` is defined (or
         failed) when the transfer completes. Returns that completion. With `files` (a
         numeric array), a large buffer between two workers of the controller's machine goes
-        through a file of its shared directory instead (`RemoteWorker.relay`)."""
+        through a file of its shared directory instead (`RemoteWorker.relay`). `expect`:
+        the pull is one more definer of `dst`'s group (False: the group counted it when it
+        was made)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         source = self.fleet.channel(src.device.worker)
         address = getattr(source, "data_address", None)
+        if expect:
+            dst.group.expect()
         if address is None:
-            if dst.error is None:
-                dst.error = self.fleet.slice_error_of(src.device.worker)
+            self.arrays.defined(dst, self.fleet.slice_error_of(src.device.worker))
             done.set_result(None)
             return done
-        dst.group.expect()
-        self.controller.pin(src)
+        self.controller.ledger.pin(src)
         target = self.fleet.channel(dst.device.worker)
         relay = getattr(source, "relay", None)
         work = (relay(src.id, target, dst.id, dst.device.id, memory_kind)
@@ -334,7 +341,7 @@ class SessionMoves:
             except Exception as e:  # noqa: BLE001
                 error = as_error(e, "moving an array between workers")
             finally:
-                self.controller.unpin(src)
+                self.controller.ledger.unpin(src)
             self.arrays.defined(dst, error)
             done.set_result(None)
 
@@ -360,7 +367,7 @@ class SessionMoves:
                     f"{array.sharding.memory_kind!r} was asked to become "
                     f"{sharding.memory_kind!r}; copy the array first.")
             out = self.arrays.new_array(dtype, self.arrays.validate_shape(dtype, shape),
-                                        sharding, define=False)
+                                        sharding, definers=0)
             if any(a.nbytes != b.nbytes for a, b in zip(array.shards, out.shards)):
                 self.arrays.release([out])
                 raise errors.InvalidRequest(
@@ -375,7 +382,7 @@ class SessionMoves:
                 boxes = sh.shard_boxes(out.sharding, out.shape)
                 for src, dst, box in zip(array.shards, out.shards, boxes):
                     if error is not None:
-                        dst.error = error
+                        dst.fail(error)
                     else:
                         # Not a string array (refused above): it has a numpy dtype.
                         self.fleet.channel(src.device.worker).send(c.Bitcast(

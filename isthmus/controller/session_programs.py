@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
+from isthmus.controller.arrays import Array, first_error, groups_of
 from isthmus.controller.controller import Executable
+from isthmus.controller.groups import GONE, BufferGroup
 from isthmus.controller.session_core import Owner, SessionCore
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
@@ -94,21 +95,22 @@ class SessionPrograms:
         outputs = self._outputs(executable)
         dependencies: list[BufferGroup | asyncio.Future] = list(groups_of(args))
         results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
+        ledger = self.controller.ledger
 
         def run() -> None:
             error = first_error(args) or self.fleet.unavailable(executable.devices)
             if error is not None:
                 for out in outputs:
-                    out.group.error = error  # type: ignore[union-attr]
+                    out.group.fail(None, error)  # type: ignore[union-attr]
                 for index in donated:  # donated is gone, whether the program ran or not
                     if args[index].problem() is None:
-                        args[index].consume()
+                        ledger.consume(args[index])
                 return
             self.controller.ensure_loaded(executable)
             self.fleet.multicast(executable.workers,
                                  c.Execute(executable.id, c.refs(refs), results, copy_first))
             for index in donated:
-                args[index].consume()
+                ledger.consume(args[index])
             executable.runs += 1
             if self.controller.counts.timing:  # the first wait on an output times it
                 stamp = [time.perf_counter()]
@@ -124,15 +126,15 @@ class SessionPrograms:
             for out in outputs:
                 group = out.group
                 assert group is not None
-                error = group.first_error()
+                error = group.first_reason()
                 if error is not None:
                     raise error
-                if group.freed or group.deleted:
+                if group.all_in(*GONE):
                     continue
                 for worker, part in executable.parts.items():
                     by_worker.setdefault(worker, []).extend(
                         BufferId(group.base + p) for p in part
-                        if not (group.freed_position(p) or group.deleted_position(p)))
+                        if group.state_at(p) not in GONE)
             await asyncio.gather(*(self.fleet.channel(w).ask(c.Ready(tuple(ids)))
                                    for w, ids in by_worker.items() if ids))
             if self.controller.counts.timing:
@@ -203,7 +205,7 @@ class SessionPrograms:
                 specs.append((aval, sharding, nbytes))
             executable.output_specs = specs
         return [self.arrays.own(aval.dtype, aval.shape, sharding,
-                                self.controller.new_group(executable.devices, nbytes,
+                                self.controller.ledger.new_group(executable.devices, nbytes,
                                                           sharding.memory_kind,
                                                           executable.workers))
                 for aval, sharding, nbytes in executable.output_specs]

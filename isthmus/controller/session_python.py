@@ -107,9 +107,9 @@ class SessionPython:
             refs.append(group.base if group is not None else tuple(b.id for b in array.shards))
         outputs = []
         for aval, sharding, nbytes in executable.output_specs:  # type: ignore[union-attr]
-            group = self.controller.new_group(self.fleet.devices_of(sharding.devices), nbytes,
-                                              sharding.memory_kind)
-            group.expect()
+            group = self.controller.ledger.new_group(
+                self.fleet.devices_of(sharding.devices), nbytes, sharding.memory_kind,
+                definers=1)
             outputs.append(self.arrays.own(aval.dtype, aval.shape, sharding, group))
         results = tuple(out.group.base for out in outputs)  # type: ignore[union-attr]
         out_groups = [out.group for out in outputs]
@@ -161,8 +161,8 @@ def finish(groups: Sequence[BufferGroup | None], done: asyncio.Future[None],
     """The outputs become defined (holding `error`, if any) and `done` resolves."""
     for group in groups:
         assert group is not None
-        if error is not None and group.error is None:
-            group.error = error
+        if error is not None:
+            group.fail(None, error)
         group.settle()
     if not done.done():
         if error is None:

@@ -159,8 +159,8 @@ def test_close_fails_waiters():
     run(main())
 
 
-def _group(i):
-    return BufferGroup(i, (Device(0, 0, 0, "cpu", "cpu", 0, 0),), (0,), (4,))
+def _group(i, definers=0):
+    return BufferGroup(i, (Device(0, 0, 0, "cpu", "cpu", 0, 0),), (0,), (4,), None, definers)
 
 
 def test_dispatcher_runs_in_order_and_waits_for_inputs():
@@ -168,8 +168,7 @@ def test_dispatcher_runs_in_order_and_waits_for_inputs():
         dispatcher = OrderedDispatcher()
         order = []
         ready = _group(1)
-        pending = _group(2)
-        pending.expect()
+        pending = _group(2, definers=1)
         dispatcher.submit([ready], lambda: order.append("a"))
         assert order == ["a"]  # nothing pending: runs inside submit
         dispatcher.submit([pending], lambda: order.append("b"))
@@ -185,9 +184,7 @@ def test_dispatcher_runs_in_order_and_waits_for_inputs():
 def test_a_tracked_operation_resolves_when_it_runs_not_when_the_queue_drains():
     async def main():
         dispatcher = OrderedDispatcher()
-        first, later = _group(1), _group(2)
-        first.expect()
-        later.expect()
+        first, later = _group(1, definers=1), _group(2, definers=1)
         assert dispatcher.submit([], lambda: None, track=True) is None  # ran at once
         ran = dispatcher.submit([first], lambda: None, track=True)
         dispatcher.submit([later], lambda: None)  # never defined while we wait

@@ -34,7 +34,7 @@ async def _service(token=TOKEN):
     fleet = WholeFleet([], {})
     controller = Controller(fleet)
     manager = FleetManager(FleetSpec(slices=1, hosts_per_slice=1, devices_per_host=2), fleet,
-                           on_slice_down=controller.poison_slice)
+                           on_slice_down=controller.ledger.poison_slice)
     service = FleetServicer(manager, token)
     port = await service.start("127.0.0.1")
     return service, manager, fleet, port

@@ -141,8 +141,8 @@ def _fleet():
     fleet = WholeFleet([], {})
     controller = Controller(fleet)
     manager = FleetManager(FleetSpec(slices=2, hosts_per_slice=1, devices_per_host=2), fleet,
-                           on_slice_down=controller.poison_slice, on_crash=controller.crashed,
-                           last_program=controller.last_program)
+                           on_slice_down=controller.ledger.poison_slice,
+                           on_crash=controller.crashed, last_program=controller.last_program)
     frames = {0: [], 1: []}
     for s in (0, 1):
         worker = manager.register(_register(s, 10 + s), frames[s].append, "peer")

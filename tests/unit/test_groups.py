@@ -107,25 +107,30 @@ def test_shared_shards_are_freed_when_their_last_holder_goes():
         x = session.arrays.make_array(F32, (HOSTS,), Sharding(ShardingKind.HLO, ids),
                                       HostData(np.zeros(HOSTS, np.float32)))
         await asyncio.sleep(0.01)
+        controller.ledger.validate_state()
         parts = session.views.disassemble(x)
         session.arrays.release([x])
         await asyncio.sleep(0.01)
+        controller.ledger.validate_state()
         assert not any(isinstance(x, c.Free) for h in hosts.values() for x in h.commands())
         session.arrays.release([parts[1]])
         await asyncio.sleep(0.01)
+        controller.ledger.validate_state()
         freed = [x.buffers for h in hosts.values() for x in h.commands() if isinstance(x, c.Free)]
         assert freed == [(x.group.base + 1,)]  # only that shard, only on its host
-        assert controller.accounting()[1]["buffers"] == 0
-        assert controller.accounting()[0]["buffers"] == 1
+        assert controller.ledger.accounting()[1]["buffers"] == 0
+        assert controller.ledger.accounting()[0]["buffers"] == 1
         whole = session.views.assemble(F32, (HOSTS,), x.sharding,
                                  [parts[0], parts[2], _single(session, x, 1)])
         await asyncio.sleep(0.01)
+        controller.ledger.validate_state()
         assert whole.group is None and whole.problem() is None
         await session.arrays.delete([parts[0]])
+        controller.ledger.validate_state()
         assert whole.problem() is not None  # a deleted shard is gone for every sharer
         assert parts[2].problem() is None
         await session.close()
-        assert controller.accounting() == {h: {"buffers": 0, "bytes": 0} for h in hosts}
+        assert controller.ledger.accounting() == {h: {"buffers": 0, "bytes": 0} for h in hosts}
     run(main())
 
 

@@ -1,0 +1,374 @@
+"""Buffer groups and the state of each shard: the ledger's records (ledger.py keeps them).
+
+A `BufferGroup` is one allocation: a buffer on each of its devices, named `base + position`,
+so an array over a thousand hosts is one record, not a thousand. Commands that concern every
+host of a group (run a program, free its outputs) are one shared message, sent once and
+delivered to each host; the hosts work out their own positions. The controller's cost per
+program therefore stays nearly flat as fleets grow.
+
+Each shard is in exactly one `ShardState`, and the transitions below are the only way to
+change it (`BufferGroup._move`, which refuses an illegal one with `IllegalTransition`):
+
+    PENDING --settle--> DEFINED --stored--> STORED          (PENDING --stored--> STORED too)
+    PENDING | DEFINED | STORED --fail--> FAILED
+    any but FREED --delete--> DELETED --free--> FREED      (any but FREED --free--> FREED)
+
+The group keeps one common state and the positions that differ from it, so a group whose
+shards move together costs O(1) per transition, not O(shards). Why a shard failed (its
+reason) is kept apart from its state: a failed shard that is deleted or freed still reports
+it to the arrays that hold it. How many arrays hold a shard, and how many moves read it
+(pins), are counts beside the state; the ledger (ledger.py) changes them.
+
+Invariant: the controller holds no device data. A group is only names, places and states; the
+bytes live on the workers that own its devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Iterable
+
+from isthmus import errors
+from isthmus.controller.fleet import Device
+from isthmus.ids import WorkerId
+
+DELETED = ("the array was deleted, or donated to a computation that consumed it; keep a copy "
+           "(or don't donate it) if you need it again.")
+
+
+class ShardState(enum.Enum):
+    """Where a shard is in its life, as the controller knows it."""
+
+    PENDING = "pending"  # an operation that defines the group is outstanding (host data to come)
+    # Reads may go out: its worker was told how to make the bytes, or the operation that
+    # tells it is ahead of every reader in the dispatch order (a program's outputs).
+    DEFINED = "defined"
+    STORED = "stored"  # its worker confirmed the bytes stored (a put's answer): ready
+    FAILED = "failed"  # it will never hold bytes; uses report its reason
+    DELETED = "deleted"  # deleted by the client or consumed by a donation; still on the worker
+    FREED = "freed"  # dropped on its worker; nothing follows
+
+
+S = ShardState
+# state -> the states it may move to. Nothing leaves FREED; nothing goes back to PENDING.
+LEGAL: dict[ShardState, frozenset[ShardState]] = {
+    S.PENDING: frozenset({S.DEFINED, S.STORED, S.FAILED, S.DELETED, S.FREED}),
+    S.DEFINED: frozenset({S.STORED, S.FAILED, S.DELETED, S.FREED}),
+    S.STORED: frozenset({S.FAILED, S.DELETED, S.FREED}),
+    S.FAILED: frozenset({S.DELETED, S.FREED}),
+    S.DELETED: frozenset({S.FREED}),
+    S.FREED: frozenset(),
+}
+GONE = frozenset({S.DELETED, S.FREED})  # no array may use the shard's bytes any more
+LIVE = frozenset({S.PENDING, S.DEFINED, S.STORED})  # may still come to hold bytes
+
+
+class IllegalTransition(errors.InternalError):
+    """A shard or an array was asked to move to a state its own does not lead to: a bug in
+    isthmus's bookkeeping (the move is refused, nothing changes)."""
+
+
+def check_move(old: ShardState, new: ShardState, where: str) -> None:
+    if new not in LEGAL[old]:
+        raise IllegalTransition(
+            f"{where}: a shard cannot go from {old.value} to {new.value}; this is a bug in "
+            "isthmus: please report it.")
+
+
+class BufferGroup:
+    """The shard buffers of one allocation; position p is buffer `base + p` on `devices[p]`.
+
+    `state` is every shard's state except those in `_states`; `reason` is every shard's
+    reason for failing except those in `_reasons`. Both dictionaries stay None in the common
+    case, where the shards of a group move together.
+    """
+
+    __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "state", "_states",
+                 "reason", "_reasons", "refs", "shard_refs", "pins", "free_when_unpinned",
+                 "defined", "_definers", "storing", "_unanswered", "dispatched")
+
+    def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
+                 nbytes: tuple[int, ...], memory_kind: str | None = None,
+                 definers: int = 0) -> None:
+        self.base = base
+        self.devices = devices
+        self.workers = workers  # the distinct workers of `devices`: where group commands go
+        self.nbytes = nbytes  # per position
+        self.memory_kind = memory_kind
+        self.state = S.PENDING if definers else S.DEFINED
+        self._states: dict[int, ShardState] | None = None  # position -> its own state
+        self.reason: errors.IsthmusError | None = None  # every shard's, as far as known
+        self._reasons: dict[int, errors.IsthmusError] | None = None  # position -> its own
+        self.refs = 0  # arrays holding every shard
+        self.shard_refs: dict[int, int] | None = None  # position -> arrays holding just it
+        self.pins: dict[int, int] | None = None  # position -> moves still reading it
+        self.free_when_unpinned: set[int] | None = None  # released while pinned
+        # Resolved once every definer has settled (None: no definer is outstanding).
+        self.defined: asyncio.Future[None] | None = (
+            asyncio.get_running_loop().create_future() if definers else None)
+        self._definers = definers
+        # Resolved once the answers of puts that defined the group before they came are
+        # recorded (None: none outstanding); a readiness wait waits on it, asking nothing.
+        self.storing: asyncio.Future[None] | None = None
+        self._unanswered = 0
+        # A program's output: [perf_counter() at its dispatch], shared by its outputs, until
+        # a client's wait times it (`counts.Counts.waited`); None otherwise.
+        self.dispatched: list[float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __repr__(self) -> str:
+        return f"BufferGroup({self.base}, {len(self.devices)} shards, {self.state.value})"
+
+    @property
+    def ids(self) -> range:
+        return range(self.base, self.base + len(self.devices))
+
+    # ---- reading the state ---------------------------------------------------------------
+
+    def state_at(self, position: int) -> ShardState:
+        if self._states is not None:
+            own = self._states.get(position)
+            if own is not None:
+                return own
+        return self.state
+
+    def states(self) -> set[ShardState]:
+        """The states its shards are in (each once)."""
+        found = set(self._states.values()) if self._states else set()
+        if not self._states or len(self._states) < len(self.devices):
+            found.add(self.state)
+        return found
+
+    def positions_in(self, *states: ShardState) -> list[int]:
+        return [p for p in range(len(self.devices)) if self.state_at(p) in states]
+
+    def all_in(self, *states: ShardState) -> bool:
+        return self.states() <= set(states)
+
+    def reason_at(self, position: int) -> errors.IsthmusError | None:
+        if self._reasons is not None and position in self._reasons:
+            return self._reasons[position]
+        return self.reason
+
+    def first_reason(self) -> errors.IsthmusError | None:
+        """The group's reason, or its first shard's own, or None."""
+        if self.reason is not None:
+            return self.reason
+        if self._reasons:
+            return self._reasons[min(self._reasons)]
+        return None
+
+    def gone_at(self, position: int) -> bool:
+        """The shard's bytes may not be used: deleted, or freed after its deletion (a shard
+        freed with a reason reports the reason instead)."""
+        state = self.state_at(position)
+        return state is S.DELETED or (state is S.FREED and self.reason_at(position) is None)
+
+    def problem_at(self, position: int) -> errors.IsthmusError | None:
+        """The error a use of the shard would meet, or None."""
+        reason = self.reason_at(position)
+        if reason is not None:
+            return reason
+        if self.gone_at(position):
+            return errors.ArrayDeleted(DELETED)
+        return None
+
+    def first_problem(self) -> errors.IsthmusError | None:
+        """The error a use of the whole group would meet, or None."""
+        reason = self.first_reason()
+        if reason is not None:
+            return reason
+        if self.states() & GONE and any(self.gone_at(p) for p in range(len(self.devices))):
+            return errors.ArrayDeleted(DELETED)
+        return None
+
+    def held(self, position: int) -> bool:
+        """Some array still holds the shard at `position`."""
+        return self.refs > 0 or bool(self.shard_refs and self.shard_refs.get(position, 0) > 0)
+
+    def pinned(self, position: int) -> bool:
+        return bool(self.pins and self.pins.get(position))
+
+    @property
+    def all_stored(self) -> bool:
+        """Every shard is host data its worker confirmed stored and ready."""
+        return self.all_in(S.STORED)
+
+    # ---- transitions ---------------------------------------------------------------------
+
+    def _move(self, positions: Iterable[int], new: ShardState) -> None:
+        """Moves the shards at `positions` to `new`, each checked first (all or none)."""
+        positions = list(positions)
+        for p in positions:
+            check_move(self.state_at(p), new, repr(self))
+        if len(positions) == len(self.devices):
+            self.state, self._states = new, None
+            return
+        if self._states is None:
+            self._states = {}
+        for p in positions:
+            self._states[p] = new
+        if len(self._states) == len(self.devices) and len(set(self._states.values())) == 1:
+            self.state, self._states = new, None  # the shards move together again
+
+    def _move_all(self, new: ShardState) -> None:
+        for old in self.states():
+            check_move(old, new, repr(self))
+        self.state, self._states = new, None
+
+    def expect(self, count: int = 1) -> None:
+        """`count` more operations will define the group; reads wait until they settle.
+        Only a group still being defined (a definer outstanding) takes more."""
+        if self._definers <= 0:
+            raise IllegalTransition(
+                f"{self!r}: a group cannot expect definers once its shards have moved on "
+                "from pending; this is a bug in isthmus: please report it.")
+        self._definers += count
+
+    def settle(self, count: int = 1) -> None:
+        """`count` definers are over; with the last, the pending shards become defined."""
+        if self._definers < count:
+            raise IllegalTransition(
+                f"{self!r}: {count} definer(s) settled but {self._definers} were expected; "
+                "this is a bug in isthmus: please report it.")
+        self._definers -= count
+        if self._definers:
+            return
+        pending = self.positions_in(S.PENDING)
+        if pending:
+            self._move(pending, S.DEFINED)
+        if self.defined is not None:
+            if not self.defined.done():
+                self.defined.set_result(None)
+            self.defined = None
+
+    def stored(self, position: int) -> None:
+        """Its worker confirmed the host data at `position` stored. A shard that failed,
+        was deleted or freed meanwhile keeps its state (the answer came too late to matter)."""
+        if self.state_at(position) in (S.PENDING, S.DEFINED):
+            self._move((position,), S.STORED)
+        elif self.state_at(position) is S.STORED:
+            raise IllegalTransition(f"{self!r}: position {position} was stored twice; this "
+                                    "is a bug in isthmus: please report it.")
+
+    def expect_answers(self) -> None:
+        """Puts whose answers the group will not wait for were sent (`answered` follows)."""
+        if self.storing is None:
+            self.storing = asyncio.get_running_loop().create_future()
+        self._unanswered += 1
+
+    def answered(self) -> None:
+        if self._unanswered <= 0:
+            raise IllegalTransition(f"{self!r}: a put's answer came that none expected; "
+                                    "this is a bug in isthmus: please report it.")
+        self._unanswered -= 1
+        if self._unanswered == 0 and self.storing is not None:
+            if not self.storing.done():
+                self.storing.set_result(None)
+            self.storing = None
+
+    def fail(self, positions: Iterable[int] | None, reason: errors.IsthmusError) -> None:
+        """The shards at `positions` (None: every shard) will never hold bytes; a shard that
+        failed already keeps its first reason, and one deleted or freed keeps its state."""
+        if positions is None:
+            if self.reason is None and not self._reasons and self.all_in(*LIVE):
+                self._move_all(S.FAILED)
+                self.reason = reason
+                return
+            positions = range(len(self.devices))
+        moving = [p for p in positions if self.state_at(p) in LIVE]
+        if not moving:
+            return
+        self._move(moving, S.FAILED)
+        if self._reasons is None:
+            self._reasons = {}
+        for p in moving:
+            self._reasons[p] = reason
+
+    def delete(self, positions: Iterable[int] | None = None) -> None:
+        """The client deleted the shards, or a program consumed them. Those already deleted
+        or freed stay as they are (a delete is idempotent)."""
+        if positions is None:
+            if not self.states() & GONE:
+                self._move_all(S.DELETED)
+                return
+            positions = range(len(self.devices))
+        moving = [p for p in positions if self.state_at(p) not in GONE]
+        if moving:
+            self._move(moving, S.DELETED)
+
+    def free(self, positions: Iterable[int] | None = None) -> None:
+        """The shards were dropped on their workers (the ledger sends the Free)."""
+        if positions is None:
+            self._move_all(S.FREED)
+        else:
+            self._move(positions, S.FREED)
+
+    def pin(self, position: int) -> None:
+        """A move reads the shard from its dispatch to its last command: it is not freed
+        before (`unpin`)."""
+        if self.state_at(position) is S.FREED:
+            raise IllegalTransition(f"{self!r}: position {position} was pinned after it was "
+                                    "freed; this is a bug in isthmus: please report it.")
+        if self.pins is None:
+            self.pins = {}
+        self.pins[position] = self.pins.get(position, 0) + 1
+
+    def unpin(self, position: int) -> bool:
+        """One move less reads the shard; True when it was released meanwhile and may now
+        be freed."""
+        count = self.pins.get(position, 0) if self.pins else 0
+        if count <= 0:
+            raise IllegalTransition(f"{self!r}: position {position} was unpinned more often "
+                                    "than pinned; this is a bug in isthmus: please report it.")
+        assert self.pins is not None
+        if count > 1:
+            self.pins[position] = count - 1
+            return False
+        del self.pins[position]
+        if self.free_when_unpinned and position in self.free_when_unpinned:
+            self.free_when_unpinned.discard(position)
+            return True
+        return False
+
+    def defer_free(self, position: int) -> None:
+        """The shard was released while a move reads it: freed at its last unpin."""
+        if not self.pinned(position):
+            raise IllegalTransition(f"{self!r}: position {position} was to be freed at its "
+                                    "unpin but is not pinned; this is a bug in isthmus.")
+        if self.free_when_unpinned is None:
+            self.free_when_unpinned = set()
+        self.free_when_unpinned.add(position)
+
+    # ---- checking ------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raises AssertionError where the group's records disagree with each other."""
+        where = repr(self)
+        assert self.refs >= 0, f"{where}: refs {self.refs}"
+        assert all(n >= 0 for n in (self.shard_refs or {}).values()), f"{where}: shard refs"
+        assert self._definers >= 0, f"{where}: definers {self._definers}"
+        assert (self._definers > 0) == (self.defined is not None), (
+            f"{where}: {self._definers} definers but defined future {self.defined}")
+        if self._definers == 0:
+            assert S.PENDING not in self.states(), f"{where}: pending with no definer"
+        assert (self._unanswered > 0) == (self.storing is not None), f"{where}: answers"
+        if self._states is not None:
+            assert self._states, f"{where}: an empty exception table"
+            assert len(self._states) < len(self.devices) or len(set(
+                self._states.values())) > 1, f"{where}: exceptions that agree"
+            assert all(0 <= p < len(self.devices) for p in self._states), where
+        for p, count in (self.pins or {}).items():
+            assert count > 0, f"{where}: pin count {count} at {p}"
+            assert self.state_at(p) is not S.FREED, f"{where}: freed while pinned at {p}"
+        for p in self.free_when_unpinned or ():
+            assert self.pinned(p), f"{where}: a deferred free at {p} without a pin"
+        if self.reason is not None or self._reasons:
+            for p in range(len(self.devices)):
+                if self.state_at(p) is S.FAILED:
+                    assert self.reason_at(p) is not None, f"{where}: failed without reason"
+        elif S.FAILED in self.states():
+            raise AssertionError(f"{where}: failed without a reason")

@@ -1,0 +1,259 @@
+"""The ledger: every live buffer group, the arrays holding it, and each change of their state.
+
+Everything that changes a shard's or an array's state goes through here: naming groups,
+holding and releasing them, deletion and donation, pins of a move's sources from its dispatch
+to its last command, failures (a slice lost, or taken from a lease) and frees on the workers.
+The states and their legal transitions are in groups.py (shards) and arrays.py (arrays); a
+move they do not allow raises `IllegalTransition` and changes nothing. `validate_state()`
+checks that the records agree with each other (the unit tests call it after each step).
+
+Frees are the only commands the ledger sends; they go out in the caller's turn, which is the
+session's dispatch order (a delete or release is queued behind the operations that came
+before it, so those still find their inputs on the workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from isthmus import errors
+from isthmus.controller.arrays import Array, ArrayState, Buffer, whole_group
+from isthmus.controller.fleet import Device
+from isthmus.controller.groups import BufferGroup, ShardState
+from isthmus.ids import BufferId, WorkerId
+from isthmus.transport import commands as c
+
+
+class FreeChannel(Protocol):
+    def send(self, command: c.Free) -> None: ...
+
+
+class FleetForFrees(Protocol):
+    """What the ledger asks of the fleet: names of workers, and a way to send them frees."""
+
+    @property
+    def workers(self) -> Iterable[WorkerId]: ...
+
+    def worker_set(self, workers: Iterable[WorkerId]) -> tuple[WorkerId, ...]: ...
+
+    def multicast(self, workers: tuple[WorkerId, ...], command: c.Free) -> None: ...
+
+    def channel(self, worker: WorkerId) -> FreeChannel: ...
+
+
+class Ledger:
+    """The controller's buffer groups and the arrays that hold them."""
+
+    def __init__(self, fleet: FleetForFrees) -> None:
+        self.fleet = fleet
+        self._next_buffer_id = 1
+        self._live: dict[BufferId, BufferGroup] = {}  # by base id, until every shard is freed
+        self._holders: set[Array] = set()  # arrays counted in their groups' refs
+
+    # ---- groups and holders --------------------------------------------------------------
+
+    def new_group(self, devices: tuple[Device, ...], nbytes: tuple[int, ...],
+                  memory_kind: str | None = None, workers: tuple[WorkerId, ...] | None = None,
+                  definers: int = 0) -> BufferGroup:
+        """Names a buffer on each device (ids `base .. base + len(devices) - 1`): pending
+        until `definers` operations settle, or defined at once when there are none (the
+        operation that makes them is dispatched in this turn's order)."""
+        base = self._next_buffer_id
+        self._next_buffer_id += len(devices)
+        if workers is None:
+            workers = self.fleet.worker_set(d.worker for d in devices)
+        group = BufferGroup(base, devices, workers, nbytes, memory_kind, definers)
+        self._live[BufferId(base)] = group
+        return group
+
+    def hold(self, array: Array) -> Array:
+        """`array` holds its shards from now until it is released."""
+        if array in self._holders:
+            raise errors.InternalError("an array was held twice; this is a bug in isthmus.")
+        if array.group is not None:
+            array.group.refs += 1
+        else:
+            for buffer in array.shards:
+                group = buffer.group
+                if group.shard_refs is None:
+                    group.shard_refs = {}
+                group.shard_refs[buffer.position] = group.shard_refs.get(buffer.position, 0) + 1
+        self._holders.add(array)
+        return array
+
+    def holds(self, array: Array) -> bool:
+        return array in self._holders
+
+    def release(self, arrays: Iterable[Array]) -> tuple[list[BufferGroup], list[Buffer]]:
+        """The arrays stop holding their shards (those released already are skipped); returns
+        the groups and shards no array holds any more, for `free` in dispatch order."""
+        groups: list[BufferGroup] = []
+        buffers: list[Buffer] = []
+        for array in arrays:
+            if array not in self._holders:
+                continue
+            self._holders.discard(array)
+            group = array.group
+            if group is not None:
+                group.refs -= 1
+                if group.refs <= 0:
+                    if group.shard_refs:
+                        buffers.extend(Buffer(group, p) for p in range(len(group))
+                                       if not group.held(p))
+                    else:
+                        groups.append(group)
+                continue
+            for buffer in array.shards:
+                shard_refs = buffer.group.shard_refs
+                assert shard_refs is not None
+                shard_refs[buffer.position] -= 1
+                if not buffer.group.held(buffer.position):
+                    buffers.append(buffer)
+        return groups, buffers
+
+    # ---- deletion and donation -----------------------------------------------------------
+
+    def request_delete(self, array: Array) -> None:
+        """The client asked to delete (or donate) `array`: it sees it deleted from now on,
+        while the operations dispatched before still use it. Idempotent."""
+        if array.state is ArrayState.LIVE:
+            array.move(ArrayState.DELETING)
+
+    def delete(self, arrays: Iterable[Array]) -> None:
+        """In dispatch order: the arrays' shards are deleted and freed at once, for every
+        array that shares them (IFRT `Delete`). An array deleted or donated earlier owns
+        nothing any more (its shards are gone, or another array's now) and is skipped."""
+        live = [a for a in arrays if a.state is not ArrayState.DELETED]
+        for array in live:
+            self.consume(array)
+        self.free_groups([a.group for a in live if a.group is not None])
+        self.free_buffers([b for a in live if a.group is None for b in a.shards])
+
+    def consume(self, array: Array) -> None:
+        """In dispatch order: the array's bytes are gone (deleted, or donated to a program
+        that overwrites them): every use of it, and of any array sharing its shards, says so.
+        The shards stay on the workers until freed."""
+        array.move(ArrayState.DELETED)
+        if array.group is not None:
+            array.group.delete()
+        else:
+            for buffer in array.shards:
+                buffer.group.delete((buffer.position,))
+
+    def donate(self, array: Array) -> None:
+        """In dispatch order: `array` was donated to a new array over the same shards (a
+        view): it is unusable, its shards live on in the new one. An array deleted earlier
+        in the order stays so."""
+        if array.state is not ArrayState.DELETED:
+            array.move(ArrayState.DELETED)
+
+    # ---- pins and frees ------------------------------------------------------------------
+
+    def pin(self, buffer: Buffer) -> None:
+        """A move reads `buffer` from its dispatch until `unpin`: it is not freed before."""
+        buffer.group.pin(buffer.position)
+
+    def unpin(self, buffer: Buffer) -> None:
+        if buffer.group.unpin(buffer.position):
+            self.free_buffers([buffer])
+
+    def free_groups(self, groups: Sequence[BufferGroup]) -> None:
+        """Drops every shard of the groups on their workers (in dispatch order): one shared
+        command for all the workers of a group."""
+        for group in groups:
+            states = group.states()
+            if states == {ShardState.FREED}:
+                continue
+            if group.pins or ShardState.FREED in states:
+                self.free_buffers([Buffer(group, p) for p in range(len(group))])
+                continue
+            group.free()
+            self._live.pop(BufferId(group.base), None)
+            self.fleet.multicast(group.workers, c.Free(group.ids))
+
+    def free_buffers(self, buffers: Sequence[Buffer]) -> None:
+        """Drops single shards on their workers (in dispatch order); a pinned one is freed
+        at its last unpin."""
+        by_worker: dict[WorkerId, list[BufferId]] = {}
+        for buffer in buffers:
+            group, position = buffer.group, buffer.position
+            if group.state_at(position) is ShardState.FREED:
+                continue
+            if group.pinned(position):
+                group.defer_free(position)
+                continue
+            group.free((position,))
+            if group.states() == {ShardState.FREED}:
+                self._live.pop(BufferId(group.base), None)
+            by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
+        for worker, ids in by_worker.items():
+            self.fleet.channel(worker).send(c.Free(tuple(ids)))
+
+    # ---- failures ------------------------------------------------------------------------
+
+    def poison_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
+        """Every buffer on the slice is gone: uses of it report `error` (DATA_LOSS)."""
+        for group in self._live.values():
+            positions = [p for p, device in enumerate(group.devices)
+                         if device.slice_index == slice_index and group.reason_at(p) is None]
+            if positions:
+                group.fail(positions, error)
+
+    def evict_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
+        """Every buffer on the slice is dropped from its (live) workers and reports `error`
+        on use: the slice was taken from the lease that made them (a shared service)."""
+        self.poison_slice(slice_index, error)
+        self.free_buffers([Buffer(group, position) for group in list(self._live.values())
+                           for position, device in enumerate(group.devices)
+                           if device.slice_index == slice_index])
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def accounting(self) -> dict[WorkerId, dict[str, int]]:
+        """Live buffers and bytes per worker, as the controller counts them."""
+        result: dict[WorkerId, dict[str, int]] = {
+            w: {"buffers": 0, "bytes": 0} for w in self.fleet.workers}
+        for group in self._live.values():
+            for position, device in enumerate(group.devices):
+                if group.state_at(position) is ShardState.FREED:
+                    continue
+                entry = result.setdefault(device.worker, {"buffers": 0, "bytes": 0})
+                entry["buffers"] += 1
+                entry["bytes"] += group.nbytes[position]
+        return result
+
+    def live_groups(self) -> list[BufferGroup]:
+        return list(self._live.values())
+
+    def validate_state(self) -> None:
+        """Raises AssertionError where the ledger's records disagree: a group's counts with
+        the arrays that hold it, a freed group still listed, a pin on a freed shard."""
+        for base, group in self._live.items():
+            assert group.base == base, f"{group!r} listed under {base}"
+            assert group.states() != {ShardState.FREED}, f"{group!r} freed but still live"
+        groups = {id(g): g for g in self._live.values()}
+        refs: dict[int, int] = {}
+        shard_refs: dict[int, dict[int, int]] = {}
+        for array in self._holders:
+            if array.group is not None:
+                assert array.parts is None, f"{array!r} is a group and parts"
+                groups[id(array.group)] = array.group
+                refs[id(array.group)] = refs.get(id(array.group), 0) + 1
+                continue
+            assert array.parts is not None and whole_group(array.parts) is None, (
+                f"{array!r} lists the shards of one whole group as parts")
+            for buffer in array.parts:
+                groups[id(buffer.group)] = buffer.group
+                counts = shard_refs.setdefault(id(buffer.group), {})
+                counts[buffer.position] = counts.get(buffer.position, 0) + 1
+        for key, group in groups.items():
+            group.validate()
+            assert group.refs == refs.get(key, 0), (
+                f"{group!r}: refs {group.refs}, held by {refs.get(key, 0)} arrays")
+            held = {p: n for p, n in (group.shard_refs or {}).items() if n}
+            assert held == shard_refs.get(key, {}), (
+                f"{group!r}: shard refs {held}, held by {shard_refs.get(key, {})}")
+            if group.states() != {ShardState.FREED}:
+                assert self._live.get(BufferId(group.base)) is group, (
+                    f"{group!r} has shards not freed but is not listed")

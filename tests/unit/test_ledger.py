@@ -1,0 +1,363 @@
+"""The ledger (controller/ledger.py, groups.py, arrays.py): every illegal transition of a shard
+and of an array is refused and changes nothing; holding, releasing, deletion, donation, pins,
+frees and failures keep the records consistent (`validate_state` after each step) and send
+the frees they should, once."""
+
+import asyncio
+import itertools
+
+import pytest
+
+from isthmus import dtypes, errors
+from isthmus.controller.arrays import ARRAY_LEGAL, Array, ArrayState, Buffer
+from isthmus.controller.fleet import Device
+from isthmus.controller.groups import LEGAL, IllegalTransition, ShardState
+from isthmus.controller.ledger import Ledger
+from isthmus.controller.sharding import Sharding, ShardingKind
+from isthmus.ids import DeviceId, SliceId, WorkerId
+from isthmus.transport import commands as c
+
+S = ShardState
+F32 = dtypes.BY_KIND["KIND_F32"]
+DEVICES = tuple(Device(DeviceId(i), WorkerId(i // 2), i % 2, "cpu", "cpu", SliceId(i // 2), 0)
+                for i in range(4))
+
+
+class Channel:
+    def __init__(self, sent, worker):
+        self.sent, self.worker = sent, worker
+
+    def send(self, command):
+        self.sent.append((self.worker, command))
+
+
+class FakeFleet:
+    """The ledger's view of a fleet: it only records the frees sent."""
+
+    workers = (WorkerId(0), WorkerId(1))
+
+    def __init__(self):
+        self.sent = []
+
+    def worker_set(self, workers):
+        return tuple(sorted(set(workers)))
+
+    def multicast(self, workers, command):
+        self.sent.append((workers, command))  # one shared command for all of them
+
+    def channel(self, worker):
+        return Channel(self.sent, worker)
+
+    def freed(self):
+        """Buffer ids freed so far (each must be freed once)."""
+        ids = [i for _, command in self.sent if isinstance(command, c.Free)
+               for i in command.buffers]
+        assert len(ids) == len(set(ids)), f"a buffer was freed twice: {ids}"
+        return set(ids)
+
+
+def _ledger():
+    fleet = FakeFleet()
+    return Ledger(fleet), fleet
+
+
+def _array(ledger, devices=DEVICES, definers=0):
+    group = ledger.new_group(devices, (16,) * len(devices), definers=definers)
+    sharding = Sharding(ShardingKind.OPAQUE, tuple(d.id for d in devices))
+    return ledger.hold(Array(F32, (4 * len(devices),), sharding, group))
+
+
+def _view(ledger, buffers):
+    sharding = Sharding(ShardingKind.OPAQUE, tuple(b.device.id for b in buffers))
+    return ledger.hold(Array(F32, (4 * len(buffers),), sharding, parts=tuple(buffers)))
+
+
+def run(coroutine_function):
+    """Runs a test body in an event loop (groups with definers make futures)."""
+    return asyncio.run(coroutine_function())
+
+
+# ---- every transition of the tables ---------------------------------------------------------
+
+# How to bring position 0 of a fresh group (one definer outstanding) to each state, legally.
+REACH = {
+    S.PENDING: lambda g: None,
+    S.DEFINED: lambda g: g.settle(),
+    S.STORED: lambda g: g.stored(0),
+    S.FAILED: lambda g: g.fail((0,), errors.InvalidRequest("bad")),
+    S.DELETED: lambda g: g.delete((0,)),
+    S.FREED: lambda g: g.free((0,)),
+}
+ILLEGAL = [(old, new) for old, new in itertools.product(S, S) if new not in LEGAL[old]]
+
+
+@pytest.mark.parametrize(("old", "new"), ILLEGAL, ids=lambda s: s.value)
+def test_every_illegal_shard_transition_is_refused(old, new):
+    async def body():
+        ledger, _ = _ledger()
+        group = ledger.new_group(DEVICES, (16,) * 4, definers=1)
+        REACH[old](group)
+        assert group.state_at(0) is old
+        with pytest.raises(IllegalTransition, match=f"from {old.value} to {new.value}"):
+            group._move((0,), new)
+        assert group.state_at(0) is old
+        before = [group.state_at(p) for p in range(4)]
+        with pytest.raises(IllegalTransition):  # the whole group's move checks every shard
+            group._move_all(new)
+        assert [group.state_at(p) for p in range(4)] == before
+    run(body)
+
+
+@pytest.mark.parametrize(("old", "new"), [(o, n) for o in S for n in LEGAL[o]],
+                         ids=lambda s: s.value)
+def test_every_legal_shard_transition_is_taken(old, new):
+    async def body():
+        ledger, _ = _ledger()
+        group = ledger.new_group(DEVICES, (16,) * 4, definers=1)
+        REACH[old](group)
+        group._move((0,), new)
+        assert group.state_at(0) is new
+        assert group.state_at(1) in (S.PENDING, S.DEFINED)
+    run(body)
+
+
+ARRAY_ILLEGAL = [(old, new) for old, new in itertools.product(ArrayState, ArrayState)
+                 if new not in ARRAY_LEGAL[old]]
+
+
+@pytest.mark.parametrize(("old", "new"), ARRAY_ILLEGAL, ids=lambda s: s.value)
+def test_every_illegal_array_transition_is_refused(old, new):
+    ledger, _ = _ledger()
+    array = _array(ledger)
+    if old is not ArrayState.LIVE:
+        array.move(old)
+    with pytest.raises(IllegalTransition, match=f"from {old.value} to {new.value}"):
+        array.move(new)
+    assert array.state is old
+
+
+# ---- the operations that refuse what cannot happen -------------------------------------------
+
+def test_settle_without_a_definer_is_refused():
+    ledger, _ = _ledger()
+    group = _array(ledger).group
+    with pytest.raises(IllegalTransition, match="0 were expected"):
+        group.settle()
+    ledger.validate_state()
+
+
+def test_a_defined_group_takes_no_more_definers():
+    async def body():
+        ledger, _ = _ledger()
+        group = _array(ledger).group
+        with pytest.raises(IllegalTransition, match="cannot expect definers"):
+            group.expect()
+        assert group.defined is None
+        ledger.validate_state()
+    run(body)
+
+
+def test_a_shard_stored_twice_is_refused_and_late_answers_change_nothing():
+    async def body():
+        ledger, _ = _ledger()
+        array = _array(ledger, definers=1)
+        group = array.group
+        group.stored(0)
+        with pytest.raises(IllegalTransition, match="stored twice"):
+            group.stored(0)
+        group.fail((1,), errors.InvalidRequest("bad data"))
+        group.delete((2,))
+        group.stored(1)  # answers that come after a failure or a delete are too late
+        group.stored(2)
+        group.settle()
+        assert [group.state_at(p) for p in range(4)] == [S.STORED, S.FAILED, S.DELETED,
+                                                         S.DEFINED]
+        ledger.validate_state()
+    run(body)
+
+
+def test_pins_are_counted_and_refused_when_wrong():
+    ledger, _ = _ledger()
+    array = _array(ledger)
+    buffer = array.shards[0]
+    with pytest.raises(IllegalTransition, match="unpinned more often"):
+        ledger.unpin(buffer)
+    with pytest.raises(IllegalTransition, match="not pinned"):
+        array.group.defer_free(0)
+    ledger.free_groups([array.group])
+    with pytest.raises(IllegalTransition, match="pinned after it was freed"):
+        ledger.pin(buffer)
+
+
+def test_an_unexpected_put_answer_is_refused():
+    ledger, _ = _ledger()
+    with pytest.raises(IllegalTransition, match="none expected"):
+        _array(ledger).group.answered()
+
+
+def test_an_array_held_twice_is_refused():
+    ledger, _ = _ledger()
+    array = _array(ledger)
+    with pytest.raises(errors.InternalError, match="held twice"):
+        ledger.hold(array)
+    ledger.validate_state()
+
+
+# ---- lives of arrays, checked after each step ---------------------------------------------
+
+def test_definition_and_readiness():
+    async def body():
+        ledger, _ = _ledger()
+        array = _array(ledger, definers=2)
+        group = array.group
+        ledger.validate_state()
+        assert group.states() == {S.PENDING} and group.defined is not None
+        group.stored(1)
+        ledger.validate_state()
+        group.settle()
+        ledger.validate_state()
+        assert group.state_at(0) is S.PENDING
+        group.settle()
+        ledger.validate_state()
+        assert group.defined is None
+        assert [group.state_at(p) for p in range(4)] == [S.DEFINED, S.STORED, S.DEFINED,
+                                                         S.DEFINED]
+        for p in (0, 2, 3):
+            group.stored(p)
+            ledger.validate_state()
+        assert group.all_stored and group.states() == {S.STORED}
+        assert group._states is None  # the shards move together again: one record
+        group.expect_answers()
+        ledger.validate_state()
+        group.answered()
+        ledger.validate_state()
+    run(body)
+
+
+def test_release_frees_only_what_no_array_holds():
+    ledger, fleet = _ledger()
+    a = _array(ledger)
+    view = _view(ledger, a.shards[1:3])
+    ledger.validate_state()
+    groups, buffers = ledger.release([a])
+    ledger.validate_state()
+    assert groups == [] and [b.position for b in buffers] == [0, 3]
+    ledger.free_groups(groups)
+    ledger.free_buffers(buffers)
+    ledger.validate_state()
+    assert fleet.freed() == {a.group.base, a.group.base + 3}
+    assert ledger.release([a]) == ([], [])  # released once only
+    groups, buffers = ledger.release([view])
+    ledger.free_buffers(buffers)
+    ledger.validate_state()
+    assert fleet.freed() == set(a.group.ids)
+    assert ledger.accounting() == {0: {"buffers": 0, "bytes": 0}, 1: {"buffers": 0, "bytes": 0}}
+    assert ledger.live_groups() == []
+
+
+def test_delete_frees_for_every_sharer_in_dispatch_order():
+    ledger, fleet = _ledger()
+    a = _array(ledger)
+    view = _view(ledger, a.shards[:2])
+    ledger.request_delete(a)
+    ledger.validate_state()
+    assert a.is_deleted and a.state is ArrayState.DELETING
+    assert a.problem() is None  # operations dispatched before the delete still use it
+    assert not view.is_deleted
+    ledger.delete([a])
+    ledger.validate_state()
+    assert a.state is ArrayState.DELETED and a.group.states() == {S.FREED}
+    assert fleet.freed() == set(a.group.ids)
+    assert view.is_deleted
+    assert isinstance(view.problem(), errors.ArrayDeleted)
+    ledger.delete([a])  # deleted already: nothing more is freed
+    ledger.validate_state()
+    for array in (a, view):
+        ledger.free_buffers(ledger.release([array])[1])
+        ledger.validate_state()
+    assert fleet.freed() == set(a.group.ids)
+
+
+def test_a_donated_view_source_owns_nothing_and_its_delete_frees_nothing():
+    ledger, fleet = _ledger()
+    a = _array(ledger)
+    view = _view(ledger, a.shards[:2])
+    ledger.request_delete(view)
+    ledger.donate(view)
+    ledger.validate_state()
+    assert isinstance(view.problem(), errors.ArrayDeleted)
+    ledger.delete([view])
+    ledger.validate_state()
+    assert fleet.freed() == set() and a.problem() is None
+
+
+def test_consumed_by_a_program_then_released():
+    ledger, fleet = _ledger()
+    a = _array(ledger)
+    ledger.consume(a)
+    ledger.validate_state()
+    assert a.group.states() == {S.DELETED} and fleet.freed() == set()
+    assert isinstance(a.problem(), errors.ArrayDeleted)
+    groups, buffers = ledger.release([a])
+    ledger.free_groups(groups)
+    ledger.validate_state()
+    assert fleet.freed() == set(a.group.ids)
+
+
+def test_a_pinned_source_is_freed_at_its_last_unpin():
+    ledger, fleet = _ledger()
+    a = _array(ledger)
+    source = a.shards[2]
+    ledger.pin(source)
+    ledger.pin(source)
+    ledger.validate_state()
+    groups, buffers = ledger.release([a])
+    ledger.free_groups(groups)
+    ledger.validate_state()
+    assert fleet.freed() == set(a.group.ids) - {source.id}
+    assert a.group.state_at(2) is S.DEFINED and ledger.live_groups() == [a.group]
+    ledger.unpin(source)
+    ledger.validate_state()
+    assert source.id not in fleet.freed()
+    ledger.unpin(source)
+    ledger.validate_state()
+    assert fleet.freed() == set(a.group.ids) and ledger.live_groups() == []
+
+
+def test_a_lost_slice_fails_its_shards_and_an_evicted_one_frees_them():
+    ledger, fleet = _ledger()
+    a, b = _array(ledger), _array(ledger)
+    ledger.consume(b)
+    lost = errors.WorkerLost("slice 0 was lost")
+    ledger.poison_slice(0, lost)
+    ledger.validate_state()
+    assert [a.group.state_at(p) for p in range(4)] == [S.FAILED, S.FAILED, S.DEFINED,
+                                                       S.DEFINED]
+    assert a.problem() is lost and not a.is_deleted
+    assert b.group.states() == {S.DELETED}  # deleted first: it stays deleted
+    taken = errors.WorkerLost("slice 1 was taken")
+    ledger.evict_slice(1, taken)
+    ledger.validate_state()
+    assert a.group.state_at(3) is S.FREED and a.shards[3].problem() is taken
+    assert not a.is_deleted
+    assert fleet.freed() == {a.group.base + 2, a.group.base + 3, b.group.base + 2,
+                             b.group.base + 3}
+
+
+def test_validate_state_finds_records_that_disagree():
+    ledger, _ = _ledger()
+    a = _array(ledger)
+    a.group.refs += 1
+    with pytest.raises(AssertionError, match="refs 2, held by 1"):
+        ledger.validate_state()
+    a.group.refs -= 1
+    a.group.state = S.FAILED  # failed, but nobody said why
+    with pytest.raises(AssertionError, match="without a reason"):
+        ledger.validate_state()
+    a.group.state = S.DEFINED
+    ledger.validate_state()
+    buffer = Buffer(a.group, 1)
+    ledger.pin(buffer)
+    a.group._states = {1: S.FREED}
+    with pytest.raises(AssertionError, match="freed while pinned"):
+        ledger.validate_state()
