@@ -62,7 +62,6 @@ class OptionsVetter(Protocol):
             ) -> tuple[bytes, tuple[int, ...], int]: ...
 
 
-
 class FrontendSession:
     """Handle tables and request dispatch of one client session."""
 
