@@ -1,34 +1,61 @@
 """The commands a controller gives a worker, each defined once.
 
 A command is a record: its fields are its encoding (it travels in the fleet's codec as it
-is), and its `apply` is its handling on a host (`isthmus.worker.host.DeviceHost`, in-process
-or in a worker process). Every channel takes commands through two calls:
+is), and its `apply` is its handling on a host (`host.CommandHost`: a
+`isthmus.worker.host.DeviceHost`, in-process or in a worker process). Every channel takes
+commands through two calls:
 
     channel.send(Copy(src, dst, device, None))          # fire-and-forget
     info = await channel.ask(Compile(executable, req))  # answered
 
 A worker process applies what arrives the same way (`command.apply(host)`), apart from the
-few commands whose handling needs the process itself (`Execute` under its crash record, the
-transfers of `Put`, `Fetch` and `Pull`); a lost worker's stand-in drops what is sent and
-fails what is asked. Adding a command is a record here and the host's method it calls.
+few commands whose handling needs the process itself (listed below); a lost worker's
+stand-in drops what is sent and fails what is asked. Adding a command is a record here and
+the host's method it calls (`host.py` and the host).
 
 Fire-and-forget commands take effect in order with the rest; their failures land in the
 buffers they were to produce (`produces`). A `Request` is issued at once, in order, and its
 awaitable resolves with what `apply` resolved to on the worker.
+
+What a worker process does beside a record's own `apply` (`worker/applying.py`), and why
+it cannot be the record's: each needs state of the process that outlives its hosts (a
+worker's host is replaced whenever its collective group re-forms) or a transfer that only a
+process with a network makes.
+
+- `Execute`: the process's crash record names the program while jaxlib dispatches it
+  (`worker/crashes.py`); before it, the worker compiles a program its current host lacks
+  and waits for the collective programs before it.
+- `Compile`, `Load`, `DropExecutable`, `Refuse`: the process keeps every program it was
+  given across collective groups (compiled again at its first run on a new host), and the
+  refused ones; `Compile` also names the program in the crash record, and its reply leaves
+  out jax's avals (`CompiledInfo.param_avals`), which stay on the worker.
+- `Fetch`: a large result goes back on the control stream in pieces (`FetchHeader`, `Data`).
+- `Pull`: the process's peer client fetches the source from another worker's data server
+  (an in-process host has no peers: its `apply` refuses).
+- `Put`: a remote channel sends its bytes in forms of their own (`PutBegin`/`PutData`,
+  `PutWhole`, `PutObjects`, `PutFile`, in `messages.py`), picked by size and place, which
+  neither end copies and the worker reassembles before it stores them; the record itself
+  (in the codec like every command) is what the in-process host and the channels take.
+
+Every other command, `Ready` included, is applied by its record alone; a request whose
+answer waits for computations (`waits_for_computations`) is asked again of the new host if
+the collective group re-forms meanwhile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Awaitable
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import ClassVar, Generic, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
-from isthmus.transport.messages import CODEC, dtype_name, dtype_of
+from isthmus.transport.host import Box, CommandHost, Part
+from isthmus.transport.messages import CODEC, NumpyDType, dtype_name, dtype_of
 from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest, TraceOptions
 
 __all__ = [
@@ -42,8 +69,7 @@ _T = TypeVar("_T", covariant=True)  # what a request answers
 _C = TypeVar("_C")
 
 # Per program argument: a group base (position p's shard is `base + p`), or an id per position.
-Refs = tuple[int | tuple[int, ...], ...]
-Box = tuple[tuple[int, int], ...]  # per dimension, (start, stop)
+Refs = tuple[int | tuple[BufferId, ...], ...]
 
 
 class Command:
@@ -51,11 +77,11 @@ class Command:
 
     __slots__ = ()
 
-    def apply(self, host: Any) -> Any:
-        """Carries the command out on `host` (a `DeviceHost`)."""
+    def apply(self, host: CommandHost) -> Awaitable[object] | None:
+        """Carries the command out on `host`."""
         raise NotImplementedError
 
-    def produces(self) -> tuple[int, ...]:
+    def produces(self) -> tuple[BufferId, ...]:
         """The buffers the command makes: they hold its error when it cannot be applied."""
         return ()
 
@@ -65,7 +91,11 @@ class Request(Command, Generic[_T]):
 
     __slots__ = ()
 
-    def apply(self, host: Any) -> Awaitable[_T]:
+    # The answer waits for computations: a worker asks it again of its new host when its
+    # collective group re-forms (where one stuck on a lost peer has become an error).
+    waits_for_computations: ClassVar[bool] = False
+
+    def apply(self, host: CommandHost) -> Awaitable[_T]:
         raise NotImplementedError
 
 
@@ -75,16 +105,16 @@ def _command(cls: type[_C]) -> type[_C]:
     return CODEC.record(dataclasses.dataclass(frozen=True, slots=True)(cls))
 
 
-def dtype_field(dtype: Any) -> str | None:
+def dtype_field(dtype: npt.DTypeLike | None) -> str | None:
     """A dtype as a command carries it: its name, or None for a string array's."""
     return None if dtype is None or np.dtype(dtype) == object else dtype_name(dtype)
 
 
-def _dtype(name: str | None) -> Any:
+def _dtype(name: str | None) -> NumpyDType | None:
     return None if name is None else dtype_of(name)
 
 
-def refs(args: Any) -> Refs:
+def refs(args: Iterable[int | Iterable[BufferId]]) -> Refs:
     """Program arguments as commands carry them (`Execute.args`)."""
     return tuple(a if isinstance(a, int) else tuple(a) for a in args)
 
@@ -97,21 +127,22 @@ ORDERED_PUT_BYTES = 1 << 20
 
 # ---- buffers ------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@_command
 class Put(Request[None]):
     """Stores host data as a buffer on a device; answered once stored. The caller must not
-    modify `value` afterwards. Over the network it travels as `PutBegin`/`PutData`,
-    `PutObjects` or `PutFile` (`messages.py`): the transport picks by size and place."""
+    modify `value` afterwards. Over the network its bytes travel in forms of their own
+    (`PutBegin`/`PutData`, `PutWhole`, `PutObjects` or `PutFile`, `messages.py`): the
+    transport picks by size and place."""
 
     buffer: BufferId
     device: int  # global device id
     value: np.ndarray
     memory_kind: str | None = None
 
-    def apply(self, host: Any) -> Awaitable[None]:
+    def apply(self, host: CommandHost) -> Awaitable[None]:
         return host.put(self.buffer, self.device, self.value, self.memory_kind)
 
-    def produces(self) -> tuple[int, ...]:
+    def produces(self) -> tuple[BufferId, ...]:
         return (self.buffer,)
 
 
@@ -119,10 +150,10 @@ class Put(Request[None]):
 class Fail(Command):
     """Defines a buffer as an error: every use of it reports `error`."""
 
-    buffer: int
-    error: Any  # an IsthmusError
+    buffer: BufferId
+    error: errors.IsthmusError
 
-    def apply(self, host: Any) -> None:
+    def apply(self, host: CommandHost) -> None:
         host.fail(self.buffer, self.error)
 
 
@@ -130,15 +161,15 @@ class Fail(Command):
 class Copy(Command):
     """Copies a buffer to another device (or memory) of the same worker."""
 
-    src: int
-    dst: int
+    src: BufferId
+    dst: BufferId
     device: int
     memory_kind: str | None
 
-    def apply(self, host: Any) -> None:
+    def apply(self, host: CommandHost) -> None:
         host.copy(self.src, self.dst, self.device, self.memory_kind)
 
-    def produces(self) -> tuple[int, ...]:
+    def produces(self) -> tuple[BufferId, ...]:
         return (self.dst,)
 
 
@@ -149,18 +180,18 @@ class Pull(Request[None]):
     Only worker processes have peers (their agent carries this out); the embedded host has
     none."""
 
-    src: int
+    src: BufferId
     peer: str
-    dst: int
+    dst: BufferId
     device: int
     memory_kind: str | None
     mac: bytes = b""  # of `src` under the peer's data key (`RemoteWorker.pull_mac`)
 
-    def apply(self, host: Any) -> Awaitable[None]:
+    def apply(self, host: CommandHost) -> Awaitable[None]:
         raise errors.InternalError("an in-process host has no peers to pull from; this is a "
                                    "bug in isthmus: please report it.")
 
-    def produces(self) -> tuple[int, ...]:
+    def produces(self) -> tuple[BufferId, ...]:
         return (self.dst,)
 
 
@@ -168,18 +199,18 @@ class Pull(Request[None]):
 class Assemble(Command):
     """Builds a buffer from boxes of the worker's buffers (`src[src_box]` -> `dst_box`)."""
 
-    dst: int
+    dst: BufferId
     device: int
     memory_kind: str | None
     dtype: str | None  # `dtype_field`: None for a string array
     shape: tuple[int, ...]
-    parts: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
+    parts: tuple[Part, ...]
 
-    def apply(self, host: Any) -> None:
+    def apply(self, host: CommandHost) -> None:
         host.assemble(self.dst, self.device, self.memory_kind, _dtype(self.dtype), self.shape,
                       self.parts)
 
-    def produces(self) -> tuple[int, ...]:
+    def produces(self) -> tuple[BufferId, ...]:
         return (self.dst,)
 
 
@@ -187,15 +218,15 @@ class Assemble(Command):
 class Bitcast(Command):
     """Makes `dst` the bytes of `src` read as another dtype and shape."""
 
-    src: int
-    dst: int
+    src: BufferId
+    dst: BufferId
     dtype: str
     shape: tuple[int, ...]
 
-    def apply(self, host: Any) -> None:
+    def apply(self, host: CommandHost) -> None:
         host.bitcast(self.src, self.dst, dtype_of(self.dtype), self.shape)
 
-    def produces(self) -> tuple[int, ...]:
+    def produces(self) -> tuple[BufferId, ...]:
         return (self.dst,)
 
 
@@ -204,19 +235,21 @@ class Free(Command):
     """Drops buffers; ids the worker does not hold are ignored (a group's ids span every
     worker of the group)."""
 
-    buffers: tuple[int, ...] | range
+    buffers: tuple[BufferId, ...] | range  # a range: a group's ids
 
-    def apply(self, host: Any) -> None:
-        host.free(self.buffers)
+    def apply(self, host: CommandHost) -> None:
+        host.free(cast("Sequence[BufferId]", self.buffers))
 
 
 @_command
 class Ready(Request[None]):
     """Answered when the buffers are computed; fails with the first one's error."""
 
-    buffers: tuple[int, ...]
+    buffers: tuple[BufferId, ...]
 
-    def apply(self, host: Any) -> Awaitable[None]:
+    waits_for_computations: ClassVar[bool] = True
+
+    def apply(self, host: CommandHost) -> Awaitable[None]:
         return host.ready(self.buffers)
 
 
@@ -225,10 +258,12 @@ class Fetch(Request[np.ndarray]):
     """Answered with the host copy of one computed buffer (`nbytes`: its size, as the
     controller knows it; a transport may pick its path by it)."""
 
-    buffer: int
+    buffer: BufferId
     nbytes: int = 0
 
-    def apply(self, host: Any) -> Awaitable[np.ndarray]:
+    waits_for_computations: ClassVar[bool] = True
+
+    def apply(self, host: CommandHost) -> Awaitable[np.ndarray]:
         return host.fetch(self.buffer, self.nbytes)
 
 
@@ -239,11 +274,11 @@ class Compile(Request[CompiledInfo | None]):
     """Compiles and loads a program; answered with its `CompiledInfo` (None for colocated
     Python, which is unpickled instead)."""
 
-    executable: int
+    executable: ExecutableId
     program: CompileRequest | ColocatedProgram
 
-    def apply(self, host: Any) -> Awaitable[CompiledInfo | None]:
-        return host.compile(ExecutableId(self.executable), self.program)
+    def apply(self, host: CommandHost) -> Awaitable[CompiledInfo | None]:
+        return host.compile(self.executable, self.program)
 
 
 @_command
@@ -251,21 +286,21 @@ class Load(Command):
     """Makes a program known without waiting: the worker compiles it when it first runs it
     (for a worker that joined after the program was compiled elsewhere)."""
 
-    executable: int
+    executable: ExecutableId
     program: CompileRequest | ColocatedProgram
 
-    def apply(self, host: Any) -> None:
-        host.load(ExecutableId(self.executable), self.program)
+    def apply(self, host: CommandHost) -> None:
+        host.load(self.executable, self.program)
 
 
 @_command
 class DropExecutable(Command):
     """Unloads a program."""
 
-    executable: int
+    executable: ExecutableId
 
-    def apply(self, host: Any) -> None:
-        host.drop_executable(ExecutableId(self.executable))
+    def apply(self, host: CommandHost) -> None:
+        host.drop_executable(self.executable)
 
 
 @_command
@@ -274,12 +309,12 @@ class Refuse(Command):
     Execute of it fails its outputs with `error` (a ProgramRefused). Only worker processes
     are told (an in-process host's crash takes its controller with it)."""
 
-    executable: int
+    executable: ExecutableId
     device_ids: tuple[int, ...]  # global ids of the program's devices, in its order
-    error: Any
+    error: errors.IsthmusError
 
-    def apply(self, host: Any) -> None:
-        host.drop_executable(ExecutableId(self.executable))
+    def apply(self, host: CommandHost) -> None:
+        host.drop_executable(self.executable)
 
 
 @_command
@@ -291,13 +326,13 @@ class Execute(Command):
     before the call so that donation cannot consume them.
     """
 
-    executable: int
+    executable: ExecutableId
     args: Refs  # per argument: group base, or an id per position
     results: tuple[int, ...]  # per output: the base of its group
     copy_first: frozenset[int] = frozenset()
 
-    def apply(self, host: Any) -> None:
-        host.execute(ExecutableId(self.executable), self.args, self.results, self.copy_first)
+    def apply(self, host: CommandHost) -> None:
+        host.execute(self.executable, self.args, self.results, self.copy_first)
 
 
 @_command
@@ -305,13 +340,13 @@ class CallPython(Request[None]):
     """Runs a colocated Python function on the worker's shards (args and results as in
     `Execute`); answered when its outputs are stored, or with the function's error."""
 
-    executable: int
+    executable: ExecutableId
     args: Refs
     results: tuple[int, ...]
     stream: tuple[int, ...] = ()  # calls of one stream run in order, others concurrently
 
-    def apply(self, host: Any) -> Awaitable[None]:
-        return host.call_python(ExecutableId(self.executable), self.args, self.results,
+    def apply(self, host: CommandHost) -> Awaitable[None]:
+        return host.call_python(self.executable, self.args, self.results,
                                 self.stream)
 
 
@@ -323,9 +358,9 @@ class WriteShards(Request[int]):
     answered with the bytes written."""
 
     location: str
-    items: tuple[tuple[int, Box], ...]  # (buffer, box)
+    items: tuple[tuple[BufferId, Box], ...]  # (buffer, box)
 
-    def apply(self, host: Any) -> Awaitable[int]:
+    def apply(self, host: CommandHost) -> Awaitable[int]:
         return host.checkpoints.write_shards(self.location, self.items)
 
 
@@ -339,7 +374,7 @@ class WriteMeta(Request[None]):
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
 
-    def apply(self, host: Any) -> Awaitable[None]:
+    def apply(self, host: CommandHost) -> Awaitable[None]:
         return host.checkpoints.write_meta(self.location, self.dtype, self.shape, self.boxes)
 
 
@@ -350,13 +385,13 @@ class ReadShards(Request[None]):
     location: str
     dtype: str
     shape: tuple[int, ...]
-    items: tuple[tuple[int, int, Box], ...]  # (buffer, device, box)
+    items: tuple[tuple[BufferId, int, Box], ...]  # (buffer, device, box)
 
-    def apply(self, host: Any) -> Awaitable[None]:
+    def apply(self, host: CommandHost) -> Awaitable[None]:
         return host.checkpoints.read_shards(self.location, self.dtype, self.shape,
                                             self.items)
 
-    def produces(self) -> tuple[int, ...]:
+    def produces(self) -> tuple[BufferId, ...]:
         return tuple(buffer for buffer, _, _ in self.items)
 
 
@@ -369,7 +404,7 @@ class StartProfile(Request[bool]):
     trace: str
     options: TraceOptions
 
-    def apply(self, host: Any) -> Awaitable[bool]:
+    def apply(self, host: CommandHost) -> Awaitable[bool]:
         return host.profiles.start(self.trace, self.options)
 
 
@@ -383,5 +418,5 @@ class StopProfile(Request[str | None]):
     directory: str
     label: str
 
-    def apply(self, host: Any) -> Awaitable[str | None]:
+    def apply(self, host: CommandHost) -> Awaitable[str | None]:
         return host.profiles.stop(self.trace, self.directory, self.label)

@@ -17,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import struct
 import typing
-from typing import Any
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
 
 from isthmus.transport.codec import Bulk, Codec, register_errors
 from isthmus.transport.frames import Parts, Tailed
@@ -49,7 +52,7 @@ def _message(cls: type[_T]) -> type[_T]:
     return CODEC.record(dataclasses.dataclass(frozen=True, slots=True)(cls))
 
 
-def encode(message: Any) -> bytes | Parts:
+def encode(message: object) -> bytes | Parts:
     """A frame's payload: the message packed, or, when it holds `Bulk` bytes, the packed
     rest and those bytes as `Parts` (sent without being copied)."""
     packed, tails = CODEC.encode_parts(message)
@@ -58,30 +61,31 @@ def encode(message: Any) -> bytes | Parts:
     return Parts((_LENGTH.pack(len(packed)) + packed, *tails))
 
 
-def decode(frame: bytes | Tailed) -> Any:
+def decode(frame: bytes | Tailed) -> object:
     """The message of a frame `read_frame` returned (its bulk bytes as views of it)."""
     if not isinstance(frame, Tailed):
         return CODEC.decode(frame)
     return CODEC.decode(frame.packed, tail=frame.tail)
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: npt.DTypeLike) -> str:
     """A numpy dtype as a name both ends can turn back into the dtype."""
     name = _NAMES.get(dtype)
     if name is None:
-        import numpy as np
-
         name = np.dtype(dtype).name  # numpy builds it anew each time: ~2 us
         if len(_NAMES) < 256:
             _NAMES[dtype] = name
     return name
 
 
-def dtype_of(name: str) -> Any:
+# What `dtype_of` gives: a numpy dtype, or `object` for a string array's.
+NumpyDType = np.dtype | type[object]
+
+
+def dtype_of(name: str) -> NumpyDType:
     dtype = _DTYPES.get(name)
     if dtype is None:
         import ml_dtypes
-        import numpy as np
 
         dtype = object if name == "object" else np.dtype(getattr(ml_dtypes, name, name))
         if len(_DTYPES) < 256:
@@ -89,8 +93,8 @@ def dtype_of(name: str) -> Any:
     return dtype
 
 
-_NAMES: dict[Any, str] = {}  # dtype_name's and dtype_of's answers, a few dtypes in all
-_DTYPES: dict[str, Any] = {}
+_NAMES: dict[npt.DTypeLike, str] = {}  # dtype_name's and dtype_of's answers, a few in all
+_DTYPES: dict[str, NumpyDType] = {}
 
 
 # ---- worker -> controller -------------------------------------------------------------------
@@ -166,8 +170,8 @@ class Reply:
     """The answer to a request: `value`, or `error` (an IsthmusError) when it failed."""
 
     request: int
-    value: Any = None
-    error: Any = None
+    value: object = None
+    error: errors.IsthmusError | None = None
 
 
 @_message
@@ -194,7 +198,7 @@ class Data:
 
     request: int
     offset: int
-    data: Any  # Bulk when sent; a memoryview of the frame when received
+    data: Bulk | memoryview  # Bulk when sent; a memoryview of the frame when received
 
 
 # ---- controller -> worker -------------------------------------------------------------------
@@ -225,7 +229,7 @@ class Refused:
 
 @_message
 class Batch:
-    commands: tuple[Any, ...]
+    commands: tuple[Told, ...]
 
 
 @_message
@@ -233,7 +237,7 @@ class Ask:
     """A request (`commands.Request`) numbered for its `Reply`."""
 
     request: int
-    command: Any
+    command: Request[object]
 
 
 @_message
@@ -277,7 +281,7 @@ class DeviceMap:
 class PutBegin:
     """The layout of a put whose bytes follow as `PutData`."""
 
-    buffer: int
+    buffer: BufferId
     device: int  # global device id
     memory_kind: str | None
     dtype: str  # numpy dtype name ("object" for strings)
@@ -290,9 +294,9 @@ class PutData:
     """Bytes of a put; the put completes (and is answered) with its last piece."""
 
     request: int
-    buffer: int
+    buffer: BufferId
     offset: int
-    data: Any  # Bulk when sent; a memoryview of the frame when received
+    data: Bulk | memoryview  # Bulk when sent; a memoryview of the frame when received
     last: bool
 
 
@@ -302,12 +306,12 @@ class PutWhole:
     `PutData` in a single message, answered once stored."""
 
     request: int
-    buffer: int
+    buffer: BufferId
     device: int
     memory_kind: str | None
     dtype: str
     shape: tuple[int, ...]
-    data: Any  # Bulk when sent; a memoryview of the frame when received
+    data: Bulk | memoryview  # Bulk when sent; a memoryview of the frame when received
 
 
 @_message
@@ -315,9 +319,9 @@ class PutObjects:
     """A string array (IFRT keeps these as host objects)."""
 
     request: int
-    buffer: int
+    buffer: BufferId
     device: int
-    value: Any
+    value: np.ndarray  # of dtype object
 
 
 @_message
@@ -327,7 +331,7 @@ class PutFile:
     stores the buffer and answers."""
 
     request: int
-    buffer: int
+    buffer: BufferId
     device: int
     memory_kind: str | None
     dtype: str
@@ -341,7 +345,7 @@ class FetchFile:
     and answer with (dtype name, shape)."""
 
     request: int
-    buffer: int
+    buffer: BufferId
     path: str
 
 
@@ -350,8 +354,19 @@ class Shutdown:
     reason: str
 
 
-def weight(command: Any) -> int:
+def weight(command: object) -> int:
     """A command's share of a worker's backlog, as both ends count it for flow control."""
     if isinstance(command, (PutData, PutWhole)):
         return 1 + len(command.data) // WEIGHT_BYTES
     return 1
+
+
+if TYPE_CHECKING:
+    from isthmus import errors
+    from isthmus.ids import BufferId
+    from isthmus.transport.commands import Command, Request
+
+# What a batch carries, applied in order: commands, requests, commands shared with other
+# workers, and the forms a put's data and a fetch through a file travel in.
+Told = typing.Union["Command", Ask, Shared, PutBegin, PutData, PutWhole, PutObjects, PutFile,
+                    FetchFile]

@@ -4,26 +4,26 @@ before it), a command that raises refused by itself (`_refuse`); most by their o
 (`transport/commands.py`), a few here because they need the process (its crash record, the
 programs it keeps across groups, the transfers a command starts: a put arriving in pieces, a
 fetched buffer sent back on the control stream, a buffer pulled from a peer, a buffer served
-to one)."""
+to one). `transport/commands.py` lists them, and why each is handled here."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from isthmus import errors
 from isthmus.hostmem import Assembly, byte_view, map_file
-from isthmus.ids import BufferId
+from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.base import answered
 from isthmus.transport.links import ControllerLink, PeerClient
-from isthmus.transport.records import ColocatedProgram, CompileRequest
+from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest
 from isthmus.worker.crashes import CrashRecord
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.reading import Incoming, produced, request_of, write_fetched
@@ -49,13 +49,15 @@ class CommandApplier:
     _pending_reason: str  # why the group re-forms
     log_path: str  # the worker's log file ("": none), named in errors
 
-    def _spawn(self, request: int, work: Any, command: Any = None) -> None:
+    def _spawn(self, request: int, work: Awaitable[object],
+               command: m.Ask | m.FetchFile | None = None) -> None:
         raise NotImplementedError
 
-    def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
+    def _reply(self, request: int, value: object = None,
+               error: errors.IsthmusError | None = None) -> None:
         raise NotImplementedError
 
-    async def _apply_command(self, command: Any) -> None:
+    async def _apply_command(self, command: m.Told) -> None:
         """Applies one command of a batch, after what it must wait for: its program loaded,
         the collective programs before it (`CollectiveOrder.collective_settled`)."""
         if isinstance(command, m.Ask) and isinstance(command.command, c.CallPython):
@@ -84,7 +86,7 @@ class CommandApplier:
         self._applying = ""
         self._apply(command)
 
-    def _refuse(self, command: Any, e: Exception) -> None:
+    def _refuse(self, command: m.Told, e: Exception) -> None:
         """A command that could not be applied: whoever waits on it hears why, and the
         buffers it was to produce hold the error (nothing waits forever)."""
         name = type(command.command if isinstance(command, m.Ask) else command).__name__
@@ -113,7 +115,7 @@ class CommandApplier:
             for p in positions:
                 self.host.fail(BufferId(base + p), error)
 
-    async def _load(self, executable: int) -> None:
+    async def _load(self, executable: ExecutableId) -> None:
         """Compiles a known program that the current client lacks (the group re-formed, or
         the program came with `Load`), before the Execute that needs it is applied. A
         failure is kept by the host and fails that Execute's outputs."""
@@ -133,7 +135,7 @@ class CommandApplier:
             raise errors.InternalError("the worker has no collective group yet")
         return self.host
 
-    def _apply(self, message: Any) -> None:
+    def _apply(self, message: m.Told) -> None:
         """Applies one command of a batch: by its record's own `apply`, or, for the few
         whose handling needs this process (`_TOLD`, `_ASKED`), here."""
         host = self._require_host()
@@ -142,8 +144,12 @@ class CommandApplier:
             asked = _ASKED.get(type(command))
             if asked is not None:
                 asked(self, host, request, command)
-            else:
-                self._spawn(request, command.apply(host))
+                return
+            outcome = command.apply(host)
+            # One that waits for computations not done yet is asked again if the group
+            # re-forms (`_spawn`); one answered already is answered now.
+            waits = command.waits_for_computations and not answered(outcome)
+            self._spawn(request, outcome, message if waits else None)
             return
         told = _TOLD.get(type(message))
         if told is not None:
@@ -186,45 +192,38 @@ class CommandApplier:
         value = incoming.add(message.offset, message.data)
         if message.last:
             del self._incoming[message.buffer]
-            self._spawn(message.request, host.put(BufferId(message.buffer), incoming.device,
-                                                  value, incoming.memory_kind))
+            self._spawn(message.request, host.put(message.buffer, incoming.device, value,
+                                                  incoming.memory_kind))
 
     def _on_put_whole(self, host: DeviceHost, message: m.PutWhole) -> None:
         pieces = Assembly(len(message.data))
         pieces.add(0, message.data)  # kept as a view of its frame
         value = pieces.value(m.dtype_of(message.dtype), message.shape)
-        self._spawn(message.request, host.put(BufferId(message.buffer), message.device,
-                                              value, message.memory_kind))
+        self._spawn(message.request, host.put(message.buffer, message.device, value,
+                                              message.memory_kind))
 
     def _on_put_objects(self, host: DeviceHost, message: m.PutObjects) -> None:
-        self._spawn(message.request, host.put(BufferId(message.buffer), message.device,
-                                              message.value))
+        self._spawn(message.request, host.put(message.buffer, message.device, message.value))
 
     def _on_put_file(self, host: DeviceHost, message: m.PutFile) -> None:
         value = map_file(message.path).view(m.dtype_of(message.dtype)).reshape(message.shape)
-        self._spawn(message.request, host.put(BufferId(message.buffer), message.device, value,
+        self._spawn(message.request, host.put(message.buffer, message.device, value,
                                               message.memory_kind))
 
     def _on_fetch_file(self, host: DeviceHost, message: m.FetchFile) -> None:
-        self._spawn(message.request, write_fetched(host.fetch(BufferId(message.buffer)),
+        self._spawn(message.request, write_fetched(host.fetch(message.buffer),
                                                    message.path), message)
 
     def _on_compile(self, host: DeviceHost, request: int, command: c.Compile) -> None:
         self._programs[command.executable] = command.program
         self._spawn(request, self._compiled(host, command))
 
-    async def _compiled(self, host: DeviceHost, command: c.Compile) -> Any:
+    async def _compiled(self, host: DeviceHost, command: c.Compile) -> CompiledInfo | None:
         info = await command.apply(host)
         if info is None:  # colocated Python
             return None
         self._crashes.compiled(command.executable, info.name)
         return dataclasses.replace(info, param_avals=())  # jax's avals stay here
-
-    def _on_ready(self, host: DeviceHost, request: int, command: c.Ready) -> None:
-        if host.all_ready(command.buffers):  # the common case of a small step: answer now
-            self._reply(request)
-        else:  # asked again if the group re-forms meanwhile
-            self._spawn(request, command.apply(host), m.Ask(request, command))
 
     def _on_fetch(self, host: DeviceHost, request: int, command: c.Fetch) -> None:
         fetched = command.apply(host)
@@ -237,7 +236,8 @@ class CommandApplier:
     def _on_pull(self, host: DeviceHost, request: int, command: c.Pull) -> None:
         self._spawn(request, self._pulled(command))
 
-    async def _send_buffer(self, request: int, fetched: Any) -> Any:
+    async def _send_buffer(self, request: int, fetched: Awaitable[np.ndarray]
+                           ) -> np.ndarray | None:
         value = await fetched
         if value.dtype == object or value.nbytes <= SMALL_FETCH_BYTES:
             return value  # in the Reply itself: one frame
@@ -251,12 +251,11 @@ class CommandApplier:
     async def _pulled(self, command: c.Pull) -> None:
         value = await self._peers.fetch(command.peer, command.src, command.mac)
         host = self._require_host()  # the group may have re-formed while the bytes came
-        dst = BufferId(command.dst)
-        await host.put(dst, command.device, value, command.memory_kind)
-        if not host.has(dst):
+        await host.put(command.dst, command.device, value, command.memory_kind)
+        if not host.has(command.dst):
             raise errors.InternalError("the pulled buffer was not stored")
 
-    async def _serve_buffer(self, buffer_id: int) -> np.ndarray:
+    async def _serve_buffer(self, buffer_id: BufferId) -> np.ndarray:
         # A peer may ask before this worker has applied the command that makes the buffer.
         for _ in range(3000):
             if self.host is not None and self.host.has(buffer_id):
@@ -281,7 +280,6 @@ _TOLD: dict[type, Callable[[CommandApplier, DeviceHost, Any], None]] = {
 }
 _ASKED: dict[type, Callable[[CommandApplier, DeviceHost, int, Any], None]] = {
     c.Compile: CommandApplier._on_compile,
-    c.Ready: CommandApplier._on_ready,
     c.Fetch: CommandApplier._on_fetch,
     c.Pull: CommandApplier._on_pull,
 }

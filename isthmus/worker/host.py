@@ -27,6 +27,7 @@ from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.transport.base import Commands
 from isthmus.transport.commands import ORDERED_PUT_BYTES, Command, Request
+from isthmus.transport.host import Part
 from isthmus.worker import platforms, programs, regroup
 from isthmus.worker.buffers import BufferStore, ids_of, missing
 from isthmus.worker.collectives import CollectiveOrder
@@ -196,8 +197,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 e, errors.ExecutionError, "copying an array between devices failed"))
 
     def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
-                 dtype: np.dtype, shape: tuple[int, ...],
-                 parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
+                 dtype: np.dtype | type[object] | None, shape: tuple[int, ...],
+                 parts: Sequence[Part]) -> None:
         """Builds `dst` on a device from boxes of local buffers (a reshard step).
 
         Each part copies `src[src_box]` into `dst[dst_box]`. The work is dispatched as jax
@@ -229,7 +230,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             self.fail(dst, errors.from_runtime_error(
                 e, errors.ExecutionError, "resharding the array failed"))
 
-    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype,
+    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype | type[object],
                 shape: tuple[int, ...]) -> None:
         """`dst` holds the bytes of `src` read as another dtype and shape."""
         import jax
@@ -392,7 +393,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         return tuple(i for i, d in enumerate(device_ids)
                      if d in self.devices and self.devices[d] in self._local)
 
-    def load(self, executable_id: ExecutableId, request: records.CompileRequest) -> None:
+    def load(self, executable_id: ExecutableId,
+             request: records.CompileRequest | records.ColocatedProgram) -> None:
         """In-process hosts never lose their programs: nothing to do."""
 
     def drop_executable(self, executable_id: ExecutableId) -> None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from isthmus.transport.commands import Command, Request
     from isthmus.transport.flow import FlowGate
+    from isthmus.worker.host import DeviceHost
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -37,9 +38,9 @@ _T = TypeVar("_T")
 class InlineOrder:
     """`send`, `ask` and `deliver` of an in-process `DeviceHost` (`host`)."""
 
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: DeviceHost) -> None:
         self._host = host
-        self._backlog: collections.deque[tuple[Command, asyncio.Future[Any] | None]] = (
+        self._backlog: collections.deque[tuple[Command, asyncio.Future[object] | None]] = (
             collections.deque())
         self._drainer: asyncio.Task[None] | None = None
         self._flow: FlowGate | None = None
@@ -106,7 +107,7 @@ class InlineOrder:
     def _held(self, command: Command) -> bool:
         return bool(self._older(command))
 
-    def _older(self, command: Command) -> list[Any]:
+    def _older(self, command: Command) -> list[object]:
         """What an Execute must wait for (`collective_backlog`); [] for other commands."""
         if not isinstance(command, c.Execute):
             return []

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Iterator
-from typing import Any
+from typing import cast
 
 import numpy as np
 
 from isthmus import errors
 from isthmus.hostmem import Assembly, write_file
+from isthmus.ids import BufferId
 from isthmus.transport import messages as m
 from isthmus.transport.commands import Command
 
@@ -24,10 +25,10 @@ class Incoming:
     pieces: Assembly
     device: int
     memory_kind: str | None
-    dtype: Any
+    dtype: m.NumpyDType
     shape: tuple[int, ...]
 
-    def add(self, offset: int, data: Any) -> np.ndarray:
+    def add(self, offset: int, data: m.Bulk | memoryview) -> np.ndarray:
         """Takes a piece; the value as it stands (whole once the last piece came)."""
         self.pieces.add(offset, data)
         return self.pieces.value(self.dtype, self.shape)
@@ -42,16 +43,16 @@ def probe_found(path: str, token: str) -> bool:
         return False
 
 
-def unpack(commands: tuple[Any, ...]) -> Iterator[Any]:
+def unpack(commands: tuple[m.Told, ...]) -> Iterator[m.Told]:
     """The commands of a batch, with those shared by several workers decoded in place."""
     for command in commands:
         if isinstance(command, m.Shared):
-            yield from m.decode(command.data)
+            yield from cast("tuple[Command, ...]", m.decode(command.data))
         else:
             yield command
 
 
-def produced(message: Any) -> tuple[int, ...]:
+def produced(message: m.Told) -> tuple[BufferId, ...]:
     """The buffers a command would have made (an Execute fails its own outputs), whatever
     form it came in."""
     if isinstance(message, m.Ask):
@@ -63,7 +64,7 @@ def produced(message: Any) -> tuple[int, ...]:
     return ()
 
 
-def request_of(message: Any) -> int | None:
+def request_of(message: m.Told) -> int | None:
     """The number a message's answer carries, if it is answered."""
     return getattr(message, "request", None)
 

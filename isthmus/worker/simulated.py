@@ -25,6 +25,7 @@ import numpy as np
 
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
+from isthmus.transport.host import Part
 from isthmus.worker.buffers import ids_of
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.slots import Failed, Loaded
@@ -177,12 +178,12 @@ class SimulatedHost(DeviceHost):
             super().copy(src, dst, device_id, memory_kind)
 
     def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
-                 dtype: np.dtype, shape: tuple[int, ...],
-                 parts: Sequence[tuple[BufferId, tuple[slice, ...], tuple[slice, ...]]]) -> None:
+                 dtype: np.dtype | type[object] | None, shape: tuple[int, ...],
+                 parts: Sequence[Part]) -> None:
         with self._settled([src for src, _, _ in parts], [dst]):
             super().assemble(dst, device_id, memory_kind, dtype, shape, parts)
 
-    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype,
+    def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype | type[object],
                 shape: tuple[int, ...]) -> None:
         with self._settled([src], [dst]):
             super().bitcast(src, dst, dtype, shape)

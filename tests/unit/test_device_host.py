@@ -214,3 +214,24 @@ def test_a_program_with_token_parameters_and_outputs_says_why_it_has_no_layouts(
         assert plain.output_layouts == ("{0}",) and not plain.output_layouts_error
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+# What mypy checks: the worker's hosts are what commands are applied to (`CommandHost`). The
+# worker layer is outside the server's mypy run, so this test runs it on the assignment.
+_HOSTS_ARE_COMMAND_HOSTS = """
+from isthmus.transport.host import CommandHost
+from isthmus.worker.host import DeviceHost
+from isthmus.worker.simulated import SimulatedHost
+
+def command_hosts(device: DeviceHost, simulated: SimulatedHost) -> list[CommandHost]:
+    return [device, simulated]
+"""
+
+
+def test_the_worker_hosts_satisfy_the_protocol_commands_are_applied_to(tmp_path):
+    api = pytest.importorskip("mypy.api")
+    check = tmp_path / "hosts_are_command_hosts.py"
+    check.write_text(_HOSTS_ARE_COMMAND_HOSTS)
+    out, err, status = api.run(["--follow-imports=silent", "--ignore-missing-imports",
+                                str(check)])
+    assert status == 0, out + err
