@@ -32,7 +32,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
-from typing import Any
+from typing import Protocol
 
 TOKEN_ENVIRONMENT = "ISTHMUS_FLEET_TOKEN"  # where workers (and `isthmus up`) may find it
 MAGIC = b"isthmus-fleet/1\n"  # what a worker's stream starts with
@@ -44,6 +44,18 @@ MAC_BYTES = hashlib.sha256().digest_size
 HANDSHAKE_TIMEOUT = 10.0  # seconds an end waits for the other's part of the handshake
 
 
+class Reader(Protocol):
+    """The end of a stream the handshake reads (`frames.FrameStream`, asyncio's reader)."""
+
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+class Writer(Protocol):
+    """The end of a stream the handshake writes."""
+
+    def write(self, data: bytes) -> None: ...
+
+
 class Unauthenticated(ConnectionError):
     """The other end does not know the fleet's token (or does not speak the handshake)."""
 
@@ -52,7 +64,7 @@ def _mac(token: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(token, role + b"".join(parts), hashlib.sha256).digest()
 
 
-async def _read(reader: Any, n: int) -> bytes:
+async def _read(reader: Reader, n: int) -> bytes:
     try:
         return await asyncio.wait_for(reader.readexactly(n), HANDSHAKE_TIMEOUT)
     except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -83,8 +95,7 @@ def is_join_token(token: str) -> bool:
     return token.startswith(JOIN_PREFIX)
 
 
-async def prove_worker(reader: Any, writer: Any,
-                       token: str) -> None:
+async def prove_worker(reader: Reader, writer: Writer, token: str) -> None:
     """The worker's side: raises Unauthenticated unless the controller knows `token`."""
     key = token.encode()
     mine = secrets.token_bytes(NONCE_BYTES)
@@ -102,8 +113,8 @@ async def prove_worker(reader: Any, writer: Any,
     writer.write(_mac(key, b"worker", theirs, mine))
 
 
-async def check_worker(reader: Any, writer: Any,
-                       token: str, joins: JoinTokens | None = None) -> None:
+async def check_worker(reader: Reader, writer: Writer, token: str,
+                       joins: JoinTokens | None = None) -> None:
     """The controller's side: raises Unauthenticated unless the worker knows `token`, or a
     join token of `joins` (which is then used up, whether the worker proves it or not)."""
     hello = await _read(reader, len(MAGIC) + NONCE_BYTES)

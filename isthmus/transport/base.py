@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeGuard, TypeVar
 
 from isthmus.transport.commands import Command, Request
+from isthmus.transport.frames import Parts
+from isthmus.transport.messages import Shared
 
 _T = TypeVar("_T")
 
 
-def answered(outcome: Awaitable[Any]) -> bool:
+def answered(outcome: Awaitable[_T]) -> TypeGuard[asyncio.Future[_T]]:
     """True when a channel's awaitable already holds its result (an in-process host, or a
     small ready buffer): the caller may take `outcome.result()` now, with no task."""
     return (isinstance(outcome, asyncio.Future) and outcome.done()
@@ -41,7 +43,8 @@ class Commands:
 
     def __init__(self, items: list[Command]) -> None:
         self.items = items
-        self.encoded: Any = None
+        # Over the network: the commands as one `Shared` message, and a batch of it alone.
+        self.encoded: tuple[Shared, bytes | Parts] | None = None
 
 
 class WorkerChannel(Protocol):

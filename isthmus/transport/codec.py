@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Any, TypeVar, cast
+import types
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgpack
 import numpy as np
 
 from isthmus import dtypes, errors
+
+if TYPE_CHECKING:
+    from collections.abc import Buffer
+
+    from _typeshed import DataclassInstance
 
 _RECORD, _FROZENSET, _RANGE, _SLICE, _ARRAY, _OBJECTS, _ERROR, _DTYPE, _BULK = range(1, 10)
 _SPAN = struct.Struct("<QQ")  # a bulk value's offset in its frame's tail, and its length
@@ -31,7 +37,7 @@ class Bulk:
 
     __slots__ = ("view",)
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Buffer) -> None:
         self.view = memoryview(data).cast("B")
 
     def __len__(self) -> int:
@@ -83,7 +89,7 @@ class Codec:
         if self._records.get(name, cls) is not cls:
             raise ValueError(f"two records named {name} in the fleet's codec")
         self._records[name] = cls
-        fields = dataclasses.fields(cast(Any, cls))  # a dataclass: what this decorator takes
+        fields = dataclasses.fields(cast("type[DataclassInstance]", cls))  # what it takes
         self._fields[cls] = (msgpack.ExtType(_RECORD, name.encode()),
                              tuple(f.name for f in fields))
         self._tags[(_RECORD, name.encode())] = _Tag(_RECORD, name)
@@ -92,11 +98,11 @@ class Codec:
     def error(self, cls: type[errors.IsthmusError]) -> None:
         self._errors[cls.__name__] = cls
 
-    def encode(self, value: Any) -> bytes:
+    def encode(self, value: object) -> bytes:
         """`value` packed whole (`Bulk` bytes inside it are copied in)."""
         return self._packer.pack(value)
 
-    def encode_parts(self, value: Any) -> tuple[bytes, list[memoryview]]:
+    def encode_parts(self, value: object) -> tuple[bytes, list[memoryview]]:
         """`value` packed, but for its `Bulk` bytes, which are returned beside it in order:
         the message and then those views, end to end, are what `decode` takes back."""
         self._tails, self._tail_bytes = [], 0
@@ -105,7 +111,7 @@ class Codec:
         finally:
             self._tails = None
 
-    def decode(self, data: Any, tail: memoryview | None = None) -> Any:
+    def decode(self, data: bytes | memoryview, tail: memoryview | None = None) -> Any:
         """The value packed in `data`; `tail`: the bytes `encode_parts` put beside it."""
         self._tail = tail
         try:
@@ -118,7 +124,7 @@ class Codec:
         finally:
             self._tail = None
 
-    def _default(self, value: Any) -> Any:
+    def _default(self, value: Any) -> object:
         kind = type(value)
         described = self._fields.get(kind)
         if described is not None:
@@ -155,7 +161,7 @@ class Codec:
             return (markers[_DTYPE], value.kind)
         raise CodecError(f"the fleet does not carry values of type {kind.__qualname__}")
 
-    def _ext(self, code: int, data: bytes) -> Any:
+    def _ext(self, code: int, data: bytes) -> memoryview | _Tag:
         if code == _BULK:
             offset, length = _SPAN.unpack(data)
             if self._tail is None or offset + length > len(self._tail):
@@ -169,12 +175,12 @@ class Codec:
                              "record of the fleet")
         raise CodecError(f"unknown extension {code} in a frame")
 
-    def _build(self, items: Any) -> Any:
-        if not items or type(items[0]) is not _Tag:
+    def _build(self, items: tuple[Any, ...]) -> object:
+        if not items or type(head := items[0]) is not _Tag:
             return items
-        code, rest = items[0].code, items[1:]
+        code, rest = head.code, items[1:]
         if code == _RECORD:
-            return self._records[items[0].name](*rest)
+            return self._records[head.name](*rest)
         if code == _FROZENSET:
             return frozenset(rest)
         if code == _RANGE:
@@ -201,7 +207,7 @@ class Codec:
         return dtypes.BY_KIND[rest[0]]  # _DTYPE
 
 
-def register_errors(codec: Codec, module: Any = errors) -> None:
+def register_errors(codec: Codec, module: types.ModuleType = errors) -> None:
     """Registers every IsthmusError class of `module` (others arrive as IsthmusError, with
     their message and status code)."""
     for value in vars(module).values():

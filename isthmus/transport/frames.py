@@ -49,7 +49,7 @@ class Tailed:
 
     __slots__ = ("packed", "tail")
 
-    def __init__(self, packed: Any, tail: memoryview) -> None:
+    def __init__(self, packed: bytes | memoryview, tail: memoryview) -> None:
         self.packed, self.tail = packed, tail
 
 
@@ -190,14 +190,14 @@ class FrameStream(asyncio.BufferedProtocol):
 
     # ---- writing (what StreamWriter offered) ---------------------------------------------
 
-    def write(self, data: Any) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.transport is not None:
             self.transport.write(data)
 
     def is_closing(self) -> bool:
         return self.transport is None or self.transport.is_closing()
 
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
+    def get_extra_info(self, name: str, default: object = None) -> Any:
         return default if self.transport is None else self.transport.get_extra_info(
             name, default)
 
@@ -243,10 +243,12 @@ def _tailed(payload: bytes) -> Tailed:
     return Tailed(view[_LENGTH.size:end], view[end:])
 
 
-async def connect(host: str, port: int, **tls: Any) -> FrameStream:
-    """A control stream to `host`:`port` (`tls`: ssl and server_hostname, or nothing)."""
+async def connect(host: str, port: int, context: ssl.SSLContext | None = None,
+                  server_hostname: str | None = None) -> FrameStream:
+    """A control stream to `host`:`port`, in TLS under `context` (checking the
+    certificate's name against `server_hostname`) unless that is None."""
     _, stream = await asyncio.get_running_loop().create_connection(
-        FrameStream, host, port, **tls)
+        FrameStream, host, port, ssl=context, server_hostname=server_hostname)
     return stream
 
 
@@ -303,7 +305,7 @@ def keep_alive(writer: FrameStream | asyncio.BaseTransport, idle: int = 10,
                count: int = 3) -> None:
     """TCP keepalive on the stream's socket, so that an end whose machine vanished (no FIN
     ever comes) is noticed within about idle + interval * count seconds."""
-    sock: Any = writer.get_extra_info("socket")
+    sock: socket.socket | None = writer.get_extra_info("socket")
     if sock is None or sock.family == socket.AF_UNIX:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

@@ -13,7 +13,7 @@ import secrets
 import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from typing import TypedDict, cast
 
 import grpc
 import grpc.aio
@@ -21,6 +21,7 @@ import numpy as np
 
 from isthmus import errors
 from isthmus.hostmem import byte_view
+from isthmus.ids import BufferId
 from isthmus.transport import auth
 from isthmus.transport import messages as m
 from isthmus.transport.frames import (
@@ -46,6 +47,17 @@ CHANNEL_OPTIONS = (
 )
 
 
+class _PeerHeader(TypedDict, total=False):
+    """What a peer data server sends first: an error, a string array, or the layout of the
+    raw bytes that follow."""
+
+    error: errors.IsthmusError
+    objects: np.ndarray
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
 class ControllerLink:
     """The worker's control stream to the controller (`transport/frames.py`)."""
 
@@ -56,7 +68,7 @@ class ControllerLink:
         self._stream: FrameStream | None = None
         self._out: list[bytes | Parts] = []  # frames of this turn, not yet written
 
-    async def open(self, first: Any, timeout: float) -> AsyncIterator[Any]:
+    async def open(self, first: m.Register, timeout: float) -> AsyncIterator[object]:
         """Proves this worker to the controller (and the controller to it), sends `first`,
         then yields the controller's messages until the stream ends. Waits up to `timeout`
         for the controller to be up; raises `auth.Unauthenticated` on a token mismatch."""
@@ -64,10 +76,11 @@ class ControllerLink:
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             endpoint = channel.unary_unary("/isthmus.Fleet/Endpoint")
             port = int(await endpoint(b"", timeout=timeout, wait_for_ready=True))
-        secure = {} if self.tls is None else {"ssl": self.tls.client_context(),
-                                                "server_hostname": FLEET_NAME}
+        context = None if self.tls is None else self.tls.client_context()
         try:
-            self._stream = await asyncio.wait_for(connect(host, port, **secure), timeout)
+            self._stream = await asyncio.wait_for(
+                connect(host, port, context, FLEET_NAME if context is not None else None),
+                timeout)
         except ssl.SSLError as e:
             raise auth.Unauthenticated(
                 f"the TLS handshake with the controller failed ({e.reason or e}); give the "
@@ -84,7 +97,7 @@ class ControllerLink:
         self.send(first)
         return self._messages()
 
-    async def _messages(self) -> AsyncIterator[Any]:
+    async def _messages(self) -> AsyncIterator[object]:
         assert self._stream is not None
         while True:
             try:
@@ -93,7 +106,7 @@ class ControllerLink:
                 return
             yield m.decode(frame)
 
-    def send(self, message: Any) -> None:
+    def send(self, message: object) -> None:
         """Sends at the end of this turn, with whatever else is sent in it (the answers of a
         batch of commands leave in one write, not one each)."""
         if self._stream is None:
@@ -120,7 +133,7 @@ class ControllerLink:
 class PeerDataServer:
     """Serves this worker's buffers to its peers."""
 
-    def __init__(self, fetch: Callable[[int], Awaitable[np.ndarray]],
+    def __init__(self, fetch: Callable[[BufferId], Awaitable[np.ndarray]],
                  tls: TlsConfig | None = None) -> None:
         self._fetch = fetch
         # The controller's key for this membership (`Welcome.data_key`); until then a random
@@ -143,7 +156,7 @@ class PeerDataServer:
 
     async def _serve(self, request: bytes, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[bytes]:
-        buffer_id = int(request.decode())
+        buffer_id = BufferId(int(request.decode()))
         mac = dict(context.invocation_metadata()).get(MAC_KEY)
         if not isinstance(mac, bytes) or not auth.fetch_allowed(self.key, buffer_id, mac):
             logger.warning("refused a buffer request from %s: no valid HMAC from the "
@@ -192,7 +205,7 @@ class PeerClient:
             str(buffer_id).encode(), timeout=timeout,
             metadata=((MAC_KEY, mac),))
         try:
-            header = m.decode(await call.read())
+            header = cast(_PeerHeader, m.decode(await call.read()))
             if "error" in header:
                 raise header["error"]
             if "objects" in header:

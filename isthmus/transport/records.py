@@ -9,7 +9,7 @@ and field order: renaming one or its fields changes the fleet's wire format.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from isthmus import dtypes
 from isthmus.transport.messages import CODEC
@@ -58,11 +58,11 @@ class CompiledInfo:
     output_memory_kinds: tuple[str, ...]
     donated_inputs: tuple[int, ...]  # parameters the program may consume
     fingerprint: bytes | None
-    cost_analysis: dict[str, Any]
+    cost_analysis: dict[str, object]  # XLA's: numbers, flags, lists of numbers
     hlo_text: str
     memory_stats: dict[str, int]
     generated_code_bytes: int
-    param_avals: tuple[Any, ...] = ()  # jax ShapedArrays, for wrapping arguments
+    param_avals: tuple[object, ...] = ()  # jax ShapedArrays, for wrapping arguments
     # Per parameter, the memory kind the program reads it from (`mhlo.memory_kind`); None:
     # the device's default memory. Empty: no parameter names one.
     param_memory_kinds: tuple[str | None, ...] = ()
@@ -99,4 +99,4 @@ class TraceOptions:
     python_tracer_level: int = 0  # 1: every Python call of the process, too
     # Tracer-specific options, (name, bool | int | str) pairs, as jax's
     # `ProfileOptions.advanced_configuration` takes them.
-    advanced: tuple[tuple[str, Any], ...] = ()
+    advanced: tuple[tuple[str, bool | int | str], ...] = ()

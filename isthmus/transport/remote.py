@@ -22,17 +22,20 @@ import numpy as np
 
 from isthmus import errors
 from isthmus.hostmem import Assembly, backing_file, byte_view, map_file, write_file
-from isthmus.ids import WorkerId
+from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import auth
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
-from isthmus.transport.base import Commands
+from isthmus.transport.base import Commands, WorkerChannel
 from isthmus.transport.flow import FlowGate
 from isthmus.transport.frames import Parts
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+# What a worker answers to a FetchFile: the buffer's dtype name and shape.
+_Written = tuple[str, tuple[int, ...]]
 
 FREE_DELAY = 0.002  # seconds a free waits for other commands to travel with
 SHARED_BYTES = 1 << 20  # with a worker on this machine, data this large goes through files
@@ -53,7 +56,7 @@ class RemoteWorker:
         self._send = send
         self._close = close
         self.forming = False  # in a group formation: silence is expected, not a loss
-        self._pending: list[Any] = []
+        self._pending: list[m.Told] = []
         self._pending_weight = 0
         # Flow control: weight of the commands sent, and of those the worker has applied.
         self._flow = flow
@@ -63,7 +66,7 @@ class RemoteWorker:
         self._flush: asyncio.Handle | None = None
         self._held = False  # while the collective group re-forms, commands wait
         self._requests = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._waiting: dict[int, asyncio.Future[object]] = {}
         self._fetches: dict[int, _Incoming] = {}
         self.last_seen = time.monotonic()
         self.reported: dict[str, int] = {}
@@ -96,7 +99,7 @@ class RemoteWorker:
 
     # ---- sending -------------------------------------------------------------------------
 
-    def _command(self, command: Any, urgent: bool = True, weight: int = 1) -> None:
+    def _command(self, command: m.Told, urgent: bool = True, weight: int = 1) -> None:
         """Queues a command for this turn's batch. A command that is not urgent (a free)
         waits up to FREE_DELAY for company, so it rides with the next batch."""
         if self.lost is not None:
@@ -131,7 +134,7 @@ class RemoteWorker:
         """Weight of the commands sent that the worker has not applied yet."""
         return self.sent - self.applied
 
-    def send_now(self, message: Any) -> None:
+    def send_now(self, message: object) -> None:
         """Sends a message outside the batches (after whatever is queued)."""
         self.flush()
         if self.lost is None:
@@ -146,12 +149,13 @@ class RemoteWorker:
         self.flush()
 
     def request(self) -> tuple[int, asyncio.Future[Any]]:
-        """A request number and the future its Reply resolves."""
+        """A request number and the future its Reply resolves (to what the caller's message
+        asked for)."""
         return self._request()
 
-    def _request(self) -> tuple[int, asyncio.Future[Any]]:
+    def _request(self) -> tuple[int, asyncio.Future[object]]:
         number = next(self._requests)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         if self.lost is not None:
             future.set_exception(self.lost)
         else:
@@ -160,7 +164,7 @@ class RemoteWorker:
 
     # ---- receiving -----------------------------------------------------------------------
 
-    def on_message(self, message: Any) -> None:
+    def on_message(self, message: object) -> None:
         self.last_seen = time.monotonic()
         if isinstance(message, m.Applied):
             self.applied = message.total
@@ -255,7 +259,7 @@ class RemoteWorker:
             self._command(m.FetchFile(number, request.buffer, path))
             return cast(Awaitable[_T], _mapped(path, future))
         self._command(m.Ask(number, request))
-        return future
+        return cast(Awaitable[_T], future)
 
     def _put(self, put: c.Put) -> Awaitable[None]:
         """A put's data travels through a file (a worker on this machine), as objects (a
@@ -283,13 +287,13 @@ class RemoteWorker:
         number, future = self._request()
         if value.dtype == object:
             self._command(m.PutObjects(number, put.buffer, put.device, value))
-            return future
+            return cast(Awaitable[None], future)
         raw = memoryview(byte_view(value))
         if len(raw) <= m.PIECE_BYTES:  # one message: the usual shard of a batch
             whole = m.PutWhole(number, put.buffer, put.device, put.memory_kind,
                                m.dtype_name(value.dtype), tuple(value.shape), m.Bulk(raw))
             self._command(whole, weight=m.weight(whole))
-            return future
+            return cast(Awaitable[None], future)
         self._command(m.PutBegin(put.buffer, put.device, put.memory_kind,
                                  m.dtype_name(value.dtype), tuple(value.shape), len(raw)))
         offset = 0
@@ -301,9 +305,9 @@ class RemoteWorker:
             offset += len(piece)
             if last:
                 break
-        return future
+        return cast(Awaitable[None], future)
 
-    def relay(self, buffer: int, to: Any, dst: int, device: int,
+    def relay(self, buffer: BufferId, to: WorkerChannel, dst: BufferId, device: int,
               memory_kind: str | None) -> Awaitable[None] | None:
         """Moves a buffer of this worker to worker `to` through a file of the controller's
         shared directory, when both run on the controller's machine (they answered its
@@ -311,7 +315,10 @@ class RemoteWorker:
         (`PutFile`). None when that is not possible; the caller then pulls over the
         peers' data servers. Numeric buffers only (string arrays do not travel in files)."""
         if (self.shared_dir is None or getattr(to, "shared_dir", None) is None
-                or self.lost is not None or to.lost is not None):
+                or self.lost is not None):
+            return None
+        peer = cast(RemoteWorker, to)  # only a worker process's channel has a shared directory
+        if peer.lost is not None:
             return None
         path = self._file("relay")
         number, written = self._request()
@@ -319,10 +326,10 @@ class RemoteWorker:
 
         async def store() -> None:
             try:
-                dtype, shape = await written
-                number, stored = to._request()
-                to._command(m.PutFile(number, dst, device, memory_kind, dtype, tuple(shape),
-                                      path))
+                dtype, shape = cast(_Written, await written)
+                number, stored = peer._request()
+                peer._command(m.PutFile(number, dst, device, memory_kind, dtype,
+                                        tuple(shape), path))
                 await stored
             finally:
                 _unlink(path)
@@ -362,7 +369,7 @@ def _unlink(path: str) -> None:
         pass
 
 
-async def _removing(path: str, answer: Awaitable[Any]) -> None:
+async def _removing(path: str, answer: Awaitable[object]) -> None:
     """Waits for the worker's answer to a PutFile; the file goes either way."""
     try:
         await answer
@@ -370,10 +377,10 @@ async def _removing(path: str, answer: Awaitable[Any]) -> None:
         _unlink(path)
 
 
-async def _mapped(path: str, answer: Awaitable[Any]) -> np.ndarray:
+async def _mapped(path: str, answer: Awaitable[object]) -> np.ndarray:
     """The buffer a worker wrote into `path` for a FetchFile, mapped without a copy."""
     try:
-        dtype, shape = await answer
+        dtype, shape = cast(_Written, await answer)
         return map_file(path, read_only=True).view(m.dtype_of(dtype)).reshape(shape)
     finally:
         _unlink(path)
@@ -388,14 +395,14 @@ class _Incoming:
         self.header = header
         self.pieces = Assembly(header.nbytes)
 
-    def write(self, offset: int, data: Any) -> None:
+    def write(self, offset: int, data: m.Bulk | memoryview) -> None:
         self.pieces.add(offset, data)
 
     def array(self) -> np.ndarray:
         return self.pieces.value(m.dtype_of(self.header.dtype), self.header.shape)
 
 
-def _as_error(error: Any) -> errors.IsthmusError:
+def _as_error(error: object) -> errors.IsthmusError:
     if isinstance(error, errors.IsthmusError):
         return error
     return errors.InternalError(f"a worker failed unexpectedly: {error}")

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 FLEET_NAME = "isthmus-fleet"  # the name every member's certificate carries
 
@@ -60,14 +63,14 @@ class TlsConfig:
         context.check_hostname = True  # against FLEET_NAME, passed as server_hostname
         return context
 
-    def grpc_server_credentials(self) -> Any:
+    def grpc_server_credentials(self) -> grpc.ServerCredentials:
         import grpc
 
         return grpc.ssl_server_credentials(
             [(self._read(self.key), self._read(self.cert))],
             root_certificates=self._read(self.ca), require_client_auth=True)
 
-    def grpc_channel_credentials(self) -> Any:
+    def grpc_channel_credentials(self) -> grpc.ChannelCredentials:
         import grpc
 
         return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca),
