@@ -234,7 +234,7 @@ class WholeFleet:
         the same object) share one record. Commands go out at the end of the event-loop turn;
         when the last hand-out was expensive (a large fleet), the next waits as long as that
         one took, so that at most about half of the controller's time goes to fanning out
-        and a burst of programs shares one hand-out. Any single-worker command, and every
+        and a burst of programs shares one hand-out. A single-worker command, and every
         request (`channel()`), hands out what is waiting first, so order is kept and a
         waiting client is not delayed.
         """

@@ -23,12 +23,15 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from isthmus import errors
 from isthmus.controller.tenants import NAME_CHARACTERS, Tenant, Tenants
 from isthmus.ids import SliceId
 from isthmus.logs import event
+
+if TYPE_CHECKING:
+    from isthmus.controller.session_kept import KeptArrays
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,48 @@ class LeaseState(enum.Enum):
     ENDED = "ended"
 
 
+class LeaseSession(Protocol):
+    """A client's session opened under a lease, as the service ends it."""
+
+    def end(self, error: errors.IsthmusError) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Attachments:
+    """What the service hangs on a lease; the book never looks inside."""
+
+    sessions: set[LeaseSession] = dataclasses.field(default_factory=set)  # the open ones
+    kept: KeptArrays | None = None  # arrays kept for its next client (made on first use)
+    released: bool = False  # its client released it: the end of its stream is clean
+
+
+class LeaseFigures(TypedDict):
+    """The six quantities of Shared Pathways Service's metrics, and a few more."""
+
+    active_users: int
+    capacity_in_use: int
+    capacity_total: int
+    capacity_free: int  # healthy, scrubbed and held by no lease
+    requested_capacity: int
+    assignment_seconds_median: float | None
+    successful_requests: int
+    users_waiting: int
+    refused_requests: int
+    leases_ended: int
+
+
+class Listing(TypedDict):
+    """Every live lease and the queue (for admins, and the live page)."""
+
+    leases: list[dict[str, object]]  # `Lease.describe` of each active lease
+    queue: list[dict[str, object]]  # ... of each queued one, with its position and wait
+    free: list[SliceId]
+    scrubbing: list[SliceId]
+    figures: LeaseFigures
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class Lease:
     """One job's claim on slices, from its request to its end."""
@@ -73,8 +118,7 @@ class Lease:
     end_reason: errors.IsthmusError | None = None  # why it ended (state ENDED)
     holders: int = 0  # clients attached to it (lease streams)
     away_since: float | None = None  # when its last client left uncleanly
-    # What the service attaches (sessions, kept arrays); the book never looks inside.
-    attached: dict[str, Any] = dataclasses.field(default_factory=dict)
+    attached: Attachments = dataclasses.field(default_factory=Attachments)
     # Called after every change of this lease (its stream tells the client).
     watchers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
@@ -87,7 +131,7 @@ class Lease:
         for watcher in list(self.watchers):
             watcher()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {"id": self.id, "tenant": self.tenant.name, "name": self.name,
                 "state": self.state.value, "slices": list(self.slices),
                 "reclaimed": list(self.reclaimed), "wanted": self.wanted,
@@ -374,8 +418,8 @@ class LeaseBook:
 
     # ---- figures ---------------------------------------------------------------------------
 
-    def figures(self) -> dict[str, Any]:
-        """The six quantities of Shared Pathways Service's metrics, and a few more."""
+    def figures(self) -> LeaseFigures:
+        """The service's figures, now."""
         active = [lease for lease in self.leases.values() if lease.state is LeaseState.ACTIVE]
         queued = self.queue()
         seconds = self.assign_seconds
@@ -383,7 +427,7 @@ class LeaseBook:
             "active_users": len({lease.tenant.name for lease in active}),
             "capacity_in_use": sum(len(lease.slices) for lease in active),
             "capacity_total": len(list(self._pool())),
-            "capacity_free": len(self.free()),  # healthy, scrubbed and held by no lease
+            "capacity_free": len(self.free()),
             "requested_capacity": sum(lease.wanted for lease in active + queued),
             "assignment_seconds_median": statistics.median(seconds) if seconds else None,
             "successful_requests": self.granted_count,
@@ -392,7 +436,7 @@ class LeaseBook:
             "leases_ended": self.finished_count,
         }
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> Listing:
         """Every live lease and the queue (for admins)."""
         return {"leases": [lease.describe() for lease in self.leases.values()
                            if lease.state is LeaseState.ACTIVE],

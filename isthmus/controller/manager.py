@@ -30,7 +30,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
@@ -72,6 +72,19 @@ class ManagerConfig:
     shared_dir: str | None = None
 
 
+class WorkerStatus(TypedDict):
+    """One worker's entry in the fleet's status (`isthmus status`, the live page)."""
+
+    host: str
+    pid: int
+    member: bool  # in the current collective group
+    backlog: int  # commands sent and not yet applied
+    queued: int  # messages it has read and not yet applied (its last report)
+    applying: str  # what it was applying then ("": nothing)
+    log: str  # the file its output goes to ("": not a file)
+    shared_memory: bool  # puts reach it through the shared directory
+
+
 class FleetManager:
     """Registers workers into host slots and keeps the collective group formed."""
 
@@ -97,7 +110,7 @@ class FleetManager:
         self._losses: list[str] = []  # losses since the group last formed (for errors)
         self.lost_count = 0  # workers lost since start (for the metrics)
         fleet.members = set()
-        self._services: list[Any] = []  # coordination services of every generation
+        self._services: list[object] = []  # coordination services of every generation
         self._form_lock = asyncio.Lock()
         self._form_wanted = asyncio.Event()
         self._formed = asyncio.Event()
@@ -396,7 +409,7 @@ class FleetManager:
                 return
             generation = self.fleet.generation + 1
             address = f"{self.config.advertise_host}:{free_port(self.config.advertise_host)}"
-            def serve(at: str) -> Any:
+            def serve(at: str) -> object:
                 return jax_compat.jaxlib_extension().get_distributed_runtime_service(
                     at, len(members), recoverable=True)
 
@@ -469,8 +482,8 @@ class FleetManager:
                 raise TimeoutError(f"the fleet was not complete within {timeout:g} s: {down}")
             await asyncio.sleep(0.1)
 
-    def status(self) -> dict[str, Any]:
-        out = {}
+    def status(self) -> dict[str, WorkerStatus]:
+        out: dict[str, WorkerStatus] = {}
         for slot, channel in self.fleet.workers.items():
             if isinstance(channel, RemoteWorker):
                 out[str(slot)] = {"host": channel.register.hostname, "pid": channel.register.pid,

@@ -34,7 +34,7 @@ import os
 import stat
 import tomllib
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from isthmus import errors
 
@@ -152,7 +152,7 @@ def load(path: str) -> Tenants:
     return parse(data, os.path.dirname(os.path.abspath(path)), path)
 
 
-def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") -> Tenants:
+def parse(data: Mapping[str, object], directory: str = ".", path: str = "tenants") -> Tenants:
     unknown = set(data) - {"tenants", "admins", "grace_seconds", "fresh_workers",
                            "max_profile_seconds", *LIMITS}
     if unknown:
@@ -173,7 +173,7 @@ def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") 
             grace == math.inf):
         raise ValueError(f"{path}: grace_seconds must be a number of seconds >= 0")
     fresh = data.get("fresh_workers", "colocated")
-    if fresh not in ("colocated", "always"):
+    if not isinstance(fresh, str) or fresh not in ("colocated", "always"):
         raise ValueError(f"{path}: fresh_workers must be \"colocated\" or \"always\"")
     profile = data.get("max_profile_seconds", DEFAULT_MAX_PROFILE_SECONDS)
     if not isinstance(profile, (int, float)) or isinstance(profile, bool) or not (
@@ -188,7 +188,7 @@ def parse(data: Mapping[str, Any], directory: str = ".", path: str = "tenants") 
     return Tenants(by_name, float(grace), path, fresh, float(profile))
 
 
-def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Tenant:
+def _tenant(name: str, table: object, directory: str, path: str, admin: bool) -> Tenant:
     where = f"{path}: [tenants.{name}]"
     if not name or not set(name) <= NAME_CHARACTERS:
         raise ValueError(f"{where}: a tenant name is letters, digits, '_', '.' and '-'")
@@ -230,7 +230,7 @@ def _tenant(name: str, table: Any, directory: str, path: str, admin: bool) -> Te
                   _storage_root(table.get("storage_root"), directory, where), colocated)
 
 
-def _limited(tenant: Tenant, table: Mapping[str, Any], top: Mapping[str, Any],
+def _limited(tenant: Tenant, table: Mapping[str, object], top: Mapping[str, object],
              path: str) -> Tenant:
     """`tenant` with its limits: its table's, else the file's defaults (`LIMITS`)."""
     where = f"{path}: [tenants.{tenant.name}]"
@@ -246,7 +246,7 @@ def _limited(tenant: Tenant, table: Mapping[str, Any], top: Mapping[str, Any],
                                max_requests_per_second=float(rate))
 
 
-def _storage_root(value: Any, directory: str, where: str) -> str | None:
+def _storage_root(value: object, directory: str, where: str) -> str | None:
     """A tenant's storage root: a local directory (relative to the tenants file, made absolute
     and normalized) or an fsspec URL (`gs://bucket/alice`), kept without a trailing '/'."""
     if value is None:
@@ -264,5 +264,5 @@ def _storage_root(value: Any, directory: str, where: str) -> str | None:
     return os.path.normpath(os.path.join(directory, os.path.expanduser(value)))
 
 
-def _is_int(value: Any) -> TypeGuard[int]:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -13,14 +13,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 
 from isthmus import errors
 from isthmus.controller import session_profiles
 from isthmus.controller.controller import Controller
 from isthmus.controller.lease_view import FleetView, reclaimed_error
-from isthmus.controller.leases import Hooks, Lease, LeaseBook, LeaseState
+from isthmus.controller.leases import (
+    Hooks,
+    Lease,
+    LeaseBook,
+    LeaseFigures,
+    LeaseSession,
+    LeaseState,
+    Listing,
+)
 from isthmus.controller.session import Session as ControllerSession
 from isthmus.controller.session_kept import KeptArrays
 from isthmus.controller.storage import TenantFiles
@@ -53,7 +60,7 @@ class SharedService:
         self.book = LeaseBook(
             tenants, pool, healthy=lambda s: fleet.slice_error(s) is None,
             hooks=Hooks(scrub=self._scrub, reclaimed=self._reclaimed))
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._limits: dict[str, TenantLimits] = {}  # by tenant (`limits`)
         self._ticker: asyncio.Task[None] | None = None
         # Replaces the workers of slices with fresh processes, and returns once they serve
@@ -114,7 +121,7 @@ class SharedService:
                 "--service, which names its lease.")
         return Identity(identity.tenant, active[0].id)
 
-    def lease_of(self, identity: Any) -> Lease:
+    def lease_of(self, identity: object) -> Lease:
         """The active lease a tunnel is bound to; the reason it may not open a session."""
         if not isinstance(identity, Identity):
             raise errors.Unauthenticated(
@@ -140,21 +147,21 @@ class SharedService:
 
     def kept(self, lease: Lease) -> KeptArrays:
         """The arrays `lease` keeps for its next client (made on first use)."""
-        kept = lease.attached.get("kept")
+        kept = lease.attached.kept
         if kept is None:
             keeper = ControllerSession(self.controller, self.view(lease), lease.tenant.name)
-            kept = lease.attached["kept"] = KeptArrays(keeper)
+            kept = lease.attached.kept = KeptArrays(keeper)
         return kept
 
     @staticmethod
-    def sessions(lease: Lease) -> set[Any]:
-        """The open sessions of a lease (front-end sessions, each with `end` and `close`)."""
-        return lease.attached.setdefault("sessions", set())
+    def sessions(lease: Lease) -> set[LeaseSession]:
+        """The open sessions of a lease (front-end sessions)."""
+        return lease.attached.sessions
 
     # ---- the lease stream ------------------------------------------------------------------
 
-    async def lease_updates(self, identity: Identity, ask: dict[str, Any]
-                            ) -> AsyncIterator[dict[str, Any]]:
+    async def lease_updates(self, identity: Identity, ask: Mapping[str, object]
+                            ) -> AsyncIterator[dict[str, dict[str, object]]]:
         """A client's lease from its request to its end: `{"queued": ...}` while it waits
         (at least every few seconds), `{"granted": ...}`, then `{"ended": reason}`. The
         client holds the lease while it reads this; `release` ends it cleanly."""
@@ -175,7 +182,7 @@ class SharedService:
         self.book.hold(lease)
         clean = False
         try:
-            reported: tuple[Any, ...] = ()
+            reported: tuple[object, ...] = ()
             while True:
                 if lease.state is LeaseState.ENDED:
                     assert lease.end_reason is not None
@@ -203,21 +210,21 @@ class SharedService:
         finally:
             lease.watchers.remove(changed.set)
             if lease.state is not LeaseState.ENDED:
-                self.book.let_go(lease, clean=bool(lease.attached.get("released")) or clean)
+                self.book.let_go(lease, clean=lease.attached.released or clean)
 
-    def release(self, identity: Identity, lease_id: str) -> dict[str, Any]:
+    def release(self, identity: Identity, lease_id: str) -> dict[str, str]:
         """The client is done with its lease: it ends now (its stream closes after it)."""
         lease = self.book.lease(lease_id)
         if lease.tenant.name != identity.tenant.name and not identity.tenant.admin:
             raise errors.LeaseEnded(f"lease {lease_id} is not live for tenant "
                                     f"{identity.tenant.name}.")
-        lease.attached["released"] = True
+        lease.attached.released = True
         self.book.end(lease, errors.LeaseEnded(f"lease {lease.id} was released by its client."))
         return {"released": lease.id}
 
     # ---- admins ----------------------------------------------------------------------------
 
-    def _admin(self, identity: Any) -> Tenant:
+    def _admin(self, identity: object) -> Tenant:
         if not isinstance(identity, Identity):
             raise errors.Unauthenticated("listing or revoking leases needs an admin's token.")
         if not identity.tenant.admin:
@@ -226,11 +233,11 @@ class SharedService:
                 f"[...] in {self.tenants.path or 'the tenants file'}).")
         return identity.tenant
 
-    def leases(self, identity: Any) -> dict[str, Any]:
+    def leases(self, identity: object) -> Listing:
         self._admin(identity)
         return self.book.describe()
 
-    def revoke(self, identity: Any, lease_id: str) -> dict[str, Any]:
+    def revoke(self, identity: object, lease_id: str) -> dict[str, str]:
         admin = self._admin(identity)
         lease = self.book.revoke(lease_id, admin.name)
         return {"revoked": lease.id}
@@ -245,7 +252,7 @@ class SharedService:
         sessions = list(self.sessions(lease))
         for session in sessions:
             session.end(reason)
-        kept = lease.attached.pop("kept", None)
+        kept, lease.attached.kept = lease.attached.kept, None
 
         async def scrub() -> None:
             try:
@@ -268,12 +275,12 @@ class SharedService:
         session_profiles.leave(self.controller, slice_index)  # its profile ends there now
         self.controller.evict_slice(slice_index, reclaimed_error(lease, slice_index))
 
-    def _spawn(self, coroutine: Any) -> None:
+    def _spawn(self, coroutine: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> LeaseFigures:
         return self.book.figures()
 
     def limits(self, tenant: Tenant) -> TenantLimits:

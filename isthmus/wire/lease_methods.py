@@ -9,12 +9,12 @@ to its end, `Release` ends one, and for admins `Leases` lists leases and the que
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 import grpc
 
 from isthmus import errors
+from isthmus.controller.leases import Listing
 from isthmus.frontend.lease_service import Identity, SharedService
 from isthmus.wire.methods import Method, Refused
 
@@ -25,7 +25,7 @@ def _refused(e: errors.IsthmusError) -> Refused:
     return Refused(grpc.StatusCode[e.code.name], e.message)
 
 
-def _parse(request: bytes) -> dict[str, Any]:
+def _parse(request: bytes) -> dict[str, object]:
     try:
         parsed = json.loads(bytes(request) or b"{}")
     except (ValueError, RecursionError):  # RecursionError: nested deeper than Python goes
@@ -36,7 +36,7 @@ def _parse(request: bytes) -> dict[str, Any]:
     return parsed
 
 
-def _identity(context: Any) -> Identity:
+def _identity(context: object) -> Identity:
     identity = getattr(context, "identity", None)
     if not isinstance(identity, Identity):
         raise Refused(grpc.StatusCode.UNAUTHENTICATED,
@@ -48,7 +48,7 @@ def _identity(context: Any) -> Identity:
 def methods(shared: SharedService) -> dict[str, Method]:
     """The methods by path, for `start_server`'s `extra_methods`."""
 
-    async def lease(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    async def lease(request: bytes, context: object) -> AsyncIterator[bytes]:
         identity = _identity(context)
         ask = _parse(request)
         try:
@@ -57,8 +57,9 @@ def methods(shared: SharedService) -> dict[str, Method]:
         except errors.IsthmusError as e:
             raise _refused(e) from None
 
-    def unary(answer: Any) -> Any:
-        async def call(request: bytes, context: Any) -> bytes:
+    def unary(answer: Callable[[Identity, dict[str, object]], object]
+              ) -> Callable[[bytes, object], Coroutine[object, object, bytes]]:
+        async def call(request: bytes, context: object) -> bytes:
             identity = _identity(context)
             body = _parse(request)
             try:
@@ -68,13 +69,13 @@ def methods(shared: SharedService) -> dict[str, Method]:
         call.__name__ = answer.__name__
         return call
 
-    def release(identity: Identity, body: dict[str, Any]) -> Any:
+    def release(identity: Identity, body: dict[str, object]) -> dict[str, str]:
         return shared.release(identity, str(body.get("lease", "")))
 
-    def leases(identity: Identity, body: dict[str, Any]) -> Any:
+    def leases(identity: Identity, body: dict[str, object]) -> Listing:
         return shared.leases(identity)
 
-    def revoke(identity: Identity, body: dict[str, Any]) -> Any:
+    def revoke(identity: Identity, body: dict[str, object]) -> dict[str, str]:
         return shared.revoke(identity, str(body.get("lease", "")))
 
     prefix = f"/{SHARED_SERVICE}/"
