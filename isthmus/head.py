@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isthmus.controller.controller import Controller, ControllerConfig
 from isthmus.controller.fleet import Device, WholeFleet
@@ -22,6 +22,18 @@ from isthmus.observe.options import ObserveConfig
 from isthmus.transport.tls import TlsConfig
 from isthmus.wire.peers import Limits
 from isthmus.worker.platforms import Platform
+
+if TYPE_CHECKING:  # imported where first used (a plain server needs few of them)
+    from isthmus.frontend.lease_service import SharedService
+    from isthmus.frontend.service import Frontend
+    from isthmus.launch import LocalLauncher
+    from isthmus.observe.observer import Observer
+    from isthmus.wire.fleet_service import FleetServicer
+    from isthmus.wire.gate import Gate
+    from isthmus.wire.methods import Method
+    from isthmus.worker.compile_cache import CacheConfig
+    from isthmus.worker.host import DeviceHost
+    from isthmus.worker.sandbox import Sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +92,8 @@ class SharedConfig:
 
 
 def embedded_fleet(num_devices: int, platform: str = "cpu",
-                   simulate_flops: float = 0.0, compile_cache: Any = None
-                   ) -> tuple[WholeFleet, Any]:
+                   simulate_flops: float = 0.0, compile_cache: CacheConfig | None = None
+                   ) -> tuple[WholeFleet, DeviceHost]:
     """One in-process worker with `num_devices` jaxlib CPU devices, or the GPUs it sees
     (simulated accelerators at `simulate_flops` FLOP/s each, when that is set; executables
     kept in `compile_cache`, a `CacheConfig`, across restarts)."""
@@ -119,18 +131,18 @@ class Head:
     def __init__(self, config: HeadConfig) -> None:
         self.config = config
         self.server: Any = None
-        self.frontend: Any = None
+        self.frontend: Frontend | None = None
         self.manager: FleetManager | None = None
-        self.launcher: Any = None
+        self.launcher: LocalLauncher | None = None
         self.port = 0
         self.shared_dir: str | None = None
         self._own_shared_dir = False
-        self._hosts: list[Any] = []
+        self._hosts: list[DeviceHost] = []
         self._vetter_started: asyncio.Task[None] | None = None
-        self.fleet_service: Any = None  # the workers' control streams (a fleet only)
-        self.shared: Any = None  # a shared service's leases (frontend/shared.py)
+        self.fleet_service: FleetServicer | None = None  # the workers' control streams
+        self.shared: SharedService | None = None  # a shared service's leases
         self.service_cert: str | None = None  # the certificate clients of it trust
-        self.observer: Any = None  # metrics and the live view (`observe.observer.Observer`)
+        self.observer: Observer | None = None  # metrics and the live view
 
     @property
     def address(self) -> str:
@@ -147,7 +159,7 @@ class Head:
         from isthmus.wire.servicer import start_server
 
         config = self.config
-        extra_methods: dict[str, Any] = {}
+        extra_methods: dict[str, Method] = {}
         if config.observe is not None:
             from isthmus.observe.observer import Observer
 
@@ -238,7 +250,7 @@ class Head:
         logger.info("serving %d devices at %s", len(fleet.devices), self.address)
         return self.address
 
-    def _make_shared(self, controller: Controller, methods: dict[str, Any]) -> Any:
+    def _make_shared(self, controller: Controller, methods: dict[str, Method]) -> Gate:
         """The leases, the gate and the lease methods of a shared service."""
         import os
 
@@ -248,14 +260,14 @@ class Head:
         from isthmus.wire import lease_methods
         from isthmus.wire.gate import Gate
 
-        config = self.config
+        config, frontend = self.config, self.frontend
         shared = config.shared
-        assert shared is not None
+        assert shared is not None and frontend is not None
         tenants = tenants_file.load(shared.tenants)
         fleet = controller.fleet
         self.shared = SharedService(
             tenants, controller, lambda: sorted({d.slice_index for d in fleet.devices}))
-        self.frontend.shared = self.shared
+        frontend.shared = self.shared
         if shared.cert is not None and shared.key is not None:
             certificate = service_tls.ServiceCertificate(shared.cert, shared.key)
         else:
@@ -270,7 +282,7 @@ class Head:
         return Gate(self.shared.authenticate, self.shared.lease_for,
                     certificate.server_context(), shared.allow_plain_connect, shared.limits)
 
-    async def _renew(self, slices: list[int], reason: str) -> None:
+    async def _renew(self, slices: list[SliceId], reason: str) -> None:
         """Fresh worker processes for `slices` (`LocalLauncher.renew`); returns once they
         serve, or after RENEW_TIMEOUT s (the slices stay out of the pool until they do)."""
         import time
@@ -279,16 +291,16 @@ class Head:
         assert manager is not None and launcher is not None
         loop = asyncio.get_running_loop()
         for slice_index in slices:
-            manager.retire(SliceId(slice_index), reason)
+            manager.retire(slice_index, reason)
         olds = await asyncio.gather(*(loop.run_in_executor(None, launcher.renew, s)
                                       for s in slices))
         old = {pid for pids in olds for pid in pids}
         hosts = manager.spec.hosts_per_slice
         fleet = manager.fleet
 
-        def serving(s: int) -> bool:
-            channels = [manager.members.get(manager.slot(SliceId(s), h)) for h in range(hosts)]
-            return fleet.slice_error(SliceId(s)) is None and all(
+        def serving(s: SliceId) -> bool:
+            channels = [manager.members.get(manager.slot(s, h)) for h in range(hosts)]
+            return fleet.slice_error(s) is None and all(
                 c is not None and c.register.pid not in old for c in channels)
 
         deadline = time.monotonic() + RENEW_TIMEOUT
@@ -296,7 +308,7 @@ class Head:
             await asyncio.sleep(0.1)
         logger.info("renewed the workers of slices %s (%s)", slices, reason)
 
-    def _sandbox(self) -> Any:
+    def _sandbox(self) -> Sandbox | None:
         """How a shared service's launched workers confine themselves (`worker/sandbox.py`),
         or None where this machine cannot: then no tenant runs colocated Python."""
         import os
