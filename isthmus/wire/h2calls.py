@@ -65,7 +65,7 @@ class Call:
         self.headers_sent = False
         self.task: asyncio.Task[None] | None = None
         self.window = STREAM_WINDOW  # the stream's receive window
-        self.bare = False  # opened below h2, which never saw it (`h2server._open_bare`)
+        self.bare = False  # opened below h2, which never saw it (`h2connection._open_bare`)
         # A direct stream's (`h2direct`): its sink, its bytes not yet handed back to the
         # client, and what the sink waits for before it takes more.
         self.sink: Any = None

@@ -35,7 +35,7 @@ CONNECTION_ACK = 16 << 20  # direct bytes handed back to the connection at a tim
 
 
 class Direct:
-    """The direct streams of one connection (`owner`: its `h2server._Connection`)."""
+    """The direct streams of one connection (`owner`: its `h2connection.Connection`)."""
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner

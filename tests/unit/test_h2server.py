@@ -1,10 +1,11 @@
-"""The h2 client-port transport (wire/h2server.py) against grpcio's own client, over a real
-socket on 127.0.0.1: every method shape, messages larger than the flow-control windows both
-ways, binary metadata, statuses with their messages, unknown methods, a stream that is not
-read holding its client back without stalling the streams beside it, and a cancelled call
-cancelling its handler. The same for direct streams (`Method.sink`, wire/h2direct.py):
-uploads, unary calls answered at once or later, a streaming sink that holds its client
-back, refusals, and h2's state left sound after thousands of them."""
+"""The h2 client-port transport (wire/h2server.py, h2connection.py) against grpcio's own
+client, over a real socket on 127.0.0.1: every method shape, messages larger than the
+flow-control windows both ways, binary metadata, statuses with their messages, unknown
+methods, a stream that is not read holding its client back without stalling the streams
+beside it, and a cancelled call cancelling its handler. The same for direct streams
+(`Method.sink`, wire/h2direct.py): uploads, unary calls answered at once or later, a
+streaming sink that holds its client back, refusals, and h2's state left sound after
+thousands of them."""
 
 import asyncio
 import contextlib
@@ -422,21 +423,21 @@ def test_a_data_frame_on_stream_zero_gets_a_goaway_not_a_traceback(caplog):
 async def test_uploads_opened_below_h2_answer_refuse_and_cancel_as_h2_ones_do(
         handlers, channel):
     """After a connection's first upload its HEADERS frames leave HPACK's table alone, and
-    the uploads are opened below h2 (bare streams, `_Connection._open_bare`), their
+    the uploads are opened below h2 (bare streams, `Connection._open_bare`), their
     WINDOW_UPDATE frames too: answers, refusals (at once and midway), a cancel and an
     upload over the stream's window behave exactly as through h2, and h2's own streams
     beside them still work."""
-    from isthmus.wire import h2server
+    from isthmus.wire.h2connection import Connection
 
     opened = []
-    original = h2server._Connection._open_bare
+    original = Connection._open_bare
 
     def counting(self, stream_id, block):
         took = original(self, stream_id, block)
         opened.append(took)
         return took
 
-    h2server._Connection._open_bare = counting
+    Connection._open_bare = counting
     try:
         sink = channel.stream_unary("/t.T/Sink")
 
@@ -476,7 +477,7 @@ async def test_uploads_opened_below_h2_answer_refuse_and_cancel_as_h2_ones_do(
         got = [m async for m in channel.unary_stream("/t.T/Download")(b"%d" % (9 << 20))]
         assert [len(m) for m in got] == [9 << 20] * 3
     finally:
-        h2server._Connection._open_bare = original
+        Connection._open_bare = original
 
 
 def test_a_bare_upload_refused_at_open_drains_what_still_comes():
