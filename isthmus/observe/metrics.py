@@ -29,6 +29,7 @@ from prometheus_client.core import (
 )
 
 from isthmus.controller.counts import PROGRAM_BUCKETS
+from isthmus.ids import SliceId
 from isthmus.observe.sources import Host, Sources
 
 # Worker-reported device memory figures (jaxlib's `memory_stats` names) -> the `kind` label.
@@ -40,7 +41,7 @@ class Reading:
     """What one scrape read, copied: safe to format on any thread."""
 
     runs: dict[int, int]  # slice -> programs executed
-    slices: list[int]
+    slices: list[SliceId]
     slices_down: frozenset[int]
     program_buckets: list[int]  # per bucket of PROGRAM_BUCKETS, and past the last bound
     program_seconds: float

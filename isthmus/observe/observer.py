@@ -9,7 +9,6 @@ import collections
 import importlib.resources
 import logging
 import time
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -18,7 +17,7 @@ from isthmus.observe import state
 from isthmus.observe.events import EventLog
 from isthmus.observe.metrics import Collected, FleetCollector, Reading, families
 from isthmus.observe.options import ObserveConfig
-from isthmus.observe.sources import Sources
+from isthmus.observe.sources import Head, Sources
 from isthmus.observe.web import WebServer
 
 logger = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ class LoopLag:
 class Observer:
     """Metrics and the live view of one head (`isthmus.head.Head`)."""
 
-    def __init__(self, config: ObserveConfig, head: Any) -> None:
+    def __init__(self, config: ObserveConfig, head: Head) -> None:
         self.config = config
         self.events = EventLog(config.events)
         self.lag = LoopLag()
@@ -83,7 +82,7 @@ class Observer:
         """Serves the routes; returns the base URL."""
         self.attach_events()
         self.lag.start()
-        self.sources.controller.counts.timing = True
+        self.sources.live_controller().counts.timing = True
         port = await self.web.start(self.config.host, self.config.port)
         host = self.config.host
         if host in ("0.0.0.0", "::", ""):

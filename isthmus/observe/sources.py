@@ -12,7 +12,20 @@ import dataclasses
 import os
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from isthmus.controller.fleet import Device
+from isthmus.controller.session_core import SessionCore
+from isthmus.ids import SliceId, WorkerId
+
+if TYPE_CHECKING:
+    from isthmus.controller.controller import Controller
+    from isthmus.controller.leases import Listing
+    from isthmus.controller.manager import FleetManager
+    from isthmus.frontend.lease_service import SharedService
+    from isthmus.frontend.service import Frontend
+    from isthmus.frontend.session import FrontendSession
+    from isthmus.launch import LocalLauncher
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,33 +41,48 @@ class Host:
     pid: int | None
     backlog: int  # commands sent and not yet applied
     reported: dict[str, int]  # what the worker itself reports (`DeviceHost.stats`)
-    devices: tuple[Any, ...]  # its `fleet.Device`s
+    devices: tuple[Device, ...]
 
     @property
     def up(self) -> bool:
         return self.state == "up"
 
 
-class Sources:
-    """The readable state of a head: `head` has `frontend`, `manager`, `launcher` and
-    `shared` as `isthmus.head.Head` does (any of them None while absent)."""
+class Head(Protocol):
+    """The parts of a head that `Sources` reads (`isthmus.head.Head`): each None while
+    absent."""
 
-    def __init__(self, head: Any, loop_lag: Callable[[], float] = lambda: 0.0) -> None:
+    frontend: Frontend | None
+    manager: FleetManager | None
+    launcher: LocalLauncher | None
+    shared: SharedService | None
+
+
+class Sources:
+    """The readable state of a head."""
+
+    def __init__(self, head: Head, loop_lag: Callable[[], float] = lambda: 0.0) -> None:
         self.head = head
         self.loop_lag = loop_lag
 
     @property
-    def controller(self) -> Any:
+    def controller(self) -> Controller | None:
         frontend = self.head.frontend
         return frontend.controller if frontend is not None else None
 
-    def slices(self) -> list[int]:
-        return sorted({d.slice_index for d in self.controller.fleet.devices})
+    def live_controller(self) -> Controller:
+        """The controller, which the readers below need: they are called once it exists."""
+        controller = self.controller
+        assert controller is not None
+        return controller
+
+    def slices(self) -> list[SliceId]:
+        return sorted({d.slice_index for d in self.live_controller().fleet.devices})
 
     def hosts(self) -> list[Host]:
         """Every host slot, by slot."""
-        fleet = self.controller.fleet
-        by_slot: dict[int, list[Any]] = {}
+        fleet = self.live_controller().fleet
+        by_slot: dict[WorkerId, list[Device]] = {}
         for device in fleet.devices:
             by_slot.setdefault(device.worker, []).append(device)
         manager = self.head.manager
@@ -75,18 +103,18 @@ class Sources:
                 state, why = "joining", "joining the collective group"
             else:
                 state = "up"
-            entry = described.get(str(slot), {})
+            entry = described.get(str(slot))
+            hostname, pid, backlog = "", None, 0
             if manager is None:  # the embedded backend: this process
                 hostname, pid = socket.gethostname(), os.getpid()
-            else:
-                hostname, pid = entry.get("host", ""), entry.get("pid")
+            elif entry is not None:
+                hostname, pid, backlog = entry["host"], entry["pid"], entry["backlog"]
             reported = channel.stats() if channel is not None else {}
             hosts.append(Host(slot, first.slice_index, first.host_index, state, why,
-                              hostname, pid, int(entry.get("backlog", 0)), reported,
-                              tuple(devices)))
+                              hostname, pid, backlog, reported, tuple(devices)))
         return hosts
 
-    def sessions(self) -> list[Any]:
+    def sessions(self) -> list[FrontendSession]:
         """The front end's open sessions."""
         frontend = self.head.frontend
         return list(frontend.sessions.values()) if frontend is not None else []
@@ -104,9 +132,10 @@ class Sources:
         return launcher.restarted if launcher is not None else 0
 
     def queue_depth(self) -> int:
-        return sum(session.dispatcher.depth for session in self.controller.sessions)
+        return sum(session.dispatcher.depth for session in self.live_controller().sessions
+                   if isinstance(session, SessionCore))
 
-    def shared_book(self) -> dict[str, Any] | None:
+    def shared_book(self) -> Listing | None:
         """A shared service's leases, queue and figures (`LeaseBook.describe`), or None."""
         shared = self.head.shared
         return shared.book.describe() if shared is not None else None
