@@ -8,9 +8,13 @@ import json
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from isthmus.options import refuse
+
+if TYPE_CHECKING:
+    from isthmus.head import SharedConfig
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +84,7 @@ def add_leases_command(commands: Any) -> None:
     leases.add_argument("--json", action="store_true", help="print raw JSON")
 
 
-def shared_config(args: argparse.Namespace) -> Any:
+def shared_config(args: argparse.Namespace) -> SharedConfig | None:
     """The `SharedConfig` of `isthmus up --tenants`, or None."""
     from isthmus.head import SharedConfig
 
@@ -109,7 +113,8 @@ def shared_config(args: argparse.Namespace) -> Any:
                                       args.peer_requests))
 
 
-def service_run(args: argparse.Namespace, command: list[str], environment: Any) -> int:
+def service_run(args: argparse.Namespace, command: list[str],
+                environment: Callable[[str], dict[str, str]]) -> int:
     """`isthmus run --service`: the command runs on a lease; its exit releases it. Ctrl-C
     while queued leaves the queue; later it goes to the command."""
     import subprocess
