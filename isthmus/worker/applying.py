@@ -264,8 +264,8 @@ class CommandApplier:
         raise errors.InternalError(f"buffer {buffer_id} never appeared on this worker")
 
 
-# The commands (by record type) whose handling needs the worker process, told and asked;
-# every other command is applied by its record (`commands.py`).
+# The commands (by record type) whose handling needs the worker process, told and asked
+# (`commands.py` says why each does); every other command is applied by its record.
 _TOLD: dict[type, Callable[[CommandApplier, DeviceHost, Any], None]] = {
     c.Execute: CommandApplier._on_execute,
     c.Load: CommandApplier._on_load,
