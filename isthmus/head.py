@@ -187,7 +187,7 @@ class Head:
                 config.fleet, fleet,
                 ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir,
                               heartbeat_timeout=config.heartbeat_timeout),
-                on_slice_down=controller.poison_slice, on_crash=controller.crashed,
+                on_slice_down=controller.ledger.poison_slice, on_crash=controller.crashed,
                 last_program=controller.last_program)
             # A shared service's own workers join with single-use tokens (`transport/auth.py`).
             joins = (JoinTokens() if config.shared is not None and config.launch_workers

@@ -27,6 +27,7 @@ from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
 from isthmus.transport.base import answered
 from isthmus.transport.records import Aval, CompiledInfo
+from isthmus.transport.remote import RemoteWorker
 
 # The boxes one reshard has pulled to a worker so far: (worker, box) -> (the target buffer
 # that received it, the pull's completion); that worker's other targets copy it there.
@@ -317,21 +318,19 @@ class SessionMoves:
         was made)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         source = self.fleet.channel(src.device.worker)
-        address = getattr(source, "data_address", None)
         if expect:
             dst.group.expect()
-        if address is None:
+        if not isinstance(source, RemoteWorker):  # a lost worker's, or in-process: no peer
             self.arrays.defined(dst, self.fleet.slice_error_of(src.device.worker))
             done.set_result(None)
             return done
         self.controller.ledger.pin(src)
         target = self.fleet.channel(dst.device.worker)
-        relay = getattr(source, "relay", None)
-        work = (relay(src.id, target, dst.id, dst.device.id, memory_kind)
-                if files and relay is not None and src.nbytes >= RELAY_BYTES else None)
+        work = (source.relay(src.id, target, dst.id, dst.device.id, memory_kind)
+                if files and src.nbytes >= RELAY_BYTES else None)
         if work is None:
-            work = target.ask(c.Pull(src.id, address, dst.id, dst.device.id, memory_kind,
-                                     source.pull_mac(src.id)))
+            work = target.ask(c.Pull(src.id, source.data_address, dst.id, dst.device.id,
+                                     memory_kind, source.pull_mac(src.id)))
         self.controller.counts.peer_bytes += src.nbytes
 
         async def finish() -> None:

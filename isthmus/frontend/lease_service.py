@@ -273,7 +273,7 @@ class SharedService:
 
     def _reclaimed(self, lease: Lease, slice_index: SliceId) -> None:
         session_profiles.leave(self.controller, slice_index)  # its profile ends there now
-        self.controller.evict_slice(slice_index, reclaimed_error(lease, slice_index))
+        self.controller.ledger.evict_slice(slice_index, reclaimed_error(lease, slice_index))
 
     def _spawn(self, coroutine: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

@@ -32,7 +32,8 @@ _TWO_BY_TWO = FleetSpec(slices=2, hosts_per_slice=2, devices_per_host=2)  # 8 de
 def _manager(spec=_TWO_BY_TWO):
     fleet = WholeFleet([], {})
     controller = Controller(fleet)
-    return FleetManager(spec, fleet, on_slice_down=controller.poison_slice), fleet, controller
+    manager = FleetManager(spec, fleet, on_slice_down=controller.ledger.poison_slice)
+    return manager, fleet, controller
 
 
 def test_slots_device_ids_and_refusals():
@@ -73,7 +74,7 @@ def test_a_lost_worker_poisons_its_slice_only():
                    for s in (0, 1) for h in (0, 1)]
         for s in (0, 1):
             fleet.mark_up(s)
-        group = controller.new_group((fleet.device(1), fleet.device(5)), (4, 4))
+        group = controller.ledger.new_group((fleet.device(1), fleet.device(5)), (4, 4))
         on_slice0, on_slice1 = Buffer(group, 0), Buffer(group, 1)
         pending, future = workers[2].request()
         manager.lost(workers[2], "it crashed")

@@ -75,7 +75,7 @@ def test_upload_and_download_through_the_front_end():
         session.handle(_request(5, "check_value_ready_request", value_handles=[78]))
         assert "77" in sent[-1].response_metadata.status.message
         await session.close()
-        assert frontend.controller.accounting()[0] == {"buffers": 0, "bytes": 0}
+        assert frontend.controller.ledger.accounting()[0] == {"buffers": 0, "bytes": 0}
     asyncio.run(main())
 
 
