@@ -54,6 +54,7 @@ import numpy.typing as npt
 
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
+from isthmus.transport import messages as m
 from isthmus.transport.host import Box, CommandHost, Part
 from isthmus.transport.messages import CODEC, NumpyDType, dtype_name, dtype_of
 from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest, TraceOptions
@@ -61,8 +62,8 @@ from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileReq
 __all__ = [
     "Assemble", "Bitcast", "CallPython", "Command", "Compile", "Copy", "DropExecutable",
     "Execute", "Fail", "Fetch", "Free", "Load", "Pull", "Put", "ReadShards", "Ready", "Refuse",
-    "Request", "StartProfile", "StopProfile", "WriteMeta", "WriteShards", "dtype_field",
-    "dtype_name", "refs",
+    "Request", "StartProfile", "StopProfile", "Told", "WriteMeta", "WriteShards",
+    "dtype_field", "dtype_name", "refs",
 ]
 
 _T = TypeVar("_T", covariant=True)  # what a request answers
@@ -97,6 +98,13 @@ class Request(Command, Generic[_T]):
 
     def apply(self, host: CommandHost) -> Awaitable[_T]:
         raise NotImplementedError
+
+
+# What a batch (`messages.Batch`) carries, applied in order: commands, requests (in an `Ask`),
+# commands shared with other workers, and the forms a put's data and a fetch through a file
+# travel in.
+Told = (Command | m.Ask | m.Shared | m.PutBegin | m.PutData | m.PutWhole | m.PutObjects
+        | m.PutFile | m.FetchFile)
 
 
 @typing.dataclass_transform(frozen_default=True)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import struct
 import typing
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
+from isthmus import errors
+from isthmus.ids import BufferId
 from isthmus.transport.codec import Bulk, Codec, register_errors
 from isthmus.transport.frames import Parts, Tailed
 
@@ -229,15 +230,18 @@ class Refused:
 
 @_message
 class Batch:
-    commands: tuple[Told, ...]
+    """Commands to apply in order (`commands.Told`: this layer does not name the commands,
+    which build on it)."""
+
+    commands: tuple[object, ...]
 
 
 @_message
 class Ask:
-    """A request (`commands.Request`) numbered for its `Reply`."""
+    """A request numbered for its `Reply`."""
 
     request: int
-    command: Request[object]
+    command: object  # a `commands.Request` (which this layer does not name)
 
 
 @_message
@@ -360,13 +364,3 @@ def weight(command: object) -> int:
         return 1 + len(command.data) // WEIGHT_BYTES
     return 1
 
-
-if TYPE_CHECKING:
-    from isthmus import errors
-    from isthmus.ids import BufferId
-    from isthmus.transport.commands import Command, Request
-
-# What a batch carries, applied in order: commands, requests, commands shared with other
-# workers, and the forms a put's data and a fetch through a file travel in.
-Told = typing.Union["Command", Ask, Shared, PutBegin, PutData, PutWhole, PutObjects, PutFile,
-                    FetchFile]

@@ -56,7 +56,7 @@ class RemoteWorker:
         self._send = send
         self._close = close
         self.forming = False  # in a group formation: silence is expected, not a loss
-        self._pending: list[m.Told] = []
+        self._pending: list[c.Told] = []
         self._pending_weight = 0
         # Flow control: weight of the commands sent, and of those the worker has applied.
         self._flow = flow
@@ -99,7 +99,7 @@ class RemoteWorker:
 
     # ---- sending -------------------------------------------------------------------------
 
-    def _command(self, command: m.Told, urgent: bool = True, weight: int = 1) -> None:
+    def _command(self, command: c.Told, urgent: bool = True, weight: int = 1) -> None:
         """Queues a command for this turn's batch. A command that is not urgent (a free)
         waits up to FREE_DELAY for company, so it rides with the next batch."""
         if self.lost is not None:

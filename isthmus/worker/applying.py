@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class CommandApplier:
                error: errors.IsthmusError | None = None) -> None:
         raise NotImplementedError
 
-    async def _apply_command(self, command: m.Told) -> None:
+    async def _apply_command(self, command: c.Told) -> None:
         """Applies one command of a batch, after what it must wait for: its program loaded,
         the collective programs before it (`CollectiveOrder.collective_settled`)."""
         if isinstance(command, m.Ask) and isinstance(command.command, c.CallPython):
@@ -86,7 +86,7 @@ class CommandApplier:
         self._applying = ""
         self._apply(command)
 
-    def _refuse(self, command: m.Told, e: Exception) -> None:
+    def _refuse(self, command: c.Told, e: Exception) -> None:
         """A command that could not be applied: whoever waits on it hears why, and the
         buffers it was to produce hold the error (nothing waits forever)."""
         name = type(command.command if isinstance(command, m.Ask) else command).__name__
@@ -135,12 +135,12 @@ class CommandApplier:
             raise errors.InternalError("the worker has no collective group yet")
         return self.host
 
-    def _apply(self, message: m.Told) -> None:
+    def _apply(self, message: c.Told) -> None:
         """Applies one command of a batch: by its record's own `apply`, or, for the few
         whose handling needs this process (`_TOLD`, `_ASKED`), here."""
         host = self._require_host()
         if isinstance(message, m.Ask):
-            request, command = message.request, message.command
+            request, command = message.request, cast("c.Request[object]", message.command)
             asked = _ASKED.get(type(command))
             if asked is not None:
                 asked(self, host, request, command)

@@ -15,7 +15,7 @@ from isthmus import errors
 from isthmus.hostmem import Assembly, write_file
 from isthmus.ids import BufferId
 from isthmus.transport import messages as m
-from isthmus.transport.commands import Command
+from isthmus.transport.commands import Command, Told
 
 
 @dataclasses.dataclass(slots=True)
@@ -43,28 +43,28 @@ def probe_found(path: str, token: str) -> bool:
         return False
 
 
-def unpack(commands: tuple[m.Told, ...]) -> Iterator[m.Told]:
-    """The commands of a batch, with those shared by several workers decoded in place."""
-    for command in commands:
+def unpack(commands: tuple[object, ...]) -> Iterator[Told]:
+    """The commands of a batch (`m.Batch.commands`: each a `Told`), with those shared by
+    several workers decoded in place."""
+    for command in cast("tuple[Told, ...]", commands):
         if isinstance(command, m.Shared):
             yield from cast("tuple[Command, ...]", m.decode(command.data))
         else:
             yield command
 
 
-def produced(message: m.Told) -> tuple[BufferId, ...]:
+def produced(message: Told) -> tuple[BufferId, ...]:
     """The buffers a command would have made (an Execute fails its own outputs), whatever
     form it came in."""
-    if isinstance(message, m.Ask):
-        message = message.command
-    if isinstance(message, Command):
-        return message.produces()
-    if isinstance(message, (m.PutData, m.PutWhole, m.PutObjects, m.PutFile)):
-        return (message.buffer,)
+    command = message.command if isinstance(message, m.Ask) else message
+    if isinstance(command, Command):
+        return command.produces()
+    if isinstance(command, (m.PutData, m.PutWhole, m.PutObjects, m.PutFile)):
+        return (command.buffer,)
     return ()
 
 
-def request_of(message: m.Told) -> int | None:
+def request_of(message: Told) -> int | None:
     """The number a message's answer carries, if it is answered."""
     return getattr(message, "request", None)
 
