@@ -18,27 +18,46 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from isthmus import errors
 from isthmus.transport import commands as c
 from isthmus.transport.base import Commands
+from isthmus.transport.host import CommandHost
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Hashable
+    from collections.abc import Awaitable, Hashable, Sequence
 
+    from isthmus.ids import ExecutableId
     from isthmus.transport.commands import Command, Request
     from isthmus.transport.flow import FlowGate
-    from isthmus.worker.host import DeviceHost
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+class InlineHost(CommandHost, Protocol):
+    """What `InlineOrder` uses of its host (a `worker.host.DeviceHost`): the commands' host,
+    and the collective programs in flight (`CollectiveOrder`)."""
+
+    def fail_outputs(self, executable_id: ExecutableId, results: Sequence[int],
+                     error: errors.IsthmusError) -> None:
+        """Makes this host's outputs of one run of a program error buffers."""
+        ...
+
+    def collective_backlog(self, executable_id: ExecutableId) -> list[Any]:
+        """What a program must wait for before it is dispatched ([]: it may go now)."""
+        ...
+
+    def wait_for(self, values: list[Any]) -> Awaitable[None]:
+        """Resolves once these arrays are computed or donated."""
+        ...
+
+
 class InlineOrder:
     """`send`, `ask` and `deliver` of an in-process `DeviceHost` (`host`)."""
 
-    def __init__(self, host: DeviceHost) -> None:
+    def __init__(self, host: InlineHost) -> None:
         self._host = host
         self._backlog: collections.deque[tuple[Command, asyncio.Future[object] | None]] = (
             collections.deque())
