@@ -20,63 +20,25 @@ import numpy as np
 import pytest
 
 from isthmus import shared
-from isthmus.testing import LocalServer, run_python, run_python_with_pause, wait_until
+from isthmus.testing import run_python, run_python_with_pause, wait_until
 from tests.integration.rawclient import RawSession, status_of
+from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
 GRACE = 3.0
-
-JOB = """
-import jax, jax.numpy as jnp, numpy as np
-devices = jax.devices()
-print("DEVICES", [d.id for d in devices], sorted({d.slice_index for d in devices}))
-x = jnp.arange(32.0).reshape(4, 8)
-from jax.experimental import mesh_utils
-n = len({d.slice_index for d in devices})
-mesh = jax.sharding.Mesh(
-    mesh_utils.create_hybrid_device_mesh((len(devices) // n,), (n,), devices), ("d",))
-y = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "d")))
-print("RESULT", float(jax.jit(lambda a: (a @ a.T).sum() * 0.5)(y)))
-"""
-EXPECTED = float((np.arange(32.0).reshape(4, 8) @ np.arange(32.0).reshape(4, 8).T).sum() * 0.5)
+TENANTS = {"alice": {"max_slices": 2}, "bob": {"max_slices": 1, "priority": 5},
+           "carol": {"max_slices": 3}, "ops": {"max_slices": 0}}
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tenants")
-    for name in ("alice", "bob", "carol", "ops"):
-        (directory / f"{name}.token").write_text(f"{name}-secret-{os.getpid()}\n")
-    (directory / "tenants.toml").write_text(f"""
-admins = ["ops"]
-grace_seconds = {GRACE}
-[tenants.alice]
-token_file = "alice.token"
-max_slices = 2
-[tenants.bob]
-token_file = "bob.token"
-max_slices = 1
-priority = 5
-[tenants.carol]
-token_file = "carol.token"
-max_slices = 3
-[tenants.ops]
-token_file = "ops.token"
-max_slices = 0
-""")
     socket_path = directory / "service.sock"
-    with LocalServer(fleet=(3, 1, 2), args=[
-            "--tenants", str(directory / "tenants.toml"), "--unix-socket", str(socket_path),
-            "--allow-plain-connect", "--log-format", "json"]) as server:
+    with SharedService(directory, (3, 1, 2), TENANTS,
+                       {"admins": ["ops"], "grace_seconds": GRACE}, args=[
+                           "--unix-socket", str(socket_path), "--allow-plain-connect",
+                           "--log-format", "json"]) as server:
         server.unix = f"unix:{socket_path}"
-        server.tokens = {name: str(directory / f"{name}.token")
-                         for name in ("alice", "bob", "carol", "ops")}
-        server.ca = str(directory / "isthmus-service" / "service-cert.pem")
-        server.service = server.address.removeprefix("grpc://")
         yield server
-
-
-def lease(service, who, **options):
-    return shared.lease(service.service, token_file=service.tokens[who], ca=service.ca,
-                        report=lambda line: None, **options)
 
 
 def resumed(service, who, name):
@@ -84,7 +46,7 @@ def resumed(service, who, name):
     deadline = time.monotonic() + 10
     while True:
         try:
-            context = lease(service, who, slices=1, name=name)
+            context = service.lease(who, slices=1, name=name)
             grant = context.__enter__()
         except shared.LeaseRefused as e:
             if "in use by another client" not in str(e) or time.monotonic() > deadline:
@@ -111,14 +73,8 @@ def devices_of(result):
     return line
 
 
-def result_of(result):
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
-    return float(line.split()[1])
-
-
 def test_two_tenants_run_and_a_third_waits_its_turn(service):
-    with lease(service, "alice", slices=2) as a, lease(service, "bob", slices=1) as b:
+    with service.lease("alice", slices=2) as a, service.lease("bob", slices=1) as b:
         assert sorted(a.slices + b.slices) == [0, 1, 2]
         ran_a = run_python(JOB, a.target)
         ran_b = run_python(JOB, b.target)
@@ -179,11 +135,11 @@ def test_a_stranger_is_refused_and_leaves_nothing(service, tmp_path):
 
 def test_over_quota_and_no_wait_are_refused_in_one_line(service):
     with pytest.raises(shared.LeaseRefused, match="over its quota"):
-        with lease(service, "bob", slices=2):
+        with service.lease("bob", slices=2):
             pass
-    with lease(service, "carol", slices=3):
+    with service.lease("carol", slices=3):
         with pytest.raises(shared.LeaseRefused, match="no 1 slices are free now"):
-            with lease(service, "alice", slices=1, wait=0):
+            with service.lease("alice", slices=1, wait=0):
                 pass
     result = subprocess.run(
         [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
@@ -194,7 +150,7 @@ def test_over_quota_and_no_wait_are_refused_in_one_line(service):
 
 
 def test_another_tenants_devices_and_host_buffers_are_not_found(service):
-    with lease(service, "alice", slices=1) as a, lease(service, "bob", slices=1) as b:
+    with service.lease("alice", slices=1) as a, service.lease("bob", slices=1) as b:
         with RawSession(a.target) as sa, RawSession(b.target) as sb:
             init_a = sa.call("init_request").init_response
             init_b = sb.call("init_request").init_response
@@ -263,7 +219,7 @@ def test_a_killed_clients_lease_waits_its_grace_then_frees(service):
 
 
 def test_an_admin_lists_and_revokes_leases(service):
-    with lease(service, "alice", slices=1) as held:
+    with service.lease("alice", slices=1) as held:
         listing = subprocess.run(
             [sys.executable, "-m", "isthmus.cli", "leases", "--controller", service.service,
              "--service-ca", service.ca, "--token-file", service.tokens["ops"]],
@@ -302,7 +258,7 @@ except Exception as e:
 fresh = jnp.arange(32.0).reshape(4, 8)  # made again: the old arrays were on the lost host
 print("AGAIN", float(jax.jit(lambda a: (a @ a.T).sum() * 0.5)(fresh)))
 """
-    with lease(service, "alice", slices=1) as a, lease(service, "bob", slices=1) as b:
+    with service.lease("alice", slices=1) as a, service.lease("bob", slices=1) as b:
         victim = a.slices[0]
 
         def kill(_line):
@@ -361,7 +317,7 @@ def test_the_stock_clients_own_proxy_route_when_the_operator_allows_it(service):
     """With --allow-plain-connect, the stock client alone reaches its tenant's lease through
     grpc_proxy=http://TENANT:TOKEN@service (credentials in clear: opt-in only)."""
     token = shared.read_token_file(service.tokens["alice"])
-    with lease(service, "alice", slices=1) as held:
+    with service.lease("alice", slices=1) as held:
         env = {**os.environ, "grpc_proxy": f"http://alice:{token}@{service.service}",
                "no_grpc_proxy": "", "no_proxy": ""}
         ran = run_python(JOB, service.address, env=env)
@@ -378,7 +334,7 @@ WITH_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(sign
 
 
 def test_ctrl_c_while_queued_leaves_the_queue(service):
-    with lease(service, "carol", slices=3):
+    with service.lease("carol", slices=3):
         waiting = subprocess.Popen(
             [*WITH_SIGINT, "-m", "isthmus.cli", "run", "--service", service.service,
              "--service-ca", service.ca, "--token-file", service.tokens["alice"],
@@ -417,7 +373,7 @@ def test_a_higher_priority_reclaims_a_slice_of_an_elastic_job(service, tmp_path)
     pytest.importorskip("optax")
     log = tmp_path / "train.jsonl"
     out = open(tmp_path / "train.out", "w")
-    with lease(service, "alice", slices=1):
+    with service.lease("alice", slices=1):
         trainer = subprocess.Popen(
             [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
              "--service-ca", service.ca, "--token-file", service.tokens["carol"],
@@ -431,7 +387,7 @@ def test_a_higher_priority_reclaims_a_slice_of_an_elastic_job(service, tmp_path)
             wait_until(lambda: len(steps()) >= 10 or trainer.poll() is not None, 120,
                        "10 steps on 2 slices")
             assert trainer.poll() is None, (tmp_path / "train.out").read_text()[-4000:]
-            with lease(service, "bob", slices=1) as b:
+            with service.lease("bob", slices=1) as b:
                 ran = run_python(JOB, b.target)
                 assert result_of(ran) == EXPECTED
                 on_one = len(steps())

@@ -11,14 +11,12 @@ and every secret it tries is out of reach.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from isthmus import shared
-from isthmus.testing import LocalServer, run_python, wait_until
+from isthmus.testing import run_python, wait_until
 from isthmus.worker import sandbox
-from tests.integration.test_shared import EXPECTED, JOB, result_of
+from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
 pytestmark = pytest.mark.skipif(sandbox.unavailable() is not None,
                                 reason=f"no Landlock here: {sandbox.unavailable()}")
@@ -48,35 +46,52 @@ def steal(x):
 
 print("RESULT", np.asarray(steal(x)).tolist())
 """
+TENANTS = {"alice": {"max_slices": 1, "colocated_python": True}, "bob": {"max_slices": 1}}
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tenants")
-    for name in ("alice", "bob"):
-        (directory / f"{name}.token").write_text(f"{name}-secret-{os.getpid()}\n")
-    (directory / "tenants.toml").write_text("""
-[tenants.alice]
-token_file = "alice.token"
-max_slices = 1
-colocated_python = true
-[tenants.bob]
-token_file = "bob.token"
-max_slices = 1
-""")
-    with LocalServer(fleet=(2, 1, 2), args=[
-            "--tenants", str(directory / "tenants.toml")]) as server:
-        server.directory = directory
-        server.service = server.address.removeprefix("grpc://")
-        server.ca = str(directory / "isthmus-service" / "service-cert.pem")
+    with SharedService(tmp_path_factory.mktemp("tenants"), (2, 1, 2), TENANTS) as server:
         yield server
 
 
 def _run(service, who, secrets=()):
-    with shared.lease(service.service, slices=1, token_file=str(service.directory /
-                                                                  f"{who}.token"),
-                      ca=service.ca, report=lambda line: None) as grant:
+    with service.lease(who, slices=1) as grant:
         return run_python(THIEF.format(secrets=list(secrets)), grant.target, timeout=180)
+
+
+def test_a_lease_that_ran_its_own_code_ends_with_its_workers(service):
+    """The next tenant on those slices gets fresh worker processes; a lease of a tenant
+    without colocated Python leaves its workers as they are. (The module's first test: no
+    earlier lease's renewal to wait for.)"""
+    def pids():
+        return {s: tuple(service.worker_pids(s)) for s in (0, 1)}
+
+    def free():
+        return service.status()["shared"]["capacity_free"] == 2
+
+    wait_until(free, 120, "both slices to be free")
+    before = pids()
+    with service.lease("alice", slices=1) as grant:
+        ran = run_python(THIEF.format(secrets=[]), grant.target, timeout=180)
+        (mine,) = grant.slices
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    service.wait_status(
+        lambda s: str(mine) not in s["slices_down"] and all(
+            pid not in before[mine] for pid in service.worker_pids(mine))
+        and len(service.worker_pids(mine)) == len(before[mine]),
+        120, f"slice {mine}'s workers to be replaced by fresh ones")
+    other = 1 - mine
+    assert pids()[other] == before[other]  # not the other slice's
+    assert "was lost" not in service.log()  # a retirement, not a failure
+    # bob's lease on the renewed slice works, and leaves the workers in place.
+    renewed = pids()
+    with service.lease("bob", slices=1) as grant:
+        job = run_python(JOB, grant.target, timeout=180)
+    assert result_of(job) == EXPECTED
+    # A slice is free once its lease's scrub is done, and a renewal is part of the scrub.
+    wait_until(free, 60, "bob's slice to be scrubbed and free")
+    assert pids() == renewed
 
 
 def test_a_tenant_without_colocated_python_is_refused_and_told_why(service):
@@ -100,37 +115,3 @@ def test_a_tenants_function_runs_confined_and_reads_no_secret(service):
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))
     # It ran (each value doubled), and read none of them (nothing added).
     assert line == f"RESULT {[[2.0 * (2 * i), 2.0 * (2 * i + 1)] for i in range(4)]}", line
-
-
-def test_a_lease_that_ran_its_own_code_ends_with_its_workers(service):
-    """The next tenant on those slices gets fresh worker processes; a lease of a tenant
-    without colocated Python leaves its workers as they are."""
-    def pids():
-        return {s: tuple(service.worker_pids(s)) for s in (0, 1)}
-
-    wait_until(lambda: service.status()["shared"]["capacity_free"] == 2, 120,
-               "both slices to be free (renewed after the last test's lease)")
-    before = pids()
-    with shared.lease(service.service, slices=1, token_file=str(service.directory /
-                                                               "alice.token"),
-                      ca=service.ca, report=lambda line: None) as grant:
-        ran = run_python(THIEF.format(secrets=[]), grant.target, timeout=180)
-        (mine,) = grant.slices
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    service.wait_status(
-        lambda s: str(mine) not in s["slices_down"] and all(
-            pid not in before[mine] for pid in service.worker_pids(mine))
-        and len(service.worker_pids(mine)) == len(before[mine]),
-        120, f"slice {mine}'s workers to be replaced by fresh ones")
-    other = 1 - mine
-    assert pids()[other] == before[other]  # not the other slice's
-    assert "was lost" not in service.log()  # a retirement, not a failure
-    # bob's lease on the renewed slice works, and leaves the workers in place.
-    renewed = pids()
-    with shared.lease(service.service, slices=1, token_file=str(service.directory /
-                                                               "bob.token"),
-                      ca=service.ca, report=lambda line: None) as grant:
-        job = run_python(JOB, grant.target, timeout=180)
-    assert result_of(job) == EXPECTED
-    time.sleep(1.0)  # a renewal would have started by now
-    assert pids() == renewed

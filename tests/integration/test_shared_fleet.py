@@ -20,27 +20,17 @@ import pytest
 
 from isthmus import shared
 from isthmus.testing import LocalServer, run_python
-from tests.integration.test_shared import EXPECTED, JOB, result_of
+from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
 BASE_ENV = {k: v for k, v in os.environ.items() if k != "ISTHMUS_FLEET_TOKEN"}
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tenants")
-    (directory / "alice.token").write_text(f"alice-secret-{os.getpid()}\n")
-    (directory / "tenants.toml").write_text("""
-[tenants.alice]
-token_file = "alice.token"
-max_slices = 2
-""")
-    with LocalServer(fleet=(2, 1, 2), env=BASE_ENV, args=[
-            "--tenants", str(directory / "tenants.toml"), "--host", "0.0.0.0",
-            "--log-format", "json"]) as server:
-        server.port = server.address.rsplit(":", 1)[1]
-        server.local = f"127.0.0.1:{server.port}"
-        server.token = str(directory / "alice.token")
-        server.ca = str(directory / "isthmus-service" / "service-cert.pem")
+    with SharedService(tmp_path_factory.mktemp("tenants"), (2, 1, 2),
+                       {"alice": {"max_slices": 2}}, env=BASE_ENV,
+                       args=["--host", "0.0.0.0", "--log-format", "json"]) as server:
+        server.local = f"127.0.0.1:{server.address.rsplit(':', 1)[1]}"
         yield server
 
 
@@ -72,8 +62,8 @@ def test_a_strangers_worker_is_refused_and_the_pool_does_not_change(service):
     log = service.log()
     # Logged once for its host, however often it knocks.
     assert log.count("refused a worker stream from 127.0.0.1") == 1, log[-3000:]
-    with shared.lease(service.local, slices=2, token_file=service.token, ca=service.ca,
-                      report=lambda line: None) as grant:
+    with shared.lease(service.local, slices=2, token_file=service.tokens["alice"],
+                      ca=service.ca, report=lambda line: None) as grant:
         result = run_python(JOB, grant.target, timeout=180)
     assert result_of(result) == pytest.approx(EXPECTED)
 
@@ -97,8 +87,8 @@ def test_a_restarted_worker_joins_with_a_fresh_token(service):
     service.wait_status(lambda s: s["shared"]["capacity_free"] == 2
                         and service.worker_pids(1) not in ([], [before]),
                         90, "slice 1's worker to be restarted, join again and be free")
-    with shared.lease(service.local, slices=2, token_file=service.token, ca=service.ca,
-                      report=lambda line: None) as grant:
+    with shared.lease(service.local, slices=2, token_file=service.tokens["alice"],
+                      ca=service.ca, report=lambda line: None) as grant:
         result = run_python(JOB, grant.target, timeout=180)
     assert result_of(result) == pytest.approx(EXPECTED)
     np.testing.assert_equal(_pool(service), [0, 1])

@@ -19,35 +19,16 @@ import grpc
 import pytest
 
 from isthmus import shared
-from isthmus.testing import LocalServer, run_python, wait_until
-from tests.integration.test_shared import EXPECTED, JOB, result_of
+from isthmus.testing import run_python, wait_until
+from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tenants")
-    for name in ("alice", "bob"):
-        (directory / f"{name}.token").write_text(f"{name}-secret-{os.getpid()}\n")
-    (directory / "tenants.toml").write_text("""
-grace_seconds = 30
-[tenants.alice]
-token_file = "alice.token"
-max_slices = 2
-[tenants.bob]
-token_file = "bob.token"
-max_slices = 1
-""")
-    with LocalServer(fleet=(2, 1, 2), args=[
-            "--tenants", str(directory / "tenants.toml"), "--log-level", "INFO"]) as server:
-        server.tokens = {name: str(directory / f"{name}.token") for name in ("alice", "bob")}
-        server.ca = str(directory / "isthmus-service" / "service-cert.pem")
-        server.service = server.address.removeprefix("grpc://")
+    with SharedService(tmp_path_factory.mktemp("tenants"), (2, 1, 2),
+                       {"alice": {"max_slices": 2}, "bob": {"max_slices": 1}},
+                       {"grace_seconds": 30}, args=["--log-level", "INFO"]) as server:
         yield server
-
-
-def lease(service, who, **options):
-    return shared.lease(service.service, token_file=service.tokens[who], ca=service.ca,
-                        report=lambda line: None, **options)
 
 
 class Client:
@@ -84,7 +65,7 @@ def test_a_held_lease_is_not_resumed_by_id_by_another_client(service):
     """alice's job holds lease L; a second client of alice that names L by id is refused as
     one naming it by name is, and the job goes on alone. Once the job's stream is gone, its
     own client comes back to L by id (it retries while the service still counts it)."""
-    with lease(service, "alice", slices=1, name="job") as held:
+    with service.lease("alice", slices=1, name="job") as held:
         second = Client(service, "alice")
         try:
             with pytest.raises(grpc.RpcError) as refused:
@@ -190,7 +171,7 @@ print("RESULT", float(jax.jit(f)(jnp.arange(32.0).reshape(4, 8))))
 def test_a_programs_name_is_shown_bounded(service):
     """A program's name is its client's (the jitted function's): logs and the live page's
     events show at most 128 characters of it, and the program runs as it is."""
-    with lease(service, "alice", slices=1) as held:
+    with service.lease("alice", slices=1) as held:
         assert result_of(run_python(LONG_NAME, held.target)) == EXPECTED
     log = service.log()
     name = "jit_model_" + "v" * 20000

@@ -6,7 +6,8 @@ plugin program, from the stock jax client in subprocesses through their leases' 
 the way an attacker would try it: bob names alice's checkpoint by absolute path, by
 `../alice/...` and by `file://`; profiles aim at `..`, other directories and other schemes
 (nothing may connect to a host a tenant names); two tenants profile at once; a profile
-without a duration stops at the service's cap. Values are compared with numpy.
+without a duration stops at the service's cap (on a 1-slice service of its own, whose cap is
+short). Values are compared with numpy.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from isthmus import shared
-from isthmus.testing import LocalServer, child_environment, run_python, wait_until
+from isthmus.testing import child_environment, run_python, wait_until
 from isthmus.worker.profiler import SUFFIX, host_name
+from tests.integration.shared_service import SharedService
 
-PROFILE_CAP = 30  # the service's max_profile_seconds
+PROFILE_CAP = 2  # the capped service's max_profile_seconds (the other's: the default)
 
 CLIENT = """
 import datetime, json, sys
@@ -132,44 +134,39 @@ print("STOPPED", call(executable), flush=True)
 """
 
 
+def _storage_roots(directory):
+    roots = {name: directory / "files" / name for name in ("alice", "bob")}
+    for root in roots.values():
+        root.mkdir(parents=True)
+    return roots
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tenants")
-    for name in ("alice", "bob", "carol"):
-        (directory / f"{name}.token").write_text(f"{name}-secret-{os.getpid()}\n")
-    files = directory / "files"
-    for name in ("alice", "bob"):
-        (files / name).mkdir(parents=True)
-    (directory / "tenants.toml").write_text(f"""
-max_profile_seconds = {PROFILE_CAP}
-[tenants.alice]
-token_file = "alice.token"
-max_slices = 2
-storage_root = "files/alice"
-[tenants.bob]
-token_file = "bob.token"
-max_slices = 1
-priority = 5
-storage_root = "{files / 'bob'}"
-[tenants.carol]
-token_file = "carol.token"
-max_slices = 1
-""")
+    roots = _storage_roots(directory)
     socket_path = directory / "service.sock"
-    with LocalServer(fleet=(3, 1, 2), args=[
-            "--tenants", str(directory / "tenants.toml"), "--unix-socket", str(socket_path),
-            "--allow-plain-connect", "--log-format", "json"]) as server:
-        server.tokens = {name: str(directory / f"{name}.token")
-                         for name in ("alice", "bob", "carol")}
-        server.ca = str(directory / "isthmus-service" / "service-cert.pem")
-        server.service = server.address.removeprefix("grpc://")
-        server.roots = {name: files / name for name in ("alice", "bob")}
+    with SharedService(directory, (3, 1, 2), {
+            "alice": {"max_slices": 2, "storage_root": "files/alice"},
+            "bob": {"max_slices": 1, "priority": 5, "storage_root": str(roots["bob"])},
+            "carol": {"max_slices": 1}}, args=[
+                "--unix-socket", str(socket_path), "--allow-plain-connect",
+                "--log-format", "json"]) as server:
+        server.roots = roots
         yield server
 
 
-def lease(service, who, slices=1, **options):
-    return shared.lease(service.service, token_file=service.tokens[who], ca=service.ca,
-                        report=lambda line: None, slices=slices, **options)
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    """A 1-slice service whose profiles stop by themselves after PROFILE_CAP seconds (the
+    other tests hold profiles longer than that)."""
+    directory = tmp_path_factory.mktemp("capped")
+    roots = _storage_roots(directory)
+    with SharedService(directory, (1, 1, 1),
+                       {"alice": {"max_slices": 1, "storage_root": "files/alice"}},
+                       {"max_profile_seconds": PROFILE_CAP}) as server:
+        server.roots = roots
+        yield server
 
 
 def outcomes(grant, ops):
@@ -189,7 +186,7 @@ def refused(outcome, root):
 
 def test_bob_can_neither_read_nor_overwrite_alices_checkpoint(service):
     alice_root, bob_root = service.roots["alice"], service.roots["bob"]
-    with lease(service, "alice") as alice, lease(service, "bob") as bob:
+    with service.lease("alice") as alice, service.lease("bob") as bob:
         # A relative name lands in alice's root, written by her lease's workers.
         assert outcomes(alice, [["write", "ckpt", "w", 4242]]) == ["OK written"]
         saved = alice_root / "ckpt" / "w"
@@ -213,7 +210,7 @@ def test_bob_can_neither_read_nor_overwrite_alices_checkpoint(service):
 
 
 def test_a_tenant_without_a_storage_root_cannot_persist_or_profile(service, tmp_path):
-    with lease(service, "carol") as carol:
+    with service.lease("carol") as carol:
         got = outcomes(carol, [["write", "ckpt", "w", 1],
                                ["write", str(tmp_path / "ckpt"), "w", 1],
                                ["read", str(tmp_path / "ckpt"), "w"],
@@ -231,7 +228,7 @@ def test_profiles_outside_the_root_and_foreign_schemes_are_refused(service, tmp_
             "/tmp", "ftp://127.0.0.1:9/profile", "webhdfs://127.0.0.1:9/profile",
             "http://127.0.0.1:9/profile", "gs://bucket/alice", "memory://profile",
             "simplecache::file:///tmp/profile"]
-    with lease(service, "alice") as alice:
+    with service.lease("alice") as alice:
         got = outcomes(alice, [["profile_compile", way] for way in ways])
     for way, outcome in zip(ways, got):
         assert refused(outcome, alice_root), (way, outcome)
@@ -264,7 +261,7 @@ def _run_files(root, run):
 
 
 def test_two_tenants_profile_their_own_leases_at_once(service, tmp_path):
-    with lease(service, "alice") as alice, lease(service, "bob") as bob:
+    with service.lease("alice") as alice, service.lease("bob") as bob:
         clients = {"alice": _held(alice, "prof", "together", tmp_path),
                    "bob": _held(bob, "prof", "together", tmp_path, "600")}
         try:
@@ -292,18 +289,20 @@ def test_two_tenants_profile_their_own_leases_at_once(service, tmp_path):
             assert b"jit_profiled_tenant_step" in data
 
 
-def test_a_profile_without_a_duration_stops_at_the_services_cap(service, tmp_path):
-    root = service.roots["alice"]
-    with lease(service, "alice") as alice:
+def test_a_profile_without_a_duration_stops_at_the_services_cap(capped, tmp_path):
+    root = capped.roots["alice"]
+    with capped.lease("alice") as alice:
         client = _held(alice, "capped", "cap", tmp_path)
         try:
             _line(client, "READY")
             (tmp_path / "start").touch()
             assert _line(client, "STARTED") == f"{root}/capped/plugins/profile/cap"
-            # Never stopped by its client: written once the cap has passed.
+            started = time.monotonic()
+            # Never stopped by its client: written once the cap has passed, not before.
             (own,) = alice.slices
             wait_until(lambda: _run_files(root / "capped", "cap"), PROFILE_CAP + 60,
                        "the capped profile to be written")
+            assert time.monotonic() - started >= PROFILE_CAP / 2
             assert _run_files(root / "capped", "cap") == [
                 host_name(f"slice{own}-host0") + SUFFIX]
             (tmp_path / "stop").touch()  # the stop then finds it done
@@ -320,13 +319,13 @@ def test_a_reclaimed_slice_leaves_its_leases_profile_before_another_lease_runs(s
     and runs a program there: alice's profile is written without that slice's host, and
     nothing of bob's program is in it."""
     root = service.roots["alice"]
-    with lease(service, "carol"), lease(service, "alice", slices=2, elastic=True) as alice:
+    with service.lease("carol"), service.lease("alice", slices=2, elastic=True) as alice:
         client = _held(alice, "elastic", "reclaim", tmp_path)
         try:
             _line(client, "READY")
             (tmp_path / "start").touch()
             assert _line(client, "STARTED") == f"{root}/elastic/plugins/profile/reclaim"
-            with lease(service, "bob") as bob:
+            with service.lease("bob") as bob:
                 (taken,) = bob.slices
                 assert taken in alice.slices
                 assert outcomes(bob, [["secret"]]) == [

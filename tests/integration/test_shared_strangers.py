@@ -9,7 +9,6 @@ jax client through them. Every wait is bounded; results are compared with numpy.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import struct
 import subprocess
@@ -21,9 +20,9 @@ import hpack
 import numpy as np
 import pytest
 
-from isthmus import shared
 from isthmus.serve import METRICS_PREFIX
-from isthmus.testing import LocalServer, run_python, wait_until
+from isthmus.testing import run_python, wait_until
+from tests.integration.shared_service import SharedService
 
 AUTH_SECONDS = 2.0
 PEER_CONNECTIONS = 3
@@ -34,35 +33,17 @@ DATA, HEADERS, SETTINGS = 0x0, 0x1, 0x4
 END_STREAM, END_HEADERS = 0x1, 0x4
 OK, RESOURCE_EXHAUSTED, UNAUTHENTICATED = 0, 8, 16
 STATUS = "/isthmus.Admin/Status"
+TENANTS = {"alice": {"max_slices": 1, "max_upload_bytes": UPLOAD_CAP},
+           "bob": {"max_slices": 1}, "ops": {"max_slices": 0}}
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("strangers")
-    for name in ("alice", "bob", "ops"):
-        (directory / f"{name}.token").write_text(f"{name}-secret-{os.getpid()}\n")
-    (directory / "tenants.toml").write_text(f"""
-admins = ["ops"]
-[tenants.alice]
-token_file = "alice.token"
-max_slices = 1
-max_upload_bytes = {UPLOAD_CAP}
-[tenants.bob]
-token_file = "bob.token"
-max_slices = 1
-[tenants.ops]
-token_file = "ops.token"
-max_slices = 0
-""")
-    with LocalServer(fleet=(2, 1, 1), args=[
-            "--tenants", str(directory / "tenants.toml"), "--log-level", "INFO",
-            "--auth-timeout", str(AUTH_SECONDS), "--peer-connections", str(PEER_CONNECTIONS),
-            "--peer-requests", str(PEER_REQUESTS), "--metrics-port", "0"]) as server:
-        server.tokens = {name: str(directory / f"{name}.token")
-                         for name in ("alice", "bob", "ops")}
-        server.secrets = {name: f"{name}-secret-{os.getpid()}" for name in server.tokens}
-        server.ca = str(directory / "isthmus-service" / "service-cert.pem")
-        server.service = server.address.removeprefix("grpc://")
+    with SharedService(tmp_path_factory.mktemp("strangers"), (2, 1, 1), TENANTS,
+                       {"admins": ["ops"]}, args=[
+            "--log-level", "INFO", "--auth-timeout", str(AUTH_SECONDS),
+            "--peer-connections", str(PEER_CONNECTIONS), "--peer-requests", str(PEER_REQUESTS),
+            "--metrics-port", "0"]) as server:
         server.metrics = wait_until(lambda: _metrics_url(server), 30, "the metrics URL")
         yield server
         assert server.alive(), server.log()
@@ -73,11 +54,6 @@ def _metrics_url(server):
         if METRICS_PREFIX in line:
             return line.split(METRICS_PREFIX, 1)[1].split("/metrics", 1)[0]
     return None
-
-
-def lease(service, who, **options):
-    return shared.lease(service.service, token_file=service.tokens[who], ca=service.ca,
-                        report=lambda line: None, **options)
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -168,7 +144,7 @@ def test_idle_connections_are_closed_after_the_auth_timeout(service):
     assert time.monotonic() - opened >= AUTH_SECONDS * 0.9
     time.sleep(AUTH_SECONDS)  # the workers' pulse connections have outlived the timeout
     assert service.status()["slices_down"] == {}
-    with lease(service, "bob", slices=1) as grant:
+    with service.lease("bob", slices=1) as grant:
         ran = run_python("import jax, jax.numpy as jnp\n"
                          "print('RESULT', float(jnp.arange(10.0).sum()))", grant.target)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -257,7 +233,7 @@ def alice_secret_model_v7(x):
     return x * 2.0 + 1.0
 print("RESULT", float(jax.jit(alice_secret_model_v7)(jnp.arange(8.0)).sum()))
 """
-    with lease(service, "alice", slices=1, name="alice-secret-lease") as grant:
+    with service.lease("alice", slices=1, name="alice-secret-lease") as grant:
         ran = run_python(program, grant.target)
         assert ran.returncode == 0, ran.stderr[-3000:]
         assert f"RESULT {float((np.arange(8.0) * 2.0 + 1.0).sum())}" in ran.stdout
@@ -301,7 +277,7 @@ print("SMALL", float(np.asarray(small).sum()), float((small * 2).sum()))
 again = jax.device_put(np.full(1000, 3.0, np.float32))
 print("AGAIN", float(np.asarray(again + small).sum()))
 """
-    with lease(service, "alice", slices=1) as grant:
+    with service.lease("alice", slices=1) as grant:
         ran = run_python(program, grant.target)
     assert ran.returncode == 0, ran.stderr[-3000:]
     lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in ran.stdout.splitlines()
