@@ -21,185 +21,38 @@ Starts a shared server (`--tenants`, a self-signed TLS port) on a local fleet of
   processes on the same cores: what the machine's CPU contention alone does), with the CPU
   each kind of process spends per program.
 
-Then floods beside a tenant's loop (`bench/shared_floods.py`; `--floods`: only those).
-Prints a table; JSON to bench/out/shared.json. `run(quick)` is the section of
-`python -m bench`. No figure here is a test assertion.
+Then floods beside a tenant's loop (`bench/shared_floods.py`; `--floods`: only those). The
+server and the client processes are `bench/shared_processes.py`'s. Prints a table; JSON to
+bench/out/shared.json. `run(quick)` is the section of `python -m bench`. No figure here is a
+test assertion.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
-import queue
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
+from bench.shared_processes import (
+    Child,
+    base_env,
+    cpu_seconds,
+    job_of,
+    machine_busy_seconds,
+    service,
+)
+
 FLEET = (3, 1, 1)  # slices, hosts per slice, devices per host
-WINDOW = 50  # programs per batch of the loop (pipelined, then waited for)
-# A timed window of the loop: longer than the kernel's time slice, so that sharing the cores
-# with the other tenants shows in each window (not only between them).
-WINDOW_SECONDS = 0.1
+TENANTS = {"holder": 3, "queued": 1, "t1": 1, "t2": 1, "t3": 1}  # each one's max_slices
 TARGETS = {"handover_ms": 1000.0, "grant_ms": 300.0, "ratio": 0.9}
 
 
-# ---- the client processes (this file as a script) ------------------------------------------
-
-
-def queued_child() -> None:
-    """The queued job: imports first, then waits for its lease's target on stdin."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import jax
-    import numpy as np
-
-    from isthmus._bootstrap.jax_plugins import isthmus_proxy  # noqa: F401 (imported early)
-    from isthmus.client import connect
-
-    scale = float(sys.argv[2])  # a program of its own each time: compiled cold
-    print("READY", flush=True)
-    target = sys.stdin.readline().strip()
-    got = time.monotonic()
-    connect(target)
-    jax.devices()
-    connected = time.monotonic()
-    value = float(jax.jit(lambda a: (a * scale + 1).sum())(np.arange(8.0, dtype=np.float32)))
-    done = time.monotonic()
-    print(json.dumps({"got": got, "connected": connected, "result": done, "value": value}),
-          flush=True)
-
-
-def loop_child() -> None:
-    """A tenant's dispatch-bound loop: `go START SECONDS` runs from START (time.monotonic)
-    for SECONDS, in windows of at least WINDOW_SECONDS (batches of WINDOW pipelined programs,
-    then a wait), and answers the windows' median per-program time; `quit` ends. On the jax
-    its environment names (a lease's, or local), on device $ISTHMUS_BENCH_DEVICE (0)."""
-    import jax
-    import numpy as np
-
-    device = jax.devices()[int(os.environ.get("ISTHMUS_BENCH_DEVICE", "0"))]
-    f = jax.jit(lambda a: a + 1)
-    y = jax.device_put(np.float32(0), device)
-    for _ in range(2 * WINDOW):
-        y = f(y)
-    done = 2 * WINDOW
-    if float(y) != done:
-        raise SystemExit(f"the loop's result is {float(y)}, not {done}")
-    print("READY", os.getpid(), flush=True)
-    for line in sys.stdin:
-        words = line.split()
-        if words[0] == "quit":
-            break
-        start, seconds = float(words[1]), float(words[2])
-        time.sleep(max(0.0, start - time.monotonic()))
-        windows, programs = [], 0
-        while time.monotonic() < start + seconds:
-            began, count = time.perf_counter(), 0
-            while time.perf_counter() - began < WINDOW_SECONDS:
-                for _ in range(WINDOW):
-                    y = f(y)
-                y.block_until_ready()
-                count += WINDOW
-            windows.append((time.perf_counter() - began) / count)
-            programs += count
-        done += programs
-        print(json.dumps({"per_program_s": statistics.median(windows),
-                          "programs": programs}), flush=True)
-    if done < 1 << 24 and float(y) != done:  # float32 counts exactly up to 2**24
-        raise SystemExit(f"the loop's result is {float(y)}, not {done}")
-
-
-# ---- the driver ------------------------------------------------------------------------------
-
-
-def _base_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_BACKEND_TARGET")}
-
-
-class Child:
-    """This file as a client process; its stdout lines arrive on a queue (a thread reads)."""
-
-    def __init__(self, args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()
-                 ) -> None:
-        """Runs `python THIS_FILE args`, after `prefix` (`isthmus run --service ... --`)."""
-        self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(
-            [*prefix, sys.executable, __file__, *args], env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self._stderr, text=True)
-        self.tunnelled = bool(prefix)  # the process is `isthmus run`, with the loop under it
-        self.pid = self.process.pid  # the loop's (from its READY line, when tunnelled)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def send(self, line: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(line + "\n")
-        self.process.stdin.flush()
-
-    def expect(self, prefix: str, timeout: float = 120.0) -> str:
-        """The next stdout line that starts with `prefix`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"no {prefix!r} line from a client in {timeout} s:\n"
-                                   f"{self.stderr()}") from None
-            if line is None:
-                self.process.wait(10)
-                raise RuntimeError(f"a client ended ({self.process.returncode}) before its "
-                                   f"{prefix!r} line:\n{self.stderr()}")
-            if line.startswith(prefix):
-                return line
-
-    def stderr(self) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read()[-4000:]
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.send("quit")
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._stderr.close()
-
-
-@contextlib.contextmanager
-def service() -> Iterator[dict[str, Any]]:
-    """A shared server on the local fleet, with tenants `holder` (3 slices), `queued`, `t1`,
-    `t2` and `t3` (1 slice each)."""
-    from isthmus.testing import LocalServer
-
-    names = {"holder": 3, "queued": 1, "t1": 1, "t2": 1, "t3": 1}
-    with tempfile.TemporaryDirectory(prefix="isthmus-bench-tenants-") as directory:
-        folder = pathlib.Path(directory)
-        tables = []
-        for name, slices in names.items():
-            (folder / f"{name}.token").write_text(f"{name}-bench-{os.getpid()}\n")
-            tables.append(f'[tenants.{name}]\ntoken_file = "{name}.token"\n'
-                          f"max_slices = {slices}\n")
-        (folder / "tenants.toml").write_text("grace_seconds = 2\n" + "\n".join(tables))
-        with LocalServer(devices=None, fleet=FLEET,
-                         args=["--tenants", str(folder / "tenants.toml")]) as server:
-            yield {"server": server, "service": server.address.removeprefix("grpc://"),
-                   "ca": str(folder / "isthmus-service" / "service-cert.pem"),
-                   "tokens": {name: str(folder / f"{name}.token") for name in names}}
+# ---- the measurements ------------------------------------------------------------------------
 
 
 def _lease(svc: dict[str, Any], who: str, slices: int = 1, report: Any = None) -> Any:
@@ -227,7 +80,7 @@ def handover(svc: dict[str, Any], repeats: int) -> dict[str, Any]:
     for repeat in range(repeats):
         _pool_free(svc)
         scale = 1.5 + repeat
-        child = Child(["--queued", str(scale)], _base_env())
+        child = Child(["--queued", str(scale)], base_env())
         try:
             child.expect("READY")
             holder = _lease(svc, "holder", slices=3)
@@ -296,24 +149,6 @@ def grant(svc: dict[str, Any], repeats: int) -> dict[str, Any]:
     return {"grant_ms": statistics.median(enter) * 1e3,
             "release_ms": statistics.median(leave) * 1e3, "repeats": repeats,
             "grant_ms_all": [t * 1e3 for t in enter]}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux; 0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU time all of the machine's cores spent busy since boot (Linux /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def at_once(children: list[Child], rounds: int, seconds: float,
@@ -409,30 +244,29 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     rounds, seconds = (2, 1.5) if quick else (3, 3.0)
     tenants: dict[str, dict[str, Any]] = {}
-    with service() as svc:
+    with service(FLEET, {name: f"max_slices = {slices}\n" for name, slices in TENANTS.items()},
+                 "grace_seconds = 2\n") as svc:
         stage("server_start")
         results: dict[str, Any] = {"fleet": "x".join(map(str, FLEET)),
                                    "handover": handover(svc, 3 if quick else 5)}
         stage("handover")
         results["grant"] = grant(svc, 5 if quick else 10)
         stage("grant")
-        # Each tenant's job as users start one: `isthmus run --service` holds the lease and
-        # its forwarder, and starts the loop with its jax pointed at the lease's tunnel.
+        # Each tenant's job as users start one (`isthmus run --service`), its loop's jax
+        # pointed at the lease's tunnel.
         _pool_free(svc)
         tenants["isthmus shared"] = loops(
-            [(_base_env(), (sys.executable, "-m", "isthmus.cli", "run", "--service",
-                            svc["service"], "--service-ca", svc["ca"], "--token-file",
-                            svc["tokens"][who], "--slices", "1", "--"))
-             for who in ("t1", "t2", "t3")], rounds, seconds, server_pids(svc["server"]))
+            [(base_env(), job_of(svc, who)) for who in ("t1", "t2", "t3")], rounds, seconds,
+            server_pids(svc["server"]))
         stage("loop_shared")
     # The same fleet without --tenants: each client on its own slice's device, no tunnel.
     with LocalServer(devices=None, fleet=FLEET) as server:
         tenants["isthmus fleet, not shared"] = loops(
-            [(child_environment(server.address, {**_base_env(),
+            [(child_environment(server.address, {**base_env(),
                                                  "ISTHMUS_BENCH_DEVICE": str(i)}), ())
              for i in range(3)], rounds, seconds, server_pids(server))
     stage("loop_fleet_not_shared")
-    tenants["local jax"] = loops([({**_base_env(), "JAX_PLATFORMS": "cpu"}, ())] * 3,
+    tenants["local jax"] = loops([({**base_env(), "JAX_PLATFORMS": "cpu"}, ())] * 3,
                                  rounds, seconds, {})
     stage("loop_local_jax")
     results["tenants"] = tenants
@@ -493,9 +327,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if "--queued" in sys.argv:
-        queued_child()
-    elif "--loop" in sys.argv:
-        loop_child()
-    else:
-        sys.exit(main())
+    sys.exit(main())

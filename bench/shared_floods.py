@@ -1,7 +1,7 @@
 """Floods beside a tenant (issue 38, item 6): `python -m bench.shared --floods [--quick]`.
 
-A shared server (its default limits) on a fleet of 2 slices x 1 host x 1 device, tenants
-`victim` and `flooder` (1 slice each). The victim's steady loop (`bench.shared`'s loop of
+A shared server (its default limits) on a fleet of 3 slices x 1 host x 1 device, tenants
+`victim`, `flooder` and `limited` (1 slice each). The victim's steady loop (`bench.shared`'s loop of
 pipelined tiny jitted programs, started by `isthmus run --service`, as users run a job) is
 timed alone, then beside each of:
 
@@ -24,17 +24,12 @@ scenarios interleaved within each round. No figure here is a test assertion.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import pathlib
 import socket
 import ssl
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 FLEET = (3, 1, 1)
@@ -104,33 +99,10 @@ def flood_tls(target: str, source: str) -> None:
 # ---- the driver ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def service() -> Iterator[dict[str, Any]]:
-    from isthmus.testing import LocalServer
-
-    with tempfile.TemporaryDirectory(prefix="isthmus-bench-floods-") as directory:
-        folder = pathlib.Path(directory)
-        tables = []
-        for name in TENANTS:
-            (folder / f"{name}.token").write_text(f"{name}-bench-{os.getpid()}\n")
-            tables.append(f'[tenants.{name}]\ntoken_file = "{name}.token"\nmax_slices = 1\n'
-                          + (f"max_requests_per_second = {LIMITED_RATE}\n"
-                             if name == "limited" else ""))
-        (folder / "tenants.toml").write_text("\n".join(tables))
-        with LocalServer(devices=None, fleet=FLEET,
-                         args=["--tenants", str(folder / "tenants.toml")]) as server:
-            yield {"server": server, "service": server.address.removeprefix("grpc://"),
-                   "ca": str(folder / "isthmus-service" / "service-cert.pem"),
-                   "tokens": {n: str(folder / f"{n}.token") for n in TENANTS}}
-
-
 def _tenant_loop(svc: dict[str, Any], who: str) -> Any:
-    from bench.shared import Child, _base_env
+    from bench.shared_processes import Child, base_env, job_of
 
-    child = Child(["--loop"], _base_env(), (
-        sys.executable, "-m", "isthmus.cli", "run", "--service", svc["service"],
-        "--service-ca", svc["ca"], "--token-file", svc["tokens"][who], "--slices", "1",
-        "--"))
+    child = Child(["--loop"], base_env(), job_of(svc, who))
     child.pid = int(child.expect("READY", 180).split()[1])
     return child
 
@@ -151,13 +123,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     """Steps/s of the victim's loop in each scenario (medians over rounds) and the ratios."""
     import json
 
-    from bench.shared import cpu_seconds
+    from bench.shared_processes import cpu_seconds, service
 
     rounds, seconds = (2, 2.0) if quick else (5, 3.0)
     began = time.monotonic()
     samples: dict[str, list[float]] = {}
     controller_cores: dict[str, list[float]] = {}
-    with service() as svc:
+    with service(FLEET, {name: "max_slices = 1\n" + (
+            f"max_requests_per_second = {LIMITED_RATE}\n" if name == "limited" else "")
+            for name in TENANTS}) as svc:
         victim = _tenant_loop(svc, "victim")
         flooders = {"tenant flood": _tenant_loop(svc, "flooder"),
                     "limited tenant flood": _tenant_loop(svc, "limited")}
