@@ -81,6 +81,9 @@ def test_a_launched_workers_token_opens_nothing_once_it_joined(service):
     assert service.alive()
 
 
+# Slow (a worker's restart): test_shared.py's lost worker comes back to a --tenants service,
+# as only a worker with a fresh join token can, in the default suite.
+@pytest.mark.slow
 def test_a_restarted_worker_joins_with_a_fresh_token(service):
     before = service.worker_pids(1)[0]
     service.kill_worker(1)

@@ -134,8 +134,8 @@ print("STOPPED", call(executable), flush=True)
 """
 
 
-def _storage_roots(directory):
-    roots = {name: directory / "files" / name for name in ("alice", "bob")}
+def _storage_roots(directory, names):
+    roots = {name: directory / "files" / name for name in names}
     for root in roots.values():
         root.mkdir(parents=True)
     return roots
@@ -144,7 +144,7 @@ def _storage_roots(directory):
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tenants")
-    roots = _storage_roots(directory)
+    roots = _storage_roots(directory, ("alice", "bob"))
     socket_path = directory / "service.sock"
     with SharedService(directory, (3, 1, 2), {
             "alice": {"max_slices": 2, "storage_root": "files/alice"},
@@ -161,7 +161,7 @@ def capped(tmp_path_factory):
     """A 1-slice service whose profiles stop by themselves after PROFILE_CAP seconds (the
     other tests hold profiles longer than that)."""
     directory = tmp_path_factory.mktemp("capped")
-    roots = _storage_roots(directory)
+    roots = _storage_roots(directory, ("alice",))
     with SharedService(directory, (1, 1, 1),
                        {"alice": {"max_slices": 1, "storage_root": "files/alice"}},
                        {"max_profile_seconds": PROFILE_CAP}) as server:
