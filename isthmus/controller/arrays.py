@@ -171,7 +171,7 @@ class Array:
         if self.state is not ArrayState.LIVE:
             return True
         if self.group is not None:
-            return bool(self.group.states() & GONE) and any(
+            return self.group.any_in(*GONE) and any(
                 self.group.gone_at(p) for p in range(len(self.group)))
         return any(b.gone for b in self.shards)
 

@@ -137,15 +137,24 @@ class BufferGroup:
 
     def states(self) -> set[ShardState]:
         """The states its shards are in (each once)."""
-        found = set(self._states.values()) if self._states else set()
-        if not self._states or len(self._states) < len(self.devices):
+        if self._states is None:
+            return {self.state}
+        found = set(self._states.values())
+        if len(self._states) < len(self.devices):
             found.add(self.state)
         return found
 
     def positions_in(self, *states: ShardState) -> list[int]:
         return [p for p in range(len(self.devices)) if self.state_at(p) in states]
 
+    def any_in(self, *states: ShardState) -> bool:
+        if self._states is None:
+            return self.state in states
+        return not self.states().isdisjoint(states)
+
     def all_in(self, *states: ShardState) -> bool:
+        if self._states is None:  # the common case, on every program's path: no set made
+            return self.state in states
         return self.states() <= set(states)
 
     def reason_at(self, position: int) -> errors.IsthmusError | None:
@@ -181,7 +190,9 @@ class BufferGroup:
         reason = self.first_reason()
         if reason is not None:
             return reason
-        if self.states() & GONE and any(self.gone_at(p) for p in range(len(self.devices))):
+        if self._states is None:  # no shard has a reason here: gone means deleted
+            return errors.ArrayDeleted(DELETED) if self.state in GONE else None
+        if self.any_in(*GONE) and any(self.gone_at(p) for p in range(len(self.devices))):
             return errors.ArrayDeleted(DELETED)
         return None
 
@@ -215,8 +226,12 @@ class BufferGroup:
             self.state, self._states = new, None  # the shards move together again
 
     def _move_all(self, new: ShardState) -> None:
-        for old in self.states():
-            check_move(old, new, repr(self))
+        if self._states is None:
+            if new not in LEGAL[self.state]:
+                check_move(self.state, new, repr(self))
+        else:
+            for old in self.states():
+                check_move(old, new, repr(self))
         self.state, self._states = new, None
 
     def expect(self, count: int = 1) -> None:
@@ -237,9 +252,13 @@ class BufferGroup:
         self._definers -= count
         if self._definers:
             return
-        pending = self.positions_in(S.PENDING)
-        if pending:
-            self._move(pending, S.DEFINED)
+        if self._states is None:
+            if self.state is S.PENDING:
+                self.state = S.DEFINED  # PENDING -> DEFINED is legal: no check to make
+        else:
+            pending = self.positions_in(S.PENDING)
+            if pending:
+                self._move(pending, S.DEFINED)
         if self.defined is not None:
             if not self.defined.done():
                 self.defined.set_result(None)
@@ -292,7 +311,7 @@ class BufferGroup:
         """The client deleted the shards, or a program consumed them. Those already deleted
         or freed stay as they are (a delete is idempotent)."""
         if positions is None:
-            if not self.states() & GONE:
+            if not self.any_in(*GONE):
                 self._move_all(S.DELETED)
                 return
             positions = range(len(self.devices))

@@ -162,10 +162,9 @@ class Ledger:
         """Drops every shard of the groups on their workers (in dispatch order): one shared
         command for all the workers of a group."""
         for group in groups:
-            states = group.states()
-            if states == {ShardState.FREED}:
+            if group.all_in(ShardState.FREED):
                 continue
-            if group.pins or ShardState.FREED in states:
+            if group.pins or group.any_in(ShardState.FREED):
                 self.free_buffers([Buffer(group, p) for p in range(len(group))])
                 continue
             group.free()
@@ -184,7 +183,7 @@ class Ledger:
                 group.defer_free(position)
                 continue
             group.free((position,))
-            if group.states() == {ShardState.FREED}:
+            if group.all_in(ShardState.FREED):
                 self._live.pop(BufferId(group.base), None)
             by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
         for worker, ids in by_worker.items():
