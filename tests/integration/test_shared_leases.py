@@ -2,7 +2,7 @@
 lease its first client still holds (by id), and names too long to keep and show (a lease's,
 a program's); and `isthmus up` given a FIFO or a non-UTF-8 file for its tenants or tokens.
 
-A 2-slice CPU fleet of its own; the test process holds leases itself (`isthmus.shared.lease`)
+A 1-slice CPU fleet of its own; the test process holds leases itself (`isthmus.shared.lease`)
 and runs the stock jax client in subprocesses through the lease's tunnel; results are
 compared with numpy.
 """
@@ -25,8 +25,8 @@ from tests.integration.shared_service import EXPECTED, JOB, SharedService, resul
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    with SharedService(tmp_path_factory.mktemp("tenants"), (2, 1, 2),
-                       {"alice": {"max_slices": 2}, "bob": {"max_slices": 1}},
+    with SharedService(tmp_path_factory.mktemp("tenants"), (1, 1, 2),
+                       {"alice": {"max_slices": 1}, "bob": {"max_slices": 1}},
                        {"grace_seconds": 30}, args=["--log-level", "INFO"]) as server:
         yield server
 
