@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 from isthmus import dtypes, errors
 from isthmus.controller.fleet import Device
-from isthmus.controller.groups import DELETED, GONE, BufferGroup, IllegalTransition
+from isthmus.controller.groups import GONE, BufferGroup, IllegalTransition
 from isthmus.controller.sharding import Sharding
 from isthmus.ids import BufferId
 
@@ -91,12 +91,15 @@ class Buffer:
 class ArrayState(enum.Enum):
     """Whether the client may still use an array (its shards have states of their own)."""
 
+    __hash__ = object.__hash__  # members are singletons: sets and tables hash them fast
+
     LIVE = "live"
     DELETING = "deleting"  # a delete was asked for; it acts in dispatch order
     DELETED = "deleted"  # deleted or donated, as of the dispatch order
 
 
 A = ArrayState
+_LIVE, _DELETED = A.LIVE, A.DELETED  # for the hot paths (a global is cheaper to look up)
 ARRAY_LEGAL: dict[ArrayState, frozenset[ArrayState]] = {
     A.LIVE: frozenset({A.DELETING, A.DELETED}),
     A.DELETING: frozenset({A.DELETED}),
@@ -148,7 +151,7 @@ class Array:
         """The error a use of the array would meet, or None."""
         if self.error is not None:
             return self.error
-        if self.state is ArrayState.DELETED:
+        if self.state is _DELETED:
             return errors.ArrayDeleted(
                 "the array was deleted; create it again (or keep a copy) to use it.")
         if self.group is not None:
@@ -168,7 +171,7 @@ class Array:
     def is_deleted(self) -> bool:
         """What the client's IsDeleted sees: a delete was asked for (in order or not), or a
         shard is gone (deleted through another array that shares it)."""
-        if self.state is not ArrayState.LIVE:
+        if self.state is not _LIVE:
             return True
         if self.group is not None:
             return self.group.any_in(*GONE) and any(
@@ -215,5 +218,5 @@ def whole_group(buffers: Sequence[Buffer]) -> BufferGroup | None:
     return group
 
 
-__all__ = ["DELETED", "Array", "ArrayState", "Buffer", "BufferGroup", "first_error",
+__all__ = ["Array", "ArrayState", "Buffer", "BufferGroup", "first_error",
            "groups_of", "whole_group"]

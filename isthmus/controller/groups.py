@@ -33,12 +33,14 @@ from isthmus import errors
 from isthmus.controller.fleet import Device
 from isthmus.ids import WorkerId
 
-DELETED = ("the array was deleted, or donated to a computation that consumed it; keep a copy "
-           "(or don't donate it) if you need it again.")
+DELETED_MESSAGE = ("the array was deleted, or donated to a computation that consumed it; keep a "
+                   "copy (or don't donate it) if you need it again.")
 
 
 class ShardState(enum.Enum):
     """Where a shard is in its life, as the controller knows it."""
+
+    __hash__ = object.__hash__  # members are singletons: sets and tables hash them fast
 
     PENDING = "pending"  # an operation that defines the group is outstanding (host data to come)
     # Reads may go out: its worker was told how to make the bytes, or the operation that
@@ -51,6 +53,10 @@ class ShardState(enum.Enum):
 
 
 S = ShardState
+# The members as module constants: hot paths compare with these (an Enum class's attribute
+# lookup costs several times a global's).
+PENDING, DEFINED, STORED = S.PENDING, S.DEFINED, S.STORED
+FAILED, DELETED, FREED = S.FAILED, S.DELETED, S.FREED
 # state -> the states it may move to. Nothing leaves FREED; nothing goes back to PENDING.
 LEGAL: dict[ShardState, frozenset[ShardState]] = {
     S.PENDING: frozenset({S.DEFINED, S.STORED, S.FAILED, S.DELETED, S.FREED}),
@@ -79,12 +85,12 @@ def check_move(old: ShardState, new: ShardState, where: str) -> None:
 class BufferGroup:
     """The shard buffers of one allocation; position p is buffer `base + p` on `devices[p]`.
 
-    `state` is every shard's state except those in `_states`; `reason` is every shard's
+    `state` is every shard's state except those in `states_apart`; `reason` is every shard's
     reason for failing except those in `_reasons`. Both dictionaries stay None in the common
     case, where the shards of a group move together.
     """
 
-    __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "state", "_states",
+    __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "state", "states_apart",
                  "reason", "_reasons", "refs", "shard_refs", "pins", "free_when_unpinned",
                  "defined", "_definers", "storing", "_unanswered", "dispatched")
 
@@ -96,8 +102,10 @@ class BufferGroup:
         self.workers = workers  # the distinct workers of `devices`: where group commands go
         self.nbytes = nbytes  # per position
         self.memory_kind = memory_kind
-        self.state = S.PENDING if definers else S.DEFINED
-        self._states: dict[int, ShardState] | None = None  # position -> its own state
+        self.state = PENDING if definers else DEFINED
+        # Position -> its own state, for the shards whose state is not `state`; None while
+        # they all share it (the common case, which callers on hot paths test first).
+        self.states_apart: dict[int, ShardState] | None = None
         self.reason: errors.IsthmusError | None = None  # every shard's, as far as known
         self._reasons: dict[int, errors.IsthmusError] | None = None  # position -> its own
         self.refs = 0  # arrays holding every shard
@@ -129,18 +137,18 @@ class BufferGroup:
     # ---- reading the state ---------------------------------------------------------------
 
     def state_at(self, position: int) -> ShardState:
-        if self._states is not None:
-            own = self._states.get(position)
+        if self.states_apart is not None:
+            own = self.states_apart.get(position)
             if own is not None:
                 return own
         return self.state
 
     def states(self) -> set[ShardState]:
         """The states its shards are in (each once)."""
-        if self._states is None:
+        if self.states_apart is None:
             return {self.state}
-        found = set(self._states.values())
-        if len(self._states) < len(self.devices):
+        found = set(self.states_apart.values())
+        if len(self.states_apart) < len(self.devices):
             found.add(self.state)
         return found
 
@@ -148,12 +156,12 @@ class BufferGroup:
         return [p for p in range(len(self.devices)) if self.state_at(p) in states]
 
     def any_in(self, *states: ShardState) -> bool:
-        if self._states is None:
+        if self.states_apart is None:
             return self.state in states
         return not self.states().isdisjoint(states)
 
     def all_in(self, *states: ShardState) -> bool:
-        if self._states is None:  # the common case, on every program's path: no set made
+        if self.states_apart is None:  # the common case, on every program's path: no set made
             return self.state in states
         return self.states() <= set(states)
 
@@ -174,7 +182,7 @@ class BufferGroup:
         """The shard's bytes may not be used: deleted, or freed after its deletion (a shard
         freed with a reason reports the reason instead)."""
         state = self.state_at(position)
-        return state is S.DELETED or (state is S.FREED and self.reason_at(position) is None)
+        return state is DELETED or (state is FREED and self.reason_at(position) is None)
 
     def problem_at(self, position: int) -> errors.IsthmusError | None:
         """The error a use of the shard would meet, or None."""
@@ -182,7 +190,7 @@ class BufferGroup:
         if reason is not None:
             return reason
         if self.gone_at(position):
-            return errors.ArrayDeleted(DELETED)
+            return errors.ArrayDeleted(DELETED_MESSAGE)
         return None
 
     def first_problem(self) -> errors.IsthmusError | None:
@@ -190,10 +198,12 @@ class BufferGroup:
         reason = self.first_reason()
         if reason is not None:
             return reason
-        if self._states is None:  # no shard has a reason here: gone means deleted
-            return errors.ArrayDeleted(DELETED) if self.state in GONE else None
+        if self.states_apart is None:  # no shard has a reason here: gone means deleted
+            state = self.state
+            return (errors.ArrayDeleted(DELETED_MESSAGE) if state is DELETED or state is FREED
+                    else None)
         if self.any_in(*GONE) and any(self.gone_at(p) for p in range(len(self.devices))):
-            return errors.ArrayDeleted(DELETED)
+            return errors.ArrayDeleted(DELETED_MESSAGE)
         return None
 
     def held(self, position: int) -> bool:
@@ -206,7 +216,7 @@ class BufferGroup:
     @property
     def all_stored(self) -> bool:
         """Every shard is host data its worker confirmed stored and ready."""
-        return self.all_in(S.STORED)
+        return self.all_in(STORED)
 
     # ---- transitions ---------------------------------------------------------------------
 
@@ -216,23 +226,24 @@ class BufferGroup:
         for p in positions:
             check_move(self.state_at(p), new, repr(self))
         if len(positions) == len(self.devices):
-            self.state, self._states = new, None
+            self.state, self.states_apart = new, None
             return
-        if self._states is None:
-            self._states = {}
+        if self.states_apart is None:
+            self.states_apart = {}
         for p in positions:
-            self._states[p] = new
-        if len(self._states) == len(self.devices) and len(set(self._states.values())) == 1:
-            self.state, self._states = new, None  # the shards move together again
+            self.states_apart[p] = new
+        if (len(self.states_apart) == len(self.devices)
+                and len(set(self.states_apart.values())) == 1):
+            self.state, self.states_apart = new, None  # the shards move together again
 
     def _move_all(self, new: ShardState) -> None:
-        if self._states is None:
+        if self.states_apart is None:
             if new not in LEGAL[self.state]:
                 check_move(self.state, new, repr(self))
         else:
             for old in self.states():
                 check_move(old, new, repr(self))
-        self.state, self._states = new, None
+        self.state, self.states_apart = new, None
 
     def expect(self, count: int = 1) -> None:
         """`count` more operations will define the group; reads wait until they settle.
@@ -252,13 +263,13 @@ class BufferGroup:
         self._definers -= count
         if self._definers:
             return
-        if self._states is None:
-            if self.state is S.PENDING:
-                self.state = S.DEFINED  # PENDING -> DEFINED is legal: no check to make
+        if self.states_apart is None:
+            if self.state is PENDING:
+                self.state = DEFINED  # PENDING -> DEFINED is legal: no check to make
         else:
-            pending = self.positions_in(S.PENDING)
+            pending = self.positions_in(PENDING)
             if pending:
-                self._move(pending, S.DEFINED)
+                self._move(pending, DEFINED)
         if self.defined is not None:
             if not self.defined.done():
                 self.defined.set_result(None)
@@ -267,9 +278,9 @@ class BufferGroup:
     def stored(self, position: int) -> None:
         """Its worker confirmed the host data at `position` stored. A shard that failed,
         was deleted or freed meanwhile keeps its state (the answer came too late to matter)."""
-        if self.state_at(position) in (S.PENDING, S.DEFINED):
-            self._move((position,), S.STORED)
-        elif self.state_at(position) is S.STORED:
+        if self.state_at(position) in (PENDING, DEFINED):
+            self._move((position,), STORED)
+        elif self.state_at(position) is STORED:
             raise IllegalTransition(f"{self!r}: position {position} was stored twice; this "
                                     "is a bug in isthmus: please report it.")
 
@@ -294,14 +305,14 @@ class BufferGroup:
         failed already keeps its first reason, and one deleted or freed keeps its state."""
         if positions is None:
             if self.reason is None and not self._reasons and self.all_in(*LIVE):
-                self._move_all(S.FAILED)
+                self._move_all(FAILED)
                 self.reason = reason
                 return
             positions = range(len(self.devices))
         moving = [p for p in positions if self.state_at(p) in LIVE]
         if not moving:
             return
-        self._move(moving, S.FAILED)
+        self._move(moving, FAILED)
         if self._reasons is None:
             self._reasons = {}
         for p in moving:
@@ -312,24 +323,27 @@ class BufferGroup:
         or freed stay as they are (a delete is idempotent)."""
         if positions is None:
             if not self.any_in(*GONE):
-                self._move_all(S.DELETED)
+                self._move_all(DELETED)
                 return
             positions = range(len(self.devices))
         moving = [p for p in positions if self.state_at(p) not in GONE]
         if moving:
-            self._move(moving, S.DELETED)
+            self._move(moving, DELETED)
 
     def free(self, positions: Iterable[int] | None = None) -> None:
         """The shards were dropped on their workers (the ledger sends the Free)."""
         if positions is None:
-            self._move_all(S.FREED)
+            if self.states_apart is None and self.state is not FREED:
+                self.state = FREED  # legal from every state but FREED
+                return
+            self._move_all(FREED)
         else:
-            self._move(positions, S.FREED)
+            self._move(positions, FREED)
 
     def pin(self, position: int) -> None:
         """A move reads the shard from its dispatch to its last command: it is not freed
         before (`unpin`)."""
-        if self.state_at(position) is S.FREED:
+        if self.state_at(position) is FREED:
             raise IllegalTransition(f"{self!r}: position {position} was pinned after it was "
                                     "freed; this is a bug in isthmus: please report it.")
         if self.pins is None:
@@ -373,21 +387,21 @@ class BufferGroup:
         assert (self._definers > 0) == (self.defined is not None), (
             f"{where}: {self._definers} definers but defined future {self.defined}")
         if self._definers == 0:
-            assert S.PENDING not in self.states(), f"{where}: pending with no definer"
+            assert PENDING not in self.states(), f"{where}: pending with no definer"
         assert (self._unanswered > 0) == (self.storing is not None), f"{where}: answers"
-        if self._states is not None:
-            assert self._states, f"{where}: an empty exception table"
-            assert len(self._states) < len(self.devices) or len(set(
-                self._states.values())) > 1, f"{where}: exceptions that agree"
-            assert all(0 <= p < len(self.devices) for p in self._states), where
+        if self.states_apart is not None:
+            assert self.states_apart, f"{where}: an empty exception table"
+            assert len(self.states_apart) < len(self.devices) or len(set(
+                self.states_apart.values())) > 1, f"{where}: exceptions that agree"
+            assert all(0 <= p < len(self.devices) for p in self.states_apart), where
         for p, count in (self.pins or {}).items():
             assert count > 0, f"{where}: pin count {count} at {p}"
-            assert self.state_at(p) is not S.FREED, f"{where}: freed while pinned at {p}"
+            assert self.state_at(p) is not FREED, f"{where}: freed while pinned at {p}"
         for p in self.free_when_unpinned or ():
             assert self.pinned(p), f"{where}: a deferred free at {p} without a pin"
         if self.reason is not None or self._reasons:
             for p in range(len(self.devices)):
-                if self.state_at(p) is S.FAILED:
+                if self.state_at(p) is FAILED:
                     assert self.reason_at(p) is not None, f"{where}: failed without reason"
-        elif S.FAILED in self.states():
+        elif FAILED in self.states():
             raise AssertionError(f"{where}: failed without a reason")

@@ -20,7 +20,7 @@ from typing import Protocol
 from isthmus import errors
 from isthmus.controller.arrays import Array, ArrayState, Buffer, whole_group
 from isthmus.controller.fleet import Device
-from isthmus.controller.groups import BufferGroup, ShardState
+from isthmus.controller.groups import FREED, BufferGroup
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
 
@@ -69,7 +69,9 @@ class Ledger:
 
     def hold(self, array: Array) -> Array:
         """`array` holds its shards from now until it is released."""
-        if array in self._holders:
+        held = len(self._holders)
+        self._holders.add(array)
+        if len(self._holders) == held:
             raise errors.InternalError("an array was held twice; this is a bug in isthmus.")
         if array.group is not None:
             array.group.refs += 1
@@ -79,7 +81,6 @@ class Ledger:
                 if group.shard_refs is None:
                     group.shard_refs = {}
                 group.shard_refs[buffer.position] = group.shard_refs.get(buffer.position, 0) + 1
-        self._holders.add(array)
         return array
 
     def holds(self, array: Array) -> bool:
@@ -91,9 +92,10 @@ class Ledger:
         groups: list[BufferGroup] = []
         buffers: list[Buffer] = []
         for array in arrays:
-            if array not in self._holders:
+            try:
+                self._holders.remove(array)
+            except KeyError:  # released already
                 continue
-            self._holders.discard(array)
             group = array.group
             if group is not None:
                 group.refs -= 1
@@ -162,9 +164,12 @@ class Ledger:
         """Drops every shard of the groups on their workers (in dispatch order): one shared
         command for all the workers of a group."""
         for group in groups:
-            if group.all_in(ShardState.FREED):
+            if group.states_apart is None and not group.pins:  # the common case
+                if group.state is FREED:
+                    continue
+            elif group.all_in(FREED):
                 continue
-            if group.pins or group.any_in(ShardState.FREED):
+            elif group.pins or group.any_in(FREED):  # shard by shard
                 self.free_buffers([Buffer(group, p) for p in range(len(group))])
                 continue
             group.free()
@@ -177,13 +182,13 @@ class Ledger:
         by_worker: dict[WorkerId, list[BufferId]] = {}
         for buffer in buffers:
             group, position = buffer.group, buffer.position
-            if group.state_at(position) is ShardState.FREED:
+            if group.state_at(position) is FREED:
                 continue
             if group.pinned(position):
                 group.defer_free(position)
                 continue
             group.free((position,))
-            if group.all_in(ShardState.FREED):
+            if group.all_in(FREED):
                 self._live.pop(BufferId(group.base), None)
             by_worker.setdefault(buffer.device.worker, []).append(buffer.id)
         for worker, ids in by_worker.items():
@@ -215,7 +220,7 @@ class Ledger:
             w: {"buffers": 0, "bytes": 0} for w in self.fleet.workers}
         for group in self._live.values():
             for position, device in enumerate(group.devices):
-                if group.state_at(position) is ShardState.FREED:
+                if group.state_at(position) is FREED:
                     continue
                 entry = result.setdefault(device.worker, {"buffers": 0, "bytes": 0})
                 entry["buffers"] += 1
@@ -230,7 +235,7 @@ class Ledger:
         the arrays that hold it, a freed group still listed, a pin on a freed shard."""
         for base, group in self._live.items():
             assert group.base == base, f"{group!r} listed under {base}"
-            assert group.states() != {ShardState.FREED}, f"{group!r} freed but still live"
+            assert group.states() != {FREED}, f"{group!r} freed but still live"
         groups = {id(g): g for g in self._live.values()}
         refs: dict[int, int] = {}
         shard_refs: dict[int, dict[int, int]] = {}
@@ -253,6 +258,6 @@ class Ledger:
             held = {p: n for p, n in (group.shard_refs or {}).items() if n}
             assert held == shard_refs.get(key, {}), (
                 f"{group!r}: shard refs {held}, held by {shard_refs.get(key, {})}")
-            if group.states() != {ShardState.FREED}:
+            if group.states() != {FREED}:
                 assert self._live.get(BufferId(group.base)) is group, (
                     f"{group!r} has shards not freed but is not listed")

@@ -226,7 +226,7 @@ def test_definition_and_readiness():
             group.stored(p)
             ledger.validate_state()
         assert group.all_stored and group.states() == {S.STORED}
-        assert group._states is None  # the shards move together again: one record
+        assert group.states_apart is None  # the shards move together again: one record
         group.expect_answers()
         ledger.validate_state()
         group.answered()
@@ -358,6 +358,6 @@ def test_validate_state_finds_records_that_disagree():
     ledger.validate_state()
     buffer = Buffer(a.group, 1)
     ledger.pin(buffer)
-    a.group._states = {1: S.FREED}
+    a.group.states_apart = {1: S.FREED}
     with pytest.raises(AssertionError, match="freed while pinned"):
         ledger.validate_state()
