@@ -24,6 +24,8 @@ from isthmus.serve import METRICS_PREFIX
 from isthmus.testing import run_python, wait_until
 from tests.integration.shared_service import SharedService
 
+pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+
 AUTH_SECONDS = 2.0
 PEER_CONNECTIONS = 3
 PEER_REQUESTS = 5
