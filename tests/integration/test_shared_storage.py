@@ -25,6 +25,8 @@ from isthmus.testing import child_environment, run_python, wait_until
 from isthmus.worker.profiler import SUFFIX, host_name
 from tests.integration.shared_service import SharedService
 
+pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+
 PROFILE_CAP = 2  # the capped service's max_profile_seconds (the other's: the default)
 
 CLIENT = """
@@ -36,8 +38,6 @@ from jax.extend import backend, ifrt_programs
 from jax.interpreters import pxla
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pathwaysutils.persistence import helper
-
-pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
 
 mesh = Mesh(np.array(jax.devices()), ("x",))
 sharding = NamedSharding(mesh, P("x"))
