@@ -1,5 +1,7 @@
 """python -m bench [--quick]: isthmus beside local jax, in one run.
 
+MaxText's section runs in the workloads environment (bench/maxtext_peer.py finds it).
+
 Starts its own servers (an embedded one and a local fleet of 2 slices x 2 hosts), runs the
 same client programs through them and on local jax, and prints one table; JSON and a PNG of
 the dispatch-threshold curve go to bench/out/. The shared service's section (a queued job's
@@ -325,6 +327,14 @@ def main() -> int:
     service = shared_service.run(quick)
     STAGES.append(("shared.py", time.monotonic() - began))
 
+    # A real model against its peer: MaxText through the fleet and as multi-controller
+    # MaxText (bench/maxtext_peer.py; in the workloads environment, where MaxText is).
+    from bench import maxtext_peer
+
+    began = time.monotonic()
+    maxtext = maxtext_peer.run(20 if quick else 30, 1 if quick else 3)
+    STAGES.append(("maxtext_peer.py", time.monotonic() - began))
+
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {'quick' if quick else 'full'} mode; medians")
     columns = list(metrics)
@@ -367,6 +377,7 @@ def main() -> int:
         print(f"  {name}: keeps >= 95% of the device busy from {text}")
 
     print(dp_report(data_parallel))
+    print(maxtext_peer.report(maxtext))
     print("\ntwo slices from one program (bench/slices.py): the slice-to-slice copy of 64 MiB "
           "of weights,\nand examples/rl_loop.py's learner and sampler alone and at once "
           "(overlap: their sum / at once):")
@@ -398,7 +409,7 @@ def main() -> int:
                                "ratio_to_device": ratios}
                         for name, (local, ratios) in simulated.items()},
                     "threshold_ms": thresholds, "scaling_programs_per_s": scale,
-                    "data_parallel": data_parallel, "two_slices": slices,
+                    "data_parallel": data_parallel, "maxtext": maxtext, "two_slices": slices,
                     "shared_service": service,
                     "compile_ms": {k: v["compile_ms"] for k, v in compile_times.items()}})
     (OUT / "results.json").write_text(json.dumps(results, indent=2))

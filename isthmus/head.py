@@ -55,6 +55,7 @@ class HeadConfig:
     launch_workers: bool = True  # start the fleet's workers on this machine
     restart: RestartPolicy = RestartPolicy()  # restarting launched workers that die
     pin_slices: bool = False  # each launched slice on CPUs of its own (launch.slice_cpus)
+    pin_hosts: bool = False  # ... each launched worker (host) on CPUs of its own
     fleet_timeout: float = 180.0  # seconds to wait for the fleet to be complete
     heartbeat_timeout: float = 4.0  # seconds of silence after which a worker is lost
     advertise_host: str | None = None  # where workers reach this process (default: host)
@@ -232,6 +233,7 @@ class Head:
                                               spec.devices_per_host, restart=config.restart,
                                               token=config.fleet_token, tls=config.tls,
                                               pin_slices=config.pin_slices,
+                                              pin_hosts=config.pin_hosts,
                                               join_tokens=None if joins is None
                                               else joins.issue, sandbox=confined,
                                               platform=dataclasses.replace(

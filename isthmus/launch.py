@@ -144,12 +144,14 @@ class LocalLauncher:
                  restart: RestartPolicy = RestartPolicy(),
                  platform: Platform = _DEFAULT_PLATFORM, token: str = "",
                  tls: TlsConfig | None = None, pin_slices: bool = False,
-                 join_tokens: Callable[[], str] | None = None,
+                 pin_hosts: bool = False, join_tokens: Callable[[], str] | None = None,
                  sandbox: Sandbox | None = None) -> None:
         self.controller = controller
-        # Each slice's workers run on a share of this machine's CPUs of their own, as slices
-        # on separate hardware would (`slice_cpus`); None: all run anywhere.
-        self.cpus = sorted(os.sched_getaffinity(0)) if pin_slices else None
+        # Each slice's workers (`pin_hosts`: each worker) run on a share of this machine's
+        # CPUs of their own, as slices (hosts) on separate hardware would (`slice_cpus`);
+        # None: all run anywhere.
+        self.cpus = sorted(os.sched_getaffinity(0)) if pin_slices or pin_hosts else None
+        self.pin_hosts = pin_hosts
         self.token = token  # the fleet's, handed to each worker in its environment...
         # ... unless each start gets a single-use join token of its own, made by this
         # (`transport/auth.py`; a shared service's workers), and the fleet's data key.
@@ -175,13 +177,18 @@ class LocalLauncher:
         return [sys.executable, "-m", "isthmus.cli", "worker", "--controller", self.controller,
                 "--slice", str(slice_index), "--devices", str(self.devices_per_host),
                 "--exit-with-parent", *self.platform_options(slice_index, host),
-                *self.cpu_options(slice_index)]
+                *self.cpu_options(slice_index, host)]
 
-    def cpu_options(self, slice_index: int) -> list[str]:
-        """`--cpus LIST` for the workers of a slice when slices are pinned."""
+    def cpu_options(self, slice_index: int, host: int = 0) -> list[str]:
+        """`--cpus LIST` for a worker when slices (or hosts) are pinned."""
         if self.cpus is None:
             return []
-        return ["--cpus", cpu_list(slice_cpus(self.cpus, self.slices, slice_index))]
+        if self.pin_hosts:
+            share = slice_cpus(self.cpus, self.slices * self.hosts_per_slice,
+                               slice_index * self.hosts_per_slice + host)
+        else:
+            share = slice_cpus(self.cpus, self.slices, slice_index)
+        return ["--cpus", cpu_list(share)]
 
     def platform_options(self, slice_index: int, host: int) -> list[str]:
         """The worker's platform options, and the compilation cache it shares with us."""

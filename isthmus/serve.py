@@ -96,6 +96,10 @@ def server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="give each slice of a launched fleet a share of this machine's "
                              "CPUs of its own (its workers pinned to them), as slices on "
                              "separate hardware have; by default all workers share all CPUs")
+    parser.add_argument("--pin-hosts", action="store_true",
+                        help="give each worker (host) of a launched fleet a share of this "
+                             "machine's CPUs of its own, as hosts on separate machines have "
+                             "(with fewer CPUs than workers, they take turns round them)")
     parser.add_argument("--advertise-host", default=None,
                         help="the address workers use to reach this server (default: --host)")
     parser.add_argument("--token-file", default=None, metavar="PATH",
@@ -163,11 +167,12 @@ def head_config(args: argparse.Namespace) -> object:
                         ("--devices-per-host", args.devices_per_host)):
         if value is not None and value < 1:
             refuse(f"{flag} must be at least 1, not {value}")
-    if args.pin_slices and (args.devices is not None or args.no_launch):
-        refuse("--pin-slices pins the workers this server launches; it has none with "
-               f"{'--devices' if args.devices is not None else '--no-launch'}")
-    if args.pin_slices:
-        require_affinity("--pin-slices")
+    for flag, on in (("--pin-slices", args.pin_slices), ("--pin-hosts", args.pin_hosts)):
+        if on and (args.devices is not None or args.no_launch):
+            refuse(f"{flag} pins the workers this server launches; it has none with "
+                   f"{'--devices' if args.devices is not None else '--no-launch'}")
+        if on:
+            require_affinity(flag)
     if args.devices is None and not args.no_launch:
         try:  # the workers it launches read it; a bad value is refused here, once
             scheduling.from_environment()
@@ -205,6 +210,7 @@ def head_config(args: argparse.Namespace) -> object:
         launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         restart=RestartPolicy(enabled=not args.no_restart), pin_slices=args.pin_slices,
+        pin_hosts=args.pin_hosts,
         advertise_host=args.advertise_host, fleet_port=args.fleet_port,
         fleet_token=token, tls=tls_config(args),
         shared_dir=_shared_dir(args.shared_dir),

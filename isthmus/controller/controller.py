@@ -52,7 +52,7 @@ class Executable:
     __slots__ = ("id", "key", "devices", "device_ids", "positions", "parts", "workers",
                  "compiled", "info", "refs", "error", "request", "epoch", "holders",
                  "output_specs", "input_specs", "param_specs", "dispatched",
-                 "refused", "runs", "slices")
+                 "refused", "runs", "slices", "readahead")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
                  request: CompileRequest) -> None:
@@ -88,6 +88,8 @@ class Executable:
         self.refused: str | None = None  # why it is refused (it crashed a worker), if it is
         self.runs = 0  # Executes dispatched (for the metrics)
         self.slices = tuple(sorted({d.slice_index for d in devices}))  # the slices it runs on
+        # (output, position) -> runs read ahead since a client last took one (readahead.py)
+        self.readahead: dict[tuple[int, int], int] = {}
 
 
 class Controller:

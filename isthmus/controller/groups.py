@@ -29,6 +29,8 @@ import asyncio
 import enum
 from collections.abc import Iterable
 
+import numpy as np
+
 from isthmus import errors
 from isthmus.controller.fleet import Device
 from isthmus.ids import WorkerId
@@ -92,7 +94,8 @@ class BufferGroup:
 
     __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "state", "states_apart",
                  "reason", "_reasons", "refs", "shard_refs", "pins", "free_when_unpinned",
-                 "defined", "_definers", "storing", "_unanswered", "dispatched")
+                 "defined", "_definers", "storing", "_unanswered", "dispatched", "origin",
+                 "ahead")
 
     def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
                  nbytes: tuple[int, ...], memory_kind: str | None = None,
@@ -123,6 +126,11 @@ class BufferGroup:
         # A program's output: [perf_counter() at its dispatch], shared by its outputs, until
         # a client's wait times it (`counts.Counts.waited`); None otherwise.
         self.dispatched: list[float] | None = None
+        # A small program output's origin (its executable's `readahead` table, the output's
+        # index), and the values of its shards read ahead for the client (position ->
+        # answer); controller/readahead.py.
+        self.origin: tuple[dict[tuple[int, int], int], int] | None = None
+        self.ahead: dict[int, asyncio.Future[np.ndarray]] | None = None
 
     def __len__(self) -> int:
         return len(self.devices)

@@ -18,7 +18,7 @@ from typing import ClassVar, Protocol, cast
 import numpy as np
 
 from isthmus import dtypes, errors
-from isthmus.controller import reads
+from isthmus.controller import readahead, reads
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, BufferGroup, first_error, groups_of
 from isthmus.controller.controller import Executable
@@ -407,7 +407,8 @@ class SessionMoves:
             for buffer, box in zip(array.shards, boxes):
                 wanted.setdefault(box, buffer)
             fleet = self.fleet
-            pieces = [(box, fleet.channel(b.device.worker).ask(c.Fetch(b.id, b.nbytes)))
+            pieces = [(box, readahead.claim(b)
+                       or fleet.channel(b.device.worker).ask(c.Fetch(b.id, b.nbytes)))
                       for box, b in wanted.items()]
             self.controller.counts.fetch_bytes += sum(b.nbytes for b in wanted.values())
             if all(answered(p) for _, p in pieces):  # all on the host already (in-process)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from isthmus import dtypes, errors
+from isthmus.controller import readahead
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, first_error, groups_of
 from isthmus.controller.controller import Executable
@@ -109,6 +110,8 @@ class SessionPrograms:
             self.controller.ensure_loaded(executable)
             self.fleet.multicast(executable.workers,
                                  c.Execute(executable.id, c.refs(refs), results, copy_first))
+            if executable.readahead:  # small results clients read after earlier runs
+                readahead.read_ahead(executable, outputs, self.fleet)
             for index in donated:
                 ledger.consume(args[index])
             executable.runs += 1
@@ -202,13 +205,17 @@ class SessionPrograms:
                     sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind,
                                            info.output_shardings[index])
                 nbytes = sh.shard_nbytes(sharding, aval.shape, aval.dtype.itemsize)
-                specs.append((aval, sharding, nbytes))
+                specs.append((aval, sharding, nbytes,
+                              (executable.readahead, index) if readahead.small(nbytes) else None))
             executable.output_specs = specs
-        return [self.arrays.own(aval.dtype, aval.shape, sharding,
-                                self.controller.ledger.new_group(executable.devices, nbytes,
-                                                          sharding.memory_kind,
-                                                          executable.workers))
-                for aval, sharding, nbytes in executable.output_specs]
+        new_group = self.controller.ledger.new_group
+        outputs = []
+        for aval, sharding, nbytes, origin in executable.output_specs:
+            group = new_group(executable.devices, nbytes, sharding.memory_kind,
+                              executable.workers)
+            group.origin = origin
+            outputs.append(self.arrays.own(aval.dtype, aval.shape, sharding, group))
+        return outputs
 
 
 def _check_placement(executable: Executable, index: int, array: Array,

@@ -241,3 +241,29 @@ def test_pin_slices_needs_launched_workers(capsys):
         with pytest.raises(SystemExit):
             head_config(args)
         assert "--pin-slices pins the workers" in capsys.readouterr().err
+
+
+def test_pin_hosts_gives_each_worker_of_a_slice_its_own_share():
+    """--pin-hosts: worker (slice s, host h) takes share s * hosts_per_slice + h, where
+    --pin-slices gives all hosts of a slice the slice's share."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    launcher = LocalLauncher("127.0.0.1:1", 1, 2, 4, pin_hosts=True)
+    options = [launcher.cpu_options(0, h) for h in range(2)]
+    from isthmus.launch import slice_cpus
+    from isthmus.options import cpu_list
+
+    assert options == [["--cpus", cpu_list(slice_cpus(cpus, 2, h))] for h in range(2)]
+    if len(cpus) >= 2:
+        assert options[0] != options[1]
+    by_slice = LocalLauncher("127.0.0.1:1", 1, 2, 4, pin_slices=True)
+    assert by_slice.cpu_options(0, 0) == by_slice.cpu_options(0, 1)
+
+
+def test_pin_hosts_needs_launched_workers(capsys):
+    for extra in (["--devices", "4"], ["--no-launch"]):
+        args = build_parser().parse_args(["up", "--pin-hosts", *extra])
+        with pytest.raises(SystemExit):
+            head_config(args)
+        assert "--pin-hosts pins the workers" in capsys.readouterr().err
