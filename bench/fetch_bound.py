@@ -19,7 +19,8 @@ process, so that no page is warm that a real transfer would find cold):
 - `grpc stream`: a Python grpc client (grpcio's C core, as in the stock client) receiving the
   bytes in 1 MiB messages from a grpc server that sends a prepared buffer;
 - the stock client through isthmus, embedded and on a 1x1x1 fleet, over the socket and with
-  the shared-memory variables `isthmus run` sets: put and fetch, the first of a process
+  the shared-memory variables `isthmus run` sets, and (embedded) with the client's glibc
+  malloc keeping its memory and using huge pages (`KEPT`): put and fetch, the first of a process
   apart from the median of the 5 after it, and the server's (controller's) CPU for a fetch
   as GB/s of its CPU time.
 
@@ -35,6 +36,10 @@ import subprocess
 import sys
 import time
 
+# glibc tunables for the client: no mmap'd blocks (a large block freed stays in the heap, so
+# the next transfer reuses pages already touched), no trimming, huge pages for the heap.
+KEPT = ("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736:"
+        "glibc.malloc.hugetlb=1")
 SHARED_ENV = ("IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_DIRECTORY",
               "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES")
 
@@ -204,7 +209,10 @@ def main() -> int:
             # through files in the server's directory instead of the socket.
             shared = {**plain, SHARED_ENV[0]: isthmus.status()["shared_dir"],
                       SHARED_ENV[1]: str(1 << 20)}
-            for label, env in (("socket", plain), ("shared memory", shared)):
+            variants = [("socket", plain), ("shared memory", shared)]
+            if where == "embedded":  # the client's allocator keeping and huge-paging memory
+                variants.append(("socket, malloc kept (KEPT)", {**plain, "GLIBC_TUNABLES": KEPT}))
+            for label, env in variants:
                 transfers[f"{where}, {label}"] = _stock(env, size, isthmus.process.pid, rounds)
     print(f"a {size >> 20} MiB transfer on this machine, GB/s (medians of {rounds}):")
     for name, value in facts.items():
