@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "workloads" / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from maxtext_train import TINY  # noqa: E402  (the workloads tier's model)
+from maxtext_train import TINY, run_trainer  # noqa: E402  (the workloads tier's model)
 
 
 def main() -> None:
@@ -47,15 +46,8 @@ def main() -> None:
         mode = ["skip_jax_distributed_system=true"]
     with tempfile.TemporaryDirectory(prefix="maxtext-bench-") as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        sys.argv = ["maxtext.trainers.pre_train.train", str(base_yml), "run_name=bench",
-                    f"base_output_directory={tmp}/out", f"metrics_file={metrics}", *TINY,
-                    f"steps={steps}", *mode, *sys.argv[2:]]
-        try:
-            runpy.run_module("maxtext.trainers.pre_train.train", run_name="__main__",
-                             alter_sys=True)
-        except SystemExit as e:  # absl's app.run ends with sys.exit(main(argv))
-            if e.code not in (None, 0):
-                raise
+        run_trainer([str(base_yml), "run_name=bench", f"base_output_directory={tmp}/out",
+                     f"metrics_file={metrics}", *TINY, f"steps={steps}", *mode, *sys.argv[2:]])
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     if process_id != 0:
         return

@@ -49,6 +49,18 @@ TINY = [
 ]
 
 
+def run_trainer(argv: list[str]) -> None:
+    """MaxText's trainer with `argv` (after the module name), in this process, the way
+    `python -m maxtext.trainers.pre_train.train ...` runs it."""
+    sys.argv = ["maxtext.trainers.pre_train.train", *argv]
+    try:
+        runpy.run_module("maxtext.trainers.pre_train.train", run_name="__main__",
+                         alter_sys=True)
+    except SystemExit as e:  # absl's app.run ends with sys.exit(main(argv))
+        if e.code not in (None, 0):
+            raise
+
+
 def main() -> None:
     import maxtext
 
@@ -58,18 +70,8 @@ def main() -> None:
             else "skip_jax_distributed_system=true")
     with tempfile.TemporaryDirectory(prefix="maxtext-wl-") as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        argv = [
-            "maxtext.trainers.pre_train.train", str(base_yml),
-            "run_name=workload", f"base_output_directory={tmp}/out", f"metrics_file={metrics}",
-            *TINY, mode, *sys.argv[1:],
-        ]
-        sys.argv = argv
-        try:
-            runpy.run_module("maxtext.trainers.pre_train.train", run_name="__main__",
-                             alter_sys=True)
-        except SystemExit as e:  # absl's app.run ends with sys.exit(main(argv))
-            if e.code not in (None, 0):
-                raise
+        run_trainer([str(base_yml), "run_name=workload", f"base_output_directory={tmp}/out",
+                     f"metrics_file={metrics}", *TINY, mode, *sys.argv[1:]])
         lines = metrics.read_text().splitlines() if metrics.exists() else []
     if not lines:
         raise SystemExit("maxtext_train: MaxText wrote no per-step metrics")
