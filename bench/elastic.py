@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -111,13 +113,59 @@ def _formation(log: str, after: float) -> tuple[float, float]:
     return began, log_times(log, r"collective group \d+ formed", began - 0.001)[0]
 
 
-def recovery(devices_per_host: int = 4, kill_at_step: int = 15, steps: int = 1000,
-             poll_interval: float = 0.5) -> dict[str, dict[str, float]]:
-    """One loss and one scale-up, broken down (seconds)."""
-    # Enough steps to outlast both recoveries; the run ends by itself, so that every
-    # attempt's record (restore, compile, first step) is in its log.
+def _ready(rows: list[dict[str, Any]], attempt: int) -> dict[str, Any]:
+    """An attempt's `ready` record (restored and compiled) with its first step's."""
+    ready = next(r for r in rows if r["kind"] == "ready" and r["attempt"] == attempt)
+    first = next(r for r in rows if r["kind"] == "step" and r["attempt"] == attempt)
+    return {**ready, "first_step_s": first["step_s"], "first_step_done": first["time"]}
+
+
+def _restored(ready: dict[str, Any]) -> dict[str, float]:
+    seconds = ready.get("restore_s", 0.0)
+    return {"snapshot restored": seconds,
+            "  restore rate (GB/s, per replica)": ready.get("restored_bytes", 0) / 1e9
+            / max(seconds, 1e-9)}
+
+
+def _loss(rows: list[dict[str, Any]], log: str, killed: float, first: dict[str, Any],
+          normal_step: float) -> dict[str, float]:
+    errors = [r for r in rows if r["kind"] == "error" and r["time"] > killed]
+    ready = _ready(rows, first["attempt"])
+    formed = _formation(log, killed)
+    return {
+        "controller notices the loss": log_times(log, r"was lost", killed)[0] - killed,
+        "client sees DATA_LOSS": (errors[0]["time"] - killed) if errors else float("nan"),
+        "group re-formed (in parallel)": formed[1] - formed[0],
+        "Manager cleanup + health check": ready["wait_s"],
+        "model's shapes traced (workload)": ready["abstract_s"],
+        **_restored(ready),
+        "step traced and lowered (jax)": ready["lower_s"],
+        "step compiled (server)": ready["compile_s"],
+        "first step": ready["first_step_s"],
+        "  of which beyond a normal step": ready["first_step_s"] - normal_step,
+        "total: kill -> first step done": ready["first_step_done"] - killed}
+
+
+def _normal_step(rows: list[dict[str, Any]], slices: list[int]) -> float:
+    """The median step time on `slices`, first steps of attempts left out."""
+    import statistics
+
+    firsts = {_ready(rows, r["attempt"])["first_step_done"] for r in rows
+              if r["kind"] == "ready"}
+    times = [r["step_s"] for r in rows if r["kind"] == "step" and r["slices"] == slices
+             and r["time"] not in firsts]
+    return statistics.median(times) if times else float("nan")
+
+
+def recovery(devices_per_host: int = 4, kill_at_step: int = 15, steps: int = 100000,
+             poll_interval: float = 0.5, model: str = "mlp",
+             step_delay: float = 0.02) -> dict[str, dict[str, float]]:
+    """A loss, the scale-up when the slice is back, and a second loss of the same slice
+    (its mesh seen before), broken down (seconds)."""
+    # The client is stopped once the second loss's first step is logged.
     args = ["--steps", str(steps), "--snapshot-every", "5", "--poll-interval",
-            str(poll_interval), "--print-every", "1000", "--step-delay", "0.02"]
+            str(poll_interval), "--print-every", "1000", "--step-delay", str(step_delay),
+            "--model", model, "--batch-size", "16" if model != "mlp" else "64"]
     with tempfile.TemporaryDirectory() as folder, LocalServer(
             devices=None, fleet=(2, 1, devices_per_host),
             args=["--no-restart", "--log-level", "INFO"]) as server:
@@ -125,54 +173,66 @@ def recovery(devices_per_host: int = 4, kill_at_step: int = 15, steps: int = 100
         replacement = None
         try:
             run.wait_for(f"step {kill_at_step}", lambda rows: _steps(rows, [0, 1], 0)[
-                kill_at_step - 1:], 180)
+                kill_at_step - 1:], 300)
             killed = time.time()
             server.kill_worker(1)
             first = run.wait_for("a step on slice 0 alone",
-                                 lambda rows: _steps(rows, [0], killed), 40)[0]
-            run.wait_for("5 more steps", lambda rows: _steps(rows, [0], killed)[4:], 60)
+                                 lambda rows: _steps(rows, [0], killed), 120)[0]
+            run.wait_for("5 more steps", lambda rows: _steps(rows, [0], killed)[4:], 120)
             started = time.time()
+            # Started as the fleet's launcher would: with the fleet's compilation cache.
+            logs = re.search(r"logs in (\S+)", server.log())
+            cache = ["--compile-cache", f"{logs.group(1)}/executables"] if logs and \
+                os.path.isdir(f"{logs.group(1)}/executables") else []
             replacement = subprocess.Popen(
                 [sys.executable, "-m", "isthmus.cli", "worker", "--controller",
                  server.address.removeprefix("grpc://"), "--slice", "1", "--devices",
-                 str(devices_per_host)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 str(devices_per_host), *cache], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
             back = run.wait_for("a step on both slices again",
-                                lambda rows: _steps(rows, [0, 1], started), 120)[0]
-            run.finish(timeout=300)
+                                lambda rows: _steps(rows, [0, 1], started), 180)[0]
+            run.wait_for("5 steps on both", lambda rows: _steps(rows, [0, 1], started)[4:],
+                         120)
+            worker = server.worker_pids(1)[0]
+            replacement.kill()  # its supervisor first: the worker is not to come back
+            replacement.wait()
+            again = time.time()
+            os.kill(worker, signal.SIGKILL)
+            second = run.wait_for("a step on slice 0 alone again",
+                                  lambda rows: _steps(rows, [0], again), 120)[0]
+            run.wait_for("2 more steps", lambda rows: _steps(rows, [0], again)[1:], 120)
             rows, log = run.records(), server.log()
+            with open(ROOT / "bench" / "out" / f"elastic-{model}.server.log", "w") as f:
+                f.write(log)  # kept for a look at the phases
         finally:
             if run.process.poll() is None:
                 run.process.kill()
                 run.process.wait()
-            if replacement is not None:
+            if replacement is not None and replacement.poll() is None:
                 replacement.kill()
                 replacement.wait()
+    one, both = _normal_step(rows, [0]), _normal_step(rows, [0, 1])
     attempts = {r["attempt"]: r for r in rows if r["kind"] == "attempt"}
-    errors = [r for r in rows if r["kind"] == "error" and r["time"] > killed]
-    after_loss, after_join = attempts[first["attempt"]], attempts[back["attempt"]]
-    formed_loss = _formation(log, killed)
+    after_join = _ready(rows, back["attempt"])
     joined = log_times(log, r"joined as slice 1", started)[0]
     formed_join = _formation(log, joined)
     signalled = attempts[back["attempt"] - 1]["ended"]
     return {
-        "loss": {
-            "controller notices the loss": log_times(log, r"was lost", killed)[0] - killed,
-            "client sees DATA_LOSS": (errors[0]["time"] - killed) if errors else float("nan"),
-            "group re-formed (in parallel)": formed_loss[1] - formed_loss[0],
-            "Manager cleanup + health check": after_loss["wait_s"],
-            "snapshot restored": after_loss.get("restore_s", 0.0),
-            "step compiled (new mesh)": after_loss["compile_s"],
-            "first step": after_loss["first_step_s"],
-            "total: kill -> first step done": after_loss["first_step_done"] - killed},
+        "loss": _loss(rows, log, killed, first, one),
         "scale_up": {
             "worker started -> joined": joined - started,
             "group re-formed": formed_join[1] - formed_join[0],
             "monitor sees it, step boundary": signalled - formed_join[1],
             "Manager cleanup + health check": after_join["wait_s"],
-            "snapshot restored": after_join.get("restore_s", 0.0),
-            "step compiled (both slices)": after_join["compile_s"],
+            "model's shapes traced (workload)": after_join["abstract_s"],
+            **_restored(after_join),
+            "step traced and lowered (jax)": after_join["lower_s"],
+            "step compiled (server)": after_join["compile_s"],
             "first step": after_join["first_step_s"],
+            "  of which beyond a normal step": after_join["first_step_s"] - both,
             "total: start -> step on all slices": after_join["first_step_done"] - started},
+        "second_loss": _loss(rows, log, again, second, one),
+        "steps": {"normal step, slice 0": one, "normal step, both slices": both},
     }
 
 
@@ -270,12 +330,19 @@ def main() -> int:
     parser.add_argument("--chaos", type=float, metavar="SECONDS",
                         help="kill a worker every ~10 s for this long instead")
     parser.add_argument("--rounds", type=int, default=3, help="recoveries to take medians of")
+    parser.add_argument("--model", default="mlp",
+                        help="the example's --model: mlp, or lm-base (a Flax NNX transformer; "
+                             "needs flax, re-run under .venv-new when missing)")
     parser.add_argument("--devices-per-host", type=int, default=None,
                         help="devices per worker (default: 1 for --chaos, 4 for recovery); "
                              "see the gloo known issue in docs/elastic.md")
     args = parser.parse_args()
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
+    if args.model != "mlp" and importlib.util.find_spec("flax") is None:
+        print(f"--model {args.model} needs flax: run this under the workloads environment "
+              f"(.venv-new/bin/python -m bench.elastic ..., that scripts/test makes)")
+        return 2
     if args.chaos:
         result = chaos(args.chaos, devices_per_host=args.devices_per_host or
                        CHAOS_DEVICES_PER_HOST)
@@ -295,11 +362,11 @@ def main() -> int:
             print(f"{name:24}{before:10.0f}{after:10.0f}")
         (out / "chaos.json").write_text(json.dumps(result, indent=2, default=str))
         return 0
-    rounds = [recovery(devices_per_host=args.devices_per_host or 4)
+    rounds = [recovery(devices_per_host=args.devices_per_host or 4, model=args.model)
               for _ in range(args.rounds)]
     import statistics
 
-    print(f"elastic recovery on a 2 x 1 x {args.devices_per_host or 4} fleet "
+    print(f"elastic recovery of {args.model} on a 2 x 1 x {args.devices_per_host or 4} fleet "
           f"(examples/elastic_train.py), seconds, "
           f"median of {len(rounds)} (min - max):")
     for phase in rounds[0]:
@@ -308,7 +375,7 @@ def main() -> int:
             values = [r[phase][key] for r in rounds]
             print(f"  {key:38}{statistics.median(values):8.2f}   "
                   f"({min(values):.2f} - {max(values):.2f})")
-    (out / "elastic.json").write_text(json.dumps(rounds, indent=2))
+    (out / f"elastic-{args.model}.json").write_text(json.dumps(rounds, indent=2))
     return 0
 
 

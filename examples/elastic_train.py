@@ -20,10 +20,13 @@ with different failures compute the same losses up to the order of float additio
         python examples/elastic_train.py --steps 40
 
 With JAX_PLATFORMS unset, `--controller HOST:PORT` connects through `isthmus.connect`.
-`--log-json PATH` writes one JSON record per line: `step` (step, loss, active slices, wall
-time), `error` (an attempt that failed), `attempt` (per attempt, when it ends: its slices,
-seconds waiting for them, restoring, compiling and running the first step, how it ended)
-and a final `summary`.
+`--model lm-base` trains a Flax NNX transformer language model (4 layers, 5.3 M parameters,
+63 MB of state with adam's moments) instead of the MLP; `lm-small` is the workloads tier's
+size. `--log-json PATH` writes one JSON record per line: `step` (step, loss, active slices,
+wall time), `error` (an attempt that failed), `ready` (an attempt restored and compiled,
+about to run its first step: seconds tracing the model's shapes, restoring, lowering and
+compiling the step), `attempt` (when it ends: the same, the first step, how it ended) and a
+final `summary`.
 """
 
 from __future__ import annotations
@@ -75,20 +78,20 @@ def init_params() -> list[tuple[np.ndarray, np.ndarray]]:
              np.zeros(n_out, np.float32)) for n_in, n_out in zip(sizes[:-1], sizes[1:])]
 
 
-def make_update(optimizer: Any) -> Any:
-    """One training step, `update(state, x, y) -> (state, loss)` (to jit)."""
+def mlp_loss(params, x, y):
     import jax
     import jax.numpy as jnp
+
+    for w, b in params[:-1]:
+        x = jax.nn.relu(x @ w + b)
+    w, b = params[-1]
+    return jnp.mean((x @ w + b - y) ** 2)
+
+
+def make_update(optimizer: Any, loss_fn: Any = mlp_loss) -> Any:
+    """One training step, `update(state, x, y) -> (state, loss)` (to jit)."""
+    import jax
     import optax
-
-    def predict(params, x):
-        for w, b in params[:-1]:
-            x = jax.nn.relu(x @ w + b)
-        w, b = params[-1]
-        return x @ w + b
-
-    def loss_fn(params, x, y):
-        return jnp.mean((predict(params, x) - y) ** 2)
 
     def update(state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
@@ -99,9 +102,91 @@ def make_update(optimizer: Any) -> Any:
     return update
 
 
+class Model:
+    """What `train` needs of a model: its parameters placed with a sharding, its loss, and
+    the batch of a step (numpy, a function of the step index alone)."""
+
+    def __init__(self, name: str, init: Any, loss: Any, batch: Any) -> None:
+        self.name, self.init, self.loss, self.batch = name, init, loss, batch
+
+
+def mlp_model() -> Model:
+    import jax
+
+    return Model("mlp", lambda sharding: jax.device_put(init_params(), sharding), mlp_loss,
+                 batch_for_step)
+
+
+# The language model of `--model lm`: a decoder-only transformer in Flax NNX (the workloads
+# tier's, larger), its parameters a plain pytree for the snapshotter.
+LM_SIZES = {  # vocabulary, width, heads, MLP width, layers, sequence length
+    "small": (512, 64, 4, 128, 2, 32),
+    "base": (4096, 256, 4, 1024, 4, 64),
+}
+
+
+def lm_model(size: str) -> Model:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    vocab, width, heads, hidden, layers, length = LM_SIZES[size]
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.attention = nnx.MultiHeadAttention(num_heads=heads, in_features=width,
+                                                    decode=False, rngs=rngs)
+            self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+            self.up = nnx.Linear(width, hidden, rngs=rngs)
+            self.down = nnx.Linear(hidden, width, rngs=rngs)
+            self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+
+        def __call__(self, x):
+            mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+            x = self.norm1(x + self.attention(x, mask=mask))
+            return self.norm2(x + self.down(nnx.gelu(self.up(x))))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.tokens = nnx.Embed(vocab, width, rngs=rngs)
+            self.positions = nnx.Embed(length, width, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
+            self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[1]))[None]
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: LM(nnx.Rngs(SEED))))
+
+    def init(sharding):
+        return jax.jit(lambda: nnx.to_pure_dict(nnx.state(LM(nnx.Rngs(SEED)))),
+                       out_shardings=sharding)()
+
+    def loss(params, tokens, targets):
+        logits = nnx.merge(graphdef, params)(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def batch(step: int, global_batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequences of an affine recurrence mod the vocabulary from random starts."""
+        rng = np.random.default_rng([SEED, step])
+        start = rng.integers(0, vocab, (global_batch, 1))
+        stride = rng.integers(1, 4, (global_batch, 1))
+        seq = (start + stride * np.arange(length + 1)[None]) % vocab
+        return seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)
+
+    return Model(f"lm-{size}", init, loss, batch)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="train steps 1..STEPS")
+    parser.add_argument("--model", default="mlp", choices=["mlp", *(f"lm-{k}" for k in LM_SIZES)],
+                        help="the model: a 3-layer MLP, or a Flax NNX transformer language "
+                             "model (needs flax)")
     parser.add_argument("--snapshot-every", type=int, default=5,
                         help="snapshot {params, opt_state, step} after every K-th step")
     parser.add_argument("--poll-interval", type=float, default=1.0,
@@ -157,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{sorted(manager.all_slice_indices)}; up: {sorted(manager.active_slice_indices)}",
           flush=True)
 
-    update = make_update(optimizer)
+    model = mlp_model() if args.model == "mlp" else lm_model(args.model.removeprefix("lm-"))
+    update = make_update(optimizer, model.loss)
 
     # Everything `train` learns across attempts; the manager's retries call it afresh.
     run = {"attempt": 0, "event_at": None, "losses": {}, "attempts": [], "executed": 0}
@@ -202,19 +288,23 @@ def main(argv: list[str] | None = None) -> int:
         batch_sharding = NamedSharding(mesh, P(("slice", "data")))
 
         def fresh_state():
-            params = jax.device_put(init_params(), replicated)
+            params = model.init(replicated)
             opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
             return {"params": params, "opt_state": opt_state}
 
+        began = time.time()
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
             jax.eval_shape(fresh_state))
+        record["abstract_s"] = time.time() - began  # the model's shapes, traced afresh
         began = time.time()
         if snapshotter.latest is not None:
             snapshotter.join()  # a save still in flight becomes the latest first
             state = snapshotter.load({**abstract, "step": 0})
             step = state.pop("step")
-            record.update(restore_s=time.time() - began, restored_step=step)
+            jax.block_until_ready(state)
+            record.update(restore_s=time.time() - began, restored_step=step,
+                          restored_bytes=sum(a.nbytes for a in jax.tree.leaves(state)))
         else:
             state, step = fresh_state(), 0
             snapshotter.save(0, {**state, "step": 0})
@@ -222,12 +312,14 @@ def main(argv: list[str] | None = None) -> int:
         record["last_step"] = step
 
         began = time.time()
-        x_spec = jax.ShapeDtypeStruct((args.batch_size, FEATURES), np.float32,
-                                      sharding=batch_sharding)
-        y_spec = jax.ShapeDtypeStruct((args.batch_size, 1), np.float32, sharding=batch_sharding)
-        step_fn = jax.jit(update, out_shardings=(replicated, replicated)).lower(
-            abstract, x_spec, y_spec).compile()
-        record["compile_s"] = time.time() - began
+        x_spec, y_spec = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=batch_sharding)
+                          for a in model.batch(0, args.batch_size))
+        lowered = jax.jit(update, out_shardings=(replicated, replicated)).lower(
+            abstract, x_spec, y_spec)
+        lowered_at = time.time()
+        step_fn = lowered.compile()  # the server compiles it (or finds it compiled)
+        record.update(lower_s=lowered_at - began, compile_s=time.time() - lowered_at)
+        log.write("ready", **record)  # restored and compiled: the steps begin
         print(f"attempt {record['attempt']}: slices {slices}, mesh {dict(mesh.shape)}, "
               f"from step {step}", flush=True)
 
@@ -243,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{step}", flush=True)
                 raise elastic_manager.ScaleUpSignalError()
             step_began = time.time()
-            x, y = batch_for_step(step + 1, args.batch_size)
+            x, y = model.batch(step + 1, args.batch_size)
             state, loss = step_fn(state, jax.device_put(x, batch_sharding),
                                   jax.device_put(y, batch_sharding))
             loss = float(loss)  # waits for the step: a lost slice surfaces here

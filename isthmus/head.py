@@ -236,6 +236,7 @@ class Head:
                                               pin_hosts=config.pin_hosts,
                                               join_tokens=None if joins is None
                                               else joins.issue, sandbox=confined,
+                                              keep_executables=config.shared is None,
                                               platform=dataclasses.replace(
                                                   config.platform, name=spec.platform))
             if self.launcher is not None and self.shared is not None:

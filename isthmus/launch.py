@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from isthmus.logs import event
 from isthmus.options import cpu_list
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
+from isthmus.worker.compile_cache import CacheConfig
 from isthmus.worker.crashes import CRASH_RECORD_ENV
 from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
 from isthmus.worker.sandbox import ENVIRONMENT as SANDBOX_ENVIRONMENT
@@ -132,6 +134,9 @@ def slice_cpus(available: list[int], slices: int, index: int) -> list[int]:
     return cpus[start:start + share + (index < extra)]
 
 
+FLEET_CACHE_BYTES = 1 << 30  # of the fleet's own compilation cache (`keep_executables`)
+
+
 class LocalLauncher:
     """Starts `isthmus worker` subprocesses, restarts those that die, and stops them all.
 
@@ -145,7 +150,7 @@ class LocalLauncher:
                  platform: Platform = _DEFAULT_PLATFORM, token: str = "",
                  tls: TlsConfig | None = None, pin_slices: bool = False,
                  pin_hosts: bool = False, join_tokens: Callable[[], str] | None = None,
-                 sandbox: Sandbox | None = None) -> None:
+                 sandbox: Sandbox | None = None, keep_executables: bool = False) -> None:
         self.controller = controller
         # Each slice's workers (`pin_hosts`: each worker) run on a share of this machine's
         # CPUs of their own, as slices (hosts) on separate hardware would (`slice_cpus`);
@@ -158,12 +163,19 @@ class LocalLauncher:
         self.join_tokens = join_tokens
         self.sandbox = sandbox  # each worker confines itself so (`worker/sandbox.py`), or None
         self.tls = tls  # the controller's certificate, which local workers share
-        self.platform = platform
         self.slices = slices
         self.hosts_per_slice = hosts_per_slice
         self.devices_per_host = devices_per_host
         self.restart = restart
         self.log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="isthmus-workers-"))
+        self._own_cache: pathlib.Path | None = None
+        if keep_executables and platform.compile_cache is None:
+            # A compilation cache of the fleet's own: a worker started again in a slot loads
+            # what the worker before it compiled, instead of compiling it again.
+            self._own_cache = self.log_dir / "executables"
+            platform = dataclasses.replace(platform, compile_cache=CacheConfig(
+                str(self._own_cache), max_bytes=FLEET_CACHE_BYTES))
+        self.platform = platform
         self.slots: list[WorkerSlot] = []
         self.restarted = 0  # workers started again after an exit (for the metrics)
         self._env: dict[str, str] = {}
@@ -296,6 +308,8 @@ class LocalLauncher:
             for slot in self.slots:
                 slot.process = None
                 slot.restart_at = None
+        if self._own_cache is not None:  # the fleet's executables go with it (logs stay)
+            shutil.rmtree(self._own_cache, ignore_errors=True)
 
     # ---- the watcher ---------------------------------------------------------------------
 

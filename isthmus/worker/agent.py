@@ -32,7 +32,7 @@ from isthmus.transport.records import ColocatedProgram, CompileRequest
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker import scheduling
 from isthmus.worker.applying import CommandApplier
-from isthmus.worker.compile_cache import CompileCache
+from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.crashes import CrashConfig, CrashRecord
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.incidents import IncidentForwarder, own_log_path
@@ -90,14 +90,18 @@ class WorkerAgent(CommandApplier):
         self._keep: list[Any] = []  # distributed clients of past groups stay alive
         self._incoming: dict[int, Incoming] = {}
         # Every program the controller gave this worker, by executable id. Kept across
-        # collective groups: after a re-formation a program is compiled again on first use.
+        # collective groups: after a re-formation a program is loaded again on first use
+        # (from `_compile_cache` when a group of the same members compiled it before).
         self._programs: dict[int, CompileRequest | ColocatedProgram] = {}
         # Programs the controller refused (they crashed a worker): executable id -> (the
         # error their Executes fail with, their devices' global ids).
         self._refused: dict[int, tuple[errors.IsthmusError, tuple[int, ...]]] = {}
         self._crashes = CrashRecord(config.crash)
         cache = config.platform.compile_cache
-        self._compile_cache = CompileCache(cache) if cache is not None else None
+        # Executables this process compiled, kept across its collective groups (and in the
+        # persistent cache when there is one).
+        self._compile_cache = KeptExecutables(CompileCache(cache) if cache is not None
+                                              else None)
         self._tasks: set[asyncio.Task[Any]] = set()
         # Requests that wait for computations (Ready, Fetch, FetchFile) and their tasks: when
         # the group re-forms, those still waiting are asked again of the new host, where a

@@ -31,7 +31,7 @@ from isthmus.transport.host import Part
 from isthmus.worker import platforms, programs, regroup
 from isthmus.worker.buffers import BufferStore, ids_of, missing
 from isthmus.worker.collectives import CollectiveOrder
-from isthmus.worker.compile_cache import CompileCache
+from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.inline import InlineOrder
 from isthmus.worker.persistence import Checkpoints
 from isthmus.worker.profiler import HostProfiles
@@ -74,7 +74,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
 
     def __init__(self, client: Any, device_map: dict[int, int] | None = None, *,
                  pool: concurrent.futures.Executor | None = None,
-                 compile_cache: CompileCache | None = None,
+                 compile_cache: CompileCache | KeptExecutables | None = None,
                  companions: dict[int, Any] | None = None) -> None:
         import jax
 
@@ -106,7 +106,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             max_workers=4, thread_name_prefix="isthmus-host"
         )
         self._python: PythonRunner | None = None  # made at the first colocated call
-        self.compile_cache = compile_cache  # executables that persist across restarts
+        self.compile_cache = compile_cache  # executables kept across groups or restarts
         # Parts: checkpoint I/O (over the buffers and devices) and profiles.
         self.checkpoints = Checkpoints(self.buffers, self.devices, self._pool)
         self.profiles = HostProfiles()

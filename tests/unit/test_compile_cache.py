@@ -3,6 +3,7 @@ and computes the same result; damaged, foreign or half-written entries are ignor
 replaced, never a crash; concurrent writers leave a whole entry; the size limit evicts the
 least recently used; namespaces do not see each other."""
 
+import dataclasses
 import functools
 import os
 import threading
@@ -14,7 +15,7 @@ import pytest
 from isthmus.compat import jax as jax_compat
 from isthmus.transport import records
 from isthmus.worker import programs
-from isthmus.worker.compile_cache import CacheConfig, CompileCache, parse_size
+from isthmus.worker.compile_cache import CacheConfig, CompileCache, KeptExecutables, parse_size
 from isthmus.worker.slots import make_cpu_client
 
 
@@ -177,3 +178,69 @@ def test_a_shared_services_tenants_do_not_share_entries(client, tmp_path):
     assert cache.hits == 0 and len(entries(tmp_path)) == 2
     compile_with(client, cache, dataclasses.replace(request(), namespace="bob"))
     assert cache.hits == 1
+
+
+# ---- executables kept in a worker's memory across its collective groups --------------------
+
+def test_kept_executables_load_on_a_new_client_and_compute_the_same():
+    # A re-formed group is a new client: what the old one compiled loads on it.
+    old, new = make_cpu_client(2), make_cpu_client(2)
+    expected = np.tanh(np.arange(16, dtype=np.float32).reshape(4, 4) * 2) + 1
+    kept = KeptExecutables()
+    compile_with(old, kept, request())
+    kept.flush()  # written in a thread of its own, after the compile
+    assert kept.stats()["kept_executable_bytes"] > 0
+    np.testing.assert_allclose(run(new, compile_with(new, kept, request())), expected,
+                               rtol=1e-6)
+    assert (kept.hits, kept.misses) == (1, 1)
+    # Another group shape is another key: compiled, not loaded.
+    programs.compile_program(new, new.devices()[1:2],
+                             dataclasses.replace(request(), device_ids=(1,)), kept)
+    assert kept.hits == 1
+
+
+def test_kept_executables_are_bounded_least_recently_used_first(client):
+    kept = KeptExecutables(max_bytes=1)
+    compile_with(client, kept, request())
+    kept.flush()
+    assert kept.stats()["kept_executable_bytes"] == 0  # larger than the bound: not kept
+    size = len(client.serialize_executable(compile_with(client, None, request())))
+    kept = KeptExecutables(max_bytes=int(size * 2.5))
+    for scale in (2.0, 3.0, 4.0):
+        compile_with(client, kept, request(scale))
+        kept.flush()
+        if scale == 3.0:
+            compile_with(client, kept, request(2.0))  # used again: newer than 3.0
+    assert kept.hits == 1 and kept.stats()["kept_executable_bytes"] <= size * 2.5
+    compile_with(client, kept, request(2.0))
+    assert kept.hits == 2  # kept; 3.0, the least recently used, went
+    compile_with(client, kept, request(3.0))
+    assert kept.hits == 2
+
+
+def test_a_kept_executable_that_does_not_load_is_compiled_again(client, caplog):
+    kept = KeptExecutables()
+    compile_with(client, kept, request())
+    kept.flush()
+    with kept._lock:
+        (key,) = kept._entries
+        kept._entries[key] = b"not an executable"
+    expected = np.tanh(np.arange(16, dtype=np.float32).reshape(4, 4) * 2) + 1
+    np.testing.assert_allclose(run(client, compile_with(client, kept, request())), expected,
+                               rtol=1e-6)
+    assert kept.hits == 0 and "does not load" in caplog.text
+    kept.flush()
+    compile_with(client, kept, request())
+    assert kept.hits == 1  # kept again, whole
+
+
+def test_kept_executables_write_through_to_the_persistent_cache(client, tmp_path):
+    kept = KeptExecutables(CompileCache(CacheConfig(str(tmp_path))))
+    compile_with(client, kept, request())
+    assert len(entries(tmp_path)) == 1  # written before the compile's answer
+    # A fresh process (nothing kept) finds it below.
+    fresh = KeptExecutables(CompileCache(CacheConfig(str(tmp_path))))
+    compile_with(client, fresh, request())
+    assert fresh.stats() == {"compile_cache_hits": 1, "compile_cache_misses": 0,
+                                  "compile_cache_rejected": 0, "kept_executable_hits": 0,
+                                  "kept_executable_bytes": 0}
