@@ -182,6 +182,12 @@ class Head:
 
             fleet = WholeFleet([], {})
             controller = Controller(fleet, config.controller)
+            # The vetting process's trial compile (a CPU fleet's) loads on the workers too:
+            # each new program is compiled once, not once there and again on every host. Not
+            # a shared service's: machine code from the process that parses every tenant's
+            # bytes is not to run on another tenant's workers.
+            controller.loads_vetted = (config.shared is None
+                                       and not config.platform.simulate_flops)
             advertise = config.advertise_host or (
                 config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
             self.manager = FleetManager(

@@ -37,6 +37,10 @@ def shown(name: str) -> str:
     return name if len(name) <= SHOWN_NAME else f"{name[:SHOWN_NAME]}... ({len(name)} characters)"
 
 
+# The largest trial-compiled executable sent to the hosts to load (larger: they compile).
+VETTED_EXECUTABLE_BYTES = 32 << 20
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ControllerConfig:
     """Limits and timeouts of the controller."""
@@ -109,8 +113,9 @@ class Controller:
         self._digests: dict[bytes, bytes] = {}  # SHA-256 of a program -> its program_digest
         # Client programs are parsed first in a disposable process (the trust boundary).
         self.vetter = ProgramVetter()
-        # The hosts are in this process on CPU (the embedded backend): they load what the
-        # vetting process compiled instead of compiling it again (set by `head`).
+        # The hosts load what the vetting process compiled (a CPU fleet's programs) instead
+        # of compiling it again (set by `head`: the embedded backend, and a fleet that is not
+        # a shared service); up to VETTED_EXECUTABLE_BYTES, since each host is sent it.
         self.loads_vetted = False
         self.sessions: set[object] = set()
         # The profiles being taken (session_profiles.py), by scope: "" the fleet's, or the id
@@ -186,13 +191,14 @@ class Controller:
     async def vet(self, module: bytes, options: bytes, devices: int) -> tuple[bytes, bytes]:
         """A client's program as this server writes it (`ProgramVetter`; compiled once there
         for a CPU fleet): only these bytes reach `executable`, and so the workers' parser
-        and compiler. Also the executable compiled there, for a host in this process
-        (`loads_vetted`) to load; else empty."""
+        and compiler. Also the executable compiled there, for the hosts to load
+        (`loads_vetted`); else empty."""
         # A GPU fleet's programs are only parsed and written: CPU cannot compile for them.
         trial = options if self.fleet.platform == "cpu" else b""
         vetted = await self.vetter.vet(module, trial, devices)
         self._digests[hashlib.sha256(vetted.module).digest()] = vetted.digest
-        return vetted.module, vetted.executable if self.loads_vetted else b""
+        executable = vetted.executable if self.loads_vetted else b""
+        return vetted.module, executable if len(executable) <= VETTED_EXECUTABLE_BYTES else b""
 
     def program_digest(self, key: bytes, request: CompileRequest) -> bytes:
         """What names a program for refusing it: the SHA-256 of its bytes without debug

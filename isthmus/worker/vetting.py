@@ -19,9 +19,9 @@ dictionary lookup.
 The child speaks length-prefixed frames on its stdin and stdout: a request is the program's
 bytes and then its compile options (empty: no trial compile); a reply is a status byte (0:
 vetted, 1: refused) and then the vetted artifact, its digest and the serialized executable
-(`_pack`), or the reason as UTF-8. The embedded backend loads that executable instead of
-compiling the program again (`Controller.loads_vetted`); a worker process compiles the
-vetted program itself (its devices are not the child's).
+(`_pack`), or the reason as UTF-8. The hosts load that executable on their own devices instead
+of compiling the program again (`Controller.loads_vetted`: the embedded backend, and a fleet
+that is not a shared service; a host that cannot load it compiles).
 """
 
 from __future__ import annotations
@@ -200,8 +200,8 @@ def vet_program(module: bytes, options: bytes = b"") -> Vetted:
 
 def trial_compile(module: bytes, options: bytes) -> bytes:
     """Compiles `module` as the workers will, on this process's own CPU devices; returns
-    the executable serialized (a host in the controller's process loads it on its own
-    devices instead of compiling). Raises CompileError with XLA's reason."""
+    the executable serialized (the hosts load it on their own devices instead of
+    compiling). Raises CompileError with XLA's reason."""
     from isthmus.protocol.schema import schema
     from isthmus.transport.records import CompileRequest
     from isthmus.worker.programs import compile_program
