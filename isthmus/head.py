@@ -92,6 +92,16 @@ class SharedConfig:
     limits: Limits = Limits()  # what connections without credentials may cost (wire/peers.py)
 
 
+def loads_vetted(config: HeadConfig) -> bool:
+    """Whether the hosts load the vetting process's trial compile of a CPU program instead of
+    compiling it again: each new program is then compiled once, not once there and again on
+    every host. Not a shared service's: machine code from the process that parses every
+    tenant's bytes is not to run on another tenant's workers. Not simulated hosts'."""
+    if config.shared is not None or config.platform.simulate_flops:
+        return False
+    return config.fleet is not None or config.platform.name == "cpu"
+
+
 def embedded_fleet(num_devices: int, platform: str = "cpu",
                    simulate_flops: float = 0.0, compile_cache: CacheConfig | None = None
                    ) -> tuple[WholeFleet, DeviceHost]:
@@ -174,20 +184,14 @@ class Head:
                                          config.platform.compile_cache)
             self._hosts.append(host)
             controller = Controller(fleet, config.controller)
-            controller.loads_vetted = (config.platform.name == "cpu"
-                                       and not config.platform.simulate_flops)
+            controller.loads_vetted = loads_vetted(config)
         else:
             from isthmus.transport.auth import JoinTokens
             from isthmus.wire.fleet_service import FleetServicer
 
             fleet = WholeFleet([], {})
             controller = Controller(fleet, config.controller)
-            # The vetting process's trial compile (a CPU fleet's) loads on the workers too:
-            # each new program is compiled once, not once there and again on every host. Not
-            # a shared service's: machine code from the process that parses every tenant's
-            # bytes is not to run on another tenant's workers.
-            controller.loads_vetted = (config.shared is None
-                                       and not config.platform.simulate_flops)
+            controller.loads_vetted = loads_vetted(config)
             advertise = config.advertise_host or (
                 config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
             self.manager = FleetManager(

@@ -163,7 +163,8 @@ def _worker_reports(hosts: list[Host]) -> Iterator[Metric]:
     held = GaugeMetricFamily(
         "isthmus_worker_buffer_bytes", "Bytes of live buffers each worker reports holding.",
         labels=["worker"])
-    cache = {"compile_cache_hits": 0, "compile_cache_misses": 0, "kept_executable_hits": 0}
+    cache = {"compile_cache_hits": 0, "compile_cache_misses": 0, "kept_executable_hits": 0,
+             "programs_compiled": 0, "programs_vetted": 0}
     reporting = False
     for host in hosts:
         reported = host.reported
@@ -176,13 +177,19 @@ def _worker_reports(hosts: list[Host]) -> Iterator[Metric]:
                     memory.add_metric([device, MEMORY_KINDS[figure]], value)
             elif key in cache:
                 cache[key] += value
-                reporting = reporting or key != "kept_executable_hits"
+                reporting = reporting or key.startswith("compile_cache")
     yield memory
     yield held
     yield _counter("isthmus_kept_executable_hits", "Programs the workers loaded, after their "
                    "collective group re-formed, from executables they compiled for a group "
                    "of the same members before, summed over the live workers.",
                    cache["kept_executable_hits"])
+    yield _counter("isthmus_worker_programs_compiled", "Programs the live workers compiled "
+                   "from the program (not loaded from a cache or the vetting process).",
+                   cache["programs_compiled"])
+    yield _counter("isthmus_worker_programs_vetted", "Programs the live workers loaded from "
+                   "the vetting process's trial compile (a CPU fleet's new programs).",
+                   cache["programs_vetted"])
     if reporting:
         yield _counter("isthmus_persistent_cache_hits", "Executables the workers loaded from "
                        "the persistent compilation cache (--compile-cache), summed over the "

@@ -261,6 +261,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         cache = self.compile_cache.stats() if self.compile_cache is not None else {}
         return {"buffers": len(live), "bytes": sum(v.nbytes for v in live),
                 "executables": sum(isinstance(e, Loaded) for e in self._executables.values()),
+                "programs_compiled": programs.LOADS["compiled"],
+                "programs_vetted": programs.LOADS["vetted"],
                 **cache, **self.device_memory()}
 
     def device_memory(self) -> dict[str, int]:

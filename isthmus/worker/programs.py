@@ -8,8 +8,10 @@ the compiled executable.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +23,17 @@ from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
 
 logger = logging.getLogger(__name__)
 
+
+# How this process's programs were made, for its figures (`DeviceHost.stats`): "compiled"
+# here from the program, or "vetted": the vetting process's trial compile, loaded (those from
+# a cache count as its hits).
+LOADS: collections.Counter[str] = collections.Counter()
+_LOADS_LOCK = threading.Lock()  # compiles run in several threads
+
+
+def _count(how: str) -> None:
+    with _LOADS_LOCK:
+        LOADS[how] += 1
 
 def parse_program(context: Any, module: bytes) -> Any:
     """The module of a program's bytes: a StableHLO portable artifact, or MLIR text or
@@ -146,6 +159,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
             executable = client.deserialize_executable(request.executable, device_list,
                                                         options)
             payload = request.executable
+            _count("vetted")
         except Exception as e:  # noqa: BLE001 - compiled here instead
             logger.info("the vetted executable of %s does not load here (%s); compiling",
                         name, _first_line(e))
@@ -154,6 +168,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
             executable = client.compile_and_load(request.module, device_list, options)
         except Exception as e:  # noqa: BLE001
             raise compile_failure(e) from None
+        _count("compiled")
     if cache is not None and fresh:
         cache.store(key, client, executable, payload)
 

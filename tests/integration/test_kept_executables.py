@@ -1,7 +1,8 @@
-"""Executables outlive a collective group and a worker process: when a slice is lost and comes
-back, the surviving worker loads the program it compiled for the same members before (kept
-in its memory), and the restarted worker loads what the worker before it in its slot compiled
-(the local fleet's own compilation cache); both compute what numpy does."""
+"""Executables are compiled once: a new program's workers load the vetting process's trial
+compile. They outlive a collective group and a worker process: when a slice is lost and
+comes back, the surviving worker loads the program it had for the same members before (kept
+in its memory), and the restarted worker loads what the worker before it in its slot had
+(the local fleet's own compilation cache). Each time they compute what numpy does."""
 
 import numpy as np
 
@@ -31,11 +32,13 @@ def test_a_returning_slice_loads_what_was_compiled_before():
     with LocalServer(devices=None, fleet=(2, 1, 1), args=["--metrics-port", "0"]) as server:
         base = metrics_url(server)
         _run(server)
-        # Each worker compiled the program once (into the fleet's cache); the workers report
-        # their figures with their heartbeats.
+        # Neither worker had it (the fleet's cache is new), and neither compiled it: both
+        # loaded the vetting process's trial compile. Workers report with their heartbeats.
         found = scrape_when(base, lambda f: value(f["isthmus_persistent_cache_misses"]) >= 2,
-                            "two compiles reported")
+                            "two loads reported")
         assert value(found["isthmus_persistent_cache_misses"]) == 2
+        assert value(found["isthmus_worker_programs_vetted"]) == 2
+        assert value(found["isthmus_worker_programs_compiled"]) == 0
         assert value(found["isthmus_kept_executable_hits"]) == 0
 
         victim = slice_pid(server.status(), 1)
@@ -49,8 +52,10 @@ def test_a_returning_slice_loads_what_was_compiled_before():
                             and value(f["isthmus_persistent_cache_hits"]) >= 1,
                             "the workers' loads reported")
         # Slice 0 loaded its group-1 executable from memory; slice 1's new worker loaded its
-        # predecessor's from the fleet's cache; neither compiled.
+        # predecessor's from the fleet's cache; neither compiled nor took the vetted one.
         assert value(found["isthmus_kept_executable_hits"]) == 1
         assert value(found["isthmus_persistent_cache_hits"]) == 1
-        assert value(found["isthmus_persistent_cache_misses"]) == 1  # slice 0's first compile
+        assert value(found["isthmus_persistent_cache_misses"]) == 1  # slice 0's first load
+        assert value(found["isthmus_worker_programs_vetted"]) == 1  # slice 0's, then
+        assert value(found["isthmus_worker_programs_compiled"]) == 0
         assert server.alive(), server.log()
