@@ -13,6 +13,9 @@ process, so that no page is warm that a real transfer would find cold):
 - `client's two copies, no transport`: the copies the stock client makes of a fetch once its
   bytes are in (`Cord::Flatten` into one malloc'd block, then into the array jax returns),
   into fresh memory, with no gRPC at all: the client-only bound;
+- `client's put copies, no transport`: those of a put over the socket (the whole array into a
+  malloc'd block, as `kImmutableOnlyDuringCall` asks, then each 1 MiB chunk into its
+  message), into fresh memory: the put's client-only bound;
 - `first touch, malloc` and `the same block again`: a malloc'd block of the whole size
   (glibc maps it fresh, in 4 KiB pages) filled, freed, and a second one; `, huge pages`:
   the same with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`;
@@ -81,6 +84,22 @@ elif kind == "client_copies":  # the stock client's two copies of a fetch, no tr
         out = np.empty(size, np.uint8); out[:] = flat  # into the array jax hands back
         rates.append(size / (time.perf_counter() - t) / 1e9)
         del flat, out; libc.free(ctypes.c_void_p(p))
+    print(json.dumps(sorted(rates)[1]))
+elif kind == "client_put":  # the stock client's copies of a put, no transport
+    import ctypes
+    libc = ctypes.CDLL(None); libc.malloc.restype = ctypes.c_void_p
+    source = np.ones(size, np.uint8)  # the caller's array (touched)
+    message = np.empty(1 << 20, np.uint8); message.fill(0)  # a 1 MiB message, reused
+    rates = []
+    for _ in range(3):
+        t = time.perf_counter()
+        p = libc.malloc(size)  # kImmutableOnlyDuringCall: a copy of the whole array
+        held = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(p))
+        held[:] = source
+        for start in range(0, size, 1 << 20):  # each chunk into its message
+            piece = held[start:start + (1 << 20)]; message[:len(piece)] = piece
+        rates.append(size / (time.perf_counter() - t) / 1e9)
+        del held; libc.free(ctypes.c_void_p(p))
     print(json.dumps(sorted(rates)[1]))
 elif kind == "grpc":
     import grpc
@@ -176,7 +195,8 @@ def main() -> int:
     rows: dict[str, float] = {}
     for name, kind in (("first touch (numpy: huge pages)", "touch"),
                        ("copy, warm", "copy_warm"), ("copy, cold", "copy_cold"),
-                       ("client's two copies, no transport", "client_copies")):
+                       ("client's two copies, no transport", "client_copies"),
+                       ("client's put copies, no transport", "client_put")):
         rows[name] = statistics.median(float(_child([kind, str(size)]))  # type: ignore[arg-type]
                                        for _ in range(rounds))
     for label, tunables in (("", None), (", huge pages", "glibc.malloc.hugetlb=1")):
