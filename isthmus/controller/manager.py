@@ -45,9 +45,11 @@ from isthmus.transport.remote import RemoteWorker
 logger = logging.getLogger(__name__)
 
 
-# Seconds the controller waits before it re-forms the group after a loss (alone), or
-# after a registration, for others that come with it.
-LOSS_SETTLE, JOIN_SETTLE = 0.05, 0.2
+# Seconds the controller waits before it re-forms the group, for the registrations and
+# losses that come with the one that asked for it. Not shorter after a loss alone: a
+# colocated Python call that starts right after a loss and runs across the re-formation
+# fails ("output has no shard on cpu:N"; tests/integration/test_colocated.py).
+SETTLE = 0.2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,7 +120,6 @@ class FleetManager:
         self._services: list[object] = []  # coordination services of every generation
         self._form_lock = asyncio.Lock()
         self._form_wanted = asyncio.Event()
-        self._joined = False  # a worker registered since the last re-formation began
         self._formed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -243,7 +244,6 @@ class FleetManager:
                                                    pid=message.pid))
         if message.crash is not None:
             self._crash_reported(message, slice_index, host)
-        self._joined = True
         self._form_wanted.set()
         return channel
 
@@ -392,14 +392,7 @@ class FleetManager:
     async def _former(self) -> None:
         while True:
             await self._form_wanted.wait()
-            # Let losses that come together settle (the hosts of a slice that died close
-            # their connections within milliseconds), and registrations longer (a slice's
-            # workers start over a while): a loss alone waits little, since the client's
-            # DATA_LOSS waits for the re-formation that names the lost worker.
-            await asyncio.sleep(LOSS_SETTLE)
-            if self._joined or self.fleet.generation == 0:
-                await asyncio.sleep(JOIN_SETTLE - LOSS_SETTLE)
-            self._joined = False
+            await asyncio.sleep(SETTLE)  # let registrations and losses that come together settle
             if self.fleet.generation == 0:
                 # The first group: give the whole fleet a moment to register, so that it
                 # forms once rather than once per straggler.
