@@ -45,10 +45,8 @@ from isthmus.transport.remote import RemoteWorker
 logger = logging.getLogger(__name__)
 
 
-# Seconds the controller waits before it re-forms the group, for the registrations and
-# losses that come with the one that asked for it. Not shorter after a loss alone: a
-# colocated Python call that starts right after a loss and runs across the re-formation
-# fails ("output has no shard on cpu:N"; tests/integration/test_colocated.py).
+# Seconds before a re-formation, for registrations and losses that come together (not less
+# after a loss alone: a colocated call running across the re-formation fails, docs/design.md).
 SETTLE = 0.2
 
 
