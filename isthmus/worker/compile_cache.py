@@ -88,6 +88,14 @@ class CompileCache:
             digest.update(b"namespace\0" + namespace.encode())
         return digest.hexdigest()
 
+    @staticmethod
+    def program_digest(module: bytes) -> bytes:
+        """What names a program in a key: its SHA-256 without debug information, so that an
+        edited script still hits (`programs.canonical_digest`; it parses the program)."""
+        from isthmus.worker.programs import canonical_digest
+
+        return canonical_digest(module)
+
     def _path(self, key: str) -> str:
         return f"{self._dir}/{key}{SUFFIX}"
 
@@ -192,6 +200,14 @@ class KeptExecutables:
     """
 
     key = staticmethod(CompileCache.key)
+
+    def program_digest(self, module: bytes) -> bytes:
+        """The persistent cache's name of a program when there is one below; else the bytes'
+        SHA-256, which is enough in memory (one controller sends a program's bytes alike)
+        and costs no parse."""
+        if self.below is not None:
+            return self.below.program_digest(module)
+        return hashlib.sha256(module).digest()
 
     def __init__(self, below: CompileCache | None = None,
                  max_bytes: int = 512 << 20) -> None:

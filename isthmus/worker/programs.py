@@ -148,7 +148,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     device_list = _jax.DeviceList(tuple(devices))
     key = executable = None
     if cache is not None:
-        key = cache.key(client, devices, canonical_digest(request.module),
+        key = cache.key(client, devices, cache.program_digest(request.module),
                         request.compile_options, request.device_ids, request.replicas,
                         request.namespace)
         executable = cache.load(key, client, device_list, options)
