@@ -120,11 +120,20 @@ def _ready(rows: list[dict[str, Any]], attempt: int) -> dict[str, Any]:
     return {**ready, "first_step_s": first["step_s"], "first_step_done": first["time"]}
 
 
-def _restored(ready: dict[str, Any]) -> dict[str, float]:
+def _attempt(ready: dict[str, Any], normal_step: float) -> dict[str, float]:
+    """An attempt's own phases, from its `ready` record: the Manager's wait, tracing,
+    restoring, compiling and the first step."""
     seconds = ready.get("restore_s", 0.0)
-    return {"snapshot restored": seconds,
-            "  restore rate (GB/s, per replica)": ready.get("restored_bytes", 0) / 1e9
-            / max(seconds, 1e-9)}
+    return {
+        "Manager cleanup + health check": ready["wait_s"],
+        "model's shapes traced (workload)": ready["abstract_s"],
+        "snapshot restored": seconds,
+        "  restore rate (GB/s, per replica)": ready.get("restored_bytes", 0) / 1e9
+        / max(seconds, 1e-9),
+        "step traced and lowered (jax)": ready["lower_s"],
+        "step compiled (server)": ready["compile_s"],
+        "first step": ready["first_step_s"],
+        "  of which beyond a normal step": ready["first_step_s"] - normal_step}
 
 
 def _loss(rows: list[dict[str, Any]], log: str, killed: float, first: dict[str, Any],
@@ -136,13 +145,7 @@ def _loss(rows: list[dict[str, Any]], log: str, killed: float, first: dict[str, 
         "controller notices the loss": log_times(log, r"was lost", killed)[0] - killed,
         "client sees DATA_LOSS": (errors[0]["time"] - killed) if errors else float("nan"),
         "group re-formed (in parallel)": formed[1] - formed[0],
-        "Manager cleanup + health check": ready["wait_s"],
-        "model's shapes traced (workload)": ready["abstract_s"],
-        **_restored(ready),
-        "step traced and lowered (jax)": ready["lower_s"],
-        "step compiled (server)": ready["compile_s"],
-        "first step": ready["first_step_s"],
-        "  of which beyond a normal step": ready["first_step_s"] - normal_step,
+        **_attempt(ready, normal_step),
         "total: kill -> first step done": ready["first_step_done"] - killed}
 
 
@@ -223,13 +226,7 @@ def recovery(devices_per_host: int = 4, kill_at_step: int = 15, steps: int = 100
             "worker started -> joined": joined - started,
             "group re-formed": formed_join[1] - formed_join[0],
             "monitor sees it, step boundary": signalled - formed_join[1],
-            "Manager cleanup + health check": after_join["wait_s"],
-            "model's shapes traced (workload)": after_join["abstract_s"],
-            **_restored(after_join),
-            "step traced and lowered (jax)": after_join["lower_s"],
-            "step compiled (server)": after_join["compile_s"],
-            "first step": after_join["first_step_s"],
-            "  of which beyond a normal step": after_join["first_step_s"] - both,
+            **_attempt(after_join, both),
             "total: start -> step on all slices": after_join["first_step_done"] - started},
         "second_loss": _loss(rows, log, again, second, one),
         "steps": {"normal step, slice 0": one, "normal step, both slices": both},

@@ -37,7 +37,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -102,18 +102,19 @@ def make_update(optimizer: Any, loss_fn: Any = mlp_loss) -> Any:
     return update
 
 
-class Model:
+class Model(NamedTuple):
     """What `train` needs of a model: its parameters placed with a sharding, its loss, and
     the batch of a step (numpy, a function of the step index alone)."""
 
-    def __init__(self, name: str, init: Any, loss: Any, batch: Any) -> None:
-        self.name, self.init, self.loss, self.batch = name, init, loss, batch
+    init: Any
+    loss: Any
+    batch: Any
 
 
 def mlp_model() -> Model:
     import jax
 
-    return Model("mlp", lambda sharding: jax.device_put(init_params(), sharding), mlp_loss,
+    return Model(lambda sharding: jax.device_put(init_params(), sharding), mlp_loss,
                  batch_for_step)
 
 
@@ -178,7 +179,7 @@ def lm_model(size: str) -> Model:
         seq = (start + stride * np.arange(length + 1)[None]) % vocab
         return seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)
 
-    return Model(f"lm-{size}", init, loss, batch)
+    return Model(init, loss, batch)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
