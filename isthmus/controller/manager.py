@@ -45,9 +45,9 @@ from isthmus.transport.remote import RemoteWorker
 logger = logging.getLogger(__name__)
 
 
-# Seconds before a re-formation, for registrations and losses that come together (not less
-# after a loss alone: a colocated call running across the re-formation fails, docs/design.md).
-SETTLE = 0.2
+# Seconds before a re-formation, for the losses (a dead slice's hosts, within milliseconds)
+# and, longer, the registrations (a slice's workers start over a while) that come together.
+LOSS_SETTLE, JOIN_SETTLE = 0.05, 0.2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +118,7 @@ class FleetManager:
         self._services: list[object] = []  # coordination services of every generation
         self._form_lock = asyncio.Lock()
         self._form_wanted = asyncio.Event()
+        self._joined = False  # a worker registered since the last re-formation began
         self._formed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -242,6 +243,7 @@ class FleetManager:
                                                    pid=message.pid))
         if message.crash is not None:
             self._crash_reported(message, slice_index, host)
+        self._joined = True
         self._form_wanted.set()
         return channel
 
@@ -390,7 +392,10 @@ class FleetManager:
     async def _former(self) -> None:
         while True:
             await self._form_wanted.wait()
-            await asyncio.sleep(SETTLE)  # let registrations and losses that come together settle
+            await asyncio.sleep(LOSS_SETTLE)
+            if self._joined or self.fleet.generation == 0:
+                await asyncio.sleep(JOIN_SETTLE - LOSS_SETTLE)
+            self._joined = False
             if self.fleet.generation == 0:
                 # The first group: give the whole fleet a moment to register, so that it
                 # forms once rather than once per straggler.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +76,11 @@ class Pending:
 
 _current: dict[str, Any] = {"by_id": {}, "ids": {}}
 _patch_lock = threading.RLock()
+# The global ids of the devices of every client still alive that this host pointed at, by
+# client: those of an earlier collective group too. Its arrays outlive the group when a call
+# ran across a re-formation or kept them (jax's result store between a call that finds its
+# output specs and the call that pops its result; a colocated object's state).
+_earlier: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
 def use_devices(devices: dict[int, Any]) -> None:
@@ -82,11 +88,15 @@ def use_devices(devices: dict[int, Any]) -> None:
     _current["by_id"] = dict(devices)
     _current["ids"] = {d: g for g, d in devices.items()}
     with _patch_lock:
+        for g, d in devices.items():
+            _earlier.setdefault(d.client, {})[d.id] = g
         jax_compat.point_colocated_devices(lambda: _current["by_id"], _global_id)
 
 
 def _global_id(device: Any) -> int:
     found = _current["ids"].get(device)
+    if found is None:
+        found = _earlier.get(device.client, {}).get(device.id)
     if found is None:
         raise ValueError(f"device {device} is not one of this host's devices")
     return found
@@ -211,6 +221,8 @@ def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int
         device = devices[program.outputs[index][p]]
         shard = by_device.get(device)
         if shard is None:
+            shard = _from_an_earlier_group(out, program.outputs[index][p], device)
+        if shard is None:
             raise ValueError(f"output {index} has no shard on {device}, which its spec names")
         if is_string:
             host = np.asarray(shard)
@@ -218,3 +230,19 @@ def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int
                                        dtype=object).reshape(host.shape))
         values.append(shard)
     return values
+
+
+def _from_an_earlier_group(out: Any, global_id: int, device: Any) -> Any | None:
+    """`out`'s shard on device `global_id` of an earlier collective group's client, copied
+    onto `device` of this group's (which `regroup.move_buffers` did for stored buffers), or
+    None when it has none there."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    for shard in out.addressable_shards:
+        held = shard.device
+        if held.client is not device.client and _earlier.get(held.client, {}).get(
+                held.id) == global_id:
+            return jax.device_put(np.asarray(shard.data), SingleDeviceSharding(
+                device, memory_kind=shard.data.sharding.memory_kind))
+    return None

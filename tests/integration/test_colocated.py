@@ -6,7 +6,7 @@ import os
 import pathlib
 import signal
 
-from isthmus.testing import LocalServer, run_python, run_python_with_pause
+from isthmus.testing import LocalServer, run_python, run_python_with_pause, wait_until
 
 PRELUDE = """
 import os, threading, time
@@ -255,6 +255,46 @@ def test_a_worker_lost_during_a_call_fails_it_with_data_loss():
         assert result.stdout.startswith("WORKER"), result.stdout + result.stderr[-3000:]
         assert result.returncode == 0, result.stdout + result.stderr[-3000:]
         assert "LOST DATA_LOSS True" in result.stdout, result.stdout
+        assert "OK" in result.stdout
+        assert server.alive(), server.log()
+
+
+KEPT = PRELUDE + """
+import sys
+x = jax.device_put(np.arange(4.0), cpu[-1])  # on slice 1, which survives
+
+@cp.colocated_python
+def keep(x):
+    cp._test_kept = x * 2  # an array of the collective group's client, kept in the process
+    return x
+
+@cp.colocated_python
+def give(x):
+    return cp._test_kept
+
+jax.block_until_ready(keep(x))
+print("KEPT", flush=True)
+sys.stdin.readline()  # the test kills slice 0's worker and waits for the group to re-form
+np.testing.assert_array_equal(np.asarray(give(x)), np.arange(4.0) * 2)
+print("OK")
+"""
+
+
+def test_an_array_kept_by_colocated_code_outlives_a_re_formation():
+    # The surviving worker's client is replaced when slice 0 is lost; an array its Python
+    # kept from the old client (a colocated object's state, jax's result store between the
+    # call that finds a function's output specs and the one that pops its result) is still
+    # returned, onto the new client's device.
+    with LocalServer(devices=None, fleet=(2, 1, 2)) as server:
+        def kill_and_wait(line):
+            generation = server.status()["generation"]
+            server.kill_worker(0)
+            wait_until(lambda: server.status()["generation"] > generation
+                       and "1" not in server.status()["slices_down"], 60,
+                       "the group to re-form without slice 0", explain=server.log)
+
+        result = run_python_with_pause(KEPT, server.address, kill_and_wait)
+        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
         assert "OK" in result.stdout
         assert server.alive(), server.log()
 

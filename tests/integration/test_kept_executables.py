@@ -33,8 +33,12 @@ def test_a_returning_slice_loads_what_was_compiled_before():
         base = metrics_url(server)
         _run(server)
         # Neither worker had it (the fleet's cache is new), and neither compiled it: both
-        # loaded the vetting process's trial compile. Workers report with their heartbeats.
-        found = scrape_when(base, lambda f: value(f["isthmus_persistent_cache_misses"]) >= 2,
+        # loaded the vetting process's trial compile. Workers report with their heartbeats,
+        # and a report may be taken mid-compile (the miss counted, the load not yet): wait
+        # for both workers' loads, whatever they were.
+        found = scrape_when(base, lambda f: value(f["isthmus_persistent_cache_misses"]) >= 2
+                            and value(f["isthmus_worker_programs_vetted"])
+                            + value(f["isthmus_worker_programs_compiled"]) >= 2,
                             "two loads reported")
         assert value(found["isthmus_persistent_cache_misses"]) == 2
         assert value(found["isthmus_worker_programs_vetted"]) == 2
