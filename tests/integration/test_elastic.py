@@ -193,6 +193,46 @@ def test_training_survives_a_lost_slice_and_scales_back_up(tmp_path):
                                [expected[s["step"]] for s in steps], rtol=1e-4)
 
 
+def test_a_flax_language_model_goes_on_from_its_snapshot_after_a_loss(tmp_path):
+    """The example's Flax NNX transformer (`--model lm-small`, the workloads tier's size):
+    its parameters and adam's state come back from orbax's snapshot in host memory on the
+    surviving slice, and every step's loss is the undisturbed run's."""
+    pytest.importorskip("flax.nnx", reason="--model lm-small is a Flax NNX model")
+    args = ["--model", "lm-small", "--steps", "30"]
+    log_path, out_path = tmp_path / "lm.jsonl", tmp_path / "lm.out"
+    client = None
+    with LocalServer(devices=None, fleet=FLEET, args=["--no-restart"]) as server:
+        try:
+            client = _start_client(server, log_path, out_path, [*args, "--step-delay", "0.1"])
+            run = _Run(server, client, log_path, out_path)
+            _kill_between_steps(run, slice_pid(server.status(), 1), after=8)
+            run.wait_for(lambda r: any(x["kind"] == "summary" for x in r), 120, "summary")
+            client.wait(30)
+            assert client.returncode == 0, run.explain(f"client exit {client.returncode}")
+            records = _records(log_path)
+        finally:
+            _stop(client)
+        assert server.alive(), server.log()
+    attempts = [r for r in records if r["kind"] == "attempt"]
+    assert [(a["slices"], a["end"]) for a in attempts] == [([0, 1], "error"), ([0], "done")]
+    steps = _steps(records)
+    assert {s["step"] for s in steps} == set(range(1, 31))
+    assert _steps(records, [0])[0]["step"] == attempts[1]["restored_step"] + 1
+
+    ref_log, ref_out = tmp_path / "lm-reference.jsonl", tmp_path / "lm-reference.out"
+    with LocalServer(devices=None, fleet=FLEET) as server:
+        reference = _start_client(server, ref_log, ref_out, args)
+        try:
+            reference.wait(120)
+        finally:
+            _stop(reference)
+        assert reference.returncode == 0, ref_out.read_text()[-6000:]
+    expected = {s["step"]: s["loss"] for s in _steps(_records(ref_log))}
+    assert expected[30] < expected[1], expected  # it learns
+    np.testing.assert_allclose([s["loss"] for s in steps],
+                               [expected[s["step"]] for s in steps], rtol=1e-4)
+
+
 def _timings(attempts, steps, killed_at, replaced_at, slice1_up_at):
     """Seconds between the events of a run, from the test's clock and the client's log
     (both time.time() on this machine)."""
