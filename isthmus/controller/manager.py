@@ -33,21 +33,15 @@ from collections.abc import Callable
 from typing import TypedDict
 
 from isthmus import errors
-from isthmus.compat import jax as jax_compat
 from isthmus.controller.fleet import Device, WholeFleet
+from isthmus.controller.formation import GroupFormation
 from isthmus.ids import DeviceId, SliceId, WorkerId
 from isthmus.logs import event
-from isthmus.ports import free_port
 from isthmus.transport import messages as m
 from isthmus.transport.frames import Parts
 from isthmus.transport.remote import RemoteWorker
 
 logger = logging.getLogger(__name__)
-
-
-# Seconds before a re-formation, for the losses (a dead slice's hosts, within milliseconds)
-# and, longer, the registrations (a slice's workers start over a while) that come together.
-LOSS_SETTLE, JOIN_SETTLE = 0.05, 0.2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,7 +84,7 @@ class WorkerStatus(TypedDict):
     shared_memory: bool  # puts reach it through the shared directory
 
 
-class FleetManager:
+class FleetManager(GroupFormation):
     """Registers workers into host slots and keeps the collective group formed."""
 
     def __init__(self, spec: FleetSpec, fleet: WholeFleet, config: ManagerConfig | None = None,
@@ -386,111 +380,6 @@ class FleetManager:
                     f"waits for nothing, for {self.config.stall_timeout:g} s: its command "
                     f"loop has stopped, which is a bug in isthmus (please report it with "
                     f"the worker's log{where})"))
-
-    # ---- the collective group ------------------------------------------------------------
-
-    async def _former(self) -> None:
-        while True:
-            await self._form_wanted.wait()
-            await asyncio.sleep(LOSS_SETTLE)
-            if self._joined or self.fleet.generation == 0:
-                await asyncio.sleep(JOIN_SETTLE - LOSS_SETTLE)
-            self._joined = False
-            if self.fleet.generation == 0:
-                # The first group: give the whole fleet a moment to register, so that it
-                # forms once rather than once per straggler.
-                expected = self.spec.slices * self.spec.hosts_per_slice
-                deadline = time.monotonic() + 10.0
-                while len(self.fleet.workers) < expected and time.monotonic() < deadline:
-                    await asyncio.sleep(0.1)
-            self._form_wanted.clear()
-            try:
-                await self.form()
-            except Exception:
-                logger.exception("forming the collective group failed")
-                await asyncio.sleep(1.0)
-                self._form_wanted.set()
-
-    async def form(self) -> None:
-        async with self._form_lock:
-            members = [c for _, c in sorted(self.fleet.workers.items())
-                       if isinstance(c, RemoteWorker)]
-            if not members:
-                return
-            generation = self.fleet.generation + 1
-            address = f"{self.config.advertise_host}:{free_port(self.config.advertise_host)}"
-            def serve(at: str) -> object:
-                return jax_compat.jaxlib_extension().get_distributed_runtime_service(
-                    at, len(members), recoverable=True)
-
-            loop = asyncio.get_running_loop()
-            self._services.append(await loop.run_in_executor(None, serve, address))
-            # Colocated CPU devices form a group of their own (one more CPU client per host).
-            companion_address = ""
-            if self.fleet.companions:
-                host = self.config.advertise_host
-                companion_address = f"{host}:{free_port(host)}"
-                self._services.append(
-                    await loop.run_in_executor(None, serve, companion_address))
-            logger.info("forming collective group %s with %s workers at %s", generation,
-                        len(members), address,
-                        extra=event("group_forming", generation=generation))
-            # What was dispatched before this point runs in the old group: shared commands
-            # still in the fleet's outbox go out ahead of the FormGroup.
-            self.fleet.flush()
-            waits = []
-            reason, self._losses = " ".join(self._losses), []
-            slots = {c.slot for c in members}
-            gone = tuple(d.id for d in self.fleet.devices if d.worker not in slots)
-            for node, channel in enumerate(members):
-                number, future = channel.request()
-                channel.send_now(m.FormGroup(number, generation, address, node, len(members),
-                                             reason, gone, companion_address))
-                channel.hold()
-                channel.forming = True
-                waits.append(future)
-            try:
-                replies = await asyncio.wait_for(asyncio.gather(*waits),
-                                                 self.config.formation_timeout)
-            except BaseException:
-                for channel in members:
-                    channel.release()
-                raise
-            finally:
-                now = time.monotonic()
-                for channel in members:
-                    channel.forming = False
-                    channel.last_seen = max(channel.last_seen, now)
-            mapping: dict[int, int] = {}
-            for channel, local_ids in zip(members, replies):
-                for device, jaxlib_id in zip(self._slot_devices(channel.slot), local_ids):
-                    mapping[device.id] = jaxlib_id
-            for channel in members:
-                channel.send_now(m.DeviceMap(mapping))
-                channel.release()
-            self.members = {c.slot: c for c in members if self.fleet.workers.get(c.slot) is c}
-            self.fleet.members = set(self.members)
-            self.fleet.generation = generation
-            for slice_index in self.slices():
-                hosts = [self.slot(slice_index, h) for h in range(self.spec.hosts_per_slice)]
-                if all(h in self.members for h in hosts):
-                    self.fleet.mark_up(slice_index)
-            self._on_generation(generation)
-            self._formed.set()
-            up = [s for s in self.slices() if self.fleet.slice_error(s) is None]
-            logger.info("collective group %s formed; slices up: %s", generation, up,
-                        extra=event("group_formed", generation=generation, slices_up=up))
-
-    async def wait_complete(self, timeout: float) -> None:
-        """Waits until every slice of the spec is up."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if all(self.fleet.slice_error(SliceId(s)) is None for s in range(self.spec.slices)):
-                return
-            if time.monotonic() > deadline:
-                down = {int(s): e.message for s, e in self.fleet.down_slices.items()}
-                raise TimeoutError(f"the fleet was not complete within {timeout:g} s: {down}")
-            await asyncio.sleep(0.1)
 
     def status(self) -> dict[str, WorkerStatus]:
         out: dict[str, WorkerStatus] = {}
