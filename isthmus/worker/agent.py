@@ -458,9 +458,11 @@ class WorkerAgent(CommandApplier):
             self._settled = True
         if old is not None:
             await old.settle_writes()  # host data still being placed lands in `old` first
-            moved = await asyncio.get_running_loop().run_in_executor(
+            moved, calls = await asyncio.get_running_loop().run_in_executor(
                 None, new.adopt, old, self._pending_reason)
-            logger.info("moved %s buffers into the new collective group", moved)
+            await new.take_calls(calls, old.devices)
+            logger.info("moved %s buffers into the new collective group (%s outputs of "
+                        "colocated calls still running follow)", moved, len(calls))
             # Waits still pending are on computations the old group never finished: ask
             # them again here, where such buffers now hold their error.
             for command, task in list(self._waits.values()):

@@ -17,7 +17,9 @@ unpickles it; each host of the call does, here, and runs the function on its own
   host's Python pool.
 
 Outputs are placeholders (`Pending`) until the call finishes; the controller dispatches
-nothing that reads them before it hears that the call is done.
+nothing that reads them before it hears that the call is done. A call outlives a re-formation
+of the collective group: its outputs land in the new group's client (`python_calls.py`), as
+do the arrays its Python kept from the old one (`_from_an_earlier_group`).
 """
 
 from __future__ import annotations
@@ -39,17 +41,23 @@ MAX_TRACEBACK_CHARS = 6000
 
 
 class Pending:
-    """An output of a colocated call still running: ready once the call has stored it."""
+    """An output of a colocated call still running: ready once the call has stored it.
+    `moved_to`: the host of a re-formed group that took its slot over while the call ran
+    (`PythonCalls.take_calls`); None while it is where the call began."""
 
-    __slots__ = ("_event", "value")
+    __slots__ = ("_event", "value", "moved_to")
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self.value: Any = None
+        self.moved_to: Any = None
 
     def resolve(self, value: Any) -> None:
         self.value = value
         self._event.set()
+
+    def resolved(self) -> bool:
+        return self._event.is_set()
 
     @property
     def nbytes(self) -> int:

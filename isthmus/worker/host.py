@@ -31,6 +31,7 @@ from isthmus.transport.host import Part
 from isthmus.worker import platforms, programs, regroup
 from isthmus.worker.buffers import BufferStore, ids_of, missing
 from isthmus.worker.collectives import CollectiveOrder
+from isthmus.worker.colocated import Pending
 from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.inline import InlineOrder
 from isthmus.worker.persistence import Checkpoints
@@ -477,17 +478,22 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         """The fleet's flow gate, which this channel's backlog closes (`InlineOrder`)."""
         self._inline.attach_flow(gate, key)
 
-    def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0) -> int:
+    def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0
+              ) -> tuple[int, dict[BufferId, Pending]]:
         """Moves `old`'s buffers into this host's client (a new collective group) and empties
         `old`; see `regroup.move_buffers`. Blocking; run it in a thread. Returns how many
-        moved."""
+        moved, and the placeholders of colocated calls still running there (for
+        `take_calls`, on the event loop)."""
         slots, spans = old.buffers.take_all()
         old._executables.clear()
+        calls = {b: v for b, v in slots.items() if isinstance(v, Pending)}
+        for buffer_id in calls:
+            del slots[buffer_id]
         into: dict[BufferId, Any] = {}
         moved = regroup.move_buffers(slots, spans, old.devices, self.devices, into, reason,
                                      wait)
         self.buffers.adopt(into)
-        return moved
+        return moved, calls
 
     async def close(self) -> None:
         self._inline.close()

@@ -12,7 +12,7 @@ from typing import Any
 from isthmus import errors
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
-from isthmus.worker import colocated
+from isthmus.worker import colocated, regroup
 from isthmus.worker.buffers import BufferStore, ids_of
 from isthmus.worker.slots import Failed, Unloadable, failing
 
@@ -89,14 +89,57 @@ class PythonCalls:
                 f"a colocated call failed unexpectedly ({type(e).__name__}: {e}); this is a bug "
                 "in isthmus: please report it with the worker log.")
             outputs = None
+        # The group re-formed while the call ran: its outputs go to the host that took its
+        # placeholders over (the latest, should it re-form again during the move).
+        host: PythonCalls = self
+        while outputs is not None:
+            target = next((p.moved_to for ps in pending for p in ps if p.moved_to), host)
+            if target is host:
+                break
+            try:
+                outputs = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, _onto, outputs, host.devices, target.devices)
+            except Exception as e:  # noqa: BLE001 - its device left the group, say
+                error = errors.WorkerLost(
+                    f"the outputs of a colocated call could not be moved into the re-formed "
+                    f"collective group ({type(e).__name__}: {e}); call it again.")
+                outputs = None
+            host = target
         for index, (ids, placeholders) in enumerate(zip(slots, pending)):
             for position, (buffer_id, placeholder) in enumerate(zip(ids, placeholders)):
                 value = Failed(error) if outputs is None else outputs[index][position]
                 placeholder.resolve(value)
-                if self.buffers.slot(buffer_id) is placeholder:  # not freed meanwhile
-                    self.buffers.store(buffer_id, value)
+                if host.buffers.slot(buffer_id) is placeholder:  # not freed meanwhile
+                    host.buffers.store(buffer_id, value)
         if outputs is None:
             raise error
+
+    async def take_calls(self, calls: dict[BufferId, colocated.Pending],
+                         old_devices: dict[int, Any]) -> None:
+        """Takes over the placeholders of colocated calls that were running on an earlier
+        group's host (`DeviceHost.adopt`), on the event loop, where calls store their
+        outputs: one whose call has ended since gets its output moved here; the others wait
+        here for their calls (`_store_python`)."""
+        device_ids = {d: g for g, d in old_devices.items()}
+        for buffer_id, placeholder in calls.items():
+            if not placeholder.resolved():
+                placeholder.moved_to = self
+                self.buffers.store(buffer_id, placeholder)
+                continue
+            try:
+                value = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, regroup.onto, placeholder.value, device_ids, self.devices)
+            except Exception as e:  # noqa: BLE001
+                value = Failed(errors.WorkerLost(
+                    f"buffer {buffer_id} could not be moved into the re-formed collective "
+                    f"group ({type(e).__name__}: {e}); recreate the array."))
+            self.buffers.store(buffer_id, value)
+
+
+def _onto(outputs: list[list[Any]], old_devices: dict[int, Any], new_devices: dict[int, Any]
+          ) -> list[list[Any]]:
+    device_ids = {d: g for g, d in old_devices.items()}
+    return [[regroup.onto(v, device_ids, new_devices) for v in values] for values in outputs]
 
 
 class PythonRunner:

@@ -3,7 +3,9 @@
 When the group re-forms, each worker builds a new client and its buffers move across through
 host memory. What was still being computed when the group broke is sorted here: work that
 waits for a peer that is gone never finishes and becomes an error at once; other work is
-given time to finish.
+given time to finish. The outputs of colocated Python calls still running are not waited
+for: the new host takes their placeholders over, and a call stores its outputs there, moved
+with `onto`, when it ends (`python_calls.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,20 @@ from isthmus.worker.colocated import Pending
 from isthmus.worker.slots import Failed, HostArray, settle_quietly
 
 
+def onto(value: Any, device_ids: Mapping[Any, int], new_devices: Mapping[int, Any]) -> Any:
+    """A computed single-device array copied from an old client's device (global ids in
+    `device_ids`) onto the device of the same global id in `new_devices` (through host
+    memory: two clients share nothing). Host arrays and errors stay as they are. Blocking."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    if isinstance(value, (Failed, HostArray)):
+        return value
+    return jax.device_put(np.asarray(value), SingleDeviceSharding(
+        new_devices[device_ids[next(iter(value.devices()))]],
+        memory_kind=value.sharding.memory_kind))
+
+
 def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, frozenset[int]],
                  old_devices: Mapping[int, Any], new_devices: Mapping[int, Any],
                  into: MutableMapping[BufferId, Any], reason: str = "",
@@ -27,6 +43,7 @@ def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, froze
     devices of a new collective group's client, storing each in `into` as it is done.
 
     `spans` names, for a program output, the devices of the program that computes it.
+    `buffers` holds no colocated call's placeholder (`Pending`): the caller takes those.
     Blocking; run it in a thread. A buffer still being computed by a program over a
     device that is not in the new group waits for a lost peer and never finishes: it
     becomes an error buffer at once, with `reason` (why the group re-formed). Any other
@@ -35,9 +52,6 @@ def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, froze
     """
     import threading
     import time
-
-    import jax
-    from jax.sharding import SingleDeviceSharding
 
     moved = 0
     device_ids = {d: g for g, d in old_devices.items()}
@@ -59,12 +73,7 @@ def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, froze
         if value.is_deleted():
             into[buffer_id] = value  # donated to a later program: nothing to move
             continue
-        if isinstance(value, Pending):
-            into[buffer_id] = Failed(errors.WorkerLost(
-                "a colocated Python call was still making this array when the collective "
-                f"group re-formed ({reason or 'a peer left the collective group'}); call it "
-                "again."))
-            continue
+        assert not isinstance(value, Pending), "the caller takes colocated calls' outputs"
         try:
             if stuck_devices and not value.is_ready() and (
                     not stuck_devices.isdisjoint(value.devices())):
@@ -87,10 +96,7 @@ def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, froze
                 waiter.join(max(0.0, deadline - time.monotonic()))
                 if not value.is_ready():
                     raise TimeoutError("still being computed")
-            global_id = device_ids[next(iter(value.devices()))]
-            into[buffer_id] = jax.device_put(
-                np.asarray(value), SingleDeviceSharding(
-                    new_devices[global_id], memory_kind=value.sharding.memory_kind))
+            into[buffer_id] = onto(value, device_ids, new_devices)
             moved += 1
         except Exception as e:  # noqa: BLE001 - includes the timeout
             into[buffer_id] = Failed(errors.WorkerLost(

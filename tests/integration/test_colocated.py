@@ -299,6 +299,45 @@ def test_an_array_kept_by_colocated_code_outlives_a_re_formation():
         assert server.alive(), server.log()
 
 
+ACROSS = PRELUDE + """
+import sys
+x = jax.device_put(np.arange(4.0), cpu[0])  # on slice 0, which survives
+
+@cp.colocated_python
+def slow_double(x):
+    if np.asarray(x)[1] == 1:  # x itself, not the warm-up's zeros nor the doubled x
+        time.sleep(3)
+    return jax.device_put(np.asarray(x) * 2, x.sharding)
+
+slow_double = slow_double.specialize(out_specs_fn=lambda x: x)
+jax.block_until_ready(slow_double(jax.device_put(np.zeros(4), cpu[0])))  # loaded
+pending = slow_double(x)  # sleeps while slice 1 is lost and the group re-forms
+print("CALLED", flush=True)
+sys.stdin.readline()
+np.testing.assert_array_equal(np.asarray(pending), np.arange(4.0) * 2)
+np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a + 1)(pending)),
+                              np.arange(4.0) * 2 + 1)
+np.testing.assert_array_equal(np.asarray(slow_double(pending)), np.arange(4.0) * 4)
+print("OK")
+"""
+
+
+def test_a_call_running_across_a_re_formation_keeps_its_outputs():
+    # A call on a surviving slice is not touched by another slice's loss, though its
+    # worker's client is replaced while the call runs: its outputs land in the new one.
+    with LocalServer(devices=None, fleet=(2, 1, 2)) as server:
+        def kill_and_wait(line):
+            generation = server.status()["generation"]
+            server.kill_worker(1)
+            wait_until(lambda: server.status()["generation"] > generation, 30,
+                       "the group to re-form without slice 1", explain=server.log)
+
+        result = run_python_with_pause(ACROSS, server.address, kill_and_wait)
+        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+        assert "OK" in result.stdout
+        assert server.alive(), server.log()
+
+
 EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
 
 
