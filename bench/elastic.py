@@ -175,10 +175,11 @@ def recovery(devices_per_host: int = 4, kill_at_step: int = 15, steps: int = 100
         run = Run(server, args, folder)
         replacement = None
         try:
+            victim = server.worker_pids(1)[0]  # not at the kill: a status call takes a while
             run.wait_for(f"step {kill_at_step}", lambda rows: _steps(rows, [0, 1], 0)[
                 kill_at_step - 1:], 300)
             killed = time.time()
-            server.kill_worker(1)
+            os.kill(victim, signal.SIGKILL)
             first = run.wait_for("a step on slice 0 alone",
                                  lambda rows: _steps(rows, [0], killed), 120)[0]
             run.wait_for("5 more steps", lambda rows: _steps(rows, [0], killed)[4:], 120)
