@@ -6,6 +6,8 @@ import os
 import pathlib
 import signal
 
+import pytest
+
 from isthmus.testing import LocalServer, run_python, run_python_with_pause, wait_until
 
 PRELUDE = """
@@ -280,25 +282,6 @@ print("OK")
 """
 
 
-def test_an_array_kept_by_colocated_code_outlives_a_re_formation():
-    # The surviving worker's client is replaced when slice 0 is lost; an array its Python
-    # kept from the old client (a colocated object's state, jax's result store between the
-    # call that finds a function's output specs and the one that pops its result) is still
-    # returned, onto the new client's device.
-    with LocalServer(devices=None, fleet=(2, 1, 2)) as server:
-        def kill_and_wait(line):
-            generation = server.status()["generation"]
-            server.kill_worker(0)
-            wait_until(lambda: server.status()["generation"] > generation
-                       and "1" not in server.status()["slices_down"], 60,
-                       "the group to re-form without slice 0", explain=server.log)
-
-        result = run_python_with_pause(KEPT, server.address, kill_and_wait)
-        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-        assert "OK" in result.stdout
-        assert server.alive(), server.log()
-
-
 ACROSS = PRELUDE + """
 import sys
 x = jax.device_put(np.arange(4.0), cpu[0])  # on slice 0, which survives
@@ -322,17 +305,21 @@ print("OK")
 """
 
 
-def test_a_call_running_across_a_re_formation_keeps_its_outputs():
-    # A call on a surviving slice is not touched by another slice's loss, though its
-    # worker's client is replaced while the call runs: its outputs land in the new one.
+@pytest.mark.parametrize("script, victim", [(KEPT, 0), (ACROSS, 1)], ids=["kept", "running"])
+def test_colocated_python_on_a_surviving_slice_outlives_a_re_formation(script, victim):
+    # The surviving worker's client is replaced when the group re-forms without the other
+    # slice. An array its Python kept from the old client (a colocated object's state, or
+    # jax's result store between the call that finds a function's output specs and the one
+    # that pops its result) is still returned, onto the new client's device; a call still
+    # running keeps its outputs, which land in the new client.
     with LocalServer(devices=None, fleet=(2, 1, 2)) as server:
         def kill_and_wait(line):
             generation = server.status()["generation"]
-            server.kill_worker(1)
+            server.kill_worker(victim)
             wait_until(lambda: server.status()["generation"] > generation, 30,
-                       "the group to re-form without slice 1", explain=server.log)
+                       f"the group to re-form without slice {victim}", explain=server.log)
 
-        result = run_python_with_pause(ACROSS, server.address, kill_and_wait)
+        result = run_python_with_pause(script, server.address, kill_and_wait)
         assert result.returncode == 0, result.stdout + result.stderr[-3000:]
         assert "OK" in result.stdout
         assert server.alive(), server.log()

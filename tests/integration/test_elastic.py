@@ -99,6 +99,27 @@ class _Run:
         raise AssertionError(self.explain(f"no {what} within {timeout} s"))
 
 
+def _finish(run, timeout):
+    """The client's records once it has written its summary and exited with 0."""
+    run.wait_for(lambda r: any(x["kind"] == "summary" for x in r), timeout, "summary")
+    run.client.wait(30)
+    assert run.client.returncode == 0, run.explain(f"client exit {run.client.returncode}")
+    return _records(run.log_path)
+
+
+def _undisturbed_losses(path, timeout, extra_args=()):
+    """Each step's loss of the script run on a fresh fleet that loses nothing."""
+    log_path, out_path = path.with_suffix(".jsonl"), path.with_suffix(".out")
+    with LocalServer(devices=None, fleet=FLEET) as server:
+        reference = _start_client(server, log_path, out_path, extra_args)
+        try:
+            reference.wait(timeout)
+        finally:
+            _stop(reference)
+        assert reference.returncode == 0, out_path.read_text()[-6000:]
+    return {s["step"]: s["loss"] for s in _steps(_records(log_path))}
+
+
 def _steps(records, slices=None):
     return [r for r in records if r["kind"] == "step" and
             (slices is None or r["slices"] == slices)]
@@ -143,10 +164,7 @@ def test_training_survives_a_lost_slice_and_scales_back_up(tmp_path):
             run.wait_for(lambda r: any(s["slices"] == [0, 1] and s["time"] > replaced_at
                                        for s in _steps(r)), 45,
                          "step on both slices after the replacement", watch_slice1=True)
-            run.wait_for(lambda r: any(x["kind"] == "summary" for x in r), 60, "summary")
-            client.wait(30)
-            assert client.returncode == 0, run.explain(f"client exit {client.returncode}")
-            records = _records(log_path)
+            records = _finish(run, 60)
         finally:
             _stop(client)
             _stop(replacement)
@@ -175,15 +193,7 @@ def test_training_survives_a_lost_slice_and_scales_back_up(tmp_path):
 
     # The same script, undisturbed, on a fresh fleet: the same losses step by step, up to
     # the order in which gloo and the cross-slice reductions add.
-    ref_log, ref_out = tmp_path / "reference.jsonl", tmp_path / "reference.out"
-    with LocalServer(devices=None, fleet=FLEET) as server:
-        reference = _start_client(server, ref_log, ref_out)
-        try:
-            reference.wait(60)
-        finally:
-            _stop(reference)
-        assert reference.returncode == 0, ref_out.read_text()[-6000:]
-    expected = {s["step"]: s["loss"] for s in _steps(_records(ref_log))}
+    expected = _undisturbed_losses(tmp_path / "reference", 60)
     final = {s["step"]: s["loss"] for s in steps if s["attempt"] == 3}
     assert len(final) >= 10, attempts  # enough of the last phase to compare
     np.testing.assert_allclose([final[k] for k in sorted(final)],
@@ -206,10 +216,7 @@ def test_a_flax_language_model_goes_on_from_its_snapshot_after_a_loss(tmp_path):
             client = _start_client(server, log_path, out_path, [*args, "--step-delay", "0.1"])
             run = _Run(server, client, log_path, out_path)
             _kill_between_steps(run, slice_pid(server.status(), 1), after=8)
-            run.wait_for(lambda r: any(x["kind"] == "summary" for x in r), 120, "summary")
-            client.wait(30)
-            assert client.returncode == 0, run.explain(f"client exit {client.returncode}")
-            records = _records(log_path)
+            records = _finish(run, 120)
         finally:
             _stop(client)
         assert server.alive(), server.log()
@@ -219,15 +226,7 @@ def test_a_flax_language_model_goes_on_from_its_snapshot_after_a_loss(tmp_path):
     assert {s["step"] for s in steps} == set(range(1, 31))
     assert _steps(records, [0])[0]["step"] == attempts[1]["restored_step"] + 1
 
-    ref_log, ref_out = tmp_path / "lm-reference.jsonl", tmp_path / "lm-reference.out"
-    with LocalServer(devices=None, fleet=FLEET) as server:
-        reference = _start_client(server, ref_log, ref_out, args)
-        try:
-            reference.wait(120)
-        finally:
-            _stop(reference)
-        assert reference.returncode == 0, ref_out.read_text()[-6000:]
-    expected = {s["step"]: s["loss"] for s in _steps(_records(ref_log))}
+    expected = _undisturbed_losses(tmp_path / "lm-reference", 120, args)
     assert expected[30] < expected[1], expected  # it learns
     np.testing.assert_allclose([s["loss"] for s in steps],
                                [expected[s["step"]] for s in steps], rtol=1e-4)
