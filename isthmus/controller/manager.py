@@ -126,7 +126,11 @@ class FleetManager(GroupFormation):
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._monitor()), loop.create_task(self._former())]
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 3.0) -> None:
+        """Tells the workers to shut down and waits up to `grace` seconds for them to leave:
+        the group's coordination services live in this process, and a member still in the
+        group when they go is aborted by jaxlib (a hand-started worker's supervisor would
+        take that for a crash and start it again)."""
         self._stopping = True
         for channel in list(self.fleet.workers.values()):
             if isinstance(channel, RemoteWorker):
@@ -134,6 +138,10 @@ class FleetManager(GroupFormation):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(
+                isinstance(c, RemoteWorker) for c in self.fleet.workers.values()):
+            await asyncio.sleep(0.02)
 
     # ---- slots and devices ---------------------------------------------------------------
 

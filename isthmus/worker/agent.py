@@ -30,7 +30,7 @@ from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
 from isthmus.transport.records import ColocatedProgram, CompileRequest
 from isthmus.transport.tls import TlsConfig
-from isthmus.worker import scheduling
+from isthmus.worker import scheduling, supervise
 from isthmus.worker.applying import CommandApplier
 from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.crashes import CrashConfig, CrashRecord
@@ -242,6 +242,8 @@ class WorkerAgent(CommandApplier):
         self._tasks.clear()
 
     def stop(self, code: int = EXIT_SHUTDOWN) -> None:
+        if code == EXIT_SHUTDOWN:
+            supervise.told_to_stop()
         self.exit_code = code
         self._stop.set()
 
@@ -249,6 +251,7 @@ class WorkerAgent(CommandApplier):
         """Stops from any thread; exits outright if the event loop does not get there within
         STOP_GRACE (it may be stuck in jaxlib on a computation that waits for a lost peer)."""
         logger.info("stopping: %s", reason)
+        supervise.told_to_stop()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.stop)
         timer = threading.Timer(STOP_GRACE, exit_now, (EXIT_SHUTDOWN,))

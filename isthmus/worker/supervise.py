@@ -6,8 +6,9 @@ crash by itself. `isthmus worker` therefore runs the worker in a child process a
 again when it dies that way: the new child waits up to `--connect-timeout` for a controller
 at the same address, and joins it. A worker that was told to leave (the controller stopped
 on purpose), refused, or that found no controller within its timeout ends the supervisor
-with the same exit code. Local fleets (`isthmus up`) and Slurm steps have their own
-supervisors and run workers directly.
+with the same exit code. One that dies after its controller told it to stop (`told_to_stop`:
+jaxlib may abort it as the controller's coordination service goes) ends it with 0. Local
+fleets (`isthmus up`) and Slurm steps have their own supervisors and run workers directly.
 
 Every child gets the same crash-record path (`worker/crashes.py`): a child that a program
 crashed is followed by one that reports the program, and the controller refuses it, so one
@@ -31,6 +32,16 @@ FINAL_CODES = {0, 2, 3, 5}  # shutdown, refused, no controller in time, no platf
 QUICK_FAILURE = 60.0  # a child that ran less than this and died counts toward the limit
 MAX_QUICK_FAILURES = 10
 ENVIRONMENT = "ISTHMUS_WORKER_SUPERVISED"
+TOLD_TO_STOP = ".told-to-stop"  # beside a child's crash record: its controller stopped it
+
+
+def told_to_stop() -> None:
+    """In a supervised worker: it stops on purpose (its controller told it to, or a stop
+    signal), so a death from here on is no crash to recover from: the supervisor ends."""
+    record = os.environ.get(CRASH_RECORD_ENV) if os.environ.get(ENVIRONMENT) else None
+    if record:
+        with open(record + TOLD_TO_STOP, "w"):
+            pass
 
 
 def supervise(argv: Sequence[str], crash_record: str | None = None) -> int:
@@ -38,15 +49,16 @@ def supervise(argv: Sequence[str], crash_record: str | None = None) -> int:
     keep their crash records at `crash_record` (None: in a directory made for them)."""
     own = None if crash_record else tempfile.mkdtemp(prefix="isthmus-worker-")
     try:
-        return _supervise(argv, crash_record or os.path.join(own or "", "worker"))
+        return _supervise([sys.executable, "-m", "isthmus.cli", *argv],
+                          crash_record or os.path.join(own or "", "worker"))
     finally:
         if own is not None:
             shutil.rmtree(own, ignore_errors=True)
 
 
-def _supervise(argv: Sequence[str], crash_record: str) -> int:
+def _supervise(command: Sequence[str], crash_record: str) -> int:
     env = {**os.environ, ENVIRONMENT: "1", CRASH_RECORD_ENV: crash_record}
-    command = [sys.executable, "-m", "isthmus.cli", *argv]
+    stopped = crash_record + TOLD_TO_STOP
     child: subprocess.Popen[bytes] | None = None
     stopping = False
 
@@ -61,10 +73,15 @@ def _supervise(argv: Sequence[str], crash_record: str) -> int:
     quick_failures, backoff = 0, 1.0
     while True:
         started = time.monotonic()
+        if os.path.exists(stopped):
+            os.unlink(stopped)
         child = subprocess.Popen(command, env=env)
         code = child.wait()
         if stopping or code in FINAL_CODES:
             return code if code >= 0 else 128 - code
+        if os.path.exists(stopped):
+            os.unlink(stopped)
+            return 0
         ran = time.monotonic() - started
         quick_failures = quick_failures + 1 if ran < QUICK_FAILURE else 0
         if quick_failures > MAX_QUICK_FAILURES:
