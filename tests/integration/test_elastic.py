@@ -203,6 +203,7 @@ def test_training_survives_a_lost_slice_and_scales_back_up(tmp_path):
                                [expected[s["step"]] for s in steps], rtol=1e-4)
 
 
+@pytest.mark.slow  # about 30 s alone, a minute beside the rest of the suite
 def test_a_flax_language_model_goes_on_from_its_snapshot_after_a_loss(tmp_path):
     """The example's Flax NNX transformer (`--model lm-small`, the workloads tier's size):
     its parameters and adam's state come back from orbax's snapshot in host memory on the
