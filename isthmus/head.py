@@ -22,6 +22,8 @@ from isthmus.observe.options import ObserveConfig
 from isthmus.transport.tls import TlsConfig
 from isthmus.wire.peers import Limits
 from isthmus.worker.platforms import Platform
+from isthmus.worker.vetted_record import VettedRecord
+from isthmus.worker.vetting import ProgramVetter
 
 if TYPE_CHECKING:  # imported where first used (a plain server needs few of them)
     from isthmus.frontend.lease_service import SharedService
@@ -125,6 +127,9 @@ def embedded_fleet(num_devices: int, platform: str = "cpu",
                                        COMPANION_BASE)
     host = make_host(client, simulate_flops=simulate_flops, compile_cache=cache,
                      companions=companions)
+    from isthmus.worker.programs import warm_up
+
+    warm_up()  # MLIR's first use, before the first program waits for it
     worker = WorkerId(0)
     devices = [Device(DeviceId(d.id), worker, local, platform, described.device_kind,
                       SliceId(0), 0, described.memory_kinds)
@@ -149,6 +154,7 @@ class Head:
         self.shared_dir: str | None = None
         self._own_shared_dir = False
         self._hosts: list[DeviceHost] = []
+        self._vetter: ProgramVetter | None = None  # the process that parses programs
         self._vetter_started: asyncio.Task[None] | None = None
         self.fleet_service: FleetServicer | None = None  # the workers' control streams
         self.shared: SharedService | None = None  # a shared service's leases
@@ -178,19 +184,26 @@ class Head:
             self.observer.attach_events()  # the fleet's first events are seen too
         self.shared_dir = self._make_shared_dir()
         joins = None
+        # The process that parses client programs, started first: its imports overlap the
+        # rest of the start, and `start` returns once it is ready, so that the first program
+        # does not wait for it. With a compilation cache, what it concluded is kept beside it.
+        vetter = ProgramVetter(record=VettedRecord(config.platform.compile_cache)
+                               if config.platform.compile_cache is not None else None)
+        self._vetter = vetter
+        self._vetter_started = asyncio.get_running_loop().create_task(vetter.start())
         if config.fleet is None:
             fleet, host = embedded_fleet(config.devices, config.platform.name,
                                          config.platform.simulate_flops,
                                          config.platform.compile_cache)
             self._hosts.append(host)
-            controller = Controller(fleet, config.controller)
+            controller = Controller(fleet, config.controller, vetter)
             controller.loads_vetted = loads_vetted(config)
         else:
             from isthmus.transport.auth import JoinTokens
             from isthmus.wire.fleet_service import FleetServicer
 
             fleet = WholeFleet([], {})
-            controller = Controller(fleet, config.controller)
+            controller = Controller(fleet, config.controller, vetter)
             controller.loads_vetted = loads_vetted(config)
             advertise = config.advertise_host or (
                 config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1")
@@ -214,9 +227,6 @@ class Head:
             shared_dir=None if config.shared is not None else self.shared_dir))
         if self.manager is not None:
             self.frontend.extra_status = self.manager.status
-        # The process that parses client programs, started now: the first compile then does
-        # not wait for its imports.
-        self._vetter_started = asyncio.get_running_loop().create_task(controller.vetter.start())
         gate = None
         if config.shared is not None:
             gate = self._make_shared(controller, extra_methods)
@@ -260,6 +270,11 @@ class Head:
                 raise
         if self.shared is not None:
             self.shared.start()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._vetter_started), 60)
+        except Exception as e:  # noqa: BLE001 - the first program starts another child
+            logger.warning("the process that parses programs did not start (%r); the first "
+                           "program will start another", e)
         logger.info("serving %d devices at %s", len(fleet.devices), self.address)
         return self.address
 
@@ -385,7 +400,12 @@ class Head:
             self.fleet_service = None
         if self.frontend is not None:
             await self.frontend.close()
-            await self.frontend.controller.vetter.close()
+        if self._vetter_started is not None:
+            self._vetter_started.cancel()
+            await asyncio.gather(self._vetter_started, return_exceptions=True)
+            self._vetter_started = None
+        if self._vetter is not None:
+            await self._vetter.close()
         if self.launcher is not None:
             self.launcher.stop()
             self.launcher = None

@@ -25,7 +25,7 @@ from isthmus.transport import commands as c
 from isthmus.transport.messages import CrashReport
 from isthmus.transport.records import CompiledInfo, CompileRequest
 from isthmus.worker.programs import canonical_digest
-from isthmus.worker.vetting import ProgramVetter
+from isthmus.worker.vetting import ProgramVetter, Vetted
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ class Executable:
 class Controller:
     """Fleet, ledger, executables and the compilation cache."""
 
-    def __init__(self, fleet: WholeFleet, config: ControllerConfig | None = None) -> None:
+    def __init__(self, fleet: WholeFleet, config: ControllerConfig | None = None,
+                 vetter: ProgramVetter | None = None) -> None:
         self.fleet = fleet
         self.config = config or ControllerConfig()
         self._executable_ids = itertools.count(1)
@@ -112,7 +113,7 @@ class Controller:
         self._refused: dict[bytes, str] = {}
         self._digests: dict[bytes, bytes] = {}  # SHA-256 of a program -> its program_digest
         # Client programs are parsed first in a disposable process (the trust boundary).
-        self.vetter = ProgramVetter()
+        self.vetter = vetter or ProgramVetter()
         # The hosts load what the vetting process compiled (a CPU fleet's programs) instead
         # of compiling it again (set by `head`: the embedded backend, and a fleet that is not
         # a shared service); up to VETTED_EXECUTABLE_BYTES, since each host is sent it.
@@ -188,17 +189,19 @@ class Controller:
                 executable.holders[worker] = channel
         executable.epoch = self.fleet.epoch
 
-    async def vet(self, module: bytes, options: bytes, devices: int) -> tuple[bytes, bytes]:
+    async def vet(self, module: bytes, options: bytes, devices: int) -> Vetted:
         """A client's program as this server writes it (`ProgramVetter`; compiled once there
         for a CPU fleet): only these bytes reach `executable`, and so the workers' parser
-        and compiler. Also the executable compiled there, for the hosts to load
-        (`loads_vetted`); else empty."""
+        and compiler; its canonical digest, which names it in the hosts' caches; and the
+        executable compiled there, for the hosts to load (`loads_vetted`; else empty)."""
         # A GPU fleet's programs are only parsed and written: CPU cannot compile for them.
         trial = options if self.fleet.platform == "cpu" else b""
         vetted = await self.vetter.vet(module, trial, devices)
         self._digests[hashlib.sha256(vetted.module).digest()] = vetted.digest
         executable = vetted.executable if self.loads_vetted else b""
-        return vetted.module, executable if len(executable) <= VETTED_EXECUTABLE_BYTES else b""
+        if len(executable) > VETTED_EXECUTABLE_BYTES:
+            executable = b""
+        return dataclasses.replace(vetted, executable=executable)
 
     def program_digest(self, key: bytes, request: CompileRequest) -> bytes:
         """What names a program for refusing it: the SHA-256 of its bytes without debug
@@ -336,4 +339,8 @@ class Controller:
                 "worker_executables": reported.get("executables", 0),
                 **{k: v for k, v in reported.items()
                    if k.startswith(("device_", "compile_cache_"))}}
-        return {"workers": workers, "executables": len(self._executables)}
+        vetter = self.vetter
+        return {"workers": workers, "executables": len(self._executables),
+                "vetting": {"trial_compiles": vetter.trial_compiles,
+                            "trials_skipped": vetter.trials_skipped,
+                            "record_hits": vetter.record.hits if vetter.record else 0}}

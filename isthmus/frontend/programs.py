@@ -241,9 +241,10 @@ def compile_program(session: FrontendSession, request: Message,
 
     async def compile_vetted() -> None:
         # Parsed (and on CPU compiled) in a disposable process first.
-        vetted, compiled = await session.ctl.core.controller.vet(module, options, len(device_ids))
+        vetted = await session.ctl.core.controller.vet(module, options, len(device_ids))
         executable = session.ctl.programs.compile(CompileRequest(
-            vetted, options, device_ids, replicas, executable=compiled))
+            vetted.module, options, device_ids, replicas, executable=vetted.executable,
+            digest=vetted.digest))
         await _answer(session, executable, response.compile_response)
 
     return compile_vetted()

@@ -50,6 +50,8 @@ class Reading:
     peer_bytes: int
     compile_hits: int
     compile_misses: int
+    trial_compiles: int  # programs the vetting process compiled on trial
+    record_hits: int  # programs found vetted in the record beside the compile cache
     hosts: list[Host]
     generation: int
     sessions: int
@@ -82,6 +84,8 @@ class FleetCollector:
             program_seconds=counts.program_seconds, put_bytes=counts.put_bytes,
             fetch_bytes=counts.fetch_bytes, peer_bytes=counts.peer_bytes,
             compile_hits=counts.compile_hits, compile_misses=counts.compile_misses,
+            trial_compiles=controller.vetter.trial_compiles,
+            record_hits=controller.vetter.record.hits if controller.vetter.record else 0,
             hosts=sources.hosts(), generation=fleet.generation,
             sessions=sources.session_count(), losses=sources.losses(),
             restarts=sources.restarts(), loop_lag=sources.loop_lag(),
@@ -142,6 +146,11 @@ def families(s: Reading) -> Iterator[Metric]:
                    "any session).", s.compile_hits)
     yield _counter("isthmus_compile_cache_misses", "Compiles that compiled the program.",
                    s.compile_misses)
+    yield _counter("isthmus_programs_trial_compiled", "Programs the vetting process compiled "
+                   "on trial (a CPU fleet's new programs; not those it compiled on trial "
+                   "before, with --compile-cache).", s.trial_compiles)
+    yield _counter("isthmus_programs_vetted_before", "Programs found vetted in the record "
+                   "beside --compile-cache, with no vetting process asked.", s.record_hits)
     yield _gauge("isthmus_event_loop_lag_seconds", "How late the controller's event loop ran "
                  "a timer, at most, over the last few seconds.", s.loop_lag)
     yield _gauge("isthmus_dispatch_queue_depth", "Operations waiting in the sessions' ordered "

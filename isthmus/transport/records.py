@@ -32,6 +32,9 @@ class CompileRequest:
     # The executable the disposable process compiled (worker/vetting.py), for a host in the
     # controller's process to load instead of compiling again (empty: compile).
     executable: bytes = b""
+    # The SHA-256 of the program without debug information, as the vetting process found it
+    # (the hosts' caches name the program by it; empty: they parse the program for it).
+    digest: bytes = b""
 
 
 @CODEC.record  # travels in compile replies

@@ -60,7 +60,7 @@ class CompileCache:
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
-        self._fs, root = _filesystem(config.location)
+        self._fs, root = filesystem(config.location)
         self._dir = f"{root.rstrip('/')}/{config.namespace}"
         self._fs.makedirs(self._dir, exist_ok=True)
         self._lock = threading.Lock()  # eviction scans one at a time
@@ -89,12 +89,13 @@ class CompileCache:
         return digest.hexdigest()
 
     @staticmethod
-    def program_digest(module: bytes) -> bytes:
+    def program_digest(module: bytes, known: bytes = b"") -> bytes:
         """What names a program in a key: its SHA-256 without debug information, so that an
-        edited script still hits (`programs.canonical_digest`; it parses the program)."""
+        edited script still hits (`programs.canonical_digest`, which parses the program,
+        unless the vetting process's digest is `known`)."""
         from isthmus.worker.programs import canonical_digest
 
-        return canonical_digest(module)
+        return known or canonical_digest(module)
 
     def _path(self, key: str) -> str:
         return f"{self._dir}/{key}{SUFFIX}"
@@ -147,7 +148,7 @@ class CompileCache:
         path = self._path(key)
         temporary = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            if _is_local(self._fs):
+            if is_local(self._fs):
                 with self._fs.open(temporary, "wb") as f:
                     f.write(data)
                 os.replace(temporary, path)
@@ -201,12 +202,12 @@ class KeptExecutables:
 
     key = staticmethod(CompileCache.key)
 
-    def program_digest(self, module: bytes) -> bytes:
+    def program_digest(self, module: bytes, known: bytes = b"") -> bytes:
         """The persistent cache's name of a program when there is one below; else the bytes'
         SHA-256, which is enough in memory (one controller sends a program's bytes alike)
         and costs no parse."""
         if self.below is not None:
-            return self.below.program_digest(module)
+            return self.below.program_digest(module, known)
         return hashlib.sha256(module).digest()
 
     def __init__(self, below: CompileCache | None = None,
@@ -317,7 +318,7 @@ def _modified(entry: dict[str, Any]) -> float:
         return 0.0
 
 
-def _filesystem(location: str) -> tuple[Any, str]:
+def filesystem(location: str) -> tuple[Any, str]:
     import fsspec
 
     try:
@@ -328,6 +329,6 @@ def _filesystem(location: str) -> tuple[Any, str]:
     return fs, root
 
 
-def _is_local(fs: Any) -> bool:
+def is_local(fs: Any) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol in ("file", "local")

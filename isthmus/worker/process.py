@@ -18,6 +18,9 @@ def preload() -> None:
     from jaxlib.mlir.dialects import stablehlo  # noqa: F401
 
     jax_compat.preload()  # reading program signatures, LAPACK
+    from isthmus.worker.programs import warm_up
+
+    warm_up()  # MLIR's first use, before the first program waits for it
 
 
 def exit_with_parent() -> None:

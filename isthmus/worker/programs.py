@@ -52,6 +52,27 @@ def parse_program(context: Any, module: bytes) -> Any:
                 "program lowered by jax.") from None
 
 
+_SMALL = b"""module @warm_up {
+  func.func public @main(%arg0: tensor<2xf32>) -> tensor<2xf32> {
+    %0 = stablehlo.add %arg0, %arg0 : tensor<2xf32>
+    return %0 : tensor<2xf32>
+  }
+}"""
+
+
+def warm_up() -> None:
+    """Reads a small program's signature, as text and as a portable artifact, so that a
+    process's first client program does not pay MLIR's first use (about 20 ms)."""
+    from jaxlib.mlir.dialects import stablehlo
+
+    context = jax_compat.make_ir_context()
+    with context:
+        parsed = parse_program(context, _SMALL)
+        artifact = stablehlo.serialize_portable_artifact(
+            parsed, stablehlo.get_current_version(), allow_other_dialects=True)
+    _parse_signature(artifact)
+
+
 def canonical_digest(module: bytes) -> bytes:
     """SHA-256 of the program without its debug information (source locations), as jax's
     own cache keys it: the same program from an edited or moved script is the same entry."""
@@ -148,9 +169,9 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     device_list = _jax.DeviceList(tuple(devices))
     key = executable = None
     if cache is not None:
-        key = cache.key(client, devices, cache.program_digest(request.module),
-                        request.compile_options, request.device_ids, request.replicas,
-                        request.namespace)
+        digest = cache.program_digest(request.module, request.digest)
+        key = cache.key(client, devices, digest, request.compile_options, request.device_ids,
+                        request.replicas, request.namespace)
         executable = cache.load(key, client, device_list, options)
     fresh = executable is None  # not from the persistent cache: stored there once made
     payload = b""

@@ -18,10 +18,16 @@ dictionary lookup.
 
 The child speaks length-prefixed frames on its stdin and stdout: a request is the program's
 bytes and then its compile options (empty: no trial compile); a reply is a status byte (0:
-vetted, 1: refused) and then the vetted artifact, its digest and the serialized executable
-(`_pack`), or the reason as UTF-8. The hosts load that executable on their own devices instead
-of compiling the program again (`Controller.loads_vetted`: the embedded backend, and a fleet
-that is not a shared service; a host that cannot load it compiles).
+vetted and compiled on trial, 1: refused, 2: vetted, and compiled on trial before) and then
+the vetted artifact, its digest and the serialized executable (`_pack`), or the reason as
+UTF-8. The hosts load that executable on their own devices instead of compiling the program
+again (`Controller.loads_vetted`: the embedded backend, and a fleet that is not a shared
+service; a host that cannot load it compiles).
+
+With a persistent compilation cache, what the child concluded outlives the server
+(`vetted_record.py`): the same client bytes need no child after a restart, and a program
+compiled on trial before (by its canonical form and options) is not compiled on trial again,
+so the hosts' cache hits save the compile's time again.
 """
 
 from __future__ import annotations
@@ -37,22 +43,28 @@ import sys
 from typing import Any, BinaryIO
 
 from isthmus import errors
+from isthmus.worker.vetted_record import VettedRecord, marked
 
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<Q")
-VETTED, REFUSED = 0, 1
+VETTED, REFUSED, KNOWN = 0, 1, 2  # KNOWN: vetted, and compiled on trial before
 REMEMBERED = 1024  # vetted programs kept by the SHA-256 of the client's bytes
 
 
 class ProgramVetter:
     """Parses client programs in a disposable child process; see the module docstring."""
 
-    def __init__(self, trial: bool = True, timeout: float = 600.0) -> None:
+    def __init__(self, trial: bool = True, timeout: float = 600.0,
+                 record: VettedRecord | None = None) -> None:
         self.trial = trial  # compile on CPU as well (a CPU fleet's programs)
         self.timeout = timeout  # seconds one program may take
+        self.record = record  # what earlier servers concluded (with a compile cache)
+        self.trial_compiles = 0  # programs compiled on trial (a test counts the work saved)
+        self.trials_skipped = 0  # programs not compiled on trial: compiled on trial before
         self._child: asyncio.subprocess.Process | None = None
         self._devices = 8  # CPU devices of the child, for trial compiles
+        self._ready = False  # the child has said it is ready (`_wait_ready`)
         self._lock = asyncio.Lock()  # one program at a time through the child
         self._vetted: collections.OrderedDict[bytes, tuple[bytes, bytes]] = (
             collections.OrderedDict())  # (program, digest) by the client's bytes
@@ -76,20 +88,42 @@ class ProgramVetter:
         refused = self._refused.get(raw)
         if refused is not None:
             raise errors.InvalidRequest(refused)
+        if self.record is not None:
+            known = await asyncio.to_thread(self.record.program, raw)
+            if known is not None:
+                self._keep(raw, *known)
+                return Vetted(*known)
         async with self._lock:
             known = self._vetted.get(raw)
             if known is not None:
                 return Vetted(*known)
-            result = await self._ask(module, options, devices, raw, name)
-        self._vetted[raw] = (result.module, result.digest)  # executables are not kept
-        while len(self._vetted) > REMEMBERED:
-            self._vetted.popitem(last=False)
+            result, compiled = await self._ask(module, options, devices, raw, name)
+        self._keep(raw, result.module, result.digest)  # executables are not kept
+        if compiled:
+            self.trial_compiles += 1
+        elif options:
+            self.trials_skipped += 1
+        if self.record is not None:
+            await asyncio.to_thread(self._record, raw, result, options if compiled else b"")
         return result
 
+    def _keep(self, raw: bytes, module: bytes, digest: bytes) -> None:
+        self._vetted[raw] = (module, digest)
+        while len(self._vetted) > REMEMBERED:
+            self._vetted.popitem(last=False)
+
+    def _record(self, raw: bytes, result: Vetted, compiled_with: bytes) -> None:
+        assert self.record is not None
+        if compiled_with:
+            self.record.mark(result.digest, compiled_with)
+        self.record.remember(raw, result.module, result.digest)
+
     async def start(self) -> None:
-        """Starts the child ahead of the first program (its imports take a second)."""
+        """Starts the child ahead of the first program (its imports take a second) and
+        returns when it is ready for one."""
         async with self._lock:
             await self._ensure_child()
+            await self._wait_ready()
 
     async def close(self) -> None:
         child, self._child = self._child, None
@@ -109,17 +143,30 @@ class ProgramVetter:
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL,  # MLIR prints each refusal; we say it
                 env={**os.environ, "JAX_PLATFORMS": "cpu",
-                     "ISTHMUS_VETTING_DEVICES": str(self._devices)})
+                     "ISTHMUS_VETTING_DEVICES": str(self._devices),
+                     "ISTHMUS_VETTING_RECORD": self.record.location if self.record else ""})
             self._child = child
+            self._ready = False
             self.children += 1
         return child
 
+    async def _wait_ready(self) -> None:
+        """Reads the byte the child writes once its imports and warm-up are done."""
+        child = self._child
+        if child is None or self._ready:
+            return
+        assert child.stdout is not None
+        await asyncio.wait_for(child.stdout.readexactly(1), self.timeout)
+        self._ready = True
+
     async def _ask(self, module: bytes, options: bytes, devices: int, raw: bytes, name: str
-                   ) -> Vetted:
+                   ) -> tuple[Vetted, bool]:
+        """What the child made of the program, and whether it compiled it on trial now."""
         child = await self._ensure_child(devices if options else 0)
         assert child.stdin is not None and child.stdout is not None
         what = f"program {name or raw.hex()[:16]}"
         try:
+            await self._wait_ready()
             child.stdin.write(_LENGTH.pack(len(module)) + module
                               + _LENGTH.pack(len(options)) + options)
             await child.stdin.drain()
@@ -137,7 +184,7 @@ class ProgramVetter:
             raise errors.InvalidRequest(message) from None
         if reply[:1] == bytes([REFUSED]):
             raise errors.CompileError(reply[1:].decode("utf-8", "replace"))
-        return _unpack(reply[1:])
+        return _unpack(reply[1:]), bool(options) and reply[:1] == bytes([VETTED])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,9 +214,10 @@ async def _read_frame(stream: asyncio.StreamReader) -> bytes:
 
 # ---- the child ---------------------------------------------------------------------------
 
-def vet_program(module: bytes, options: bytes = b"") -> Vetted:
+def vet_program(module: bytes, options: bytes = b"", record: str = "") -> tuple[Vetted, bool]:
     """In the child: the program parsed, verified and written again, and its digest; with
-    `options`, compiled once on this process's CPU devices, and that executable."""
+    `options`, compiled once on this process's CPU devices, and that executable, unless the
+    record at `record` says it compiled on trial before. The flag: it compiled now."""
     import io
 
     from jaxlib.mlir import passmanager
@@ -194,8 +242,10 @@ def vet_program(module: bytes, options: bytes = b"") -> Vetted:
         passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(parsed.operation)
         stripped = io.BytesIO()
         parsed.operation.write_bytecode(file=stripped)
-    executable = trial_compile(vetted, options) if options else b""
-    return Vetted(vetted, hashlib.sha256(stripped.getvalue()).digest(), executable)
+    digest = hashlib.sha256(stripped.getvalue()).digest()
+    if not options or (record and marked(record, digest, options)):
+        return Vetted(vetted, digest), False
+    return Vetted(vetted, digest, trial_compile(vetted, options)), True
 
 
 def trial_compile(module: bytes, options: bytes) -> bytes:
@@ -240,6 +290,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
+    record = os.environ.get("ISTHMUS_VETTING_RECORD", "")
     while True:
         header = requests.read(_LENGTH.size)
         if len(header) < _LENGTH.size:
@@ -250,7 +301,8 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
         options = requests.read(size)
         _crash_on_marker(module)
         try:
-            reply = bytes([VETTED]) + _pack(vet_program(module, options))
+            vetted, compiled = vet_program(module, options, record)
+            reply = bytes([VETTED if compiled or not options else KNOWN]) + _pack(vetted)
         except errors.IsthmusError as e:
             reply = bytes([REFUSED]) + e.message.encode()
         except Exception as e:  # noqa: BLE001 - any other refusal is the program's too
@@ -269,9 +321,30 @@ def _crash_on_marker(module: bytes) -> None:
         os.abort()
 
 
+def _warm_up() -> None:
+    """Parses, writes and compiles a small program once, so that the first client program
+    does not pay MLIR's and XLA's first use in this process (about 50 ms of a cold compile)."""
+    try:
+        import jax
+        import numpy as np
+
+        lowered = jax.jit(lambda x: jax.numpy.tanh(x @ x) + 1).lower(np.ones((8, 8), "f4"))
+        vetted, _ = vet_program(lowered.as_text().encode())
+        vet_program(vetted.module)  # the portable artifact's reader too
+        lowered.compile()
+        from isthmus.protocol.schema import schema
+
+        schema()  # what trial compiles read their options with
+    except Exception as e:  # noqa: BLE001 - only a head start; the programs still get vetted
+        logger.info("the vetting process's warm-up failed: %s", _first_line(e))
+
+
 if __name__ == "__main__":
     from isthmus.compat import jax as jax_compat
 
     jax_compat.preload()  # the imports and the client, before the first program waits
     _client()
+    _warm_up()
+    sys.stdout.buffer.write(b"\0")  # ready (`ProgramVetter._wait_ready`)
+    sys.stdout.buffer.flush()
     _serve(sys.stdin.buffer, sys.stdout.buffer)

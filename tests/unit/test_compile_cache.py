@@ -244,3 +244,43 @@ def test_kept_executables_write_through_to_the_persistent_cache(client, tmp_path
     assert fresh.stats() == {"compile_cache_hits": 1, "compile_cache_misses": 0,
                                   "compile_cache_rejected": 0, "kept_executable_hits": 0,
                                   "kept_executable_bytes": 0}
+
+
+# ---- the vetting process's record beside the cache (worker/vetted_record.py) -------------
+
+def test_the_vetted_record_keeps_programs_and_trial_marks(tmp_path):
+    from isthmus.worker.vetted_record import VettedRecord, marked
+
+    record = VettedRecord(CacheConfig(str(tmp_path)))
+    raw, digest = b"r" * 64, b"d" * 32
+    assert record.program(raw) is None and record.hits == 0
+    record.remember(raw, b"the vetted program", digest)
+    assert VettedRecord(CacheConfig(str(tmp_path))).program(raw) == (
+        b"the vetted program", digest)  # a restarted server finds it
+    assert not marked(record.location, digest, b"options")
+    record.mark(digest, b"options")
+    assert marked(record.location, digest, b"options")
+    assert not marked(record.location, digest, b"other options")
+    assert not marked(record.location, b"e" * 32, b"options")
+    # A damaged entry is a miss, never another program.
+    (entry,) = (tmp_path / ".vetted" / "programs").iterdir()
+    data = bytearray(entry.read_bytes())
+    data[-5] ^= 1
+    entry.write_bytes(bytes(data))
+    assert record.program(raw) is None
+    entry.write_bytes(b"garbage")
+    assert record.program(raw) is None
+
+
+def test_the_vetted_record_is_apart_per_jaxlib_version(tmp_path, monkeypatch):
+    import jaxlib
+
+    from isthmus.worker.vetted_record import VettedRecord, marked
+
+    record = VettedRecord(CacheConfig(str(tmp_path)))
+    record.remember(b"r" * 64, b"program", b"d" * 32)
+    record.mark(b"d" * 32, b"options")
+    monkeypatch.setattr(jaxlib, "__version__", "0.0.0-another")
+    other = VettedRecord(CacheConfig(str(tmp_path)))
+    assert other.program(b"r" * 64) is None
+    assert not marked(other.location, b"d" * 32, b"options")
