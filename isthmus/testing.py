@@ -147,6 +147,23 @@ class LocalServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        if exc[0] is None:
+            self.check_stopped_cleanly()
+
+    def check_stopped_cleanly(self) -> None:
+        """Raises ServerError if the server's log shows work it left behind at stop: a
+        coroutine never awaited, or a task destroyed while pending (every task of a stopping
+        server ends, or is cancelled and awaited)."""
+        self._log.flush()
+        with open(self._log.name) as f:
+            lines = [line for line in f if any(p in line for p in LEFT_BEHIND)]
+        if lines:
+            raise ServerError("the server left work behind when it stopped:\n"
+                              + "".join(lines[:20]) + f"\nserver log:\n{self.log()}")
+
+
+# What a server's log says of a task or coroutine it left behind (`check_stopped_cleanly`).
+LEFT_BEHIND = ("was never awaited", "Task was destroyed but it is pending")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, *,

@@ -313,6 +313,8 @@ class LostChannel:
     fire-and-forget commands are dropped (the controller has already poisoned what they
     touch)."""
 
+    local = True  # `WorkerChannel.local`: nothing to read ahead from a lost slot
+
     def __init__(self, error: errors.IsthmusError) -> None:
         self.error = error
 

@@ -59,10 +59,11 @@ def read_ahead(executable: Executable, outputs: Sequence[Array], fleet: Fleet) -
         group = outputs[index].group
         if group is None:
             continue
-        answer = fleet.channel(group.devices[position].worker).ask(
-            c.Fetch(BufferId(group.base + position), group.nbytes[position]))
-        if not isinstance(answer, asyncio.Future):
+        channel = fleet.channel(group.devices[position].worker)
+        if channel.local:  # the embedded backend's host: a read costs no transfer
             continue
+        answer = asyncio.ensure_future(channel.ask(
+            c.Fetch(BufferId(group.base + position), group.nbytes[position])))
         answer.add_done_callback(_retrieved)
         if group.ahead is None:
             group.ahead = {}

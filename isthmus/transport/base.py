@@ -48,6 +48,10 @@ class Commands:
 
 
 class WorkerChannel(Protocol):
+    # In the controller's own process (the embedded backend's host): its answers cost no
+    # transfer, so nothing is asked of it ahead of a client's read (`readahead.py`).
+    local: bool
+
     def send(self, command: Command) -> None:
         """Issues a fire-and-forget command."""
 

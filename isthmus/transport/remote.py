@@ -44,6 +44,8 @@ SHARED_BYTES = 1 << 20  # with a worker on this machine, data this large goes th
 class RemoteWorker:
     """A worker process, seen from the controller."""
 
+    local = False  # `WorkerChannel.local`
+
     def __init__(self, slot: WorkerId, register: m.Register,
                  send: Callable[[bytes | Parts], None],
                  peer: str, close: Callable[[], None] = lambda: None,

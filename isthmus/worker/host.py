@@ -464,6 +464,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
 
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 
+    local = True  # `WorkerChannel.local`: in the controller's process
+
     def send(self, command: Command) -> None:
         self._inline.send(command)
 

@@ -18,6 +18,8 @@ SLICES, HOSTS, PER_HOST = 3, 2, 2
 
 
 class Channel:
+    local = False  # a worker process's, as far as the controller can tell
+
     """A worker's channel that writes down what it was handed."""
 
     def __init__(self):

@@ -24,6 +24,8 @@ DEVICES = tuple(Device(DeviceId(i), WorkerId(i // 2), i % 2, "cpu", "cpu", Slice
 
 
 class Channel:
+    local = False  # a worker process's, as far as the controller can tell
+
     def __init__(self, sent, worker):
         self.sent, self.worker = sent, worker
 

@@ -27,6 +27,8 @@ from isthmus.observe.web import WebServer, _loopback_name
 
 
 class Channel:
+    local = False  # a worker process's, as far as the controller can tell
+
     """A worker channel that only reports figures."""
 
     def __init__(self, reported):

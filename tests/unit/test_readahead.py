@@ -13,6 +13,8 @@ from isthmus.transport import commands as c
 
 
 class Channel:
+    local = False  # a worker process's, as far as the controller can tell
+
     def __init__(self, asked: list) -> None:
         self.asked = asked
 
