@@ -36,6 +36,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
 from isthmus.transport.records import ColocatedProgram
+from isthmus.worker.slots import computation_error
 
 MAX_TRACEBACK_CHARS = 6000
 
@@ -175,7 +176,10 @@ def run(function: PythonFunction, devices: dict[int, Any], inputs: Sequence[Sequ
         values = [_device_value(s, devices[program.inputs[index][p]])
                   for s, p in zip(shards, positions)]
         for value in values:
-            value.block_until_ready()
+            try:
+                value.block_until_ready()
+            except Exception as e:  # noqa: BLE001 - the input's own failure, not the call's
+                raise computation_error(e) from None
         leaves.append(jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, values))
     args, kwargs = tree_util.tree_unflatten(function.in_tree, leaves)
     # Arrays the function makes without naming a device (jnp.array(0)) go to the call's first

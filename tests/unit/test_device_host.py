@@ -235,3 +235,27 @@ def test_the_worker_hosts_satisfy_the_protocol_commands_are_applied_to(tmp_path)
     out, err, status = api.run(["--follow-imports=silent", "--ignore-missing-imports",
                                 str(check)])
     assert status == 0, out + err
+
+
+def test_a_colocated_call_whose_input_failed_fails_with_the_inputs_error():
+    """An input whose computation failed (a peer lost in its collective) is the call's
+    error as it is the input's: DATA_LOSS naming the lost peer, not "a bug in isthmus"."""
+    import jax
+
+    from isthmus.transport.records import ColocatedProgram
+    from isthmus.worker import colocated
+
+    class LostInCollective:  # a shard whose computation failed after it was dispatched
+        def block_until_ready(self):
+            raise RuntimeError("UNKNOWN: Gloo all-reduce failed: Connection reset by peer")
+
+    device = jax.devices()[0]
+    program = ColocatedProgram("load_batch", b"", (0,), ((0,),), ((0,),), (("float32", (2,)),))
+    called = []
+    function = colocated.PythonFunction(
+        program, lambda x: called.append(x), jax.tree_util.tree_structure(0), (None,),
+        ((0,),), ((0,),), frozenset({device}))
+    with pytest.raises(errors.PeerFailure) as caught:
+        colocated.run(function, {0: device}, [[LostInCollective()]])
+    assert caught.value.code == errors.Code.DATA_LOSS and "Connection reset" in str(caught.value)
+    assert not called  # the user's function never saw the broken input
