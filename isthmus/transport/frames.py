@@ -221,7 +221,7 @@ def read_room(buf: bytearray, start: int, end: int, size: int = READ_BUFFER
     """A socket read buffer with room after its unread bytes `buf[start:end]`: `buf`
     itself, or a new one that holds them (never a resize: the transport may still hold a
     view of the old one). Returns the buffer and where its unread bytes are."""
-    if len(buf) - end >= 4096:
+    if len(buf) - end >= min(4096, len(buf) // 4):  # a small first buffer fills first
         return buf, start, end
     pending = end - start
     fresh = bytearray(max(size, 2 * pending))

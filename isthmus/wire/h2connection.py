@@ -58,13 +58,8 @@ class Connection:
     def __init__(self, methods: dict[str, Method], max_message: int = MAX_MESSAGE) -> None:
         self.methods = methods
         self.max_message = max_message  # bytes of one gRPC message; larger ones are refused
-        # Our own headers are written normalized (lower-case bytes, no pseudo-header after
-        # another field): h2's checks of them cost a third of each send_headers.
-        self.h2 = Frames(h2.config.H2Configuration(
-            client_side=False, header_encoding=None, validate_inbound_headers=False,
-            validate_outbound_headers=False, normalize_outbound_headers=False,
-            split_outbound_cookies=False))
-        self.wire = Wire(self.h2, self._made, self._events, WRITE_HIGH)
+        self.h2: Frames  # made once the client speaks (`_speak`)
+        self.wire = Wire(self._speak, self._made, self._events, WRITE_HIGH)
         self.wire.open_bare, self.wire.reset_bare = self._open_bare, self._reset_bare
         self.wire.take_window = self._take_window
         self.streams: dict[int, Call] = {}
@@ -82,9 +77,20 @@ class Connection:
         keep_alive(transport, idle=30, interval=10, count=2)  # notice clients that vanished
         host, port = (transport.get_extra_info("peername") or ("?", 0))[:2]
         self.peer = f"ipv6:[{host}]:{port}" if ":" in str(host) else f"ipv4:{host}:{port}"
+        if self.ticket is not None:
+            self.ticket.watch(self._expired)
+
+    def _speak(self) -> Frames:
+        """h2's state, once the client sends more than its preface (a connection that stays
+        silent holds none), and our side of the preface."""
+        # Our own headers are written normalized (lower-case bytes, no pseudo-header after
+        # another field): h2's checks of them cost a third of each send_headers.
+        self.h2 = h2c = Frames(h2.config.H2Configuration(
+            client_side=False, header_encoding=None, validate_inbound_headers=False,
+            validate_outbound_headers=False, normalize_outbound_headers=False,
+            split_outbound_cookies=False))
         # Our settings hold from the first byte, not only once the client acknowledges
         # them: grpc's client may send frames of the new size before its acknowledgement.
-        h2c = self.h2
         h2c.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME,
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
@@ -95,9 +101,8 @@ class Connection:
         h2c.max_inbound_frame_size = MAX_FRAME
         h2c.initiate_connection()
         h2c.increment_flow_control_window(CONNECTION_WINDOW)
-        self.flush()
-        if self.ticket is not None:
-            self.ticket.watch(self._expired)
+        self.schedule_flush()
+        return h2c
 
     def _expired(self) -> None:
         logger.debug("closed a connection from %s that did not say who it is", self.peer)
@@ -420,8 +425,9 @@ class Connection:
 
     def close(self) -> None:
         try:
-            self.h2.close_connection()
-            self.flush()
+            if self.wire.speaking:
+                self.h2.close_connection()
+                self.flush()
         except h2.exceptions.ProtocolError:
             pass
         if self.wire.transport is not None:

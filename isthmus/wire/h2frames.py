@@ -46,6 +46,9 @@ LARGE = 1 << 16  # DATA frames above this many bytes are not copied (either way)
 # holds 16 MiB at most, not a GiB.
 MAX_HEADER_FRAME = 1 << 18
 READ_BUFFER = 1 << 18  # what one read of the socket may take, besides a large frame's body
+# ... until a read fills this much: an idle connection (say, one that sent only its preface)
+# holds a few KiB, not READ_BUFFER (issue 47: 20,000 of them took 3.7 GiB).
+FIRST_READ = 1 << 10
 PREFACE = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # the client's first bytes
 _HEADER = struct.Struct(">HBBBL")  # length (24 bits), type, flags, stream id
 _INCREMENT = struct.Struct(">L")  # a WINDOW_UPDATE frame's body
@@ -150,13 +153,18 @@ class Wire(asyncio.BufferedProtocol):
     """A connection's socket: frames read from it go to `frames`, and the events they make
     to `on_events`; writes wait (`drain`) while the socket's buffer is full."""
 
-    def __init__(self, frames: Frames, on_made: Callable[[asyncio.Transport], None],
+    def __init__(self, on_speak: Callable[[], Frames],
+                 on_made: Callable[[asyncio.Transport], None],
                  on_events: Callable[[list[Any]], None], high_water: int) -> None:
-        self.frames, self.on_made, self.on_events = frames, on_made, on_events
+        self.on_speak, self.on_made, self.on_events = on_speak, on_made, on_events
+        # h2's state (`on_speak`) is made once the client sends more than its preface: an
+        # idle connection costs its buffer and this object, a few KiB.
+        self.frames: Frames
+        self.speaking = False
         self.high_water = high_water
         self.transport: asyncio.Transport | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._buf = bytearray(READ_BUFFER)
+        self._buf = bytearray(FIRST_READ)  # READ_BUFFER once a read fills it (`read_room`)
         self._start = self._end = 0  # the bytes of _buf not yet handed on
         self._preface = PREFACE  # bytes of the client's preface still to come
         self._body: memoryview | None = None  # a large DATA frame being read in place
@@ -215,8 +223,9 @@ class Wire(asyncio.BufferedProtocol):
         """Writes what h2 has to say (its GOAWAY) now, then closes the connection."""
         if self.transport is None:
             return
-        for data in self.frames.take():
-            self.transport.write(data)
+        if self.speaking:
+            for data in self.frames.take():
+                self.transport.write(data)
         self.transport.close()
 
     def _data(self, stream_id: int, flags: int, body: memoryview | bytes, flow: int) -> None:
@@ -232,6 +241,11 @@ class Wire(asyncio.BufferedProtocol):
         buffer would copy them twice more); a large DATA frame's body still to come is then
         read into a buffer of its own. Events go out as they are made: a stream h2 has just
         opened may take its DATA frames directly (`direct`)."""
+        if not self.speaking:
+            if self._end - self._start <= PREFACE:
+                return  # nothing but (part of) its preface yet
+            self.frames = self.on_speak()
+            self.speaking = True
         buf, pos, end, frames = self._buf, self._start, self._end, self.frames
         view = memoryview(buf)
         if self._preface:

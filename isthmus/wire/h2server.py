@@ -20,6 +20,9 @@ from isthmus.wire.h2frames import Wire
 from isthmus.wire.methods import MAX_MESSAGE, Method
 
 
+TRIM_AFTER = 1000  # connections open at once, past which their closing gives memory back
+
+
 class H2Server:
     """Serves `methods` (by path, "/package.Service/Method") on a TCP port."""
 
@@ -33,6 +36,8 @@ class H2Server:
         self._unix: asyncio.AbstractServer | None = None
         self._listener: Any = None
         self._connections: set[Connection] = set()
+        self._peak = 0  # connections open at once since memory was last given back
+        self._trim: asyncio.TimerHandle | None = None
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
@@ -68,9 +73,26 @@ class H2Server:
         connection.identity = identity
         connection.ticket = ticket
         self._connections.add(connection)
+        self._peak = max(self._peak, len(self._connections))
         task = asyncio.get_running_loop().create_task(connection.run())
-        task.add_done_callback(lambda _: self._connections.discard(connection))
+        task.add_done_callback(lambda _: self._ended(connection))
         return connection.wire
+
+    def _ended(self, connection: Connection) -> None:
+        self._connections.discard(connection)
+        # After many connections closed (a flood from the service's own machine, say), what
+        # they held goes back to the system, once they have stopped closing for a second.
+        if self._peak >= TRIM_AFTER and len(self._connections) <= self._peak // 2:
+            if self._trim is not None:
+                self._trim.cancel()
+            self._trim = asyncio.get_running_loop().call_later(1.0, self._give_back)
+
+    def _give_back(self) -> None:
+        from isthmus.gctune import give_back
+
+        self._trim = None
+        self._peak = len(self._connections)
+        give_back()
 
     async def stop(self, grace: float | None = None) -> None:
         if self._listener is not None:
@@ -79,5 +101,7 @@ class H2Server:
             self._unix.close()
         if self._server is not None:
             self._server.close()
+        if self._trim is not None:
+            self._trim.cancel()
         for connection in list(self._connections):
             connection.close()

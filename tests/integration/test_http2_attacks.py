@@ -307,6 +307,44 @@ def test_data_on_stream_zero_is_a_protocol_error(server: LocalServer) -> None:
     assert "malformed HTTP/2 frame" in server.log()
 
 
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_idle_connections_cost_a_few_kib_and_give_it_back(server: LocalServer) -> None:
+    """Issue 47: connections that send only the preface (from the server's own machine,
+    which no per-peer limit holds back) cost ~5 KiB each, not the ~275 KiB of a read buffer
+    and h2's state; and what they held goes back to the system once they close."""
+    assert server.process is not None
+    pid = server.process.pid
+    count = 2000
+    before = _rss_kib(pid)
+    host, port = server.address.removeprefix("grpc://").rsplit(":", 1)
+    idle = []
+    try:
+        for _ in range(count):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(PREFACE)
+            idle.append(sock)
+        _status(server)  # the server has taken every connection and still answers
+        grown = _rss_kib(pid) - before
+    finally:
+        for sock in idle:
+            sock.close()
+    assert grown < count * 32, f"{grown / count:.1f} KiB per idle connection"
+    deadline = time.monotonic() + 10  # closes are noticed, then memory is given back
+    while _rss_kib(pid) - before > max(grown // 2, 4096) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _rss_kib(pid) - before <= max(grown // 2, 4096), (grown, _rss_kib(pid) - before)
+
+
+def _status(server: LocalServer) -> None:
+    from isthmus.wire.servicer import fetch_status
+
+    assert "workers" in fetch_status(server.address)
+
+
 def test_a_jax_program_runs_after_the_attacks(server: LocalServer) -> None:
     result = run_python("import jax, jax.numpy as jnp\n"
                         "print(int(jnp.arange(10).sum()), jax.device_count())\n",

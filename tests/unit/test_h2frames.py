@@ -70,7 +70,7 @@ def test_frames_cut_anywhere_arrive_whole(read):
 
     async def body():
         frames, events = _server(), []
-        wire = Wire(frames, lambda transport: None, events.extend, 1 << 20)
+        wire = Wire(lambda: frames, lambda transport: None, events.extend, 1 << 20)
         wire.connection_made(_Transport())
         at = 0
         while at < len(stream):
