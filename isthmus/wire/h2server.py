@@ -19,7 +19,6 @@ from isthmus.wire.h2connection import Connection
 from isthmus.wire.h2frames import Wire
 from isthmus.wire.methods import MAX_MESSAGE, Method
 
-
 TRIM_AFTER = 1000  # connections open at once, past which their closing gives memory back
 
 
