@@ -49,7 +49,10 @@ class HeadConfig:
     """How to start a head process."""
 
     host: str = "127.0.0.1"  # address to listen on
-    port: int = 0  # 0: pick a free port
+    port: int | None = 0  # 0: pick a free port; None: no TCP client port (`unix_socket`)
+    # The client port on this Unix socket too (mode 0600: this user's clients only): where
+    # no TCP socket may be opened. `isthmus run` hands its command a private one.
+    unix_socket: str | None = None
     devices: int = 8  # CPU devices of the embedded backend (when fleet is None)
     fleet: FleetSpec | None = None  # serve a fleet of worker processes instead
     # The embedded backend's devices, or (GPUs, memory share) what launched workers get.
@@ -163,6 +166,9 @@ class Head:
 
     @property
     def address(self) -> str:
+        """Where clients reach the server: its TCP port, or its Unix socket without one."""
+        if self.config.port is None and self.config.unix_socket is not None:
+            return f"grpc://unix:{self.config.unix_socket}"
         host = self.config.host
         if host in ("0.0.0.0", "::"):
             host = self.config.advertise_host or "127.0.0.1"
@@ -171,6 +177,23 @@ class Head:
         return f"grpc://{host}:{self.port}"
 
     async def start(self) -> str:
+        """Starts everything; returns the address clients reach. On failure, what was
+        started is stopped before the error goes on."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self._stop_vetter()  # `stop` does the rest, where a part failed
+            raise
+
+    async def _stop_vetter(self) -> None:
+        if self._vetter_started is not None:
+            self._vetter_started.cancel()
+            await asyncio.gather(self._vetter_started, return_exceptions=True)
+            self._vetter_started = None
+        if self._vetter is not None:
+            await self._vetter.close()
+
+    async def _start(self) -> str:
         from isthmus.frontend.service import Frontend, FrontendConfig
         from isthmus.protocol.schema import schema
         from isthmus.wire.servicer import start_server
@@ -238,8 +261,8 @@ class Head:
                 raise
         self.server, self.port = await start_server(
             self.frontend, config.host, config.port, extra_methods, config.client_transport,
-            max_message=config.max_message_bytes,
-            gate=gate, unix_path=config.shared.unix_socket if config.shared else None)
+            max_message=config.max_message_bytes, gate=gate,
+            unix_path=config.shared.unix_socket if config.shared else config.unix_socket)
         if self.manager is not None:
             self.manager.start()
             spec = config.fleet
@@ -400,12 +423,7 @@ class Head:
             self.fleet_service = None
         if self.frontend is not None:
             await self.frontend.close()
-        if self._vetter_started is not None:
-            self._vetter_started.cancel()
-            await asyncio.gather(self._vetter_started, return_exceptions=True)
-            self._vetter_started = None
-        if self._vetter is not None:
-            await self._vetter.close()
+        await self._stop_vetter()
         if self.launcher is not None:
             self.launcher.stop()
             self.launcher = None

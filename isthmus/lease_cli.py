@@ -29,8 +29,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "file, for users' --service-ca)")
     parser.add_argument("--service-key", default=None, metavar="PEM", help="its private key")
     parser.add_argument("--unix-socket", default=None, metavar="PATH",
-                        help="a shared service also serves tunnels on this Unix socket (for "
-                             "clients on this machine: no TLS needed)")
+                        help="also serve the client port on this Unix socket (mode 0600: "
+                             "this user's clients only; they connect to grpc://unix:PATH): "
+                             "on the embedded backend without --port, no TCP port at all "
+                             "(for machines where none may be opened); `isthmus run` hands "
+                             "its command a private one by default. A shared service serves "
+                             "its tunnels there (no TLS needed on this machine)")
     parser.add_argument("--allow-plain-connect", action="store_true",
                         help="accept tenants' tunnels in clear over TCP (the stock client's "
                              "grpc_proxy route): their tokens cross the network unencrypted")
@@ -89,7 +93,7 @@ def shared_config(args: argparse.Namespace) -> SharedConfig | None:
     from isthmus.head import SharedConfig
 
     if args.tenants is None:
-        for flag in ("service_cert", "service_key", "unix_socket"):
+        for flag in ("service_cert", "service_key"):
             if getattr(args, flag):
                 refuse(f"--{flag.replace('_', '-')} is for a shared service: add --tenants")
         return None

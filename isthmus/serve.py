@@ -72,8 +72,9 @@ def server_parser() -> argparse.ArgumentParser:
 def server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0,
-                        help="port to listen on; 0 picks a free one (default: 0)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="port to listen on; 0 picks a free one (default: 0; with "
+                             "--unix-socket and the embedded backend, no TCP port)")
     parser.add_argument("--devices", type=int, default=None,
                         help="serve N devices from the server process itself (the embedded "
                              "backend) instead of a fleet of workers: N CPU devices, or N "
@@ -191,6 +192,10 @@ def head_config(args: argparse.Namespace) -> object:
                           hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
                           devices_per_host=args.devices_per_host or per_host, platform=name)
     token = fleet_token(args)
+    # Without TCP (a Unix socket alone) only the embedded backend serves: a fleet's workers
+    # reach the controller over TCP, and a shared service's remote tenants too.
+    port = args.port if args.port is not None else (
+        None if args.unix_socket and fleet is None and args.tenants is None else 0)
     beyond = args.host not in ("127.0.0.1", "localhost", "::1")
     if fleet is not None and args.tenants is not None and not token and tls_config(args) is None:
         # A shared service admits only workers that prove they are the fleet's.
@@ -205,7 +210,8 @@ def head_config(args: argparse.Namespace) -> object:
               "reaches the controller can join as a worker; give the controller and every "
               f"worker the same --token-file (or ${TOKEN_ENVIRONMENT})", file=sys.stderr)
     return HeadConfig(
-        host=args.host, port=args.port, devices=args.devices or 8, fleet=fleet,
+        host=args.host, port=port, unix_socket=None if args.tenants else args.unix_socket,
+        devices=args.devices or 8, fleet=fleet,
         platform=_embedded_platform(args) if args.devices is not None else platform,
         launch_workers=not args.no_launch, fleet_timeout=args.fleet_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
@@ -347,8 +353,21 @@ async def run(args: argparse.Namespace) -> int:
         print("isthmus run: give a command after --, e.g. isthmus run -- python train.py",
               file=sys.stderr)
         return 2
+    private = None
+    if args.unix_socket is None and args.tenants is None:
+        # The command's own socket: nothing to race for, and only this user may connect.
+        import tempfile
+
+        private = tempfile.mkdtemp(prefix="isthmus-run-")  # mode 0700
+        args.unix_socket = os.path.join(private, "client.sock")
     head = Head(head_config(args))  # type: ignore[arg-type]
-    address = await head.start()
+    try:
+        address = await head.start()
+    except BaseException:
+        _remove(private)
+        raise
+    if args.unix_socket and args.tenants is None:
+        address = f"grpc://unix:{args.unix_socket}"
     gctune.settle()
     _announce_observer(head)
     try:
@@ -357,6 +376,7 @@ async def run(args: argparse.Namespace) -> int:
             stdin=None)
     except OSError as e:
         await head.stop()
+        _remove(private)
         print(f"isthmus run: cannot start {command[0]!r}: {e}", file=sys.stderr)
         return 127
     loop = asyncio.get_running_loop()
@@ -366,6 +386,14 @@ async def run(args: argparse.Namespace) -> int:
         code = await child.wait()
     finally:
         await head.stop()
+        _remove(private)
     return code if code >= 0 else 128 - code
+
+
+def _remove(directory: str | None) -> None:
+    if directory is not None:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -49,18 +49,19 @@ class H2Server:
         return self._server.sockets[0].getsockname()[1]
 
     async def start_unix(self, path: str) -> None:
-        """Also serves a Unix socket at `path` (only this user may connect: mode 0600),
-        where a shared service's tunnels need no TLS."""
+        """Also serves a Unix socket at `path` (only this user may connect: mode 0600): the
+        client port of a machine where no TCP socket may be opened, or a shared service's
+        tunnels, which need no TLS there."""
         import os
 
         from isthmus.wire.gate import Preamble
 
-        assert self.gate is not None
+        gate = self.gate
         old = os.umask(0o177)
         try:
             self._unix = await asyncio.get_running_loop().create_unix_server(
-                lambda: Preamble(self.gate, self._identified, True, self.gate.peers.unix()),
-                path)
+                (lambda: Preamble(gate, self._identified, True, gate.peers.unix()))
+                if gate is not None else self._connected, path)
         finally:
             os.umask(old)
 

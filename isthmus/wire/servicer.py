@@ -294,17 +294,20 @@ class CannotListen(OSError):
     """A server port could not be bound (a bad option or environment: the user picks another)."""
 
 
-async def start_server(frontend: Frontend, host: str, port: int,
+async def start_server(frontend: Frontend, host: str, port: int | None,
                        extra_methods: dict[str, Method] | None = None,
                        transport: str = "grpc", gate: Any = None,
                        unix_path: str | None = None,
                        max_message: int = MAX_MESSAGE) -> tuple[Any, int]:
-    """Starts serving; returns the server and the port it bound (for port 0, a free one).
+    """Starts serving; returns the server and the port it bound (for port 0, a free one;
+    None: no TCP port, only `unix_path`, and 0 is returned).
 
     `extra_methods` (the fleet service workers connect to) share the port. `transport`:
     "h2" (`wire/h2server.py`), "grpc" (grpc.aio) or "auto" (h2 when it is installed). A
-    shared service's `gate` (`wire/gate.py`) needs h2; it may also serve `unix_path`.
-    A request message over `max_message` bytes fails its call with RESOURCE_EXHAUSTED."""
+    shared service's `gate` (`wire/gate.py`) needs h2. `unix_path`: a Unix socket served too
+    (mode 0600: only this user may connect), for a shared service's tunnels or, without a
+    gate, the plain client port. A request message over `max_message` bytes fails its call
+    with RESOURCE_EXHAUSTED."""
     methods = {**IfrtProxyServicer(frontend).methods(), **(extra_methods or {})}
     if gate is not None:
         transport = "h2"
@@ -324,8 +327,10 @@ async def start_server(frontend: Frontend, host: str, port: int,
         from isthmus.wire.h2server import H2Server
 
         h2_server = H2Server(methods, gate, max_message)
+        bound = 0
         try:
-            bound = await h2_server.start(host, port)
+            if port is not None:
+                bound = await h2_server.start(host, port)
         except OSError:
             raise cannot from None
         if unix_path is not None:
@@ -340,13 +345,26 @@ async def start_server(frontend: Frontend, host: str, port: int,
     options.append(("grpc.max_receive_message_length", min(max_message, (1 << 31) - 1)))
     server = grpc.aio.server(options=options)  # grpc's limit is a C int
     server.add_generic_rpc_handlers(grpc_handlers(methods))
-    try:
-        # A port that is taken fails here, before gRPC logs its own error line about it.
-        bound = _probe(host, port) and server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:  # grpcio >= 1.6x raises where older ones returned 0
-        bound = 0
-    if bound == 0:
-        raise cannot
+    bound = 0
+    if port is not None:
+        try:
+            # A port that is taken fails here, before gRPC logs its own error line about it.
+            bound = _probe(host, port) and server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpcio >= 1.6x raises where older ones returned 0
+            bound = 0
+        if bound == 0:
+            raise cannot
+    if unix_path is not None:
+        import os
+
+        old = os.umask(0o177)
+        try:
+            server.add_insecure_port(f"unix:{unix_path}")
+        except RuntimeError as e:
+            raise CannotListen(f"cannot serve the Unix socket {unix_path}: {e}; pick another "
+                               "--unix-socket") from None
+        finally:
+            os.umask(old)
     await server.start()
     return server, bound
 
