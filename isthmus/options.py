@@ -107,8 +107,9 @@ def tls_config(args: argparse.Namespace) -> TlsConfig | None:
 def platform_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--platform", choices=PLATFORMS, default="cpu",
                         help="devices to serve: cpu, cuda (NVIDIA GPUs through jax's CUDA "
-                             "plugin), or auto (cuda where a GPU and the plugin are present, "
-                             "else cpu) (default: cpu)")
+                             "plugin), tpu (TPU chips through libtpu), or auto (tpu where "
+                             "libtpu finds chips, else cuda where a GPU and the plugin are "
+                             "present, else cpu) (default: cpu)")
     parser.add_argument("--gpus", default=None,
                         help="GPUs to use, e.g. 0,1 (default: CUDA_VISIBLE_DEVICES, or all)")
     parser.add_argument("--gpu-memory-fraction", type=float,

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from isthmus import gctune, logs
+from isthmus.compat import jax as jax_compat
 from isthmus.lease_cli import add_client_arguments, add_server_arguments, shared_config
 from isthmus.observe.options import (
     ObserveConfig,
@@ -33,7 +34,14 @@ from isthmus.options import (
 )
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.worker import scheduling
-from isthmus.worker.platforms import Platform, check_local_cuda, prepare_process, resolve
+from isthmus.worker.platforms import (
+    Platform,
+    PlatformUnavailable,
+    check_local_cuda,
+    check_local_tpu,
+    prepare_process,
+    resolve,
+)
 
 READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
 METRICS_PREFIX = "isthmus: metrics at "  # then the URL, on stderr (`--metrics-port`)
@@ -187,7 +195,11 @@ def head_config(args: argparse.Namespace) -> object:
         name = platform.name if args.no_launch else resolve(platform.name)
         if name == "cuda" and not args.no_launch:
             check_local_cuda()
-        per_host = 1 if name == "cuda" else defaults.devices_per_host
+        if name == "tpu" and not args.no_launch:
+            check_local_tpu()
+        # A GPU worker owns one GPU; a TPU worker its host's chips (libtpu's own unit).
+        per_host = (1 if name == "cuda" else jax_compat.tpu_chips() if name == "tpu"
+                    else defaults.devices_per_host)
         fleet = FleetSpec(slices=args.slices or defaults.slices,
                           hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
                           devices_per_host=args.devices_per_host or per_host, platform=name)
@@ -273,6 +285,11 @@ def _embedded_platform(args: argparse.Namespace) -> Platform:
 
     platform = platform_config(args)
     name = resolve(platform.name)
+    if name == "tpu":
+        try:
+            check_local_tpu()
+        except PlatformUnavailable as e:
+            refuse(e.message)
     gpus = platform.gpus
     if name == "cuda" and gpus is None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         gpus = tuple(range(args.devices))

@@ -21,8 +21,9 @@ from typing import Any
 __all__ = [
     "SUPPORTED", "JaxInternalMissing", "backends_are_initialized", "batched_device_put",
     "deserialize_colocated", "device_assignment", "discover_backends", "initialize_lapack",
-    "jax_version", "jaxlib_extension", "make_ir_context", "point_colocated_devices",
-    "preload", "profiler_extension", "registered_backends", "xla_client",
+    "jax_version", "jaxlib_extension", "make_ir_context", "make_tpu_client",
+    "point_colocated_devices", "preload", "profiler_extension", "registered_backends",
+    "tpu_chips", "xla_client",
 ]
 
 SUPPORTED = "jax 0.10 to 0.12"  # the versions whose internals this module was checked against
@@ -125,6 +126,26 @@ def discover_backends() -> frozenset[str]:
         discover = xla_bridge._discover_and_register_pjrt_plugins
     discover()
     return registered_backends()
+
+
+def make_tpu_client() -> Any:
+    """A client of the TPU chips this process may use, made as jax makes its own
+    (`xla_bridge.make_tpu_client` with libtpu's library), while jax's own backends stay on
+    the CPU (JAX_PLATFORMS=cpu: the chip's lock is taken once, by this client)."""
+    with _needs("jax._src.xla_bridge.make_tpu_client"):
+        from jax._src import xla_bridge
+        from jax._src.cloud_tpu_init import get_tpu_library_path
+
+        return xla_bridge.make_tpu_client(get_tpu_library_path(), {})
+
+
+def tpu_chips() -> int:
+    """The TPU chips attached to this machine (PCI), counted as jax counts them, without
+    touching libtpu."""
+    with _needs("jax._src.hardware_utils.num_available_tpu_chips_and_device_id"):
+        from jax._src import hardware_utils
+
+        return int(hardware_utils.num_available_tpu_chips_and_device_id()[0])
 
 
 def registered_backends() -> frozenset[str]:

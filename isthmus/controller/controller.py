@@ -13,16 +13,18 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+from collections.abc import Awaitable
 from typing import Any, cast
 
 from isthmus import errors
 from isthmus.controller.counts import Counts
 from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.controller.ledger import Ledger
+from isthmus.dtypes import DType
 from isthmus.ids import ExecutableId, WorkerId
 from isthmus.logs import event
 from isthmus.transport import commands as c
-from isthmus.transport.messages import CrashReport
+from isthmus.transport.messages import CrashReport, dtype_name
 from isthmus.transport.records import CompiledInfo, CompileRequest
 from isthmus.worker.programs import canonical_digest
 from isthmus.worker.vetting import ProgramVetter, Vetted
@@ -96,6 +98,9 @@ class Executable:
         self.readahead: dict[tuple[int, int], int] = {}
 
 
+LAYOUTS_KEPT = 4096  # default layouts known (`Controller.default_layout`), oldest out first
+
+
 class Controller:
     """Fleet, ledger, executables and the compilation cache."""
 
@@ -123,6 +128,41 @@ class Controller:
         # of the lease whose workers it covers (a shared service: one per lease at a time).
         self.profiles: dict[str, Any] = {}
         self.counts = Counts()  # for the metrics (isthmus/observe)
+        # The backends' default layouts: (dtype, shape, device kind, memory kind) -> layout.
+        self._layouts: dict[tuple[str, tuple[int, ...], str, str], str] = {}
+
+    # ---- layouts -------------------------------------------------------------------------
+
+    def known_layout(self, dtype: DType, shape: tuple[int, ...], device: Device,
+                     memory_kind: str = "") -> str | None:
+        """The default layout if it is known without asking a host (`default_layout`)."""
+        layout = self.default_layout(dtype, shape, device, memory_kind, ask=False)
+        return layout if isinstance(layout, str) else None
+
+    def default_layout(self, dtype: DType, shape: tuple[int, ...], device: Device,
+                       memory_kind: str = "", ask: bool = True) -> str | Awaitable[str] | None:
+        """The serving backend's default layout of such an array on `device`, as XLA writes
+        it: asked of its host once per (dtype, shape, device kind, memory kind), then known.
+        A CPU device's is row-major ("{1,0}"), known without asking."""
+        key = (dtype.kind, shape, device.kind, memory_kind)
+        known = self._layouts.get(key)
+        if known is not None:
+            return known
+        if device.platform == "cpu" or dtype.numpy is None:
+            return "{" + ",".join(str(i) for i in range(len(shape) - 1, -1, -1)) + "}"
+        if not ask:
+            return None
+        answer = self.fleet.channel(device.worker).ask(
+            c.DefaultLayout(dtype_name(dtype.numpy), shape, int(device.id)))
+
+        async def asked() -> str:
+            layout = await answer
+            if len(self._layouts) >= LAYOUTS_KEPT:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+            return layout
+
+        return asked()
 
     # ---- programs ------------------------------------------------------------------------
 

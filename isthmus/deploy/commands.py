@@ -78,6 +78,8 @@ def slurm_command(args: argparse.Namespace) -> int:
                      args.compile_cache_namespace, "--compile-cache-size",
                      args.compile_cache_size]
     service = service_options(args)
+    if args.unix_socket and not args.tenants:  # the job's command reaches it over TCP
+        options.refuse("--unix-socket is for a shared service: add --tenants")
     try:
         options.platform_config(args)  # refuses bad platform options before anything starts
         fleet = slurm.plan(os.environ, args.hosts_per_slice, args.devices_per_host, args.port)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from isthmus import errors
 from isthmus.controller.fleet import Device
 from isthmus.frontend.message import Message
@@ -86,13 +88,29 @@ def default_device_assignment(session: FrontendSession, request: Message,
             devices[c * replicas + r].id for r in range(replicas))
 
 
-def default_layout(session: FrontendSession, request: Message, response: Message) -> None:
+def default_layout(session: FrontendSession, request: Message,
+                   response: Message) -> Awaitable[None] | None:
     body = request.get_default_layout_request
-    session.serdes.dtype(body.dtype)  # validates
+    dtype = session.serdes.dtype(body.dtype)  # validates
     rank = len(body.dims)
     if rank > 64 or any(d < 0 for d in body.dims):
         raise errors.InvalidRequest(f"dims {list(body.dims)[:8]} are not a valid shape.")
-    session.fleet.device(body.device_id)
-    # Dense row-major: what XLA's CPU and GPU clients choose by default.
-    text = "{" + ",".join(str(i) for i in range(rank - 1, -1, -1)) + "}"
-    response.get_default_layout_response.serialized_pjrt_layout = text.encode()
+    device = session.fleet.device(body.device_id)
+    kind = body.memory_kind or ""
+    if kind and kind not in device.memory_kinds:
+        raise errors.InvalidRequest(
+            f"memory kind {kind!r} is not one of device {device.id}'s "
+            f"({', '.join(device.memory_kinds)}).")
+    # The serving backend's own (a TPU's are tiled): row-major on CPU, asked once otherwise.
+    layout = session.ctl.core.controller.default_layout(
+        dtype, tuple(int(d) for d in body.dims), device, kind)
+    out = response.get_default_layout_response
+    if isinstance(layout, str):
+        out.serialized_pjrt_layout = layout.encode()
+        return None
+    assert layout is not None  # asked of its host
+
+    async def answer() -> None:
+        out.serialized_pjrt_layout = (await layout).encode()
+
+    return answer()

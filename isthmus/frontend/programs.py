@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Sequence
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
 from isthmus.controller.controller import Executable
+from isthmus.frontend import layouts
 from isthmus.frontend.colocated import compile_custom_call
 from isthmus.frontend.message import Message
 from isthmus.frontend.persistence import compile_plugin
@@ -280,11 +281,8 @@ async def _answer(session: FrontendSession, executable: Executable, out: Message
 
 
 def _layouts(text_layouts: tuple[str, ...], out: Message) -> None:
-    for text in text_layouts:
-        layout = out.layouts.add()
-        inner = text.strip().removeprefix("{").removesuffix("}").split(":")[0]
-        if inner:
-            layout.minor_to_major.extend(int(x) for x in inner.split(","))
+    for text in text_layouts:  # with their tiles: a TPU's are tiled
+        layouts.fill(text, out.layouts.add())
 
 
 def _info(executable: Executable) -> CompiledInfo:

@@ -17,6 +17,8 @@ import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.controller.arrays import Array
+from isthmus.controller.sharding import Sharding, shard_boxes, shard_shape
+from isthmus.frontend.layouts import check_upload_layout
 from isthmus.frontend.message import Message
 from isthmus.frontend.serdes import ArraySpec, HostShardSpec
 from isthmus.frontend.session import FrontendSession
@@ -97,27 +99,14 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _check_default_layout(session: FrontendSession, layout: Message, rank: int) -> None:
-    """Accepts only the default (row-major, untiled) layout, in either IFRT form."""
-    serialized = layout.serialized_layout
-    row_major = list(range(rank))
-    try:
-        if serialized.type_name == "xla::ifrt::CompactLayout":
-            proto = session.schema["xla.ifrt.CompactLayoutProto"].FromString(serialized.data)
-            if list(proto.major_to_minor) in ([], row_major):
-                return
-        elif serialized.type_name == "xla::ifrt::PjRtLayout":
-            proto = session.schema["xla.ifrt.PjRtLayoutProto"].FromString(serialized.data)
-            minor_to_major = list(proto.xla_layout.minor_to_major)
-            if minor_to_major in ([], row_major[::-1]) and not proto.xla_layout.tiles:
-                return
-        elif not serialized.type_name:
-            return
-    except Exception:  # noqa: BLE001
-        raise errors.InvalidRequest("the array's layout does not parse.") from None
-    raise errors.Unimplemented(
-        f"custom array layouts ({serialized.type_name}) are not supported by isthmus; use the "
-        "default row-major layout.")
+def _check_default_layout(session: FrontendSession, layout: Message, dtype: dtypes.DType,
+                          shape: tuple[int, ...], sharding: Sharding) -> None:
+    """Accepts only the device's default layout (row-major on CPU, the backend's own on an
+    accelerator, as the client was told it), in either IFRT form."""
+    device = session.fleet.device(sharding.devices[0])
+    box = shard_boxes(sharding, shape)[0]
+    default = session.ctl.core.controller.known_layout(dtype, shard_shape(box), device)
+    check_upload_layout(session.schema, layout, len(shape), default)
 
 
 def _strides(body: Message) -> tuple[int, ...] | None:
@@ -181,7 +170,7 @@ def make_array_from_host_buffer(session: FrontendSession, request: Message,
     strides = _strides(body)
     check_upload_strides(dtype, shape, strides)
     if body.HasField("layout"):
-        _check_default_layout(session, body.layout, len(shape))
+        _check_default_layout(session, body.layout, dtype, shape, sharding)
     host = _HostShard(session, body.host_buffer_handle, dtype, shape, strides)
     try:
         session.host_buffers.check_unclaimed([body.host_buffer_handle])

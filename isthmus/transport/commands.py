@@ -60,7 +60,8 @@ from isthmus.transport.messages import CODEC, NumpyDType, dtype_name, dtype_of
 from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest, TraceOptions
 
 __all__ = [
-    "Assemble", "Bitcast", "CallPython", "Command", "Compile", "Copy", "DropExecutable",
+    "Assemble", "Bitcast", "CallPython", "Command", "Compile", "Copy", "DefaultLayout",
+    "DropExecutable",
     "Execute", "Fail", "Fetch", "Free", "Load", "Pull", "Put", "ReadShards", "Ready", "Refuse",
     "Request", "StartProfile", "StopProfile", "Told", "WriteMeta", "WriteShards",
     "dtype_field", "dtype_name", "refs",
@@ -273,6 +274,20 @@ class Fetch(Request[np.ndarray]):
 
     def apply(self, host: CommandHost) -> Awaitable[np.ndarray]:
         return host.fetch(self.buffer, self.nbytes)
+
+
+@_command
+class DefaultLayout(Request[str]):
+    """Answered with the backend's default layout of an array of `dtype` (a numpy name)
+    and `shape` on `device` (global id), as XLA writes it: a TPU's are tiled, and often
+    not row-major."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    device: int
+
+    def apply(self, host: CommandHost) -> Awaitable[str]:
+        return host.default_layout(self.dtype, self.shape, self.device)
 
 
 # ---- programs -----------------------------------------------------------------------------

@@ -314,6 +314,15 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         except Exception as e:  # noqa: BLE001
             raise computation_error(e) from None
 
+    def default_layout(self, dtype: str, shape: tuple[int, ...], device: int) -> Awaitable[str]:
+        try:
+            layout = platforms.default_layout(self.devices.get(device), dtype, shape)
+        except errors.IsthmusError as e:
+            return failing(e)
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        done.set_result(layout)
+        return done
+
     def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
         """Resolves to the host copy of one buffer, once it is computed (`nbytes`, the
         controller's size of it, matters only to channels that choose a path by size)."""

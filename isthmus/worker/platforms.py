@@ -1,4 +1,5 @@
-"""The device clients isthmus serves: jaxlib's CPU client, or CUDA through jax's plugin.
+"""The device clients isthmus serves: jaxlib's CPU client, CUDA through jax's plugin, or the
+TPU through libtpu.
 
 A worker (and the embedded backend) makes its client here, once per collective group. The
 process is prepared first (`prepare_process`, before jax touches a GPU): the GPUs a worker is
@@ -21,7 +22,7 @@ from isthmus.compat import jax as jax_compat
 from isthmus.worker import scheduling
 from isthmus.worker.compile_cache import CacheConfig
 
-PLATFORMS = ("cpu", "cuda", "auto")
+PLATFORMS = ("cpu", "cuda", "tpu", "auto")
 CPU_MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
 # A worker's exit code when its host cannot serve the platform: restarting will not help.
 EXIT_PLATFORM_UNAVAILABLE = 5
@@ -45,7 +46,9 @@ class PlatformUnavailable(errors.IsthmusError):
 class Platform:
     """What a worker serves: the platform and, for CUDA, which GPUs and how much of them."""
 
-    name: str = "cpu"  # "cpu", "cuda" or "auto" (CUDA when jax's plugin finds a GPU)
+    # "cpu", "cuda", "tpu" or "auto" (TPU where libtpu and chips are present, else CUDA
+    # when jax's plugin finds a GPU, else CPU)
+    name: str = "cpu"
     gpus: tuple[int, ...] | None = None  # GPUs to own (None: CUDA_VISIBLE_DEVICES, or all)
     # Cap of each client's memory pool, as a share of each GPU. Two workers sharing a GPU
     # need less than half each; a re-formation briefly holds an old and a new client.
@@ -108,11 +111,53 @@ def cuda_plugin_installed() -> bool:
     return False
 
 
+def libtpu_installed() -> bool:
+    """Whether libtpu is importable (without loading it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("libtpu") is not None
+    except ImportError:
+        return False
+
+
 def resolve(name: str) -> str:
-    """`auto` -> `cuda` where a GPU and jax's CUDA plugin are present, else `cpu`."""
+    """`auto` -> `tpu` where libtpu and TPU chips are present, else `cuda` where a GPU and
+    jax's CUDA plugin are, else `cpu`."""
     if name != "auto":
         return name
+    if libtpu_installed() and jax_compat.tpu_chips() > 0:
+        return "tpu"
     return "cuda" if visible_gpus() and cuda_plugin_installed() else "cpu"
+
+
+def check_local_tpu() -> None:
+    """Raises PlatformUnavailable, without touching libtpu, where TPU workers would fail."""
+    if not libtpu_installed():
+        raise _no_tpu("libtpu is not installed in this Python")
+    if jax_compat.tpu_chips() == 0:
+        raise _no_tpu("this machine shows no TPU chip")
+
+
+def _no_tpu(reason: str) -> PlatformUnavailable:
+    return PlatformUnavailable(
+        f"TPU was asked for but {reason}; install jax with libtpu (pip install 'jax[tpu]') "
+        "on a TPU machine, or use --platform cpu.")
+
+
+def make_tpu_client() -> Any:
+    """A client of the chips this process may use (libtpu's environment says which: one
+    process at a time may hold a chip)."""
+    check_local_tpu()
+    try:
+        client = jax_compat.make_tpu_client()
+    except Exception as e:  # noqa: BLE001 - libtpu says why in its message
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _no_tpu(f"libtpu could not open the chips ({first[:300]}; another process "
+                      "may hold them)") from None
+    if not client.local_devices():
+        raise _no_tpu("libtpu found no chip")
+    return client
 
 
 def check_local_cuda() -> None:
@@ -130,7 +175,7 @@ def prepare_process(platform: Platform, environ: Any = os.environ) -> None:
     # jax's own default backends stay on the CPU: the accelerator client is ours.
     environ["JAX_PLATFORMS"] = "cpu"
     environ.pop("JAX_BACKEND_TARGET", None)
-    if platform.name == "cpu":
+    if platform.name in ("cpu", "tpu"):  # libtpu's own environment says which chips
         return
     if platform.gpus is not None:
         # GPU numbers index CUDA_VISIBLE_DEVICES where it is set (as CUDA numbers them for
@@ -186,7 +231,19 @@ def make_cuda_client(distributed_client: Any = None, node_id: int = 0,
 
 def make_client(platform: str, num_devices: int, distributed_client: Any = None,
                 node_id: int = 0, num_nodes: int = 1, collectives: Any = None) -> Any:
-    """The client a worker serves: `num_devices` CPU devices, or its GPUs (all it sees)."""
+    """The client a worker serves: `num_devices` CPU devices, or its GPUs or TPU chips (all
+    it sees)."""
+    if platform == "tpu":
+        if distributed_client is not None:
+            raise PlatformUnavailable(
+                "a TPU group over several processes is not served yet (docs/tpu.md): run "
+                "one worker per TPU host, each its own slice, or the embedded backend.")
+        client = make_tpu_client()
+        if len(client.local_devices()) != num_devices:
+            raise PlatformUnavailable(
+                f"this process sees {len(client.local_devices())} TPU chips but serves "
+                f"{num_devices}; serve exactly that many (--devices, --devices-per-host).")
+        return client
     if platform == "cuda":
         client = make_cuda_client(distributed_client, node_id, num_nodes)
         if len(client.local_devices()) != num_devices:
@@ -244,12 +301,16 @@ def describe(platform: Platform, cpu_devices: int) -> Description:
     """Resolves `auto` and reads the device kind and memory kinds off a real client."""
     name = platform.name
     if name == "auto":
-        try:
-            client = make_cuda_client()
-        except PlatformUnavailable:
-            name = "cpu"
-        else:
-            return describe_client("cuda", client)
+        name = resolve(name)
+        if name == "cuda":
+            try:
+                client = make_cuda_client()
+            except PlatformUnavailable:
+                name = "cpu"
+            else:
+                return describe_client("cuda", client)
+    if name == "tpu":
+        return describe_client("tpu", make_tpu_client())
     if name == "cpu":
         if stand_in():
             return Description("cpu", cpu_devices, STAND_IN_KIND, CPU_MEMORY_KINDS, True)
@@ -312,3 +373,18 @@ def device_memory(client: Any, devices: dict[int, Any]) -> dict[str, int]:
                 if device in global_ids:
                     totals[f"memory/{global_ids[device]}/{key}"] = int(stats[key])
     return totals
+
+
+def default_layout(device: Any, dtype: str, shape: tuple[int, ...]) -> str:
+    """The backend's default layout of an array of `dtype` (a numpy name) and `shape` on a
+    jaxlib `device` (None: not this host's), as XLA writes it: row-major on CPU and GPU
+    ("{1,0}"), tiled and often transposed on a TPU ("{0,1:T(8,128)}")."""
+    from isthmus.transport.messages import dtype_of
+
+    if device is None:
+        raise errors.InvalidRequest("the device is not on this host.")
+    try:
+        return str(device.client.get_default_layout(dtype_of(dtype), tuple(shape), device))
+    except Exception as e:  # noqa: BLE001 - a dtype or shape this backend refuses
+        raise errors.from_runtime_error(
+            e, errors.InvalidRequest, "the backend has no default layout for it") from None

@@ -147,3 +147,104 @@ def test_host_buffers_of_a_refused_sharded_put_are_freed():
         assert len(session.host_buffers) == 0 and session.host_buffers.bytes_held == 0
         await session.close()
     asyncio.run(main())
+
+
+def test_default_layouts_are_the_serving_backends_own(monkeypatch):
+    """A backend whose defaults are not row-major (a TPU's are tiled and often transposed):
+    GetDefaultLayout answers its host's layout, asked once per dtype and shape, and an
+    upload naming that layout is accepted. CI has no TPU: the host here is jaxlib's CPU
+    client under an accelerator's name, its default layouts those of a TPU."""
+    import dataclasses
+
+    from isthmus.controller.fleet import WholeFleet
+    from isthmus.ids import WorkerId
+    from isthmus.worker import platforms
+
+    asked = []
+
+    def tpu_default(device, dtype, shape):
+        asked.append((dtype, shape))
+        return "{0,1:T(8,128)}" if len(shape) == 2 else "{0:T(512)}"
+
+    monkeypatch.setattr(platforms, "default_layout", tpu_default)
+
+    async def main():
+        cpu_fleet, host = embedded_fleet(2)
+        fleet = WholeFleet([dataclasses.replace(d, platform="tpu", kind="TPU stand-in")
+                            for d in cpu_fleet.devices], {WorkerId(0): host})
+        frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1)),
+                            schema())
+        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
+        metadata.version.protocol_version = 25
+        metadata.version.ifrt_serdes_version_number = 3
+        sent = []
+        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        s = schema()
+        f32 = s["xla.ifrt.DTypeProto"](kind=s["xla.ifrt.DTypeProto"].KIND_F32)
+
+        async def layout(op_id, dims):
+            session.handle(_request(op_id, "get_default_layout_request", dtype=f32,
+                                    dims=dims, device_id=1))
+            for _ in range(100):
+                reply = [r for r in sent if r.response_metadata.op_id == op_id]
+                if reply:
+                    assert reply[0].response_metadata.status.code == 0, reply[0]
+                    return reply[0].get_default_layout_response.serialized_pjrt_layout
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"no answer to {op_id}")
+
+        assert await layout(1, [512, 10]) == b"{0,1:T(8,128)}"
+        assert await layout(2, [512, 10]) == b"{0,1:T(8,128)}"
+        assert await layout(3, [512]) == b"{0:T(512)}"
+        assert asked == [("float32", (512, 10)), ("float32", (512,))]  # each asked once
+        # An upload that names the device's default layout (as the client was told it).
+        proto = s["xla.ifrt.PjRtLayoutProto"]()
+        from isthmus.frontend.layouts import fill
+
+        fill("{0,1:T(8,128)}", proto.xla_layout)
+        assert list(proto.xla_layout.tiles[0].dimensions) == [8, 128]
+        named = s["xla.ifrt.LayoutProto"]()
+        named.serialized_layout.type_name = "xla::ifrt::PjRtLayout"
+        named.serialized_layout.data = proto.SerializeToString()
+        sharding = s["xla.ifrt.ShardingProto"]()
+        hlo = s["xla.ifrt.HloShardingProto"]()
+        hlo.devices.device_ids.append(1)
+        hlo.xla_op_sharding.SetInParent()
+        sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+        sharding.serialized_sharding.data = hlo.SerializeToString()
+        session.handle(_request(
+            4, "make_array_from_host_buffer_request", dtype=f32,
+            shape=s["xla.ifrt.ShapeProto"](dims=[512, 10]), sharding=sharding,
+            host_buffer_handle=9, array_handle=9, layout=named))
+        reply = [r for r in sent if r.response_metadata.op_id == 4][0]
+        assert reply.response_metadata.status.code == 0, reply
+        # Another layout is still refused.
+        fill("{1,0:T(2,128)}", proto.xla_layout)
+        named.serialized_layout.data = proto.SerializeToString()
+        session.handle(_request(
+            5, "make_array_from_host_buffer_request", dtype=f32,
+            shape=s["xla.ifrt.ShapeProto"](dims=[512, 10]), sharding=sharding,
+            host_buffer_handle=11, array_handle=11, layout=named))
+        reply = [r for r in sent if r.response_metadata.op_id == 5][0]
+        assert reply.response_metadata.status.code == 12, reply  # UNIMPLEMENTED
+        await session.close()
+    asyncio.run(main())
+
+
+def test_layouts_keep_their_tiles():
+    from isthmus.frontend.layouts import COMBINE, fill
+
+    proto = schema()["xla.LayoutProto"]()
+    fill("{1,0:T(8,128)(2,1)E(4)S(1)}", proto)
+    assert list(proto.minor_to_major) == [1, 0]
+    assert [list(t.dimensions) for t in proto.tiles] == [[8, 128], [2, 1]]
+    assert proto.element_size_in_bits == 4 and proto.memory_space == 1
+    scalar = schema()["xla.LayoutProto"]()
+    fill("{:T(128)}", scalar)
+    assert list(scalar.minor_to_major) == [] and list(scalar.tiles[0].dimensions) == [128]
+    combined = schema()["xla.LayoutProto"]()
+    fill("{0:T(2,*)L(1024)}", combined)
+    assert list(combined.tiles[0].dimensions) == [2, COMBINE]
+    plain = schema()["xla.LayoutProto"]()
+    fill("{2,1,0}", plain)
+    assert list(plain.minor_to_major) == [2, 1, 0] and not plain.tiles

@@ -123,6 +123,21 @@ def _device_assignment():
 
 
 # Each public name of the compat module, and how it is touched.
+def _make_tpu_client():
+    """Without chips the internals are still found: libtpu's path, the client maker."""
+    from jax._src import xla_bridge
+    from jax._src.cloud_tpu_init import get_tpu_library_path
+
+    assert callable(xla_bridge.make_tpu_client) and callable(get_tpu_library_path)
+    if jax_compat.tpu_chips() == 0:
+        return
+    assert jax_compat.make_tpu_client().platform == "tpu"  # pragma: no cover - TPU only
+
+
+def _tpu_chips():
+    assert jax_compat.tpu_chips() >= 0
+
+
 TOUCH = {
     "backends_are_initialized": _backends_are_initialized,
     "batched_device_put": _batched_device_put,
@@ -132,10 +147,12 @@ TOUCH = {
     "initialize_lapack": _initialize_lapack,
     "jaxlib_extension": _jaxlib_extension,
     "make_ir_context": _make_ir_context,
+    "make_tpu_client": _make_tpu_client,
     "point_colocated_devices": _colocated_round_trip,
     "preload": _preload,
     "profiler_extension": _profiler_extension,
     "registered_backends": _registered_backends,
+    "tpu_chips": _tpu_chips,
     "xla_client": _xla_client,
 }
 NOT_INTERNALS = {"SUPPORTED", "JaxInternalMissing", "jax_version"}
