@@ -94,7 +94,8 @@ def transfers(mib: int) -> dict:
         del on_chip
     assert np.array_equal(back, host)
     size = host.nbytes / 1e9
-    return {"put_GBps": size / statistics.median(puts), "fetch_GBps": size / statistics.median(fetches)}
+    return {"put_GBps": size / statistics.median(puts),
+            "fetch_GBps": size / statistics.median(fetches)}
 
 
 def matmul(n: int) -> dict:
