@@ -41,8 +41,17 @@ def add_deploy_commands(commands: Any,
     render.add_argument("--slices", type=int, default=1)
     render.add_argument("--hosts-per-slice", type=int, default=2)
     render.add_argument("--devices-per-host", type=int, default=4,
-                        help="CPU devices, or GPUs (nvidia.com/gpu) per worker pod")
-    render.add_argument("--platform", choices=("cpu", "cuda"), default="cpu")
+                        help="CPU devices, GPUs (nvidia.com/gpu) or TPU chips "
+                             "(google.com/tpu: a TPU host's, all of them) per worker pod")
+    render.add_argument("--platform", choices=("cpu", "cuda", "tpu"), default="cpu")
+    render.add_argument("--tpu-accelerator", default="tpu-v5-lite-podslice",
+                        help="the GKE TPU node pool's accelerator type (node label "
+                             "cloud.google.com/gke-tpu-accelerator; default: "
+                             "tpu-v5-lite-podslice)")
+    render.add_argument("--tpu-topology", default="",
+                        help="one slice's TPU topology, e.g. 2x4 (node label "
+                             "cloud.google.com/gke-tpu-topology; default: devices-per-host x "
+                             "hosts-per-slice)")
     render.add_argument("--image", default="python:3.12-slim",
                         help="a container image with isthmus installed (and jax's CUDA "
                              "plugin for --platform cuda)")
@@ -127,7 +136,9 @@ def k8s_command(args: argparse.Namespace) -> int:
                            args.platform, args.image, args.name, args.namespace,
                            compile_cache=args.compile_cache,
                            tenants_secret=args.tenants_secret,
-                           service_tls_secret=args.service_tls_secret)
+                           service_tls_secret=args.service_tls_secret,
+                           tpu_accelerator=args.tpu_accelerator,
+                           tpu_topology=args.tpu_topology)
         text = to_yaml(render(shape, args.variant))
     except ValueError as e:
         options.refuse(str(e))

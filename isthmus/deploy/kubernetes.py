@@ -12,7 +12,9 @@ Both come with a headless Service in front of the controller (the workers find i
 a Secret holding the fleet token (mounted as a file by every pod), and a NetworkPolicy that
 lets only the fleet's pods, and pods labelled as its clients, reach it: the stock client
 speaks plain gRPC, so the client port must not be open to the whole cluster. GPU workers
-request `nvidia.com/gpu`.
+request `nvidia.com/gpu`; TPU workers (one per TPU host of a GKE TPU node pool, owning its
+chips) request `google.com/tpu` and select the pool by its accelerator type and topology
+(docs/tpu.md says which of this has run).
 
 With `tenants_secret` the controller serves a shared service (`isthmus up --tenants`,
 docs/shared.md): the tenants file and its tokens come from that Secret, the client port's
@@ -54,13 +56,25 @@ class FleetShape:
     # controller cannot write a self-signed certificate into a Secret's read-only mount.
     tenants_secret: str | None = None
     service_tls_secret: str | None = None
+    # TPU slices (GKE's node labels): the accelerator type of the pool, and the topology of
+    # one slice ("" : devices_per_host x hosts_per_slice chips as "AxB", e.g. 2x4).
+    tpu_accelerator: str = "tpu-v5-lite-podslice"
+    tpu_topology: str = ""
 
     def __post_init__(self) -> None:
         for field in ("slices", "hosts_per_slice", "devices_per_host"):
             if getattr(self, field) < 1:
                 raise ValueError(f"--{field.replace('_', '-')} must be at least 1")
-        if self.platform not in ("cpu", "cuda"):
-            raise ValueError(f"--platform must be cpu or cuda, not {self.platform!r}")
+        if self.platform not in ("cpu", "cuda", "tpu"):
+            raise ValueError(f"--platform must be cpu, cuda or tpu, not {self.platform!r}")
+        if self.platform == "tpu":
+            chips = self.hosts_per_slice * self.devices_per_host
+            sides = self.topology.split("x")
+            if not all(side.isdigit() and int(side) > 0 for side in sides) or \
+                    _product(int(side) for side in sides) != chips:
+                raise ValueError(f"--tpu-topology {self.topology!r} must name the slice's "
+                                 f"{chips} chips ({self.hosts_per_slice} hosts x "
+                                 f"{self.devices_per_host} chips), e.g. 2x4")
         if not self.name.replace("-", "").isalnum() or not self.name[0].isalpha() or (
                 self.name != self.name.lower()) or len(self.name) > 40:
             raise ValueError(f"--name {self.name!r} must be a lowercase DNS label of at most "
@@ -80,6 +94,11 @@ class FleetShape:
         if self.service_tls_secret and not self.tenants_secret:
             raise ValueError("--service-tls-secret is for a shared service: add "
                              "--tenants-secret NAME")
+
+    @property
+    def topology(self) -> str:
+        """The slice's TPU topology, as GKE labels its nodes."""
+        return self.tpu_topology or f"{self.devices_per_host}x{self.hosts_per_slice}"
 
     @property
     def shared(self) -> bool:
@@ -177,6 +196,13 @@ def _controller_volumes(shape: FleetShape) -> list[tuple[dict[str, Any], dict[st
     return volumes
 
 
+def _product(values: Any) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result
+
+
 def _service_args(shape: FleetShape) -> list[str]:
     if not shape.shared:
         return []
@@ -215,6 +241,9 @@ def _worker_container(shape: FleetShape, slice_value: str) -> dict[str, Any]:
     resources: dict[str, Any] = {"requests": {"cpu": "1", "memory": "4Gi"}}
     if shape.platform == "cuda":
         resources["limits"] = {"nvidia.com/gpu": str(shape.devices_per_host)}
+    if shape.platform == "tpu":  # a TPU host's chips, all of them: libtpu's unit
+        resources["requests"]["google.com/tpu"] = str(shape.devices_per_host)
+        resources["limits"] = {"google.com/tpu": str(shape.devices_per_host)}
     return {"name": "worker", "image": shape.image, "command": command,
             "env": [{"name": "POD_IP",
                      "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
@@ -233,7 +262,11 @@ def _controller_pod_spec(shape: FleetShape, restart: str) -> dict[str, Any]:
 
 def _worker_pod_spec(shape: FleetShape, container: dict[str, Any],
                      restart: str) -> dict[str, Any]:
-    return _pod_spec(container, restart, [_token_volume(shape)])
+    spec = _pod_spec(container, restart, [_token_volume(shape)])
+    if shape.platform == "tpu":  # the GKE TPU node pool of the slice's type and shape
+        spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": shape.tpu_accelerator,
+                                "cloud.google.com/gke-tpu-topology": shape.topology}
+    return spec
 
 
 def _jobset(shape: FleetShape) -> dict[str, Any]:
@@ -245,8 +278,12 @@ def _jobset(shape: FleetShape) -> dict[str, Any]:
     worker_pod = {"metadata": {"labels": _selector(shape, "worker")},
                   # A worker that crashes restarts in place and rejoins its slice.
                   "spec": _worker_pod_spec(shape, worker, "OnFailure")}
+    metadata = _metadata(shape, shape.name)
+    if shape.platform == "tpu":  # each slice's Job on a node pool of its own
+        metadata["annotations"] = {
+            "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-            "metadata": _metadata(shape, shape.name),
+            "metadata": metadata,
             "spec": {"failurePolicy": {"maxRestarts": 3},
                      "replicatedJobs": [
                          {"name": "controller", "replicas": 1,

@@ -45,11 +45,14 @@ SHARED = FleetShape(2, 2, 4, name="svc", namespace="ml", tenants_secret="svc-ten
 def shapes():
     return [FleetShape(2, 2, 4), FleetShape(3, 1, 8, "cuda", "example.com/isthmus:1",
                                             "train", "ml", compile_cache="gs://b/cache"),
-            SHARED]
+            SHARED, TPU]
+
+
+TPU = FleetShape(2, 4, 4, "tpu", "example.com/isthmus:tpu", "pods", tpu_topology="4x4")
 
 
 @pytest.mark.parametrize("variant", ["jobset", "plain"])
-@pytest.mark.parametrize("shape", shapes(), ids=["cpu", "cuda", "shared"])
+@pytest.mark.parametrize("shape", shapes(), ids=["cpu", "cuda", "shared", "tpu"])
 def test_manifests_validate(shape, variant):
     import jsonschema
 
@@ -219,3 +222,37 @@ def test_bad_shapes_are_refused_with_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "isthmus.cli", "k8s", "render", "-o",
                              str(out)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and out.read_text().startswith("---\napiVersion: v1")
+
+
+@pytest.mark.parametrize("variant", ["jobset", "plain"])
+def test_tpu_workers_ask_for_their_hosts_chips_on_a_tpu_node_pool(variant):
+    """One worker per TPU host of a GKE TPU node pool: google.com/tpu for every chip of the
+    host, the pool chosen by accelerator type and slice topology; each slice's Job alone on
+    its pool (JobSet's exclusive topology)."""
+    manifests = render(TPU, variant)
+    pods = []
+    for m in manifests:
+        if m["kind"] == "JobSet":
+            assert m["metadata"]["annotations"] == {
+                "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+            pods += [j["template"]["spec"]["template"] for j in m["spec"]["replicatedJobs"]
+                     if j["name"] == "slice"]
+        elif m["kind"] == "StatefulSet":
+            pods.append(m["spec"]["template"])
+    assert pods
+    for pod in pods:
+        spec = pod["spec"]
+        assert spec["nodeSelector"] == {
+            "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+            "cloud.google.com/gke-tpu-topology": "4x4"}
+        (container,) = spec["containers"]
+        assert container["resources"]["limits"] == {"google.com/tpu": "4"}
+        command = container["command"]
+        assert command[command.index("--platform") + 1] == "tpu"
+        assert command[command.index("--devices") + 1] == "4"
+
+
+def test_a_tpu_topology_must_hold_the_slices_chips():
+    with pytest.raises(ValueError, match="must name the slice's 16 chips"):
+        FleetShape(1, 4, 4, "tpu", tpu_topology="2x4")
+    assert FleetShape(1, 2, 4, "tpu").topology == "4x2"
