@@ -79,7 +79,7 @@ def _worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     config = WorkerConfig(controller=args.controller, slice_index=args.slice,
                           devices=args.devices, platform=platform, token=token,
                           tls=tls_config(args), connect_timeout=args.connect_timeout,
-                          listen=args.listen, advertise=args.advertise,
+                          listen=_listen(args), advertise=args.advertise,
                           gloo_scheduling=gloo_scheduling,
                           argv=(sys.executable, "-m", "isthmus.cli", *argv),
                           crash=CrashConfig(os.environ.get(CRASH_RECORD_ENV) or None,
@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="subcommand", required=True)
     serve.add_server_commands(commands)
     worker = commands.add_parser("worker", help="serve this host's devices to a controller")
-    worker.add_argument("--controller", required=True, help="HOST:PORT of the controller")
+    worker.add_argument("--controller", required=True,
+                        help="HOST:PORT of the controller, or unix:PATH of its Unix socket "
+                             "(a fleet on one machine without TCP)")
     worker.add_argument("--slice", type=int, default=-1,
                         help="the slice to join (default: any slice with a free host slot)")
     worker.add_argument("--devices", type=int, default=4,
@@ -112,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "unless other processes keep every CPU busy) or normal (default: "
                              f"${scheduling.ENVIRONMENT}, else {scheduling.DEFAULT}; "
                              "docs/design.md)")
-    worker.add_argument("--listen", default="127.0.0.1",
-                        help="address for the peer data server (default: 127.0.0.1)")
+    worker.add_argument("--listen", default=None,
+                        help="address for the peer data server, or unix:DIR for a Unix "
+                             "socket in DIR (default: 127.0.0.1; beside the controller's "
+                             "socket when --controller is unix:PATH)")
     worker.add_argument("--advertise", default=None,
                         help="address peers use to reach this worker (default: --listen)")
     worker.add_argument("--connect-timeout", type=float, default=180.0,
@@ -143,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="PEM", help="a shared service's certificate to trust")
     add_leases_command(commands)
     return parser
+
+
+def _listen(args: argparse.Namespace) -> str:
+    """A worker's peer data server: --listen, else beside a controller reached at
+    unix:PATH (a fleet without TCP), else the loopback."""
+    if args.listen is not None:
+        return str(args.listen)
+    if args.controller.startswith("unix:"):
+        return "unix:" + os.path.dirname(args.controller.removeprefix("unix:"))
+    return "127.0.0.1"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

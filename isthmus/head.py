@@ -165,6 +165,15 @@ class Head:
         self.observer: Observer | None = None  # metrics and the live view
 
     @property
+    def _unix_dir(self) -> str | None:
+        """Where a fleet without TCP keeps its sockets: beside the client port's."""
+        if self.config.port is None and self.config.unix_socket is not None:
+            import os
+
+            return os.path.dirname(os.path.abspath(self.config.unix_socket))
+        return None
+
+    @property
     def address(self) -> str:
         """Where clients reach the server: its TCP port, or its Unix socket without one."""
         if self.config.port is None and self.config.unix_socket is not None:
@@ -233,7 +242,8 @@ class Head:
             self.manager = FleetManager(
                 config.fleet, fleet,
                 ManagerConfig(advertise_host=advertise, shared_dir=self.shared_dir,
-                              heartbeat_timeout=config.heartbeat_timeout),
+                              heartbeat_timeout=config.heartbeat_timeout,
+                              unix_dir=self._unix_dir),
                 on_slice_down=controller.ledger.poison_slice, on_crash=controller.crashed,
                 last_program=controller.last_program)
             # A shared service's own workers join with single-use tokens (`transport/auth.py`).
@@ -241,7 +251,10 @@ class Head:
                      else None)
             self.fleet_service = FleetServicer(self.manager, config.fleet_token, config.tls,
                                                joins)
-            await self.fleet_service.start(config.host, config.fleet_port)
+            if self._unix_dir is not None:  # a fleet on this machine without TCP
+                await self.fleet_service.start_unix(f"{self._unix_dir}/fleet.sock")
+            else:
+                await self.fleet_service.start(config.host, config.fleet_port)
             extra_methods = self.fleet_service.methods()
         # Clients' files in the shared directory are named by handle, not by session: a
         # shared service takes none (its workers still use it among themselves).

@@ -204,10 +204,11 @@ def head_config(args: argparse.Namespace) -> object:
                           hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
                           devices_per_host=args.devices_per_host or per_host, platform=name)
     token = fleet_token(args)
-    # Without TCP (a Unix socket alone) only the embedded backend serves: a fleet's workers
-    # reach the controller over TCP, and a shared service's remote tenants too.
+    # With a Unix socket and no --port, no TCP at all: the embedded backend, or a fleet on
+    # this machine whose control streams, peer data and group formation use Unix sockets
+    # beside it. A shared service keeps TCP (its tenants come from elsewhere).
     port = args.port if args.port is not None else (
-        None if args.unix_socket and fleet is None and args.tenants is None else 0)
+        None if args.unix_socket and args.tenants is None and not args.no_launch else 0)
     beyond = args.host not in ("127.0.0.1", "localhost", "::1")
     if fleet is not None and args.tenants is not None and not token and tls_config(args) is None:
         # A shared service admits only workers that prove they are the fleet's.
@@ -375,8 +376,12 @@ async def run(args: argparse.Namespace) -> int:
         # The command's own socket: nothing to race for, and only this user may connect.
         import tempfile
 
+        from isthmus.ports import tcp_available
+
         private = tempfile.mkdtemp(prefix="isthmus-run-")  # mode 0700
         args.unix_socket = os.path.join(private, "client.sock")
+        if args.port is None and args.devices is None and tcp_available():
+            args.port = 0  # a fleet keeps TCP among its processes where it may
     head = Head(head_config(args))  # type: ignore[arg-type]
     try:
         address = await head.start()

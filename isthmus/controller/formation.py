@@ -81,7 +81,7 @@ class GroupFormation:
             if not members:
                 return
             generation = self.fleet.generation + 1
-            address = f"{self.config.advertise_host}:{free_port(self.config.advertise_host)}"
+            address = self._group_address(generation, "group")
             def serve(at: str) -> object:
                 return jax_compat.jaxlib_extension().get_distributed_runtime_service(
                     at, len(members), recoverable=True)
@@ -91,8 +91,7 @@ class GroupFormation:
             # Colocated CPU devices form a group of their own (one more CPU client per host).
             companion_address = ""
             if self.fleet.companions:
-                host = self.config.advertise_host
-                companion_address = f"{host}:{free_port(host)}"
+                companion_address = self._group_address(generation, "companions")
                 self._services.append(
                     await loop.run_in_executor(None, serve, companion_address))
             logger.info("forming collective group %s with %s workers at %s", generation,
@@ -143,6 +142,14 @@ class GroupFormation:
             up = [s for s in self.slices() if self.fleet.slice_error(s) is None]
             logger.info("collective group %s formed; slices up: %s", generation, up,
                         extra=event("group_formed", generation=generation, slices_up=up))
+
+    def _group_address(self, generation: int, what: str) -> str:
+        """Where a generation's coordination service listens: a free TCP port, or a Unix
+        socket of a fleet on one machine without TCP (gRPC serves both)."""
+        if self.config.unix_dir is not None:
+            return f"unix:{self.config.unix_dir}/{what}-{generation}.sock"
+        host = self.config.advertise_host
+        return f"{host}:{free_port(host)}"
 
     async def wait_complete(self, timeout: float) -> None:
         """Waits until every slice of the spec is up."""

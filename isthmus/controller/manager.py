@@ -69,6 +69,9 @@ class ManagerConfig:
     advertise_host: str = "127.0.0.1"  # where workers reach this process
     # A directory for bulk data with workers on this machine (None: every byte streams).
     shared_dir: str | None = None
+    # A fleet on one machine without TCP: its collective groups' coordination services on
+    # Unix sockets in this directory (None: TCP at advertise_host).
+    unix_dir: str | None = None
 
 
 class WorkerStatus(TypedDict):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import socket
 import ssl
 import struct
@@ -250,6 +251,23 @@ async def connect(host: str, port: int, context: ssl.SSLContext | None = None,
     _, stream = await asyncio.get_running_loop().create_connection(
         FrameStream, host, port, ssl=context, server_hostname=server_hostname)
     return stream
+
+
+async def connect_unix(path: str) -> FrameStream:
+    """A control stream over the Unix socket at `path` (a fleet on one machine)."""
+    _, stream = await asyncio.get_running_loop().create_unix_connection(FrameStream, path)
+    return stream
+
+
+async def serve_unix(on_connected: Callable[[FrameStream], None], path: str
+                     ) -> asyncio.Server:
+    """Listens for control streams on a Unix socket (mode 0600: this user's workers)."""
+    old = os.umask(0o177)
+    try:
+        return await asyncio.get_running_loop().create_unix_server(
+            lambda: FrameStream(on_connected), path)
+    finally:
+        os.umask(old)
 
 
 async def serve(on_connected: Callable[[FrameStream], None], host: str, port: int

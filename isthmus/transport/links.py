@@ -29,6 +29,7 @@ from isthmus.transport.frames import (
     Parts,
     StreamClosed,
     connect,
+    connect_unix,
     keep_alive,
     read_frame,
     write_frames,
@@ -75,12 +76,15 @@ class ControllerLink:
         host = self.address.rpartition(":")[0].strip("[]")
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             endpoint = channel.unary_unary("/isthmus.Fleet/Endpoint")
-            port = int(await endpoint(b"", timeout=timeout, wait_for_ready=True))
+            where = (await endpoint(b"", timeout=timeout, wait_for_ready=True)).decode()
         context = None if self.tls is None else self.tls.client_context()
         try:
-            self._stream = await asyncio.wait_for(
-                connect(host, port, context, FLEET_NAME if context is not None else None),
-                timeout)
+            if where.startswith("unix:"):  # a fleet on one machine without TCP
+                opening = connect_unix(where.removeprefix("unix:"))
+            else:
+                opening = connect(host, int(where), context,
+                                  FLEET_NAME if context is not None else None)
+            self._stream = await asyncio.wait_for(opening, timeout)
         except ssl.SSLError as e:
             raise auth.Unauthenticated(
                 f"the TLS handshake with the controller failed ({e.reason or e}); give the "
@@ -142,17 +146,34 @@ class PeerDataServer:
         self._tls = tls
         self._server: grpc.aio.Server | None = None
 
-    async def start(self, host: str) -> int:
+    async def start(self, listen: str, advertise: str | None = None) -> str:
+        """Serves on `listen` (a host: a free port there; unix:DIR: a fresh Unix socket in
+        DIR, mode 0600); returns the address peers reach it at (gRPC's form: HOST:PORT, with
+        `advertise` for the host, or unix:PATH)."""
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
             "isthmus.WorkerData", {"Fetch": grpc.unary_stream_rpc_method_handler(self._serve)})])
-        if self._tls is not None:
-            port = self._server.add_secure_port(f"{host}:0",
-                                                self._tls.grpc_server_credentials())
-        else:
-            port = self._server.add_insecure_port(f"{host}:0")
+        if listen.startswith("unix:"):
+            import os
+
+            target = (f"unix:{listen.removeprefix('unix:').rstrip('/')}/"
+                      f"data-{os.getpid()}-{secrets.token_hex(4)}.sock")
+            old = os.umask(0o177)
+            try:
+                self._add_port(target)
+            finally:
+                os.umask(old)
+            await self._server.start()
+            return target
+        port = self._add_port(f"{listen}:0")
         await self._server.start()
-        return port
+        return f"{advertise or listen}:{port}"
+
+    def _add_port(self, target: str) -> int:
+        assert self._server is not None
+        if self._tls is not None:
+            return self._server.add_secure_port(target, self._tls.grpc_server_credentials())
+        return self._server.add_insecure_port(target)
 
     async def _serve(self, request: bytes, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[bytes]:

@@ -31,6 +31,7 @@ from isthmus.transport.frames import (
     keep_alive,
     read_frame,
     serve,
+    serve_unix,
     write_frame,
 )
 from isthmus.transport.tls import TlsConfig
@@ -54,6 +55,7 @@ class FleetServicer:
         self._refused_peers: set[tuple[Any, str]] = set()  # (host, why) logged once each
         self._tls = tls  # mutual TLS on every control stream (`transport/tls.py`), or None
         self.port = 0  # of the control streams, once started
+        self.unix_path: str | None = None  # ... or their Unix socket (a fleet without TCP)
         self._server: asyncio.Server | None = None
         self._writers: set[FrameStream] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -68,6 +70,16 @@ class FleetServicer:
                                "free one)") from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
+
+    async def start_unix(self, path: str) -> None:
+        """Listens for control streams on a Unix socket at `path` (mode 0600): a fleet on
+        one machine where no TCP socket may be opened."""
+        try:
+            self._server = await serve_unix(self._connected, path)
+        except OSError as e:
+            raise CannotListen(f"cannot listen on the Unix socket {path} for the workers' "
+                               f"control streams ({e.strerror})") from None
+        self.unix_path = path
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -174,7 +186,10 @@ class FleetServicer:
                    why)
 
     async def endpoint(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """The port of the control streams (on the host the worker reached us at)."""
+        """The port of the control streams (on the host the worker reached us at), or
+        their Unix socket as unix:PATH."""
+        if self.unix_path is not None:
+            return f"unix:{self.unix_path}".encode()
         return str(self.port).encode()
 
     async def alive(self, token: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -194,5 +209,7 @@ class FleetServicer:
 
 
 def _peer(writer: FrameStream) -> tuple[Any, Any]:
-    address = writer.get_extra_info("peername") or ("?", 0)
+    address = writer.get_extra_info("peername")
+    if not isinstance(address, tuple) or len(address) < 2:  # a Unix socket's: a path, or ""
+        return "local", 0
     return address[0], address[1]

@@ -62,11 +62,13 @@ LOSS_REASON_WAIT = 3.0
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    controller: str  # HOST:PORT of the controller
+    controller: str  # HOST:PORT of the controller, or unix:PATH (a fleet without TCP)
     slice_index: int = -1  # -1: any slice with a free host slot
     devices: int = 4  # CPU devices (a CUDA worker serves the GPUs it sees)
     platform: Platform = Platform()
-    listen: str = "127.0.0.1"  # address of the peer data server
+    # Address of the peer data server; unix:DIR serves it on a Unix socket in DIR (a fleet
+    # on one machine without TCP; the default when the controller is unix:PATH).
+    listen: str = "127.0.0.1"
     advertise: str | None = None  # how peers reach it (default: `listen`)
     connect_timeout: float = 180.0  # seconds to wait for the controller (at start, or back)
     group_timeout: int = 60  # seconds to join a collective group
@@ -144,10 +146,9 @@ class WorkerAgent(CommandApplier):
             logger.error("%s", e)
             return EXIT_PLATFORM_UNAVAILABLE
         self._described = described
-        port = await self._data.start(self.config.listen)
-        advertise = self.config.advertise or self.config.listen
+        data_address = await self._data.start(self.config.listen, self.config.advertise)
         register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, described.devices,
-                              described.platform, described.device_kind, f"{advertise}:{port}",
+                              described.platform, described.device_kind, data_address,
                               socket.gethostname(), os.getpid(), described.memory_kinds,
                               described.companions, crash, self.log_path)
         while not self._stop.is_set():

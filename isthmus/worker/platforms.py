@@ -270,12 +270,16 @@ def join_group(address: str, node_id: int, num_nodes: int, platform: str, device
         address, node_id, init_timeout=timeout, shutdown_on_destruction=False)
     distributed.connect()
     # CPU collectives cross processes through gloo; CUDA ones through NCCL, which the GPU
-    # client sets up itself over the same distributed runtime.
+    # client sets up itself over the same distributed runtime. A group of one process
+    # crosses none: no gloo (whose TCP sockets a sandbox may refuse), and a TPU host's
+    # chips talk among themselves (a slice of several hosts: docs/tpu.md).
     collectives = None
-    if platform == "cpu":
+    if platform == "cpu" and num_nodes > 1:
         collectives, started = scheduling.started_by(
             lambda: _jax.make_gloo_tcp_collectives(distributed))
         scheduling.schedule_loop(started, gloo_scheduling)
+    if platform == "tpu" and num_nodes == 1:
+        return distributed, make_client(platform, devices)
     return distributed, make_client(platform, devices, distributed_client=distributed,
                                     node_id=node_id, num_nodes=num_nodes,
                                     collectives=collectives)

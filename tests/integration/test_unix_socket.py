@@ -1,15 +1,19 @@
 """Issue 48: the client port on a Unix socket, for machines where no TCP socket may be opened
 (a TPU sandbox). `isthmus run` hands its command a private socket by default; `isthmus up
---unix-socket PATH` serves one (mode 0600), with no TCP port on the embedded backend; the
-stock client and `isthmus status` reach it as grpc://unix:PATH. Results equal numpy's, and
-the server process holds no TCP or UDP socket."""
+--unix-socket PATH` serves one (mode 0600), with no TCP port; the stock client and `isthmus
+status` reach it as grpc://unix:PATH. A fleet served so runs its control streams, peer data
+and group formation over Unix sockets beside it, with no gloo in a one-host group. Results
+equal numpy's, and neither the server nor its workers hold a TCP or UDP socket."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
 import sys
+
+import pytest
 
 from isthmus.serve import READY_PREFIX, child_environment
 
@@ -60,10 +64,13 @@ def test_isthmus_run_hands_its_command_a_private_unix_socket(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == "OK 2", result.stdout
 
 
-def test_isthmus_up_serves_a_unix_socket_and_no_tcp_port(tmp_path):
+@pytest.mark.parametrize("shape", [["--devices", "2"], [
+    "--slices", "1", "--hosts-per-slice", "1", "--devices-per-host", "2"]],
+    ids=["embedded", "one-host-fleet"])
+def test_isthmus_up_serves_a_unix_socket_and_no_tcp_port(tmp_path, shape):
     path = str(tmp_path / "isthmus.sock")
     server = subprocess.Popen(
-        [sys.executable, "-m", "isthmus.cli", "up", "--devices", "2", "--unix-socket", path],
+        [sys.executable, "-m", "isthmus.cli", "up", *shape, "--unix-socket", path],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         assert server.stdout is not None
@@ -84,6 +91,12 @@ def test_isthmus_up_serves_a_unix_socket_and_no_tcp_port(tmp_path):
              "--json"], capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert '"devices"' in status.stdout
+        workers = [w["pid"] for w in json.loads(status.stdout)["fleet"].values()]
+        assert len(workers) == (1 if "--slices" in shape else 0)
+        namespace: dict = {}
+        exec(INET_SOCKETS, namespace)
+        for pid in workers:  # control stream, peer data, group formation: all Unix
+            assert not namespace["inet_sockets"](pid), f"worker {pid} holds TCP or UDP"
     finally:
         server.terminate()
         server.wait(30)
