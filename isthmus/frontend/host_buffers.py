@@ -3,9 +3,12 @@
 The client streams a buffer (`HostBufferStore`) under a handle it picked, possibly *after*
 sending the request that uses it, and it throttles its uploads (64 at a time), so a buffer
 may start long after its request when thousands are queued. A request therefore waits for
-its buffer as long as the session moves (uploads begin or end, requests for buffers come),
-and fails when nothing has moved for `start_timeout` seconds: a buffer that never comes
-fails within seconds of the session going quiet, and nothing waits forever. Results of
+its buffer's upload to begin as long as the session's uploads move (one begins, brings
+bytes or ends), and fails when none has moved for `start_timeout` seconds; once begun, an
+upload may take as long as it needs while its bytes come, and fails when none has come for
+`start_timeout` seconds. New requests do not count as moving: a client that keeps asking
+for buffers it never sends cannot hold the session's queue (and every status and deletion
+future behind it) forever. Nothing waits forever. Results of
 `CopyToHostBuffer` are put here for the client's `HostBufferLookup`, and dropped by its
 `HostBufferDelete`.
 """
@@ -39,11 +42,14 @@ Receiver = Callable[[memoryview | None, errors.IsthmusError | None], None]
 
 
 class _Entry:
-    __slots__ = ("future", "started", "size", "receiver", "promised", "charged")
+    __slots__ = ("future", "started", "size", "receiver", "promised", "charged", "moved",
+                 "filled")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[memoryview] = loop.create_future()
         self.started = False
+        self.moved = 0.0  # when its upload last began or brought bytes (`time.monotonic`)
+        self.filled = 0  # bytes of it that have come
         self.promised = False  # a download under way (`promise`): looked up without a deadline
         self.size = 0
         self.receiver: Receiver | None = None  # `when_ready`'s, until the buffer is there
@@ -62,7 +68,7 @@ class HostBufferStore:
         self._activity = time.monotonic()  # the last upload that began or ended
         self._closed: errors.IsthmusError | None = None
         self.bytes_held = 0
-        self._waiting: dict[int, _Entry] = {}  # taken, their uploads not begun
+        self._waiting: dict[int, _Entry] = {}  # taken by a request, not yet here
         # The handles of the last USED_KEPT buffers a request took: naming one again is
         # refused at once (it would otherwise wait for an upload that never comes).
         self._used: dict[int, None] = {}
@@ -93,11 +99,19 @@ class HostBufferStore:
             entry.charged = size
         entry.started = True
         entry.size = size
-        self._waiting.pop(handle, None)
-        self._activity = time.monotonic()
+        self._activity = entry.moved = time.monotonic()
+
+    def progress(self, handle: HostBufferHandle, filled: int) -> None:
+        """`filled` bytes of an upload have come so far: it is moving."""
+        entry = self._entries.get(handle)
+        if entry is not None:
+            self._activity = entry.moved = time.monotonic()
+            entry.filled = filled
 
     def complete(self, handle: HostBufferHandle, data: memoryview) -> None:
         self._activity = time.monotonic()
+        if handle in self._used:  # already failed and handed over (its upload stalled)
+            return
         entry = self._entry(handle)
         if not entry.future.done():
             entry.future.set_result(data)
@@ -118,7 +132,6 @@ class HostBufferStore:
         """Removes an uploaded buffer from the store and calls `receiver(data, None)` with
         it (or `receiver(None, error)`): at once if it is here, else in the turn its upload
         ends (or fails, or times out: see `_check`). What `receiver` raises is logged."""
-        self._activity = time.monotonic()  # a new request counts as the session moving
         entry = None if handle in self._used else self._entry(handle)
         if entry is None or entry.receiver is not None:  # a buffer feeds one request
             try:
@@ -129,7 +142,9 @@ class HostBufferStore:
         entry.receiver = receiver
         if entry.future.done():
             self._deliver(handle, entry)
-        elif not entry.started:
+        else:
+            if not self._waiting:  # the first wait: the quiet is counted from now
+                self._activity = max(self._activity, time.monotonic())
             self._waiting[handle] = entry
             self._watch()
 
@@ -158,27 +173,43 @@ class HostBufferStore:
         except Exception:
             logger.exception("placing host buffer %s failed", handle)
 
+    def _moved(self, entry: _Entry) -> float:
+        """When what a waited-for buffer waits on last moved: its own upload's bytes once it
+        began, else any upload of the session."""
+        return entry.moved if entry.started else self._activity
+
     def _watch(self) -> None:
-        """One timer for the store: it fails the buffers waited for whose uploads have not
-        begun once the session has not moved for `start_timeout` seconds."""
+        """One timer for the store, at the earliest deadline of the buffers waited for
+        (`_check` fails those that have not moved for `start_timeout` seconds)."""
         if self._watchdog is None and self._waiting:
-            self._watchdog = asyncio.get_running_loop().call_at(
-                self._activity + self._start_timeout, self._check)
+            deadline = min(self._moved(e) for e in self._waiting.values()) + self._start_timeout
+            self._watchdog = asyncio.get_running_loop().call_at(deadline, self._check)
 
     def _check(self) -> None:
         self._watchdog = None
-        if time.monotonic() - self._activity >= self._start_timeout:
-            waiting, self._waiting = self._waiting, {}
-            for handle, entry in waiting.items():
-                if not entry.future.done() and not entry.started:
-                    entry.future.set_exception(errors.HostBufferMissing(
-                        f"host buffer {handle} did not start arriving, and no upload of this "
-                        f"session has moved for {self._start_timeout:g} s; the client's upload "
-                        "failed or was never sent. Retry the transfer; if uploads are slow to "
-                        "start, raise --host-buffer-timeout."))
-                    entry.future.exception()
-                    if entry.receiver is not None:
-                        self._deliver(handle, entry)
+        now = time.monotonic()
+        for handle, entry in list(self._waiting.items()):
+            if entry.future.done():
+                self._waiting.pop(handle, None)
+                continue
+            if now - self._moved(entry) < self._start_timeout:
+                continue
+            self._waiting.pop(handle, None)
+            if entry.started:
+                error = errors.HostBufferMissing(
+                    f"the upload of host buffer {handle} stopped: {entry.filled} of "
+                    f"{entry.size} bytes came, then none for {self._start_timeout:g} s. Retry "
+                    "the transfer; on a slow link, raise --host-buffer-timeout.")
+            else:
+                error = errors.HostBufferMissing(
+                    f"host buffer {handle} did not start arriving, and no upload of this "
+                    f"session has moved for {self._start_timeout:g} s; the client's upload "
+                    "failed or was never sent. Retry the transfer; if uploads are slow to "
+                    "start, raise --host-buffer-timeout.")
+            entry.future.set_exception(error)
+            entry.future.exception()
+            if entry.receiver is not None:
+                self._deliver(handle, entry)
         self._watch()
 
     # ---- downloads (server -> client) ----------------------------------------------------

@@ -259,3 +259,73 @@ def test_many_collective_programs_queued_at_once(server):
     expected = float((np.arange(256 * 16) % 7).sum()) * (np.arange(1000) % 8)
     np.testing.assert_array_equal(out["sums"], expected)
     assert server.alive()
+
+
+@pytest.mark.parametrize("missing", ["never-sent", "stalled"])
+def test_a_status_behind_a_missing_buffer_is_answered_while_requests_keep_coming(
+        fast_server, missing):
+    """Issue 47: an Execute's status (and any future behind it in the session's order) waits
+    for its argument's host buffer; one that never comes, or whose upload stops halfway,
+    fails it within the deadline, even while the client keeps naming other buffers it never
+    sends (which used to push the deadline back for good). Guessed handles the server has
+    not minted are NOT_FOUND at once."""
+    import threading
+
+    from tests.integration.test_protocol_ops import _compile_add_one
+
+    base = 1 << 62
+    with RawSession(fast_server.address) as raw:
+        exe = _compile_add_one(raw)
+        stop = threading.Event()
+        if missing == "stalled":  # an upload that brings 8 of its 16 bytes, then nothing
+            chunk = raw.s["xla.ifrt.proxy.GrpcHostBufferStoreRequest"]
+            metadata = raw.s["xla.ifrt.proxy.GrpcHostBufferStoreMetadata"](
+                session_id=raw.session_id, handle=500, buffer_size=16)
+
+            def chunks():
+                yield chunk(data=b"\0" * 8)
+                stop.wait(60)
+
+            upload = raw.channel.stream_unary(
+                "/xla.ifrt.proxy.GrpcIfrtService/HostBufferStore",
+                request_serializer=chunk.SerializeToString,
+                response_deserializer=raw.s[
+                    "xla.ifrt.proxy.GrpcHostBufferStoreResponse"].FromString)
+            pending = upload.future(chunks(), metadata=((
+                "ifrt-proxy-grpc-host-buffer-store-metadata-bin",
+                metadata.SerializeToString()),))
+            time.sleep(0.5)
+        try:
+            assert status_of(raw.wait(_make_array(raw, 1, [4], host_handle=500)))[0] == 0
+            execute = raw.msg("LoadedExecutableExecuteRequest", loaded_executable_handle=exe,
+                              args_handles=[1])
+            execute.execute_options.fill_status = True
+            reply = raw.call("loaded_executable_execute_request", execute)
+            status = reply.loaded_executable_execute_response.status_handle
+            assert status >= base
+            start = time.monotonic()
+            check = raw.send("check_future_request",
+                             raw.msg("CheckFutureRequest", future_handle=status))
+            guessed = raw.call("check_future_request",
+                               raw.msg("CheckFutureRequest", future_handle=status + 5), 5)
+            assert status_of(guessed)[0] == NOT_FOUND
+            answer = None
+            for n in range(40):  # a request for a buffer never sent, every 0.25 s
+                with raw._cond:
+                    answer = raw._responses.pop(check, None)
+                if answer is not None:
+                    break
+                _make_array(raw, 100 + n, [4], host_handle=1000 + n)
+                time.sleep(0.25)
+            assert answer is not None, "the status was not answered within 10 s"
+            code, message = status_of(answer)
+            assert code == DEADLINE and "host buffer 500" in message, (code, message)
+            assert time.monotonic() - start < 8
+        finally:
+            stop.set()
+            if missing == "stalled":
+                pending.cancel()
+        # The session goes on: a buffer sent now is used.
+        raw.store(900, np.arange(4, dtype=np.float32).tobytes())
+        assert status_of(raw.wait(_make_array(raw, 2, [4], host_handle=900)))[0] == 0
+        assert status_of(_ready(raw, 2, timeout=10))[0] == 0

@@ -43,16 +43,59 @@ def test_take_waits_for_an_upload_that_comes_later():
     run(main())
 
 
-def test_missing_upload_times_out_but_a_started_one_does_not():
+def test_missing_upload_times_out_but_a_moving_one_does_not():
     async def main():
         store = HostBufferStore(start_timeout=0.1)
         with pytest.raises(errors.HostBufferMissing, match="did not start arriving"):
             await take(store, 1)
         slow = take(store, 2)
-        store.begin(2, 1)
-        await asyncio.sleep(0.3)  # longer than the start deadline
-        store.complete(2, memoryview(b"x"))
-        assert bytes(await slow) == b"x"
+        store.begin(2, 8)
+        for filled in range(1, 8):  # 0.35 s of bytes, longer than the deadline
+            await asyncio.sleep(0.05)
+            store.progress(2, filled)
+        store.complete(2, memoryview(b"x" * 8))
+        assert bytes(await slow) == b"x" * 8
+    run(main())
+
+
+def test_an_upload_that_stops_fails_its_request():
+    """Issue 47: a begun upload that brings no bytes for the deadline fails (it held every
+    request of the session queued behind it, their futures too, forever)."""
+    async def main():
+        store = HostBufferStore(start_timeout=0.1)
+        stalled = take(store, 3)
+        store.begin(3, 16)
+        store.progress(3, 8)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(errors.HostBufferMissing, match="8 of 16 bytes came"):
+            await stalled
+        assert asyncio.get_running_loop().time() - started < 1.0
+        store.complete(3, memoryview(b"x" * 16))  # too late: dropped, nothing held
+        assert len(store) == 0 and store.bytes_held == 0
+    run(main())
+
+
+def test_requests_naming_buffers_that_never_come_do_not_hold_off_the_deadline():
+    """Issue 47: a client that keeps sending requests for buffers it never uploads used to
+    keep every earlier request waiting (a new request counted as the session moving), and a
+    status future behind them unanswered for good."""
+    async def main():
+        store = HostBufferStore(start_timeout=0.2)
+        loop = asyncio.get_running_loop()
+        first = take(store, 1)
+        started, ended = loop.time(), []
+        first.add_done_callback(lambda _: ended.append(loop.time()))
+        later = []
+        for handle in range(100, 112):  # a request every 0.05 s, none of them uploaded
+            await asyncio.sleep(0.05)
+            later.append(take(store, handle))
+        with pytest.raises(errors.HostBufferMissing, match="host buffer 1 did not start"):
+            await first
+        assert ended[0] - started < 0.5
+        for waiter in later:
+            with pytest.raises(errors.HostBufferMissing):
+                await waiter
+        assert len(store) == 0
     run(main())
 
 
