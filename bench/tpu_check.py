@@ -4,10 +4,12 @@ jax, one process at a time (one process may hold the chip), compared and tabled.
     python -m bench.tpu_check [--quick] [--out DIR]
 
 Runs bench/tpu_work.py on local TPU jax, then through `isthmus run --platform tpu --devices
-1` (the embedded backend, on a private Unix socket: the TPU machine lets no process open a
-TCP socket). Results must be equal bit for bit (the same programs on the same chip); the
-figures are tabled beside local jax's, with their ratio. Exit code 1 when a result differs or
-a part failed. On a machine without TPU chips it says so and exits 0 (CI has none).
+1` (the embedded backend) and `isthmus run --platform tpu` (a one-host fleet: a worker
+process owns the chip), each on a private Unix socket (the TPU machine lets no process open
+a TCP socket; the fleet's own streams use Unix sockets there too). Results must be equal bit
+for bit (the same programs on the same chip); the figures are tabled beside local jax's,
+with their ratio. Exit code 1 when a result differs or a part failed. On a machine without
+TPU chips it says so and exits 0 (CI has none).
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ import time
 
 HERE = pathlib.Path(__file__).parent
 WORK = HERE / "tpu_work.py"
-RESULTS = ("mlp_losses", "matmul_small", "pallas", "offload", "offload_kind", "donating")
+RESULTS = ("mlp_losses", "matmul_small", "pallas", "offload", "offload_kind", "donating",
+           "lm_losses", "lm_param_abs_sum")
+OPTIONAL = ("lm_losses", "lm_param_abs_sum")  # where flax is installed
 FIGURES = (  # (key, label, higher is better)
     ("mlp_steps_per_s", "MLP 784-512-512-10 steps/s", True),
     ("jit_fetch_p50_ms", "tiny jit + fetch p50 ms", False),
     ("put_GBps", "device_put GB/s", True),
     ("fetch_GBps", "fetch GB/s", True),
     ("matmul_tflops", "bf16 matmul TFLOP/s", True),
+    ("lm_seconds", "Flax NNX LM, 20 steps, s", False),
 )
 
 
@@ -60,37 +65,51 @@ def main() -> int:
     base = {k: v for k, v in os.environ.items()
             if k not in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET")}
     local, local_s, _ = _run([sys.executable, str(WORK), *extra], base, 900)
-    through, through_s, log = _run(
-        [sys.executable, "-m", "isthmus.cli", "run", "--platform", "tpu", "--devices", "1",
-         "--", sys.executable, str(WORK), *extra], base, 900)
+    runs = {"local": (local, local_s, "")}
+    for name, shape in (("embedded", ["--devices", "1"]), ("fleet", [])):
+        # The embedded backend, then a one-host fleet (a worker process owning the chip;
+        # on a machine without TCP, its control stream and group formation on Unix sockets).
+        runs[name] = _run([sys.executable, "-m", "isthmus.cli", "run", "--platform", "tpu",
+                           *shape, "--", sys.executable, str(WORK), *extra], base, 900)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tpu_check.json"), "w") as f:
-        json.dump({"local": local, "isthmus_embedded": through,
-                   "seconds": {"local": local_s, "isthmus_embedded": through_s}}, f)
-    failures = [f"{where}: {key} {value[:1500]}" for where, run in
-                (("local", local), ("isthmus", through))
+        json.dump({name: run for name, (run, _, _) in runs.items()}
+                  | {"seconds": {name: s for name, (_, s, _) in runs.items()}}, f)
+    failures = [f"{where}: {key} {value[:1500]}" for where, (run, _, _) in runs.items()
                 for key, value in run.items() if key.endswith("error")]
-    print(f"TPU check: {local.get('device_kind', '?')}; local jax {local_s:.0f} s, "
-          f"isthmus embedded {through_s:.0f} s (process start and chip opening included)")
-    print(f"  {'result':34} {'equal bit for bit':>18}")
+    print(f"TPU check: {local.get('device_kind', '?')}; "
+          + ", ".join(f"{name} {s:.0f} s" for name, (_, s, _) in runs.items())
+          + " (process start and chip opening included)")
+    mine = [name for name in runs if name != "local"]
+    print(f"  {'result, equal bit for bit to local':42}"
+          + "".join(f" {name:>10}" for name in mine))
     for key in RESULTS:
-        if key in local and key in through:
-            equal = local[key] == through[key]
-            if not equal:
-                failures.append(f"{key} differs")
-            print(f"  {key:34} {'yes' if equal else 'NO':>18}")
-        else:
-            print(f"  {key:34} {'missing':>18}")
-            failures.append(f"{key} missing")
-    print(f"  {'figure':34} {'local':>10} {'isthmus':>10} {'ratio':>7}")
+        cells = []
+        for name in mine:
+            run = runs[name][0]
+            if key not in local and key in OPTIONAL:
+                cells.append("-")
+            elif key in local and key in run:
+                cells.append("yes" if local[key] == run[key] else "NO")
+            else:
+                cells.append("missing")
+            if cells[-1] in ("NO", "missing"):
+                failures.append(f"{name}: {key} {'differs' if cells[-1] == 'NO' else 'missing'}")
+        print(f"  {key:42}" + "".join(f" {cell:>10}" for cell in cells))
+    print(f"  {'figure':34} {'local':>10}" + "".join(f" {name:>10} {'ratio':>6}"
+                                                     for name in mine))
     for key, label, higher in FIGURES:
-        a, b = local.get(key), through.get(key)
-        if isinstance(a, float) and isinstance(b, float) and a and b:
-            ratio = b / a if higher else a / b
-            print(f"  {label:34} {a:10.3f} {b:10.3f} {ratio:7.2f}")
-        else:
-            print(f"  {label:34} {'-':>10} {'-':>10}")
+        a = local.get(key)
+        row = f"  {label:34} " + (f"{a:10.3f}" if isinstance(a, float) else f"{'-':>10}")
+        for name in mine:
+            b = runs[name][0].get(key)
+            if isinstance(a, float) and isinstance(b, float) and a and b:
+                row += f" {b:10.3f} {(b / a if higher else a / b):6.2f}"
+            else:
+                row += f" {'-':>10} {'':>6}"
+        print(row)
     print("  (ratio: isthmus as a share of local; 1.00 is as fast)")
+    log = "".join(runs[name][2][-2000:] for name in mine)
     for failure in failures:
         print(f"FAILED: {failure}")
     if failures and log:

@@ -159,6 +159,28 @@ def donating_loop(steps: int) -> dict:
     return {"donating": np.asarray(state)}
 
 
+def flax_lm() -> dict:
+    """The workloads tier's Flax NNX language model (tests/workloads/scripts/flax_nnx_lm.py)
+    on a 1 x 1 mesh: its 20 losses and its parameters' checksum (where flax is installed)."""
+    import importlib.util
+    import pathlib
+
+    if importlib.util.find_spec("flax") is None:
+        return {}
+    path = pathlib.Path(__file__).parent.parent / "tests/workloads/scripts/flax_nnx_lm.py"
+    spec = importlib.util.spec_from_file_location("flax_nnx_lm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reported: dict = {}
+    module.report = lambda name, value: reported.__setitem__(name, value)
+    start = time.perf_counter()
+    module.main((1, 1))
+    took = time.perf_counter() - start
+    return {"lm_losses": [reported[f"loss/{i}"] for i in range(module.STEPS)],
+            "lm_param_abs_sum": reported["param_abs_sum"], "lm_seconds": took}
+
+
 def main() -> None:
     import jax
 
@@ -169,7 +191,8 @@ def main() -> None:
                        ("offload", host_offload), ("donating", lambda: donating_loop(50)),
                        ("tiny", lambda: tiny_round_trip(100 if quick else 300)),
                        ("transfers", lambda: transfers(64 if quick else 256)),
-                       ("matmul", lambda: matmul(4096 if quick else 8192))):
+                       ("matmul", lambda: matmul(4096 if quick else 8192)),
+                       ("lm", flax_lm)):
         try:
             out.update(part())
         except Exception as e:  # noqa: BLE001 - reported, and compared as a failure

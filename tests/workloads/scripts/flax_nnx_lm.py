@@ -88,8 +88,8 @@ def batches():
         yield seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)
 
 
-def main():
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+def main(shape=(2, 4)):
+    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
     data_sharding = NamedSharding(mesh, P("data", None))
     with jax.set_mesh(mesh):
         model = MiniLM(nnx.Rngs(0))
