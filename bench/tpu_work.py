@@ -196,7 +196,10 @@ def main() -> None:
         try:
             out.update(part())
         except Exception as e:  # noqa: BLE001 - reported, and compared as a failure
-            out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            import traceback
+
+            out[f"{name}_error"] = (f"{type(e).__name__}: {str(e)[:1500]}\n"
+                                    + "".join(traceback.format_exc()[-2500:]))
     for key, value in list(out.items()):
         if isinstance(value, np.ndarray):
             out[key] = {"dtype": str(value.dtype), "shape": list(value.shape),

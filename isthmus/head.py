@@ -135,7 +135,8 @@ def embedded_fleet(num_devices: int, platform: str = "cpu",
     warm_up()  # MLIR's first use, before the first program waits for it
     worker = WorkerId(0)
     devices = [Device(DeviceId(d.id), worker, local, platform, described.device_kind,
-                      SliceId(0), 0, described.memory_kinds)
+                      SliceId(0), 0, described.memory_kinds,
+                      attributes=described.attributes[local] if described.attributes else ())
                for local, d in enumerate(client.local_devices())]
     if companions:
         devices += [d.companion() for d in devices]

@@ -220,6 +220,8 @@ class LocalLauncher:
             return ["--simulate-flops", f"{self.platform.simulate_flops:g}"]
         if self.platform.name == "cpu":
             return []
+        if self.platform.name == "tpu":  # the machine's chips, all of them (libtpu's unit)
+            return ["--platform", "tpu"]
         gpus = self.platform.gpus or visible_gpus() or (0,)
         per_host = self.devices_per_host
         if per_host > len(gpus):

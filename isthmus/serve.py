@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 from isthmus import gctune, logs
-from isthmus.compat import jax as jax_compat
 from isthmus.lease_cli import add_client_arguments, add_server_arguments, shared_config
 from isthmus.observe.options import (
     ObserveConfig,
@@ -41,6 +40,7 @@ from isthmus.worker.platforms import (
     check_local_tpu,
     prepare_process,
     resolve,
+    visible_tpu_chips,
 )
 
 READY_PREFIX = "isthmus ready: JAX_BACKEND_TARGET="
@@ -195,13 +195,24 @@ def head_config(args: argparse.Namespace) -> object:
         name = platform.name if args.no_launch else resolve(platform.name)
         if name == "cuda" and not args.no_launch:
             check_local_cuda()
+        hosts = args.hosts_per_slice or defaults.hosts_per_slice
         if name == "tpu" and not args.no_launch:
-            check_local_tpu()
-        # A GPU worker owns one GPU; a TPU worker its host's chips (libtpu's own unit).
-        per_host = (1 if name == "cuda" else jax_compat.tpu_chips() if name == "tpu"
+            try:
+                check_local_tpu()
+            except PlatformUnavailable as e:
+                refuse(e.message)
+            # One worker owns this machine's chips (libtpu's unit; one process may hold
+            # them). Several TPU hosts are several machines: docs/tpu.md.
+            hosts = args.hosts_per_slice or 1
+            if (args.slices or 1) * hosts > 1 or (
+                    args.devices_per_host not in (None, visible_tpu_chips())):
+                refuse(f"a local TPU fleet is one worker owning this machine's "
+                       f"{visible_tpu_chips()} chips: drop --slices, --hosts-per-slice and "
+                       "--devices-per-host (TPU fleets of several hosts: docs/tpu.md)")
+        # A GPU worker owns one GPU; a TPU worker its host's chips.
+        per_host = (1 if name == "cuda" else visible_tpu_chips() if name == "tpu"
                     else defaults.devices_per_host)
-        fleet = FleetSpec(slices=args.slices or defaults.slices,
-                          hosts_per_slice=args.hosts_per_slice or defaults.hosts_per_slice,
+        fleet = FleetSpec(slices=args.slices or defaults.slices, hosts_per_slice=hosts,
                           devices_per_host=args.devices_per_host or per_host, platform=name)
     token = fleet_token(args)
     # With a Unix socket and no --port, no TCP at all: the embedded backend, or a fleet on

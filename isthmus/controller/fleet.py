@@ -57,6 +57,9 @@ class Device:
     memory_kinds: tuple[str, ...] = CPU_MEMORY_KINDS  # default first
     # A colocated CPU device: the accelerator it stands beside (None: not one).
     companion_of: DeviceId | None = None
+    # What the backend says of it beyond the above, passed to the client as device
+    # attributes: a TPU's `coords` and `core_on_chip`, which jax's meshes are built from.
+    attributes: tuple[tuple[str, int | tuple[int, ...]], ...] = ()
 
     def __repr__(self) -> str:
         return f"Device({self.id}, slice={self.slice_index}, host={self.host_index})"

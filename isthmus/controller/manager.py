@@ -175,8 +175,14 @@ class FleetManager(GroupFormation):
         model = self._model
         if model is None:
             return devices
+        # A host's devices take the model's attributes by local index (one-host TPU fleets;
+        # a slice of several TPU hosts, whose chips' coordinates differ: docs/tpu.md).
+        attributes = [tuple((str(n), v if isinstance(v, int) else tuple(v)) for n, v in a)
+                      for a in model.device_attributes]
         described = [dataclasses.replace(d, platform=model.platform, kind=model.device_kind,
-                                         memory_kinds=tuple(model.memory_kinds))
+                                         memory_kinds=tuple(model.memory_kinds),
+                                         attributes=attributes[d.local_id]
+                                         if d.local_id < len(attributes) else ())
                      for d in devices]
         if model.companions:
             described += [d.companion() for d in described]

@@ -54,6 +54,11 @@ def init(session: FrontendSession, request: Message, response: Message) -> None:
         # colocation_id: on a CPU fleet each device is its own, on an accelerator fleet each
         # accelerator has one beside it (`WholeFleet.companions`).
         _attribute(d.attributes, COLOCATION_ID, device.colocation_id)
+        for name, value in device.attributes:  # the backend's own (a TPU's coords)
+            if isinstance(value, int):
+                _attribute(d.attributes, name, value)
+            else:
+                d.attributes.attributes[name].int64_list_value.elements.extend(value)
         for k, (kind, mid) in enumerate(zip(kinds, ids)):
             label = f"{kind.upper()}_{mid}" if device.platform != "cpu" else (
                 f"{'CPU_DEVICE' if k == 0 else kind.upper()}_{mid}")

@@ -129,6 +129,9 @@ class Register:
     companions: bool = False
     crash: CrashReport | None = None  # how the slot's last worker process died, if it crashed
     log: str = ""  # the file its output goes to ("": not a file), named in the controller's log
+    # Per local device, the backend's attributes (`platforms.device_attributes`: a TPU's
+    # coords and core_on_chip), as (name, int or list of ints) pairs.
+    device_attributes: tuple[tuple[tuple[str, int | tuple[int, ...]], ...], ...] = ()
 
 
 @_message

@@ -150,7 +150,8 @@ class WorkerAgent(CommandApplier):
         register = m.Register(m.PROTOCOL_VERSION, self.config.slice_index, described.devices,
                               described.platform, described.device_kind, data_address,
                               socket.gethostname(), os.getpid(), described.memory_kinds,
-                              described.companions, crash, self.log_path)
+                              described.companions, crash, self.log_path,
+                              described.attributes)
         while not self._stop.is_set():
             code = await self._serve(register)
             if self._joined:

@@ -121,12 +121,29 @@ def libtpu_installed() -> bool:
         return False
 
 
+def visible_tpu_chips(dev: str = "/dev") -> int:
+    """The TPU chips this process may open, without opening them: the accel devices
+    (/dev/accelN), else the VFIO groups (/dev/vfio/N, v5e and later), else the chips on
+    the PCI bus (a machine may show its whole host's chips on the bus but hand a sandbox
+    only some: a v5litepod-4 host showed 4 there and 1 group in /dev/vfio)."""
+    import glob
+
+    accel = [p for p in glob.glob(f"{dev}/accel*") if p[len(dev) + 6:].isdigit()]
+    if accel:
+        return len(accel)
+    try:
+        groups = [n for n in os.listdir(f"{dev}/vfio") if n.isdigit()]
+    except OSError:
+        groups = []
+    return len(groups) if groups else jax_compat.tpu_chips()
+
+
 def resolve(name: str) -> str:
     """`auto` -> `tpu` where libtpu and TPU chips are present, else `cuda` where a GPU and
     jax's CUDA plugin are, else `cpu`."""
     if name != "auto":
         return name
-    if libtpu_installed() and jax_compat.tpu_chips() > 0:
+    if libtpu_installed() and visible_tpu_chips() > 0:
         return "tpu"
     return "cuda" if visible_gpus() and cuda_plugin_installed() else "cpu"
 
@@ -135,7 +152,7 @@ def check_local_tpu() -> None:
     """Raises PlatformUnavailable, without touching libtpu, where TPU workers would fail."""
     if not libtpu_installed():
         raise _no_tpu("libtpu is not installed in this Python")
-    if jax_compat.tpu_chips() == 0:
+    if visible_tpu_chips() == 0:
         raise _no_tpu("this machine shows no TPU chip")
 
 
@@ -294,6 +311,8 @@ class Description:
     device_kind: str
     memory_kinds: tuple[str, ...]  # the default first
     companions: bool = False  # each device has a colocated CPU device (accelerators do)
+    # Per device, in local order: its backend's attributes (`device_attributes`).
+    attributes: tuple[tuple[tuple[str, int | tuple[int, ...]], ...], ...] = ()
 
 
 def stand_in(environ: Any = os.environ) -> bool:
@@ -330,7 +349,24 @@ def describe_client(name: str, client: Any) -> Description:
     kinds = tuple([default] + [k for k in kinds if k != default])
     if name == "cpu" and stand_in():
         return Description(name, len(devices), STAND_IN_KIND, kinds, True)
-    return Description(name, len(devices), first.device_kind, kinds, name != "cpu")
+    return Description(name, len(devices), first.device_kind, kinds, name != "cpu",
+                       tuple(device_attributes(d) for d in devices))
+
+
+ATTRIBUTES = ("coords", "core_on_chip")  # what jax reads of a TPU device beyond its id
+
+
+def device_attributes(device: Any) -> tuple[tuple[str, int | tuple[int, ...]], ...]:
+    """The backend's attributes of a jaxlib device that a client needs as they are: a TPU's
+    chip coordinates and core (jax builds TPU meshes from them); none for CPU and GPU."""
+    found: list[tuple[str, int | tuple[int, ...]]] = []
+    for name in ATTRIBUTES:
+        value = getattr(device, name, None)
+        if isinstance(value, int):
+            found.append((name, int(value)))
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+            found.append((name, tuple(int(v) for v in value)))
+    return tuple(found)
 
 
 def companion_devices(primary: dict[int, Any], client: Any, base: int) -> dict[int, Any]:

@@ -169,9 +169,9 @@ def test_a_data_server_serves_only_what_the_controller_signed_under_its_key():
             return served[buffer_id]
 
         server = PeerDataServer(fetch)
-        port = await server.start("127.0.0.1")
+        peer = await server.start("127.0.0.1")
         server.key = "the controller's key for this worker"
-        peer, client = f"127.0.0.1:{port}", PeerClient()
+        client = PeerClient()
         try:
             got = await client.fetch(peer, 5, auth.fetch_mac(server.key, 5), timeout=10)
             np.testing.assert_array_equal(got, served[5])

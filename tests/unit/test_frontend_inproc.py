@@ -248,3 +248,45 @@ def test_layouts_keep_their_tiles():
     plain = schema()["xla.LayoutProto"]()
     fill("{2,1,0}", plain)
     assert list(plain.minor_to_major) == [2, 1, 0] and not plain.tiles
+
+
+def test_a_tpus_coordinates_reach_the_client_as_device_attributes():
+    """jax builds a TPU's meshes from its devices' `coords` and `core_on_chip`: Init carries
+    what the backend said of each device (`Device.attributes`), integers and lists alike."""
+    import dataclasses
+
+    from isthmus.controller.fleet import WholeFleet
+    from isthmus.ids import WorkerId
+    from isthmus.transport import messages as m
+    from isthmus.worker.platforms import device_attributes
+
+    class Chip:
+        coords = [1, 0, 0]
+        core_on_chip = 0
+        device_kind = "TPU v5 lite"
+
+    assert device_attributes(Chip()) == (("coords", (1, 0, 0)), ("core_on_chip", 0))
+    assert device_attributes(object()) == ()
+    register = m.Register(1, 0, 1, "tpu", "TPU v5 lite", "unix:/x", "h", 1,
+                          device_attributes=(device_attributes(Chip()),))
+    assert m.decode(m.encode(register)).device_attributes[0][0][0] == "coords"
+
+    async def main():
+        cpu_fleet, host = embedded_fleet(2)
+        fleet = WholeFleet([dataclasses.replace(d, platform="tpu", kind="TPU v5 lite",
+                                                attributes=device_attributes(Chip()))
+                            for d in cpu_fleet.devices], {WorkerId(0): host})
+        frontend = Frontend(Controller(fleet, ControllerConfig()), schema())
+        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
+        metadata.version.protocol_version = 25
+        metadata.version.ifrt_serdes_version_number = 3
+        sent = []
+        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        session.handle(_request(1, "init_request"))
+        device = sent[-1].init_response.all_devices[0]
+        attributes = device.attributes.attributes
+        assert list(attributes["coords"].int64_list_value.elements) == [1, 0, 0]
+        assert attributes["core_on_chip"].int64_value == 0
+        assert attributes["slice_index"].int64_value == 0
+        await session.close()
+    asyncio.run(main())

@@ -182,3 +182,20 @@ def test_colocated_cpu_devices_pair_with_accelerators_host_by_host(monkeypatch):
     assert (described.device_kind, described.companions) == (platforms.STAND_IN_KIND, True)
     monkeypatch.delenv(platforms.STAND_IN_ENV)
     assert not platforms.describe(Platform("cpu"), 3).companions
+
+
+def test_visible_tpu_chips_are_those_this_process_may_open(tmp_path, monkeypatch):
+    """A sandbox may show a host's four chips on the PCI bus and hand it one VFIO group:
+    the chips a local TPU worker owns are the ones it may open."""
+    from isthmus.compat import jax as jax_compat
+    from isthmus.worker.platforms import visible_tpu_chips
+
+    monkeypatch.setattr(jax_compat, "tpu_chips", lambda: 4)  # the bus
+    assert visible_tpu_chips(str(tmp_path)) == 4  # nothing better known
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "vfio").touch()
+    (tmp_path / "vfio" / "3").touch()
+    assert visible_tpu_chips(str(tmp_path)) == 1
+    for n in range(2):
+        (tmp_path / f"accel{n}").touch()
+    assert visible_tpu_chips(str(tmp_path)) == 2

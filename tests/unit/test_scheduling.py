@@ -38,9 +38,10 @@ def test_only_threads_python_does_not_know_count_as_started():
         thread.join()
 
 
-def _service():
+def _service(members=1):
     address = f"127.0.0.1:{free_port()}"
-    return address, jax_compat.jaxlib_extension().get_distributed_runtime_service(address, 1)
+    return address, jax_compat.jaxlib_extension().get_distributed_runtime_service(
+        address, members)
 
 
 def _batch_threads():
@@ -55,14 +56,35 @@ def _batch_threads():
 
 
 @pytest.mark.parametrize("choice", ["batch", "normal"])
-def test_joining_a_cpu_group_schedules_gloos_one_loop_thread(choice):
+def test_gloos_one_loop_thread_is_scheduled_as_asked(choice):
+    """What `join_group` does for a CPU group of several members, on a one-member runtime:
+    gloo's loop thread, started by making the collectives, gets the scheduling asked for."""
+    _jax = jax_compat.jaxlib_extension()
     address, service = _service()
+    distributed = _jax.get_distributed_runtime_client(
+        address, 0, init_timeout=30, shutdown_on_destruction=False)
+    distributed.connect()
     before = _batch_threads()
-    distributed, client = join_group(address, 0, 1, "cpu", 2, 30, choice)
+    collectives, started = scheduling.started_by(
+        lambda: _jax.make_gloo_tcp_collectives(distributed))
+    scheduling.schedule_loop(started, choice)
     try:
         batch = _batch_threads() - before
         assert len(batch) == (1 if choice == "batch" else 0)
-        # The group works: its client runs on both devices.
+    finally:
+        del collectives
+        distributed.shutdown()
+        service.shutdown()
+
+
+def test_a_group_of_one_member_makes_no_gloo():
+    """A one-host group crosses no processes: no gloo (whose TCP sockets a sandbox may
+    refuse), no loop thread."""
+    address, service = _service()
+    before = _batch_threads()
+    distributed, client = join_group(address, 0, 1, "cpu", 2, 30, "batch")
+    try:
+        assert _batch_threads() - before == set()
         assert len(client.local_devices()) == 2
     finally:
         del client
