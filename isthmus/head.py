@@ -22,8 +22,7 @@ from isthmus.observe.options import ObserveConfig
 from isthmus.transport.tls import TlsConfig
 from isthmus.wire.peers import Limits
 from isthmus.worker.platforms import Platform
-from isthmus.worker.vetted_record import VettedRecord
-from isthmus.worker.vetting import ProgramVetter
+from isthmus.worker.vetting import ProgramVetter, vetter_for
 
 if TYPE_CHECKING:  # imported where first used (a plain server needs few of them)
     from isthmus.frontend.lease_service import SharedService
@@ -148,7 +147,9 @@ def embedded_fleet(num_devices: int, platform: str = "cpu",
 class Head:
     """A running server: `await Head(config).start()`, then `await head.stop()`."""
 
-    def __init__(self, config: HeadConfig) -> None:
+    def __init__(self, config: HeadConfig, vetter: ProgramVetter | None = None) -> None:
+        """`vetter`: the process that parses programs, if the caller started it already
+        (`serve` does, before this module's imports, so that its own overlap them)."""
         self.config = config
         self.server: Any = None
         self.frontend: Frontend | None = None
@@ -158,7 +159,7 @@ class Head:
         self.shared_dir: str | None = None
         self._own_shared_dir = False
         self._hosts: list[DeviceHost] = []
-        self._vetter: ProgramVetter | None = None  # the process that parses programs
+        self._vetter = vetter  # the process that parses programs
         self._vetter_started: asyncio.Task[None] | None = None
         self.fleet_service: FleetServicer | None = None  # the workers' control streams
         self.shared: SharedService | None = None  # a shared service's leases
@@ -220,8 +221,7 @@ class Head:
         # The process that parses client programs, started first: its imports overlap the
         # rest of the start, and `start` returns once it is ready, so that the first program
         # does not wait for it. With a compilation cache, what it concluded is kept beside it.
-        vetter = ProgramVetter(record=VettedRecord(config.platform.compile_cache)
-                               if config.platform.compile_cache is not None else None)
+        vetter = self._vetter or vetter_for(config.platform.compile_cache)
         self._vetter = vetter
         self._vetter_started = asyncio.get_running_loop().create_task(vetter.start())
         if config.fleet is None:

@@ -316,10 +316,21 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
+async def _spawn_vetter(args: argparse.Namespace) -> Any:
+    """The process that parses client programs, started before the server's own imports
+    (about a second), so that the two overlap and the server is ready no later for it."""
+    from isthmus.worker.vetting import vetter_for
+
+    vetter = vetter_for(platform_config(args).compile_cache)
+    await vetter.spawn()
+    return vetter
+
+
 async def up(args: argparse.Namespace) -> int:
+    vetter = await _spawn_vetter(args)
     from isthmus.head import Head
 
-    head = Head(head_config(args))  # type: ignore[arg-type]
+    head = Head(head_config(args), vetter)  # type: ignore[arg-type]
     stop = _stop_event()
     starting = asyncio.ensure_future(head.start())
     stopping = asyncio.ensure_future(stop.wait())
@@ -373,8 +384,6 @@ def child_environment(address: str, base: dict[str, str] | None = None,
 
 
 async def run(args: argparse.Namespace) -> int:
-    from isthmus.head import Head
-
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -393,7 +402,10 @@ async def run(args: argparse.Namespace) -> int:
         args.unix_socket = os.path.join(private, "client.sock")
         if args.port is None and args.devices is None and tcp_available():
             args.port = 0  # a fleet keeps TCP among its processes where it may
-    head = Head(head_config(args))  # type: ignore[arg-type]
+    vetter = await _spawn_vetter(args)
+    from isthmus.head import Head
+
+    head = Head(head_config(args), vetter)  # type: ignore[arg-type]
     try:
         address = await head.start()
     except BaseException:

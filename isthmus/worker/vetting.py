@@ -43,6 +43,7 @@ import sys
 from typing import Any, BinaryIO
 
 from isthmus import errors
+from isthmus.worker.compile_cache import CacheConfig
 from isthmus.worker.vetted_record import VettedRecord, marked
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,12 @@ class ProgramVetter:
             self.record.mark(result.digest, compiled_with)
         self.record.remember(raw, result.module, result.digest)
 
+    async def spawn(self) -> None:
+        """Starts the child, without waiting for it: called first thing in a server process,
+        its imports overlap the server's own."""
+        async with self._lock:
+            await self._ensure_child()
+
     async def start(self) -> None:
         """Starts the child ahead of the first program (its imports take a second) and
         returns when it is ready for one."""
@@ -185,6 +192,13 @@ class ProgramVetter:
         if reply[:1] == bytes([REFUSED]):
             raise errors.CompileError(reply[1:].decode("utf-8", "replace"))
         return _unpack(reply[1:]), bool(options) and reply[:1] == bytes([VETTED])
+
+
+def vetter_for(compile_cache: CacheConfig | None) -> ProgramVetter:
+    """A server's vetter, not started yet; with a compilation cache, what its process
+    concludes is kept beside the cache (`vetted_record.py`)."""
+    return ProgramVetter(record=VettedRecord(compile_cache) if compile_cache is not None
+                         else None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
