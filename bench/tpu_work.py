@@ -21,16 +21,13 @@ import numpy as np
 
 
 def mlp(steps: int) -> dict:
+    import pathlib
+
     import jax
     import jax.numpy as jnp
 
-    def init(key, sizes):
-        params = []
-        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-            key, sub = jax.random.split(key)
-            params.append((jax.random.normal(sub, (fan_in, fan_out)) * (2 / fan_in) ** 0.5,
-                           jnp.zeros(fan_out)))
-        return params
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    from train_mlp import init
 
     def loss(params, x, y):
         for w, b in params[:-1]:

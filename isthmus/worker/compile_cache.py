@@ -144,19 +144,11 @@ class CompileCache:
         except Exception as e:  # noqa: BLE001 - a backend that cannot serialize
             logger.info("compile cache: this executable cannot be serialized (%s)", e)
             return
-        data = FORMAT + hashlib.sha256(payload).digest() + payload
         path = self._path(key)
-        temporary = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            if is_local(self._fs):
-                with self._fs.open(temporary, "wb") as f:
-                    f.write(data)
-                os.replace(temporary, path)
-            else:
-                self._fs.pipe_file(path, data)  # one object write: whole or absent
+            write_whole(self._fs, path, FORMAT + hashlib.sha256(payload).digest() + payload)
         except OSError as e:
             logger.warning("compile cache: cannot write %s (%s)", path, e)
-            self._remove(temporary)
             return
         self._evict()
 
@@ -281,6 +273,26 @@ class KeptExecutables:
         stats = self.below.stats() if self.below is not None else {}
         return {**stats, "kept_executable_hits": self.hits,
                 "kept_executable_bytes": self._size}
+
+
+def write_whole(fs: Any, path: str, data: bytes) -> None:
+    """Writes `data` at `path` whole or not at all, for readers that may come at any time:
+    under a temporary name renamed into place on a local file system, one object write on
+    an object store. Raises OSError (the temporary file is gone)."""
+    if not is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    temporary = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with fs.open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except OSError:
+        try:
+            fs.rm_file(temporary)
+        except (FileNotFoundError, OSError):
+            pass
+        raise
 
 
 def parse_size(text: str, option: str) -> int:

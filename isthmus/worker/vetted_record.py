@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import secrets
 import struct
 from typing import Any
 
-from isthmus.worker.compile_cache import CacheConfig, filesystem, is_local
+from isthmus.worker.compile_cache import CacheConfig, filesystem, write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +109,8 @@ class VettedRecord:
         return data[head:]
 
     def _write(self, path: str, payload: bytes) -> None:
-        data = FORMAT + hashlib.sha256(payload).digest() + payload
-        temporary = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            if is_local(self._fs):
-                with self._fs.open(temporary, "wb") as f:
-                    f.write(data)
-                os.replace(temporary, path)
-            else:
-                self._fs.pipe_file(path, data)
+            write_whole(self._fs, path, FORMAT + hashlib.sha256(payload).digest() + payload)
         except OSError as e:  # the record is an optimisation
             logger.warning("vetted record: cannot write %s (%s)", path, e)
 

@@ -10,8 +10,9 @@ from isthmus.head import embedded_fleet
 from isthmus.protocol.schema import schema
 
 
-def _session():
-    fleet, _ = embedded_fleet(2)
+def _session(fleet=None):
+    """A front end over `fleet` (default: an embedded one of 2 CPU devices), and a session."""
+    fleet = fleet if fleet is not None else embedded_fleet(2)[0]
     frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1)), schema())
     metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
     metadata.version.protocol_version = 25
@@ -170,15 +171,9 @@ def test_default_layouts_are_the_serving_backends_own(monkeypatch):
 
     async def main():
         cpu_fleet, host = embedded_fleet(2)
-        fleet = WholeFleet([dataclasses.replace(d, platform="tpu", kind="TPU stand-in")
-                            for d in cpu_fleet.devices], {WorkerId(0): host})
-        frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1)),
-                            schema())
-        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
-        metadata.version.protocol_version = 25
-        metadata.version.ifrt_serdes_version_number = 3
-        sent = []
-        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        _, session, sent = _session(WholeFleet(
+            [dataclasses.replace(d, platform="tpu", kind="TPU stand-in")
+             for d in cpu_fleet.devices], {WorkerId(0): host}))
         s = schema()
         f32 = s["xla.ifrt.DTypeProto"](kind=s["xla.ifrt.DTypeProto"].KIND_F32)
 
@@ -273,15 +268,10 @@ def test_a_tpus_coordinates_reach_the_client_as_device_attributes():
 
     async def main():
         cpu_fleet, host = embedded_fleet(2)
-        fleet = WholeFleet([dataclasses.replace(d, platform="tpu", kind="TPU v5 lite",
-                                                attributes=device_attributes(Chip()))
-                            for d in cpu_fleet.devices], {WorkerId(0): host})
-        frontend = Frontend(Controller(fleet, ControllerConfig()), schema())
-        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
-        metadata.version.protocol_version = 25
-        metadata.version.ifrt_serdes_version_number = 3
-        sent = []
-        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        _, session, sent = _session(WholeFleet(
+            [dataclasses.replace(d, platform="tpu", kind="TPU v5 lite",
+                                 attributes=device_attributes(Chip()))
+             for d in cpu_fleet.devices], {WorkerId(0): host}))
         session.handle(_request(1, "init_request"))
         device = sent[-1].init_response.all_devices[0]
         attributes = device.attributes.attributes
