@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ WORK = HERE / "tpu_work.py"
 RESULTS = ("mlp_losses", "matmul_small", "pallas", "offload", "offload_kind", "donating",
            "lm_losses", "lm_param_abs_sum")
 OPTIONAL = ("lm_losses", "lm_param_abs_sum")  # where flax is installed
+SELF_CHECKED = ("colocated",)  # through isthmus only: equal to its "_expected" (numpy's)
 FIGURES = (  # (key, label, higher is better)
     ("mlp_steps_per_s", "MLP 784-512-512-10 steps/s", True),
     ("jit_fetch_p50_ms", "tiny jit + fetch p50 ms", False),
@@ -71,6 +73,16 @@ def main() -> int:
         # on a machine without TCP, its control stream and group formation on Unix sockets).
         runs[name] = _run([sys.executable, "-m", "isthmus.cli", "run", "--platform", "tpu",
                            *shape, "--", sys.executable, str(WORK), *extra], base, 900)
+    # The compile cache across a restart, on the chip: a training step compiled by a fresh
+    # server (cold), then by a new one on the same cache (each its own client process).
+    cache = os.path.join(args.out, "tpu-compile-cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    compiles = []
+    for _ in range(2):
+        result, _, _ = _run([sys.executable, "-m", "isthmus.cli", "run", "--platform", "tpu",
+                             "--devices", "1", "--compile-cache", cache, "--",
+                             sys.executable, str(HERE / "compile_cache.py"), "mlp"], base, 300)
+        compiles.append(result.get("compile_ms"))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tpu_check.json"), "w") as f:
         json.dump({name: run for name, (run, _, _) in runs.items()}
@@ -83,6 +95,15 @@ def main() -> int:
     mine = [name for name in runs if name != "local"]
     print(f"  {'result, equal bit for bit to local':42}"
           + "".join(f" {name:>10}" for name in mine))
+    for key in SELF_CHECKED:
+        cells = []
+        for name in mine:
+            run = runs[name][0]
+            cells.append("yes" if key in run and run[key] == run.get(f"{key}_expected")
+                         else "NO")
+            if cells[-1] == "NO":
+                failures.append(f"{name}: {key} differs from numpy's")
+        print(f"  {key + ' (equal to numpy)':42}" + "".join(f" {cell:>10}" for cell in cells))
     for key in RESULTS:
         cells = []
         for name in mine:
@@ -109,6 +130,11 @@ def main() -> int:
                 row += f" {'-':>10} {'':>6}"
         print(row)
     print("  (ratio: isthmus as a share of local; 1.00 is as fast)")
+    if all(isinstance(c, float) for c in compiles):
+        print(f"  compile of the MLP step, embedded, --compile-cache: cold {compiles[0]:.0f} ms, "
+              f"after a restart {compiles[1]:.0f} ms ({compiles[1] / compiles[0]:.2f}x)")
+    else:
+        failures.append(f"the compile cache's runs failed: {compiles}")
     log = "".join(runs[name][2][-2000:] for name in mine)
     for failure in failures:
         print(f"FAILED: {failure}")
