@@ -326,11 +326,22 @@ async def _spawn_vetter(args: argparse.Namespace) -> Any:
     return vetter
 
 
-async def up(args: argparse.Namespace) -> int:
+async def _head(args: argparse.Namespace) -> Any:
+    """The head of `isthmus up/run`, its vetting process spawned first; a refused option
+    stops that process before the one line goes out (its transport must not outlive the
+    loop)."""
     vetter = await _spawn_vetter(args)
-    from isthmus.head import Head
+    try:
+        from isthmus.head import Head
 
-    head = Head(head_config(args), vetter)  # type: ignore[arg-type]
+        return Head(head_config(args), vetter)  # type: ignore[arg-type]
+    except BaseException:
+        await vetter.close()
+        raise
+
+
+async def up(args: argparse.Namespace) -> int:
+    head = await _head(args)
     stop = _stop_event()
     starting = asyncio.ensure_future(head.start())
     stopping = asyncio.ensure_future(stop.wait())
@@ -402,10 +413,11 @@ async def run(args: argparse.Namespace) -> int:
         args.unix_socket = os.path.join(private, "client.sock")
         if args.port is None and args.devices is None and tcp_available():
             args.port = 0  # a fleet keeps TCP among its processes where it may
-    vetter = await _spawn_vetter(args)
-    from isthmus.head import Head
-
-    head = Head(head_config(args), vetter)  # type: ignore[arg-type]
+    try:
+        head = await _head(args)
+    except BaseException:
+        _remove(private)
+        raise
     try:
         address = await head.start()
     except BaseException:
