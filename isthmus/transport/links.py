@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import ssl
 import threading
@@ -154,8 +155,6 @@ class PeerDataServer:
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
             "isthmus.WorkerData", {"Fetch": grpc.unary_stream_rpc_method_handler(self._serve)})])
         if listen.startswith("unix:"):
-            import os
-
             target = (f"unix:{listen.removeprefix('unix:').rstrip('/')}/"
                       f"data-{os.getpid()}-{secrets.token_hex(4)}.sock")
             old = os.umask(0o177)

@@ -37,14 +37,13 @@ from isthmus.worker.inline import InlineOrder
 from isthmus.worker.persistence import Checkpoints
 from isthmus.worker.profiler import HostProfiles
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
-from isthmus.worker.reads import ReadsInFlight
+from isthmus.worker.reads import Reads
 from isthmus.worker.slots import (
     Failed,
     HostArray,
     Loaded,
     Unloadable,
     already_done,
-    block_all,
     computation_error,
     failed_now,
     failing,
@@ -99,7 +98,6 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         self._shardings: dict[tuple[int, str | None], Any] = {}  # see `_sharding`
         self._executables: dict[ExecutableId, Loaded | Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
-        self._reads = ReadsInFlight()  # a later program donates a copy of what they read
         # Output shards of the collective programs in flight (`collective_settled`).
         self._collectives: collections.deque[list[Any]] = collections.deque()
         self._collective_failed = False
@@ -110,6 +108,9 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         self.compile_cache = compile_cache  # executables kept across groups or restarts
         # Parts: checkpoint I/O (over the buffers and devices) and profiles.
         self.checkpoints = Checkpoints(self.buffers, self.devices, self._pool)
+        # Reads (readiness waits, fetches) of computed buffers; a later program donates a
+        # copy of what one still reads.
+        self.reads = Reads(self.buffers, self._pool)
         self.profiles = HostProfiles()
         self._inline = InlineOrder(self)  # its order as the embedded backend's channel
 
@@ -271,48 +272,10 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         return platforms.device_memory(self.client, getattr(self, "devices", {}))
 
     def all_ready(self, buffer_ids: Sequence[BufferId]) -> bool:
-        """Every buffer is here, computed and without error (False when in doubt: `ready`
-        then reports whatever is wrong)."""
-        try:
-            values = [self.buffers.value(b) for b in buffer_ids]
-            for value in values:
-                if not value.is_ready():
-                    return False
-                value.block_until_ready()  # ready: returns at once, or raises its error
-        except Exception:  # noqa: BLE001
-            return False
-        return True
+        return self.reads.all_ready(buffer_ids)
 
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
-        """Resolves when every buffer is computed; fails with the first buffer's error."""
-        try:
-            values = [self.buffers.value(b) for b in buffer_ids]
-        except errors.IsthmusError as e:
-            return failing(e)
-        if all(v.is_ready() for v in values):  # answered now: a later donation cannot race
-            try:
-                for value in values:
-                    value.block_until_ready()  # returns at once, or raises the stored error
-            except Exception as e:  # noqa: BLE001
-                return failing(computation_error(e))
-            return already_done()
-        return self._reads.track(buffer_ids, self._wait_ready(values))
-
-    async def _wait_ready(self, values: list[Any]) -> None:
-        pending = [v for v in values if not v.is_ready()]
-        if pending:
-            # Small computations finish within a turn of the event loop; a thread hand-off
-            # costs more than that, so look once more before handing the wait to a thread.
-            await asyncio.sleep(0)
-            pending = [v for v in pending if not v.is_ready()]
-        try:
-            if pending:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._pool, block_all, pending)
-            for value in values:
-                value.block_until_ready()  # ready now: raises the stored error, if any
-        except Exception as e:  # noqa: BLE001
-            raise computation_error(e) from None
+        return self.reads.ready(buffer_ids)
 
     def default_layout(self, dtype: str, shape: tuple[int, ...], device: int) -> Awaitable[str]:
         try:
@@ -324,30 +287,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         return done
 
     def fetch(self, buffer_id: BufferId, nbytes: int = 0) -> Awaitable[np.ndarray]:
-        """Resolves to the host copy of one buffer, once it is computed (`nbytes`, the
-        controller's size of it, matters only to channels that choose a path by size)."""
-        try:
-            value = self.buffers.value(buffer_id)
-            if value.is_ready():  # the common case of a small program: no task, no turn
-                done: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-                done.set_result(np.asarray(value))
-                return done
-        except errors.IsthmusError as e:
-            return failing(e)
-        except Exception:  # noqa: BLE001 - a failed computation: reported as below
-            pass
-        return self._reads.track([buffer_id], self._wait_value(value))
-
-    async def _wait_value(self, value: Any) -> np.ndarray:
-        try:
-            if not value.is_ready():
-                await asyncio.sleep(0)
-            if value.is_ready():
-                return np.asarray(value)
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, np.asarray, value)
-        except Exception as e:  # noqa: BLE001
-            raise computation_error(e) from None
+        return self.reads.fetch(buffer_id)
 
     # ---- programs ------------------------------------------------------------------------
 
@@ -433,8 +373,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 raise errors.InternalError(
                     f"executable {executable_id} is not loaded on this host; this is a bug in "
                     "isthmus: please report it.")
-            if self._reads and loaded.info.donated_inputs:
-                copy_first = copy_first | self._reads.donated_in_flight(
+            if self.reads.in_flight and loaded.info.donated_inputs:
+                copy_first = copy_first | self.reads.in_flight.donated_in_flight(
                     args, positions, loaded.info.donated_inputs)
             arrays = []
             for index, ref in enumerate(args):
