@@ -2,7 +2,7 @@
 client's put and `np.asarray` of a 256 MiB array through isthmus, beside what any client
 must do with those bytes on this machine, and the machine facts the two depend on.
 
-    python -m bench.fetch_bound [SIZE_MIB] [ROUNDS]
+    python -m bench.fetch_bound [SIZE_MIB] [ROUNDS] [TRANSFERS]
 
 Facts: kernel, cores, memory, transparent huge pages (THP) and their defrag mode, glibc and
 GLIBC_TUNABLES. Rows (GB/s of the array's bytes; medians of ROUNDS, each in a fresh child
@@ -19,13 +19,14 @@ process, so that no page is warm that a real transfer would find cold):
 - `first touch, malloc` and `the same block again`: a malloc'd block of the whole size
   (glibc maps it fresh, in 4 KiB pages) filled, freed, and a second one; `, huge pages`:
   the same with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`;
-- `grpc stream`: a Python grpc client (grpcio's C core, as in the stock client) receiving the
-  bytes in 1 MiB messages from a grpc server that sends a prepared buffer;
+- `grpc stream, TCP` / `, Unix socket`: a Python grpc client (grpcio's C core, as in the
+  stock client) receiving the bytes in 1 MiB messages from a grpc server that sends a
+  prepared buffer (TCP where this machine allows it);
 - the stock client through isthmus, embedded and on a 1x1x1 fleet, over the socket and with
   the shared-memory variables `isthmus run` sets, and (embedded) with the client's glibc
-  malloc keeping its memory and using huge pages (`KEPT`): put and fetch, the first of a process
-  apart from the median of the 5 after it, and the server's (controller's) CPU for a fetch
-  as GB/s of its CPU time.
+  malloc keeping its memory and using huge pages (`KEPT`): put and fetch, the first of a
+  process apart from the median of the TRANSFERS - 1 (default 5) after it, and the server's
+  (controller's) CPU for a fetch as GB/s of its CPU time.
 
 Prints one table and one JSON line. No row is a test assertion.
 """
@@ -122,7 +123,7 @@ elif kind == "stock":  # put and fetch through the stock client: the first, then
         return (int(fields[11]) + int(fields[12])) / 100
     step = jax.jit(lambda a: a + 1)
     puts, fetches, cpu = [], [], []
-    for i in range(6):
+    for i in range(int(sys.argv[4])):
         t = time.perf_counter(); a = jax.device_put(x); a.block_until_ready()
         puts.append(size / (time.perf_counter() - t) / 1e9)
         y = step(a); y.block_until_ready(); del a
@@ -144,7 +145,7 @@ def _child(args: list[str], env: dict[str, str] | None = None) -> object:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _grpc_server(size: int) -> tuple[object, str]:
+def _grpc_server(size: int, unix: str | None = None) -> tuple[object, str]:
     from concurrent import futures
 
     import grpc
@@ -160,6 +161,10 @@ def _grpc_server(size: int) -> tuple[object, str]:
         ("grpc.max_send_message_length", 64 << 20)])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "bench.Bytes", {"Get": grpc.unary_stream_rpc_method_handler(get)})])
+    if unix is not None:
+        server.add_insecure_port(f"unix:{unix}")
+        server.start()
+        return server, f"unix:{unix}"
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
@@ -183,14 +188,17 @@ def machine_facts() -> dict[str, str]:
             "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", "(unset)")}
 
 
-def _stock(env: dict[str, str], size: int, pid: int, rounds: int) -> dict[str, float]:
-    runs = [_child(["stock", str(size), str(pid)], env=env) for _ in range(rounds)]
+def _stock(env: dict[str, str], size: int, pid: int, rounds: int, repeats: int
+           ) -> dict[str, float]:
+    runs = [_child(["stock", str(size), str(pid), str(repeats)], env=env)
+            for _ in range(rounds)]
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}  # type: ignore[index, union-attr]
 
 
 def main() -> int:
     size = (int(sys.argv[1]) if len(sys.argv) > 1 else 256) << 20
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 6
     facts = machine_facts()
     rows: dict[str, float] = {}
     for name, kind in (("first touch (numpy: huge pages)", "touch"),
@@ -206,13 +214,21 @@ def main() -> int:
         touches = [_child(["touch_malloc", str(size)], env=env) for _ in range(rounds)]
         rows[f"first touch, malloc{label}"] = statistics.median(t[0] for t in touches)  # type: ignore[index]
         rows[f"  the same block again{label}"] = statistics.median(t[1] for t in touches)  # type: ignore[index]
-    server, address = _grpc_server(size)
-    try:
-        rows["grpc stream"] = statistics.median(
-            float(_child(["grpc", str(size), address]))  # type: ignore[arg-type]
-            for _ in range(rounds))
-    finally:
-        server.stop(0)
+    import tempfile
+
+    from isthmus.ports import tcp_available
+
+    for label, unix in (("TCP", None), ("Unix socket", "grpc.sock")):
+        if unix is None and not tcp_available():
+            continue  # a sandbox without internet sockets
+        with tempfile.TemporaryDirectory() as directory:
+            server, address = _grpc_server(size, unix and os.path.join(directory, unix))
+            try:
+                rows[f"grpc stream, {label}"] = statistics.median(
+                    float(_child(["grpc", str(size), address]))  # type: ignore[arg-type]
+                    for _ in range(rounds))
+            finally:
+                server.stop(0)
 
     from isthmus.serve import child_environment
     from isthmus.testing import LocalServer
@@ -233,7 +249,8 @@ def main() -> int:
             if where == "embedded":  # the client's allocator keeping and huge-paging memory
                 variants.append(("socket, malloc kept (KEPT)", {**plain, "GLIBC_TUNABLES": KEPT}))
             for label, env in variants:
-                transfers[f"{where}, {label}"] = _stock(env, size, isthmus.process.pid, rounds)
+                transfers[f"{where}, {label}"] = _stock(env, size, isthmus.process.pid, rounds,
+                                                             repeats)
     print(f"a {size >> 20} MiB transfer on this machine, GB/s (medians of {rounds}):")
     for name, value in facts.items():
         print(f"  {name:42} {value}")

@@ -26,8 +26,10 @@ import time
 HERE = pathlib.Path(__file__).parent
 WORK = HERE / "tpu_work.py"
 RESULTS = ("mlp_losses", "matmul_small", "pallas", "offload", "offload_kind", "donating",
-           "lm_losses", "lm_param_abs_sum")
-OPTIONAL = ("lm_losses", "lm_param_abs_sum")  # where flax is installed
+           "checkpoint_steps", "checkpoint", "profile_names_program", "lm_losses",
+           "lm_param_abs_sum")
+# Where flax (the language model) and orbax (the checkpoint) are installed.
+OPTIONAL = ("lm_losses", "lm_param_abs_sum", "checkpoint_steps", "checkpoint")
 SELF_CHECKED = ("colocated",)  # through isthmus only: equal to its "_expected" (numpy's)
 FIGURES = (  # (key, label, higher is better)
     ("mlp_steps_per_s", "MLP 784-512-512-10 steps/s", True),
@@ -66,6 +68,8 @@ def main() -> int:
     extra = ["--quick"] if args.quick else []
     base = {k: v for k, v in os.environ.items()
             if k not in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET")}
+    # Through isthmus, pathwaysutils' persistence: the workers write the checkpoint's shards.
+    base["ENABLE_PATHWAYS_PERSISTENCE"] = "1"
     local, local_s, _ = _run([sys.executable, str(WORK), *extra], base, 900)
     runs = {"local": (local, local_s, "")}
     for name, shape in (("embedded", ["--devices", "1"]), ("fleet", [])):
@@ -83,10 +87,16 @@ def main() -> int:
                              "--devices", "1", "--compile-cache", cache, "--",
                              sys.executable, str(HERE / "compile_cache.py"), "mlp"], base, 300)
         compiles.append(result.get("compile_ms"))
+    # A second TPU client in a live process, as a worker whose group re-forms makes one.
+    second = subprocess.run([sys.executable, str(HERE / "tpu_second_client.py")], env=base,
+                            capture_output=True, text=True, timeout=300)
+    second_client = (json.loads(second.stdout.strip().splitlines()[-1]) if not second.returncode
+                     else {"error": second.stderr[-1500:]})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tpu_check.json"), "w") as f:
         json.dump({name: run for name, (run, _, _) in runs.items()}
-                  | {"seconds": {name: s for name, (_, s, _) in runs.items()}}, f)
+                  | {"seconds": {name: s for name, (_, s, _) in runs.items()},
+                     "compile_ms": compiles, "second_client": second_client}, f)
     failures = [f"{where}: {key} {value[:1500]}" for where, (run, _, _) in runs.items()
                 for key, value in run.items() if key.endswith("error")]
     print(f"TPU check: {local.get('device_kind', '?')}; "
@@ -135,6 +145,11 @@ def main() -> int:
               f"after a restart {compiles[1]:.0f} ms ({compiles[1] / compiles[0]:.2f}x)")
     else:
         failures.append(f"the compile cache's runs failed: {compiles}")
+    for name in mine:
+        run = runs[name][0]
+        print(f"  {name}: profile traces {run.get('profile_hosts')}, a TPU plane in them: "
+              f"{run.get('profile_tpu_plane')}")
+    print(f"  a second TPU client in a live process: {second_client}")
     log = "".join(runs[name][2][-2000:] for name in mine)
     for failure in failures:
         print(f"FAILED: {failure}")

@@ -10,6 +10,13 @@ final state, the Flax NNX language model's losses (where flax is installed); a c
 Python function's output is checked against numpy. Figures (compared as ratios): MLP steps/s
 (pipelined, never waiting), a tiny jit + fetch's p50, 256 MiB device_put and fetch in GB/s,
 a large bf16 matmul's TFLOP/s (10 in flight at a time) and the language model's time.
+
+Through isthmus (JAX_PLATFORMS=proxy) `pathwaysutils.initialize()` runs first, so that an
+Orbax checkpoint's shards are written and read by the workers (pathwaysutils' persistence,
+with ENABLE_PATHWAYS_PERSISTENCE=1); on local jax Orbax writes them itself. Either way the
+restored state's bytes are compared. A profile of a step (through isthmus: pathwaysutils'
+`profileRequest` plugin program into a local directory, as its `start_trace` sends it for
+gs:// locations; locally: `jax.profiler.trace`) must name the step's program.
 """
 
 from __future__ import annotations
@@ -131,10 +138,19 @@ def pallas() -> dict:
     return {"pallas": np.asarray(out)}
 
 
+def _through_isthmus() -> bool:
+    import os
+
+    return os.environ.get("JAX_PLATFORMS") == "proxy"
+
+
 def colocated() -> dict:
     """A colocated Python function on the chip's colocated CPU device, checked against numpy
-    (local jax has no colocated CPU devices to compare with)."""
+    (through isthmus only: local jax has no colocated CPU devices)."""
     import jax
+
+    if not _through_isthmus():
+        return {}
     from jax.experimental import colocated_python as cp
 
     (cpu,) = cp.colocated_cpu_devices(jax.devices()[:1])
@@ -175,6 +191,109 @@ def donating_loop(steps: int) -> dict:
     return {"donating": np.asarray(state)}
 
 
+def checkpoint() -> dict:
+    """An Orbax CheckpointManager round trip of a small train state on the chip (two steps
+    saved, max_to_keep=1, the latest restored by a new manager from abstract targets): the
+    restored leaves' bytes (where orbax is installed)."""
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("orbax") is None:
+        return {}
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    def init():
+        k1, k2 = jax.random.split(jax.random.key(3))
+        return {"w": jax.random.normal(k1, (256, 512), jnp.float32),
+                "emb": jax.random.normal(k2, (64, 128), jnp.bfloat16),
+                "b": jnp.arange(512, dtype=jnp.int32) - 7, "step": jnp.array(0, jnp.int32)}
+
+    @jax.jit
+    def update(state):
+        return {"w": state["w"] * 0.5 + jnp.tanh(state["w"]),
+                "emb": (state["emb"] * 1.5).astype(jnp.bfloat16),
+                "b": state["b"] + state["step"], "step": state["step"] + 1}
+
+    # pathwaysutils' persistence restores onto NamedShardings only.
+    placed = jax.sharding.NamedSharding(jax.make_mesh((1,), ("x",), devices=jax.devices()[:1]),
+                                        jax.sharding.PartitionSpec())
+    state = jax.jit(init, out_shardings=placed)()
+    with tempfile.TemporaryDirectory() as directory:
+        options = ocp.CheckpointManagerOptions(max_to_keep=1)
+        with ocp.CheckpointManager(directory, options=options) as manager:
+            for step in range(2):
+                state = update(state)
+                manager.save(step, args=ocp.args.StandardSave(state))
+            manager.wait_until_finished()
+        with ocp.CheckpointManager(directory) as manager:
+            steps = list(manager.all_steps())
+            target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                 sharding=placed), state)
+            restored = manager.restore(manager.latest_step(),
+                                       args=ocp.args.StandardRestore(target))
+    leaves = {name: np.asarray(restored[name]) for name in sorted(restored)}
+    assert all(np.array_equal(leaves[k], np.asarray(state[k])) for k in leaves), "restore"
+    return {"checkpoint_steps": steps,
+            "checkpoint": {k: v.tobytes().hex()[:4096] + f"...{v.nbytes}"
+                           for k, v in leaves.items()}}
+
+
+PROFILE_REQUEST = ('{{"profileRequest": {{"traceLocation": "{0}", "maxNumHosts": 8, '
+                   '"includeResourceManagers": true, "xprofTraceOptions": {{'
+                   '"traceDirectory": "{0}", "traceSessionName": "tpu_check"}}}}}}')
+
+
+def profile() -> dict:
+    """A profile of two steps: whether its traces name the step's program (and, for the
+    record, which hosts wrote one and whether a TPU plane is in it)."""
+    import pathlib
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def profiled_step_fn(x):
+        return jnp.sin(x) * 2 + x.sum(axis=1, keepdims=True)
+
+    x = jnp.ones((256, 256), jnp.float32)
+    profiled_step_fn(x).block_until_ready()
+    with tempfile.TemporaryDirectory() as directory:
+        if _through_isthmus():
+            from jax.extend import backend, ifrt_programs
+            from jax.interpreters import pxla
+
+            programs = ifrt_programs.ifrt_programs
+            client = jax.devices()[0].client
+            executable = client.compile_ifrt_program(
+                programs.make_plugin_program(PROFILE_REQUEST.format(directory)),
+                programs.make_plugin_compile_options())
+            avals = [jax.core.ShapedArray((1,), jnp.object_)]
+            shardings = [jax.sharding.SingleDeviceSharding(backend.get_default_device())]
+
+            def call():
+                results = executable.execute_sharded([], with_tokens=True)
+                results.consume_with_handlers(
+                    pxla.global_avals_to_results_handler(avals, shardings, True).handlers)
+                results.consume_token().block_until_ready()
+
+            call()  # started
+            for _ in range(2):
+                profiled_step_fn(x).block_until_ready()
+            call()  # stopped: written
+        else:
+            with jax.profiler.trace(directory):
+                for _ in range(2):
+                    profiled_step_fn(x).block_until_ready()
+        traces = {p.name: p.read_bytes()
+                  for p in pathlib.Path(directory).glob("plugins/profile/*/*.xplane.pb")}
+    return {"profile_names_program": any(b"profiled_step_fn" in d for d in traces.values()),
+            "profile_hosts": sorted(traces),
+            "profile_tpu_plane": any(b"/device:TPU:0" in d for d in traces.values())}
+
+
 def flax_lm() -> dict:
     """The workloads tier's Flax NNX language model (tests/workloads/scripts/flax_nnx_lm.py)
     on a 1 x 1 mesh: its 20 losses and its parameters' checksum (where flax is installed)."""
@@ -201,6 +320,13 @@ def main() -> None:
     import jax
 
     quick = "--quick" in sys.argv
+    if _through_isthmus():
+        try:  # before jax makes its backend, as its users call it
+            import pathwaysutils
+
+            pathwaysutils.initialize()
+        except ImportError:
+            pass
     out: dict = {"device_kind": jax.devices()[0].device_kind, "backend":
                  jax.devices()[0].client.platform_version.split("\n")[0]}
     for name, part in (("mlp", lambda: mlp(200)), ("pallas", pallas),
@@ -209,6 +335,7 @@ def main() -> None:
                        ("tiny", lambda: tiny_round_trip(100 if quick else 300)),
                        ("transfers", lambda: transfers(64 if quick else 256)),
                        ("matmul", lambda: matmul(4096 if quick else 8192)),
+                       ("checkpoint", checkpoint), ("profile", profile),
                        ("lm", flax_lm)):
         try:
             out.update(part())

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from isthmus.ports import tcp_available
 from isthmus.serve import READY_PREFIX, child_environment
 
 
@@ -28,7 +29,8 @@ class ServerError(RuntimeError):
 
 
 class LocalServer:
-    """An `isthmus up` process on 127.0.0.1 with a free port."""
+    """An `isthmus up` process on 127.0.0.1 with a free port (on a private Unix socket
+    where this machine lets no process open a TCP socket)."""
 
     def __init__(self, *, devices: int | None = 8, args: Sequence[str] = (),
                  start_timeout: float = 120.0, env: dict[str, str] | None = None,
@@ -59,7 +61,12 @@ class LocalServer:
             shape = ["--devices", str(self.devices)]
         else:
             shape = []  # the default fleet
-        command = [self.python, "-m", "isthmus.cli", "up", "--port", "0", *shape, *self.args]
+        if tcp_available():
+            ports = ["--port", "0"]
+        else:  # a sandbox without internet sockets: the client port on a Unix socket
+            private = tempfile.mkdtemp(prefix="isthmus-server-")
+            ports = ["--unix-socket", os.path.join(private, "client.sock")]
+        command = [self.python, "-m", "isthmus.cli", "up", *ports, *shape, *self.args]
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.process = subprocess.Popen(
