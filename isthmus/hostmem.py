@@ -132,3 +132,29 @@ def map_file(path: str, read_only: bool = False) -> np.ndarray:
             return np.frombuffer(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | populate,
                                            prot=mmap.PROT_READ), np.uint8)
         return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), np.uint8)
+
+
+# ---- the client's allocator ------------------------------------------------------------------
+
+# glibc malloc settings for the stock client of `isthmus run`, whose fetch copies each array
+# into a fresh block of its size and then into the array jax returns:
+# - mmap_max=0, trim_threshold: large blocks come from the heap, and what the client frees
+#   stays there for the next transfer (pages already touched: clearing fresh pages is the
+#   slow part of a fetch in a VM);
+# - hugetlb=1: the heap in transparent huge pages where the kernel offers them;
+# - top_pad: the heap grows 64 MiB at a time. Grown 128 KiB at a time (glibc's default), a
+#   fetch into memory the process never had stalled for 6-8 s per 256 MiB on a gVisor
+#   sandbox (the TPU machine of bench/RESULTS.md), against 0.3 s with large steps.
+CLIENT_TUNABLES = ("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736:"
+                   "glibc.malloc.hugetlb=1:glibc.malloc.top_pad=67108864")
+CLIENT_MALLOC_VARIABLE = "ISTHMUS_CLIENT_MALLOC"  # "default": glibc's own settings
+
+
+def client_allocator_environment(env: dict[str, str]) -> dict[str, str]:
+    """What `isthmus run` adds to its command's environment `env` for the allocator:
+    `CLIENT_TUNABLES`, unless the user set GLIBC_TUNABLES themselves or asked for glibc's
+    defaults (ISTHMUS_CLIENT_MALLOC=default). The price: memory the client frees stays in
+    its process (its peak of transfers in flight), documented in the README."""
+    if "GLIBC_TUNABLES" in env or env.get(CLIENT_MALLOC_VARIABLE, "") == "default":
+        return {}
+    return {"GLIBC_TUNABLES": CLIENT_TUNABLES}

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from isthmus import gctune, logs
+from isthmus.hostmem import client_allocator_environment
 from isthmus.lease_cli import add_client_arguments, add_server_arguments, shared_config
 from isthmus.observe.options import (
     ObserveConfig,
@@ -428,9 +429,10 @@ async def run(args: argparse.Namespace) -> int:
     gctune.settle()
     _announce_observer(head)
     try:
+        # The client's allocator keeps what large transfers touched (hostmem.CLIENT_TUNABLES).
+        extra = {**head.client_environment(), **client_allocator_environment(dict(os.environ))}
         child = await asyncio.create_subprocess_exec(
-            *command, env=child_environment(address, extra=head.client_environment()),
-            stdin=None)
+            *command, env=child_environment(address, extra=extra), stdin=None)
     except OSError as e:
         await head.stop()
         _remove(private)

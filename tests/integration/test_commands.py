@@ -291,3 +291,30 @@ def test_a_port_in_use_is_one_line():
             assert result.returncode == 2, (args, result.stderr[-2000:])
             lines = result.stderr.strip().splitlines()
             assert len(lines) == 1 and f"pick another {flag}" in lines[0], result.stderr
+
+
+def test_run_gives_its_command_the_allocator_that_keeps_transfer_memory():
+    from isthmus.hostmem import CLIENT_TUNABLES, client_allocator_environment
+
+    # The rule, in process: the user's own GLIBC_TUNABLES, or glibc's defaults on request.
+    assert client_allocator_environment({}) == {"GLIBC_TUNABLES": CLIENT_TUNABLES}
+    assert client_allocator_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {}
+    assert client_allocator_environment({"ISTHMUS_CLIENT_MALLOC": "default"}) == {}
+    # Through `isthmus run`: the command gets it, and a large put and fetch come back whole.
+    script = ("import os, sys, jax, numpy as np\n"
+              "print(os.environ.get('GLIBC_TUNABLES', '-'))\n"
+              "x = np.arange(8 << 20, dtype=np.float32)\n"
+              "for _ in range(2):\n"
+              "    assert np.array_equal(np.asarray(jax.device_put(x)), x)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GLIBC_TUNABLES", "ISTHMUS_CLIENT_MALLOC")}
+    for extra, want in (({}, CLIENT_TUNABLES),
+                        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+                         "glibc.malloc.arena_max=2"),
+                        ({"ISTHMUS_CLIENT_MALLOC": "default"}, "-")):
+        result = subprocess.run(
+            [sys.executable, "-m", "isthmus.cli", "run", "--devices", "1", "--",
+             sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+            env={**env, **extra})
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1] == want, (extra, result.stdout)
