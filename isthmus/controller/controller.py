@@ -58,7 +58,7 @@ class Executable:
     __slots__ = ("id", "key", "devices", "device_ids", "positions", "parts", "workers",
                  "compiled", "info", "refs", "error", "request", "epoch", "holders",
                  "output_specs", "input_specs", "param_specs", "dispatched",
-                 "refused", "runs", "slices", "readahead")
+                 "refused", "runs", "slices", "readahead", "placed")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
                  request: CompileRequest) -> None:
@@ -84,6 +84,9 @@ class Executable:
         # per parameter: (sharding it must arrive in, or None: unknown; memory kind), worked
         # out at the first Execute
         self.param_specs: list | None = None
+        # per parameter: the last sharding an argument passed the placement check in (the
+        # same object again passes without a check: a loop's outputs share their sharding)
+        self.placed: dict[int, object] = {}
         self.compiled: asyncio.Future[CompiledInfo] | None = None
         self.info: CompiledInfo | None = None
         self.error: errors.IsthmusError | None = None

@@ -162,7 +162,9 @@ class Ledger:
 
     def free_groups(self, groups: Sequence[BufferGroup]) -> None:
         """Drops every shard of the groups on their workers (in dispatch order): one shared
-        command for all the workers of a group."""
+        command for the groups that live on the same workers (a step's old parameters are
+        freed by one command)."""
+        by_workers: dict[tuple[WorkerId, ...], list[range]] = {}
         for group in groups:
             if group.states_apart is None and not group.pins:  # the common case
                 if group.state is FREED:
@@ -174,7 +176,11 @@ class Ledger:
                 continue
             group.free()
             self._live.pop(BufferId(group.base), None)
-            self.fleet.multicast(group.workers, c.Free(group.ids))
+            by_workers.setdefault(group.workers, []).append(group.ids)
+        for workers, ids in by_workers.items():
+            # One group's ids stay a range (compact on the wire), several are joined.
+            self.fleet.multicast(workers, c.Free(
+                ids[0] if len(ids) == 1 else tuple(BufferId(i) for one in ids for i in one)))
 
     def free_buffers(self, buffers: Sequence[Buffer]) -> None:
         """Drops single shards on their workers (in dispatch order); a pinned one is freed

@@ -223,6 +223,8 @@ def _check_placement(executable: Executable, index: int, array: Array,
     """Refuses an argument whose shards are not where and what the program reads: jaxlib
     trusts the shards it is given (a wrong shape crashes the process, a permuted order
     computes a wrong answer)."""
+    if executable.placed.get(index) is array.sharding:
+        return  # checked already (shardings are immutable)
     if expected is not None:
         problem = sh.placement_mismatch(array.sharding, expected, array.shape)
         if problem is not None:
@@ -236,6 +238,7 @@ def _check_placement(executable: Executable, index: int, array: Array,
             f"argument {index} is in memory kind {kind!r} but the program reads it from "
             f"{memory_kind!r}; copy it there first (jax.device_put with a sharding of that "
             "memory kind).")
+    executable.placed[index] = array.sharding
 
 
 def _check_donations(donated: frozenset[int], refs: Sequence[int | tuple[BufferId, ...]],
