@@ -74,7 +74,7 @@ _XLA_CLIENT_NAMES = (
     "make_c_api_client", "pjrt_plugin_initialized", "initialize_pjrt_plugin",
     "generate_pjrt_gpu_plugin_options")
 _EXTENSION_NAMES = (
-    "ArrayImpl", "DeviceList", "GSPMDSharding", "SingleDeviceSharding",
+    "ArrayImpl", "DeviceList", "GSPMDSharding", "SingleDeviceSharding", "array_result_handler",
     "get_distributed_runtime_client", "get_distributed_runtime_service",
     "make_gloo_tcp_collectives")
 
@@ -95,6 +95,17 @@ def jaxlib_extension() -> Any:
     with _needs("jax._src.lib._jax"):
         from jax._src.lib import _jax as module
     return _checked(module, "jax._src.lib._jax", _EXTENSION_NAMES)
+
+
+def result_handler(aval: Any, sharding: Any) -> Any:
+    """jaxlib's maker of a committed array of `aval` on `sharding` from an executable's
+    output buffers (`ExecuteResults.consume_with_handlers`), as jax's own dispatch makes its
+    outputs: nothing built again per call."""
+    make = jaxlib_extension().array_result_handler
+    try:
+        return make(aval, sharding, committed=True, _skip_checks=True)
+    except TypeError:  # jaxlib >= 0.11 takes no _skip_checks
+        return make(aval, sharding, committed=True)
 
 
 @functools.cache

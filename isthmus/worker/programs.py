@@ -291,3 +291,22 @@ def arg_shardings(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...]
         proto.ParseFromString(op)
         result.append(_jax.GSPMDSharding(tuple(devices), xc.HloSharding.from_proto(proto)))
     return tuple(result)
+
+
+def result_handlers(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...] | None:
+    """For a program on one device, per output, jaxlib's maker of its array (its aval and
+    its device in the memory kind the program writes it to); None for a program on several
+    devices, or one with an output that has no plain dtype (a token)."""
+    if len(devices) != 1 or len(info.output_memory_kinds) != len(info.outputs):
+        return None
+    import jax
+
+    _jax = jax_compat.jaxlib_extension()
+    handlers = []
+    for aval, kind in zip(info.outputs, info.output_memory_kinds):
+        if aval.dtype.numpy is None:
+            return None
+        sharding = _jax.SingleDeviceSharding(devices[0], memory_kind=kind or None)
+        handlers.append(jax_compat.result_handler(
+            jax.core.ShapedArray(aval.shape, aval.dtype.numpy), sharding))
+    return tuple(handlers)

@@ -101,6 +101,9 @@ class Loaded:
     positions: tuple[int, ...]  # positions (in the program's device list) held here
     # Global ids of the program's devices when some are on other hosts (None: all here).
     span: frozenset[int] | None = None
+    # A program on one device: per output, what makes its array from the output buffer
+    # (`programs.result_handlers`; None: outputs taken apart as jaxlib returns them).
+    result_handlers: tuple[Any, ...] | None = None
 
 
 @dataclasses.dataclass(slots=True)
