@@ -32,7 +32,7 @@ class CollectiveOrder:
     CPU_COLLECTIVES_IN_FLIGHT = 2
 
     _executables: dict[ExecutableId, Any]
-    _collectives: collections.deque[list[Any]]  # outputs of those in flight, oldest first
+    _collectives: collections.deque[InFlight]  # those in flight, oldest first
     _collective_failed: bool  # one that finished since the last dispatch failed
     _shared_pool: bool
     _pool: Any
@@ -124,16 +124,17 @@ class CollectiveOrder:
             return []
         self.collectives_finished()
         room = self.CPU_COLLECTIVES_IN_FLIGHT - 1
-        return [v for values in list(in_flight)[:max(0, len(in_flight) - room)]
-                for v in values if not settled(v)]
+        return list(in_flight)[:max(0, len(in_flight) - room)]
 
     def wait_for(self, values: list[Any]) -> asyncio.Future[None]:
-        """Resolves once these arrays are computed or donated (waited for in a thread)."""
+        """Resolves once these arrays or programs in flight are computed or donated (waited
+        for in a thread)."""
         return asyncio.get_running_loop().run_in_executor(self._pool, block_all, values)
 
-    def collective_started(self, outputs: list[Any]) -> None:
-        """A collective program was dispatched; these are its output shards."""
-        self._collectives.append(outputs)
+    def collective_started(self, outputs: list[Any], token: Any = None) -> None:
+        """A collective program was dispatched: these are its output shards, and `token`
+        (jaxlib's `ShardedToken` of the run, if asked for) tells when it ends."""
+        self._collectives.append(InFlight(outputs, token))
         if len(self._collectives) > 1:
             self.collectives_finished()  # what a GPU's queue finished lets go of memory
 
@@ -141,25 +142,66 @@ class CollectiveOrder:
         """Drops the programs in flight that have finished, oldest first, noting a
         failure."""
         in_flight = self._collectives
-        while in_flight and all(settled(v) for v in in_flight[0]):
-            if failed(in_flight.popleft()):
+        while in_flight and in_flight[0].finished():
+            if in_flight.popleft().failed():
                 self._collective_failed = True
 
     HOLD_AFTER_FAILURE = 3.0  # seconds: the controller re-forms within ~0.5 s of a loss
 
 
-# A program in flight is known by its output shards. A later program may take one of them
-# by donation (a training step donates the last step's parameters) while this one still
-# runs: jaxlib then marks the shard deleted, and a deleted array can no longer be asked
-# whether it is ready (it raises). The program it was donated to cannot start before this
-# one ends, and is counted in its place when it is a collective program itself: so a
-# donated shard counts as settled, and this program as finished once its other shards are.
-# (Only donation deletes a worker's arrays: `BufferStore.free` drops references.)
+class InFlight:
+    """A collective program in flight, known by its output shards and the token of its run.
 
+    Its outputs answer without blocking whether it has finished, until a later program
+    takes one by donation (a training step donates the last step's parameters): jaxlib then
+    marks the shard deleted, and a deleted array can no longer be asked whether it is
+    ready. Its other outputs still answer; when all were donated, the program is known to
+    have finished only once its token was waited for (`block_until_ready`, in a thread).
+    Counting it finished then would let a loop that donates everything it returns run
+    away: each step would leave the count as soon as the next was dispatched, and hundreds
+    in flight deadlock XLA:CPU's pool (local jax's too).
+    (Only donation deletes a worker's arrays: `BufferStore.free` drops references.)
+    """
 
-def settled(value: Any) -> bool:
-    """The shard is computed, or was donated to a later program (see above)."""
-    return value.is_deleted() or value.is_ready()
+    __slots__ = ("outputs", "token", "_done", "_error")
+
+    def __init__(self, outputs: list[Any], token: Any) -> None:
+        self.outputs = outputs
+        self.token = token
+        self._done = False  # the token (or every output) was waited for
+        self._error = False  # ... and the run failed
+
+    def finished(self) -> bool:
+        """Known to have ended, without blocking: its outputs not donated are computed (they
+        are made together), or, all donated, its token was waited for."""
+        if self._done:
+            return True
+        kept = False
+        for value in self.outputs:
+            if value.is_deleted():
+                continue
+            if not value.is_ready():
+                return False
+            kept = True
+        return kept or self.token is None
+
+    def block_until_ready(self) -> None:
+        """Waits for the program to end (in a thread; `block_all` calls it): for its
+        outputs, or, when all of them were donated, for its token."""
+        block_all(self.outputs)
+        if self.token is not None and all(value.is_deleted() for value in self.outputs):
+            try:
+                self.token.block_until_ready()
+            except Exception:  # noqa: BLE001 - read by `failed`
+                self._error = True
+        self._done = True
+
+    def is_deleted(self) -> bool:  # as an array `block_all` passes over
+        return False
+
+    def failed(self) -> bool:
+        """Some shard of this finished program holds an error, or its run failed."""
+        return self._error or failed(self.outputs)
 
 
 def failed(values: list[Any]) -> bool:

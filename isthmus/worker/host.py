@@ -30,7 +30,7 @@ from isthmus.transport.commands import ORDERED_PUT_BYTES, Command, Request
 from isthmus.transport.host import Part
 from isthmus.worker import platforms, programs, regroup
 from isthmus.worker.buffers import BufferStore, ids_of, missing
-from isthmus.worker.collectives import CollectiveOrder
+from isthmus.worker.collectives import CollectiveOrder, InFlight
 from isthmus.worker.colocated import Pending
 from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.inline import InlineOrder
@@ -98,8 +98,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         self._shardings: dict[tuple[int, str | None], Any] = {}  # see `_sharding`
         self._executables: dict[ExecutableId, Loaded | Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
-        # Output shards of the collective programs in flight (`collective_settled`).
-        self._collectives: collections.deque[list[Any]] = collections.deque()
+        # The collective programs in flight (`collective_settled`).
+        self._collectives: collections.deque[InFlight] = collections.deque()
         self._collective_failed = False
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="isthmus-host"
@@ -365,6 +365,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
 
         loaded = self._executables.get(executable_id)
         positions = loaded.positions if loaded is not None else ()
+        token = None  # of a run over several devices (`InFlight`)
         try:
             if isinstance(loaded, Unloadable):
                 raise loaded.error
@@ -393,7 +394,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 else:
                     per_output = [[value] for value in loaded.executable.execute(values)]
             else:
-                per_output = self._execute_sharded(loaded, args, positions, copy_first)
+                per_output, token = self._execute_sharded(loaded, args, positions, copy_first)
         except Exception as e:  # noqa: BLE001
             error = errors.from_runtime_error(e, errors.ExecutionError, "execution failed")
             for base in results:
@@ -411,13 +412,13 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 for p in positions:
                     self.buffers.span(BufferId(base + p), span)
         if len(positions) > 1 or loaded.span is not None:
-            self.collective_started([s for shards in per_output for s in shards])
+            self.collective_started([s for shards in per_output for s in shards], token)
 
     def _execute_sharded(self, loaded: Loaded, args: Sequence[int | Sequence[BufferId]],
                          positions: Sequence[int], copy_first: frozenset[int]
-                         ) -> list[list[Any]]:
+                         ) -> tuple[list[list[Any]], Any]:
         """A program over several devices: each argument as one array of this host's
-        shards, each output taken apart into its shards here."""
+        shards, each output taken apart into its shards here; and the run's token."""
         import jax
 
         array_impl = jax_compat.jaxlib_extension().ArrayImpl
@@ -431,8 +432,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             # Shards are in the program's device order; jaxlib's own checks would reject
             # the local-only shard lists of a multi-process program.
             arrays.append(array_impl(aval, loaded.arg_shardings[index], shards, True, True))
-        outputs = loaded.executable.execute_sharded(arrays)
-        return outputs.disassemble_into_single_device_arrays()
+        outputs = loaded.executable.execute_sharded(arrays, with_tokens=True)
+        return outputs.disassemble_into_single_device_arrays(), outputs.consume_token()
 
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 

@@ -39,6 +39,27 @@ class Shard:
         self.done.set()
 
 
+class Token:
+    """The token of a run: ends when the test says so."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error = None
+
+    def block_until_ready(self):
+        self.done.wait(10)
+        if self.error is not None:
+            raise self.error
+
+    def finish(self, error=None):
+        self.error = error
+        self.done.set()
+
+
+def outputs(host):
+    return [program.outputs for program in host._collectives]
+
+
 class Cpu:
     platform = "cpu"
 
@@ -73,7 +94,7 @@ def test_a_step_is_dispatched_while_one_runs_and_waits_behind_two():
         assert not waiting.done()  # two in flight: the third waits for the oldest
         first.finish()
         await waiting
-        assert list(host._collectives) == [[second]]
+        assert outputs(host) == [[second]]
     run(main())
 
 
@@ -98,24 +119,50 @@ def test_a_failed_collective_holds_the_next_until_the_group_re_forms():
     run(main())
 
 
-def test_a_program_whose_outputs_a_later_one_took_by_donation_counts_as_finished():
-    """A training step donates the last step's outputs while that step may still run: the
-    step they went to cannot start before it and is counted in its place (issue 36)."""
+def test_a_program_whose_outputs_a_later_one_took_by_donation_is_known_by_the_rest():
+    """A training step donates the last step's outputs while that step may still run: its
+    outputs not donated tell when it ended (issue 36)."""
     async def main():
         host, superseded = Host(), asyncio.Event()
         first, kept, second = Shard(), Shard(), Shard()
-        host.collective_started([first, kept])
+        host.collective_started([first, kept], Token())
         await host.collective_settled(7, superseded)
         first.deleted = True  # donated to the second step, still running
-        host.collective_started([second])
+        host.collective_started([second], Token())
         waiting = asyncio.ensure_future(host.collective_settled(7, superseded))
         await asyncio.sleep(0.1)
         assert not waiting.done()  # the first step's other output is still being computed
         kept.finish()
         await waiting
-        assert list(host._collectives) == [[second]] and not host._collective_failed
-        second.deleted = True  # all of a step's outputs donated: it counts as finished
-        host.collective_started([Shard()])
-        await asyncio.wait_for(host.collective_settled(7, superseded), 5)
-        assert not host._collective_failed
+        assert outputs(host) == [[second]] and not host._collective_failed
+    run(main())
+
+
+def test_a_program_whose_outputs_were_all_donated_is_waited_for_by_its_token():
+    """A loop that donates everything it returns: each step's outputs are deleted as soon
+    as the next step is dispatched, so only the token tells that a step ended. Counting it
+    finished let hundreds of steps into flight and hung XLA:CPU (the default fleet)."""
+    async def main():
+        host, superseded = Host(), asyncio.Event()
+        runs = []
+        for _ in range(2):
+            await host.collective_settled(7, superseded)
+            if runs:
+                runs[-1][0].deleted = True  # donated to the step dispatched now
+            runs.append((Shard(), Token()))
+            host.collective_started([runs[-1][0]], runs[-1][1])
+        waiting = asyncio.ensure_future(host.collective_settled(7, superseded))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # two in flight, the first known only by its token
+        runs[0][1].finish()
+        await waiting
+        assert outputs(host) == [[runs[1][0]]] and not host._collective_failed
+        runs[1][0].deleted = True  # the third step took it, then the fourth comes
+        host.collective_started([Shard()], Token())
+        runs[1][1].finish(RuntimeError("gloo: connection closed by peer"))
+        began = asyncio.get_running_loop().time()
+        await host.collective_settled(7, superseded)
+        # The second step's run failed, though its outputs went on: the next waits for the
+        # group to re-form (HOLD_AFTER_FAILURE).
+        assert asyncio.get_running_loop().time() - began >= 0.2
     run(main())
