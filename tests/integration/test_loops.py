@@ -2,7 +2,8 @@
 that donates its input with a cross-device sum in it (issue 36: it hung the default fleet),
 one without a collective, a data-parallel training step donating its parameters, and steps
 interleaved with independent collective programs and reads. Every result is compared with
-local jax (or numpy, where local jax itself would hang). (Meshes are built with `Mesh`: `jax.make_mesh` refuses devices of several slices.)"""
+local jax (or numpy, where local jax itself would hang). (Meshes are built with `Mesh`:
+`jax.make_mesh` refuses devices of several slices.)"""
 
 import numpy as np
 import pytest
