@@ -1,0 +1,138 @@
+"""Where a step's time goes on the chip, and the dispatch threshold there (issue 49).
+
+    python -m bench.tpu_timeline [--out DIR] [--spy] [--seconds S]
+    scripts/tpu-check --timeline          # the same, with the TPU machine's wheels
+
+Runs, each on local TPU jax, through the embedded backend (`isthmus run --platform tpu
+--devices 1`) and through a one-host fleet (`isthmus run --platform tpu`: a worker process
+owns the chip), one process holding the chip at a time:
+
+- bench/step_timeline.py: the MLP step's wall time pipelined, the chip's own time per step,
+  one step waited for, and the CPU time per step of the client, the server and the worker
+  (and of their busiest threads);
+- bench/threshold.py: pipelined steps of 4 chained n x n f32 matmuls for growing n, the
+  curve of isthmus's steps/s as a share of local's against local's time per step, and the
+  smallest step from which isthmus keeps 95% of local's rate (Pathways reports 2.3 ms).
+
+With --spy (py-spy on PATH or importable), the fleet's and the embedded backend's timeline
+runs are also sampled by `py-spy record --subprocesses --format raw` (collapsed stacks in
+DIR, for a flame graph). The JSON of every run goes to DIR/tpu_timeline.json. Exits 0 with
+a note where there is no TPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+from bench.__main__ import threshold
+from bench.tpu_check import _run
+
+HERE = pathlib.Path(__file__).parent
+SIZES = "128,256,512,768,1024,1536,2048,3072,4096"
+BACKENDS = {"embedded": ["--devices", "1"], "fleet": []}
+
+
+def _through(name: str, command: list[str], spy: str | None, out: str) -> list[str]:
+    run = [sys.executable, "-m", "isthmus.cli", "run", "--platform", "tpu",
+           *BACKENDS[name], "--", *command]
+    if spy is None:
+        return run
+    return [spy, "record", "--subprocesses", "--format", "raw", "--rate", "250",
+            "--nonblocking", "-o", os.path.join(out, f"spy-{name}.txt"), "--", *run]
+
+
+def _spy() -> str | None:
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    for entry in sys.path:  # pip install --target puts its binary in bin/ beside the site
+        candidate = pathlib.Path(entry) / "bin" / "py-spy"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "out"))
+    parser.add_argument("--spy", action="store_true", help="sample the server with py-spy")
+    parser.add_argument("--seconds", default="2", help="seconds of pipelined steps per run")
+    args = parser.parse_args()
+    from isthmus.compat import jax as jax_compat
+    from isthmus.worker.platforms import libtpu_installed
+
+    if not libtpu_installed() or jax_compat.tpu_chips() == 0:
+        print("tpu-timeline: no TPU here (libtpu or chips missing); nothing to measure")
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    spy = _spy() if args.spy else None
+    if args.spy and spy is None:
+        print("tpu-timeline: py-spy not found; sampling left out")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET")}
+    timeline_cmd = [sys.executable, str(HERE / "step_timeline.py"), args.seconds]
+    curve_cmd = [sys.executable, str(HERE / "threshold.py"), SIZES, "4", "0.5"]
+    runs: dict[str, dict] = {"timeline": {}, "curve": {}}
+    runs["timeline"]["local"] = _run(timeline_cmd, env, 300)[0]
+    runs["curve"]["local"] = _run(curve_cmd, env, 300)[0]
+    for name in BACKENDS:
+        runs["timeline"][name] = _run(_through(name, timeline_cmd, None, args.out), env, 300)[0]
+        runs["curve"][name] = _run(_through(name, curve_cmd, None, args.out), env, 300)[0]
+    if spy is not None:
+        for name in BACKENDS:
+            runs["timeline"][f"{name}-sampled"] = _run(
+                _through(name, timeline_cmd, spy, args.out), env, 300)[0]
+    with open(os.path.join(args.out, "tpu_timeline.json"), "w") as f:
+        json.dump(runs, f)
+    return report(runs)
+
+
+def report(runs: dict[str, dict]) -> int:
+    failed = [f"{part} {name}: {run['error'][:2000]}" for part, by in runs.items()
+              for name, run in by.items() if "error" in run]
+    timeline = {n: r for n, r in runs["timeline"].items() if "error" not in r}
+    print("MLP step (784-512-512-10, batch 128, SGD), microseconds per step")
+    names = list(timeline)
+    print(f"  {'':34}" + "".join(f" {n:>16}" for n in names))
+    for key, label in (("wall_us", "pipelined, wall"), ("chip_us", "the chip alone (scan of 50)"),
+                       ("one_step_us", "one step waited for, p50")):
+        print(f"  {label:34}" + "".join(f" {timeline[n][key]:16.0f}" for n in names))
+    rows: dict[str, dict[str, float]] = {}
+    for n in names:
+        for role, threads in timeline[n]["cpu_us"].items():
+            for thread, us in threads.items():
+                rows.setdefault(f"CPU {role} {thread}", {})[n] = us
+    for label, by in rows.items():
+        print(f"  {label[:34]:34}" + "".join(
+            f" {by[n]:16.0f}" if n in by else f" {'-':>16}" for n in names))
+    if "local" in timeline:
+        print("  steps/s as a share of local: " + ", ".join(
+            f"{n} {timeline['local']['wall_us'] / timeline[n]['wall_us']:.2f}x"
+            for n in names if n != "local"))
+    curve = {n: r for n, r in runs["curve"].items() if "error" not in r}
+    if "local" in curve:
+        local = curve["local"]
+        print("\nDispatch threshold: pipelined steps of 4 chained n x n f32 matmuls")
+        print(f"  {'n':>6} {'local ms':>9}" + "".join(f" {n + ' x':>12}" for n in curve
+                                                     if n != "local"))
+        ratios = {n: [local["step_ms"][i] / r["step_ms"][i] for i in range(len(r["sizes"]))]
+                  for n, r in curve.items() if n != "local"}
+        for i, size in enumerate(local["sizes"]):
+            print(f"  {size:6d} {local['step_ms'][i]:9.3f}" + "".join(
+                f" {ratios[n][i]:12.2f}" for n in ratios))
+        for n, r in ratios.items():
+            found = threshold(local["step_ms"], r)
+            print(f"  {n}: keeps 95% of local from a step of "
+                  + (f"{found:.2f} ms" if found is not None else "none measured"))
+    for failure in failed:
+        print(f"FAILED: {failure}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
