@@ -163,14 +163,15 @@ def main() -> None:
 
     roles = processes()
     before = {role: _threads(pid) for role, pid in roles.items()}
-    steps, values = 0, []
+    steps = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
+        values = []  # the losses of the last 50 steps kept, as a loop that logs them
         for _ in range(50):  # never waiting, as tpu_work.py's figure
             params, value = step(params, x, y)
             values.append(value)
         steps += 50
-    jax.block_until_ready(values)
+    jax.block_until_ready(values)  # each step reads the last: all have run
     wall = time.perf_counter() - start
     out = {"platform": jax.devices()[0].platform, "steps": steps,
            "wall_us": wall / steps * 1e6,

@@ -33,7 +33,7 @@ from bench.__main__ import threshold
 from bench.tpu_check import _run
 
 HERE = pathlib.Path(__file__).parent
-SIZES = "128,256,512,768,1024,1536,2048,3072,4096"
+SIZES = "128,512,1024,1536,1792,2048,2304,2560,2816,3072,4096"
 BACKENDS = {"embedded": ["--devices", "1"], "fleet": []}
 
 
