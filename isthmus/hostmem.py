@@ -154,7 +154,7 @@ def client_allocator_environment(env: dict[str, str]) -> dict[str, str]:
     """What `isthmus run` adds to its command's environment `env` for the allocator:
     `CLIENT_TUNABLES`, unless the user set GLIBC_TUNABLES themselves or asked for glibc's
     defaults (ISTHMUS_CLIENT_MALLOC=default). The price: memory the client frees stays in
-    its process (its peak of transfers in flight), documented in the README."""
+    its process (its peak of transfers in flight), documented in docs/running.md."""
     if "GLIBC_TUNABLES" in env or env.get(CLIENT_MALLOC_VARIABLE, "") == "default":
         return {}
     return {"GLIBC_TUNABLES": CLIENT_TUNABLES}
