@@ -59,11 +59,23 @@ def run_snippet(code: str, address: str | None, timeout: float = 180.0,
             return {k: data[k] for k in data.files}
 
 
+# Local jax's results of the snippets run so far (the same snippet is compared on each of
+# the suite's backends: its local run is the same process start, import and compile again).
+_LOCAL: dict[str, dict[str, np.ndarray]] = {}
+
+
+def local_results(code: str) -> dict[str, np.ndarray]:
+    """What `code` emits on local jax; run once per test process."""
+    if code not in _LOCAL:
+        _LOCAL[code] = run_snippet(code, None)
+    return _LOCAL[code]
+
+
 def compare(code: str, address: str, *, rtol: float = 0.0, atol: float = 0.0
             ) -> dict[str, np.ndarray]:
     """Runs `code` through isthmus and locally; asserts equal results; returns them."""
     remote = run_snippet(code, address)
-    local = run_snippet(code, None)
+    local = local_results(code)
     assert sorted(remote) == sorted(local), (sorted(remote), sorted(local))
     assert remote, "the snippet emitted nothing: a test that cannot fail"
     for key in local:
