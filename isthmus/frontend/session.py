@@ -166,10 +166,12 @@ class FrontendSession:
             body = getattr(request, kind)
             for field in entry.array_results:
                 for handle in _handles_in(body, field):
-                    self.arrays.setdefault(handle, error)
+                    if handle < SERVER_HANDLE_BASE:  # the server's own are never the client's
+                        self.arrays.setdefault(handle, error)
             for field in entry.future_results:
                 for handle in _handles_in(body, field):
-                    self.futures.setdefault(handle, error)
+                    if handle < SERVER_HANDLE_BASE:
+                        self.futures.setdefault(handle, error)
         failed = self._response()
         failed.response_metadata.op_id = response.response_metadata.op_id
         failed.response_metadata.status.code = int(error.code)
@@ -196,11 +198,9 @@ class FrontendSession:
         """Binds `array` to the client's handle (or a new server handle when None)."""
         if handle is None:
             handle = self.new_handle()
-        elif handle in self.arrays:
+        elif handle in self.arrays or handle >= SERVER_HANDLE_BASE:
             self.ctl.arrays.release([array])
-            raise errors.InvalidRequest(
-                f"array handle {handle} is already in use in this session; mint a new "
-                "handle for each array.")
+            raise _refused_handle("array", handle)
         self.arrays[handle] = array
         return handle
 
@@ -217,6 +217,8 @@ class FrontendSession:
     def add_future(self, handle: int | None, wait: Wait) -> int:
         if handle is None:
             handle = self.new_handle()
+        elif handle >= SERVER_HANDLE_BASE:
+            raise _refused_handle("future", handle)
         self.futures[handle] = wait
         return handle
 
@@ -278,6 +280,17 @@ class Entry:
     handler: Handler
     array_results: tuple[str, ...] = ()  # fields of the request body with result array handles
     future_results: tuple[str, ...] = ()  # fields with result future handles
+
+
+def _refused_handle(what: str, handle: int) -> errors.InvalidRequest:
+    if handle >= SERVER_HANDLE_BASE:
+        return errors.InvalidRequest(
+            f"{what} handle {handle} is in the range this server mints its own handles in "
+            f"(from 2**62); a client mints its handles below {SERVER_HANDLE_BASE}, as the "
+            "stock client does.")
+    return errors.InvalidRequest(
+        f"{what} handle {handle} is already in use in this session; mint a new handle for "
+        f"each {what}.")
 
 
 def _handles_in(body: Message, field: str) -> list[int]:

@@ -280,3 +280,46 @@ def test_a_tpus_coordinates_reach_the_client_as_device_attributes():
         assert attributes["slice_index"].int64_value == 0
         await session.close()
     asyncio.run(main())
+
+
+def test_a_client_handle_in_the_servers_own_range_is_refused():
+    """Handles from 2**62 on are the server's (`SERVER_HANDLE_BASE`), as in XLA's server: a
+    client's array handle there could later be handed out again for another array."""
+    from isthmus.frontend.session import SERVER_HANDLE_BASE
+
+    async def main():
+        frontend, session, sent = _session()
+        session.handle(_request(1, "init_request"))
+        s = schema()
+        sharding = s["xla.ifrt.ShardingProto"]()
+        hlo = s["xla.ifrt.HloShardingProto"]()
+        hlo.devices.device_ids.append(0)
+        hlo.xla_op_sharding.SetInParent()
+        sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+        sharding.serialized_sharding.data = hlo.SerializeToString()
+        data = np.arange(4, dtype=np.int32)
+
+        async def put(op_id, handle):
+            """Uploads 4 int32 as array `handle`; the response."""
+            session.host_buffers.begin(op_id, data.nbytes)
+            session.host_buffers.complete(op_id, memoryview(bytearray(data.tobytes())))
+            session.handle(_request(
+                op_id, "make_array_from_host_buffer_request",
+                dtype=s["xla.ifrt.DTypeProto"](kind=s["xla.ifrt.DTypeProto"].KIND_S32),
+                shape=s["xla.ifrt.ShapeProto"](dims=[4]), sharding=sharding,
+                host_buffer_handle=op_id, array_handle=handle))
+            for _ in range(200):
+                answers = [r for r in sent if r.response_metadata.op_id == op_id]
+                if answers:
+                    return answers[0]
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"no answer to request {op_id}")
+
+        refused = await put(2, SERVER_HANDLE_BASE)
+        assert refused.response_metadata.status.code == 3, refused
+        assert "range this server mints" in refused.response_metadata.status.message
+        assert SERVER_HANDLE_BASE not in session.arrays  # nothing bound to it, not even the error
+        assert (await put(3, 7)).response_metadata.status.code == 0
+        assert frontend.controller.ledger.accounting()[0]["buffers"] == 1  # the refused is freed
+        await session.close()
+    asyncio.run(main())
