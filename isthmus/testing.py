@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ class LocalServer:
         self.address = ""
         self._log = tempfile.NamedTemporaryFile(prefix="isthmus-server-", suffix=".log",
                                                 delete=False, mode="w+")
+        self._private: str | None = None  # the client socket's folder, where TCP is refused
 
     def start(self) -> str:
         if self.fleet is not None:
@@ -64,8 +66,8 @@ class LocalServer:
         if tcp_available():
             ports = ["--port", "0"]
         else:  # a sandbox without internet sockets: the client port on a Unix socket
-            private = tempfile.mkdtemp(prefix="isthmus-server-")
-            ports = ["--unix-socket", os.path.join(private, "client.sock")]
+            self._private = tempfile.mkdtemp(prefix="isthmus-server-")
+            ports = ["--unix-socket", os.path.join(self._private, "client.sock")]
         command = [self.python, "-m", "isthmus.cli", "up", *ports, *shape, *self.args]
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -101,16 +103,20 @@ class LocalServer:
         """Stops the server with SIGTERM (SIGKILL after `timeout`); returns its exit code."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout)
-                raise ServerError(f"isthmus up ignored SIGTERM for {timeout} s:\n"
-                                  f"{self.log()}") from None
-        return self.process.returncode
+        try:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                    self.process.wait(timeout)
+                    raise ServerError(f"isthmus up ignored SIGTERM for {timeout} s:\n"
+                                      f"{self.log()}") from None
+            return self.process.returncode
+        finally:
+            if self._private is not None:
+                shutil.rmtree(self._private, ignore_errors=True)
 
     def status(self) -> dict[str, Any]:
         from isthmus.wire.servicer import fetch_status

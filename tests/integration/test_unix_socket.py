@@ -101,3 +101,20 @@ def test_isthmus_up_serves_a_unix_socket_and_no_tcp_port(tmp_path, shape):
         server.terminate()
         server.wait(30)
     assert server.returncode == 0
+
+
+def test_a_local_server_where_tcp_is_refused_serves_a_private_socket(monkeypatch):
+    """`LocalServer` (tests, benches) on a machine that refuses TCP: its client port is a Unix
+    socket in a private folder, which its stop removes."""
+    import isthmus.testing
+    from tests.integration.harness import run_snippet
+
+    monkeypatch.setattr(isthmus.testing, "tcp_available", lambda: False)
+    server = isthmus.testing.LocalServer(devices=1)
+    with server:
+        assert server.address.startswith("grpc://unix:"), server.address
+        folder = os.path.dirname(server.address[len("grpc://unix:"):])
+        out = run_snippet("import jax.numpy as jnp\nemit('x', jnp.arange(4) * 2)",
+                          server.address)
+        assert out["x"].tolist() == [0, 2, 4, 6]
+    assert not os.path.exists(folder)
