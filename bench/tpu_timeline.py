@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import sys
 
 from bench.__main__ import threshold
@@ -62,7 +63,13 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "out"))
     parser.add_argument("--spy", action="store_true", help="sample the server with py-spy")
     parser.add_argument("--seconds", default="2", help="seconds of pipelined steps per run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of the threshold curve per backend, alternated (median)")
+    parser.add_argument("--parts", default="timeline,curve",
+                        help="which of timeline, curve, lm (the language model's time, "
+                             "broken down) to run")
     args = parser.parse_args()
+    parts = args.parts.split(",")
     from isthmus.compat import jax as jax_compat
     from isthmus.worker.platforms import libtpu_installed
 
@@ -77,12 +84,20 @@ def main() -> int:
            if k not in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET")}
     timeline_cmd = [sys.executable, str(HERE / "step_timeline.py"), args.seconds]
     curve_cmd = [sys.executable, str(HERE / "threshold.py"), SIZES, "4", "0.5"]
-    runs: dict[str, dict] = {"timeline": {}, "curve": {}}
-    runs["timeline"]["local"] = _run(timeline_cmd, env, 300)[0]
-    runs["curve"]["local"] = _run(curve_cmd, env, 300)[0]
-    for name in BACKENDS:
-        runs["timeline"][name] = _run(_through(name, timeline_cmd, None, args.out), env, 300)[0]
-        runs["curve"][name] = _run(_through(name, curve_cmd, None, args.out), env, 300)[0]
+    lm_cmd = [sys.executable, str(HERE / "tpu_work.py"), "--only=lm"]
+    runs: dict[str, dict] = {"timeline": {}, "curve": {}, "lm": {}}
+    for part, command in (("timeline", timeline_cmd), ("lm", lm_cmd)):
+        if part in parts:
+            runs[part]["local"] = _run(command, env, 300)[0]
+            for name in BACKENDS:
+                runs[part][name] = _run(_through(name, command, None, args.out), env, 300)[0]
+    if "curve" in parts:
+        rounds: dict[str, list[dict]] = {"local": [], **{name: [] for name in BACKENDS}}
+        for _ in range(args.rounds):  # alternated, so that drift touches each alike
+            rounds["local"].append(_run(curve_cmd, env, 300)[0])
+            for name in BACKENDS:
+                rounds[name].append(_run(_through(name, curve_cmd, None, args.out), env, 300)[0])
+        runs["curve"] = {name: _median_curve(done) for name, done in rounds.items()}
     if spy is not None:
         for name in BACKENDS:
             runs["timeline"][f"{name}-sampled"] = _run(
@@ -92,10 +107,43 @@ def main() -> int:
     return report(runs)
 
 
+def _median_curve(runs: list[dict]) -> dict:
+    """The curve of several runs: each size's median step time (an error if any failed)."""
+    failed = [run for run in runs if "error" in run]
+    if failed:
+        return failed[0]
+    return {"sizes": runs[0]["sizes"], "rounds": len(runs),
+            "step_ms": [statistics.median(run["step_ms"][i] for run in runs)
+                        for i in range(len(runs[0]["sizes"]))]}
+
+
 def report(runs: dict[str, dict]) -> int:
     failed = [f"{part} {name}: {run['error'][:2000]}" for part, by in runs.items()
               for name, run in by.items() if "error" in run]
     timeline = {n: r for n, r in runs["timeline"].items() if "error" not in r}
+    if timeline:
+        report_timeline(timeline)
+    lm = {n: r for n, r in runs.get("lm", {}).items() if "error" not in r and "lm_seconds" in r}
+    if lm:
+        print("\nFlax NNX language model (20 steps, each reading its loss), seconds")
+        print(f"  {'':40}" + "".join(f" {n:>10}" for n in lm))
+        for key, label in (("lm_seconds", "in all"), ("lm_first_s", "making it, to the first loss"),
+                           ("lm_step_ms", "a later step, ms (median)"),
+                           ("lm_tail_s", "after the last loss")):
+            print(f"  {label:40}" + "".join(f" {lm[n][key]:10.3f}" for n in lm))
+        if "local" in lm:
+            print("  losses equal to local's: " + ", ".join(
+                f"{n} {lm[n]['lm_losses'] == lm['local']['lm_losses']}" for n in lm
+                if n != "local"))
+    curve = {n: r for n, r in runs["curve"].items() if "error" not in r}
+    if "local" in curve:
+        report_curve(curve)
+    for failure in failed:
+        print(f"FAILED: {failure}")
+    return 1 if failed else 0
+
+
+def report_timeline(timeline: dict[str, dict]) -> None:
     print("MLP step (784-512-512-10, batch 128, SGD), microseconds per step")
     names = list(timeline)
     print(f"  {'':34}" + "".join(f" {n:>16}" for n in names))
@@ -114,24 +162,23 @@ def report(runs: dict[str, dict]) -> int:
         print("  steps/s as a share of local: " + ", ".join(
             f"{n} {timeline['local']['wall_us'] / timeline[n]['wall_us']:.2f}x"
             for n in names if n != "local"))
-    curve = {n: r for n, r in runs["curve"].items() if "error" not in r}
-    if "local" in curve:
-        local = curve["local"]
-        print("\nDispatch threshold: pipelined steps of 4 chained n x n f32 matmuls")
-        print(f"  {'n':>6} {'local ms':>9}" + "".join(f" {n + ' x':>12}" for n in curve
-                                                     if n != "local"))
-        ratios = {n: [local["step_ms"][i] / r["step_ms"][i] for i in range(len(r["sizes"]))]
-                  for n, r in curve.items() if n != "local"}
-        for i, size in enumerate(local["sizes"]):
-            print(f"  {size:6d} {local['step_ms'][i]:9.3f}" + "".join(
-                f" {ratios[n][i]:12.2f}" for n in ratios))
-        for n, r in ratios.items():
-            found = threshold(local["step_ms"], r)
-            print(f"  {n}: keeps 95% of local from a step of "
-                  + (f"{found:.2f} ms" if found is not None else "none measured"))
-    for failure in failed:
-        print(f"FAILED: {failure}")
-    return 1 if failed else 0
+
+
+def report_curve(curve: dict[str, dict]) -> None:
+    local = curve["local"]
+    print("\nDispatch threshold: pipelined steps of 4 chained n x n f32 matmuls"
+          + (f" (median of {local['rounds']} rounds)" if local.get("rounds", 1) > 1 else ""))
+    print(f"  {'n':>6} {'local ms':>9}" + "".join(f" {n + ' x':>12}" for n in curve
+                                                 if n != "local"))
+    ratios = {n: [local["step_ms"][i] / r["step_ms"][i] for i in range(len(r["sizes"]))]
+              for n, r in curve.items() if n != "local"}
+    for i, size in enumerate(local["sizes"]):
+        print(f"  {size:6d} {local['step_ms'][i]:9.3f}" + "".join(
+            f" {ratios[n][i]:12.2f}" for n in ratios))
+    for n, r in ratios.items():
+        found = threshold(local["step_ms"], r)
+        print(f"  {n}: keeps 95% of local from a step of "
+              + (f"{found:.2f} ms" if found is not None else "none measured"))
 
 
 if __name__ == "__main__":

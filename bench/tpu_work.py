@@ -1,7 +1,7 @@
 """Real work on a TPU, run once on local jax and once through isthmus (bench/tpu_check.py
 compares them): prints one JSON object of results and figures.
 
-    python bench/tpu_work.py [--quick]
+    python bench/tpu_work.py [--quick] [--only=PART,...]
 
 Results (compared bit for bit, where the program is the same): the MLP's losses
 (784-512-512-10, batch 128, SGD, 200 steps), a bf16 matmul's checksum, a Pallas TPU kernel's
@@ -308,18 +308,33 @@ def flax_lm() -> dict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     reported: dict = {}
-    module.report = lambda name, value: reported.__setitem__(name, value)
+    stamps: dict = {}
+
+    def report(name, value):
+        reported[name] = value
+        stamps[name] = time.perf_counter()
+
+    module.report = report
     start = time.perf_counter()
     module.main((1, 1))
     took = time.perf_counter() - start
-    return {"lm_losses": [reported[f"loss/{i}"] for i in range(module.STEPS)],
-            "lm_param_abs_sum": reported["param_abs_sum"], "lm_seconds": took}
+    losses = [f"loss/{i}" for i in range(module.STEPS)]
+    steps = [stamps[b] - stamps[a] for a, b in zip(losses, losses[1:])]
+    return {"lm_losses": [reported[name] for name in losses],
+            "lm_param_abs_sum": reported["param_abs_sum"], "lm_seconds": took,
+            # Where the time goes: the model's and optimizer's making, the first step's
+            # compile and the first loss read; a later step (each reads its loss); the end.
+            "lm_first_s": stamps[losses[0]] - start,
+            "lm_step_ms": statistics.median(steps) * 1e3,
+            "lm_tail_s": start + took - stamps[losses[-1]]}
 
 
 def main() -> None:
     import jax
 
     quick = "--quick" in sys.argv
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")),
+                None)  # --only=lm,mlp: those parts alone
     if _through_isthmus():
         try:  # before jax makes its backend, as its users call it
             import pathwaysutils
@@ -337,6 +352,8 @@ def main() -> None:
                        ("matmul", lambda: matmul(4096 if quick else 8192)),
                        ("checkpoint", checkpoint), ("profile", profile),
                        ("lm", flax_lm)):
+        if only is not None and name not in only:
+            continue
         try:
             out.update(part())
         except Exception as e:  # noqa: BLE001 - reported, and compared as a failure
