@@ -16,8 +16,10 @@ owns the chip), one process holding the chip at a time:
 
 With --spy (py-spy on PATH or importable), the fleet's and the embedded backend's timeline
 runs are also sampled by `py-spy record --subprocesses --format raw` (collapsed stacks in
-DIR, for a flame graph). The JSON of every run goes to DIR/tpu_timeline.json. Exits 0 with
-a note where there is no TPU.
+DIR, for a flame graph). The JSON of every run goes to DIR/tpu_timeline.json as each run
+ends. Exits 0 with a note where there is no TPU. On the TPU v5e sandbox the default parts
+took about 4 minutes, `--parts lm,curve --rounds 3` more than 9 (past one device call's
+limit: run the curve's rounds in calls of their own).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pathlib
 import shutil
 import statistics
 import sys
+import time
 
 from bench.__main__ import threshold
 from bench.tpu_check import _run
@@ -86,26 +89,36 @@ def main() -> int:
     curve_cmd = [sys.executable, str(HERE / "threshold.py"), SIZES, "4", "0.5"]
     lm_cmd = [sys.executable, str(HERE / "tpu_work.py"), "--only=lm"]
     runs: dict[str, dict] = {"timeline": {}, "curve": {}, "lm": {}}
+    path = os.path.join(args.out, "tpu_timeline.json")
+
+    def done(part: str, name: str, result: dict) -> None:
+        """Keeps one run's result, written at once with its time (a call cut short by its
+        limit still leaves what finished)."""
+        runs[part][name] = result
+        with open(path, "w") as f:
+            json.dump(runs, f)
+        print(f"tpu-timeline: {part} {name} done at {time.monotonic() - began:.0f} s"
+              + (" (failed)" if "error" in result else ""), flush=True)
+
+    began = time.monotonic()
     for part, command in (("timeline", timeline_cmd), ("lm", lm_cmd)):
         if part in parts:
-            runs[part]["local"] = _run(command, env, 300)[0]
+            done(part, "local", _run(command, env, 300)[0])
             for name in BACKENDS:
-                runs[part][name] = _run(_through(name, command, None, args.out), env, 300)[0]
+                done(part, name, _run(_through(name, command, None, args.out), env, 300)[0])
     if "curve" in parts:
         rounds: dict[str, list[dict]] = {"local": [], **{name: [] for name in BACKENDS}}
         for _ in range(args.rounds):  # alternated, so that drift touches each alike
             rounds["local"].append(_run(curve_cmd, env, 300)[0])
             for name in BACKENDS:
                 rounds[name].append(_run(_through(name, curve_cmd, None, args.out), env, 300)[0])
-        runs["curve"] = {name: _median_curve(done) for name, done in rounds.items()}
+            for name, curves in rounds.items():
+                done("curve", name, _median_curve(curves))
     if spy is not None:
         for name in BACKENDS:
-            runs["timeline"][f"{name}-sampled"] = _run(
-                _through(name, timeline_cmd, spy, args.out), env, 300)[0]
-    with open(os.path.join(args.out, "tpu_timeline.json"), "w") as f:
-        json.dump(runs, f)
+            done("timeline", f"{name}-sampled",
+                 _run(_through(name, timeline_cmd, spy, args.out), env, 300)[0])
     return report(runs)
-
 
 def _median_curve(runs: list[dict]) -> dict:
     """The curve of several runs: each size's median step time (an error if any failed)."""
