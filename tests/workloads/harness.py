@@ -10,6 +10,7 @@ devices, each in a fresh process with a timeout, and returns both lists of recor
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -61,13 +62,21 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
+# Local runs so far, by what they ran (two tests compare the same workload on two backends).
+_LOCAL: dict[tuple, list[dict]] = {}
+
+
 def run_local(script: str, args: Sequence[str] = (), *, timeout: float = 300.0,
               env: dict[str, str] | None = None, cwd: str | None = None) -> list[dict]:
-    """The workload's records on local jax with 8 CPU devices."""
-    full = _env(env)
-    full.update(LOCAL_ENV)
-    return _run([sys.executable, str(SCRIPTS / script), *args], full, timeout,
-                "on local jax", cwd)
+    """The workload's records on local jax with 8 CPU devices (run once per test process for
+    the same script, arguments, environment and folder)."""
+    key = (script, tuple(args), tuple(sorted((env or {}).items())), cwd)
+    if key not in _LOCAL:
+        full = _env(env)
+        full.update(LOCAL_ENV)
+        _LOCAL[key] = _run([sys.executable, str(SCRIPTS / script), *args], full, timeout,
+                           "on local jax", cwd)
+    return copy.deepcopy(_LOCAL[key])
 
 
 def run_isthmus(script: str, args: Sequence[str] = (), *, fleet: Sequence[str] = DEFAULT,
