@@ -152,6 +152,12 @@ def server_arguments(parser: argparse.ArgumentParser) -> None:
                              "Python with the h2 library: about a third of grpc.aio's CPU per "
                              "request) or grpc (grpc.aio); auto: h2 when it is installed. "
                              "Default: auto, or $ISTHMUS_CLIENT_TRANSPORT")
+    parser.add_argument("--validate", action="store_true",
+                        default=os.environ.get("ISTHMUS_VALIDATE", "") not in ("", "0"),
+                        help="check the controller's records after every request and fail "
+                             "the request that left them inconsistent, logged as 'isthmus "
+                             "validate:' (slower; on in the test suite; default: "
+                             "$ISTHMUS_VALIDATE)")
     parser.add_argument("--log-level", default=os.environ.get("ISTHMUS_LOG_LEVEL", "WARNING"),
                         help="logging level of the server (default: WARNING)")
     parser.add_argument("--log-format", choices=logs.FORMATS,
@@ -247,7 +253,8 @@ def head_config(args: argparse.Namespace) -> object:
         shared_dir=_shared_dir(args.shared_dir),
         controller=ControllerConfig(host_buffer_timeout=args.host_buffer_timeout,
                                     max_array_bytes=args.max_array_bytes,
-                                    compile_cache_size=args.executable_cache),
+                                    compile_cache_size=args.executable_cache,
+                                    validate=args.validate),
         max_host_buffer_bytes=args.max_array_bytes, client_transport=args.client_transport,
         max_message_bytes=args.max_message_bytes,
         shared=shared_config(args), observe=_observe_config(args))

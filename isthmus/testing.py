@@ -166,7 +166,7 @@ class LocalServer:
     def check_stopped_cleanly(self) -> None:
         """Raises ServerError if the server's log shows work it left behind at stop: a
         coroutine never awaited, or a task destroyed while pending (every task of a stopping
-        server ends, or is cancelled and awaited)."""
+        server ends, or is cancelled and awaited); or records validate mode found wrong."""
         self._log.flush()
         with open(self._log.name) as f:
             lines = [line for line in f if any(p in line for p in LEFT_BEHIND)]
@@ -175,8 +175,9 @@ class LocalServer:
                               + "".join(lines[:20]) + f"\nserver log:\n{self.log()}")
 
 
-# What a server's log says of a task or coroutine it left behind (`check_stopped_cleanly`).
-LEFT_BEHIND = ("was never awaited", "Task was destroyed but it is pending")
+# What a server's log says of a task or coroutine it left behind, or of records validate mode
+# found inconsistent (`check_stopped_cleanly`).
+LEFT_BEHIND = ("was never awaited", "Task was destroyed but it is pending", "isthmus validate:")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, *,

@@ -10,6 +10,8 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every server a test starts checks its records after each request (`isthmus up --validate`).
+os.environ.setdefault("ISTHMUS_VALIDATE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -50,6 +50,9 @@ class ControllerConfig:
     host_buffer_timeout: float = 30.0  # seconds a request waits for host data to start arriving
     max_array_bytes: int = 1 << 40  # larger arrays are refused with RESOURCE_EXHAUSTED
     compile_cache_size: int = 256  # executables kept after every session released them
+    # Check the ledger's records after every request (`Controller.validate`; `--validate`,
+    # on in the test suite): a bookkeeping bug fails the request that caused it.
+    validate: bool = False
 
 
 class Executable:
@@ -211,6 +214,18 @@ class Controller:
             # A program that is not compiled on the hosts comes with its info.
             executable.compiled.set_result(cast(CompiledInfo, info))
         return executable
+
+    def validate(self, cause: str) -> None:
+        """Validate mode: raises InternalError (and logs it, marked "isthmus validate:")
+        where the ledger's records disagree after `cause` (a request's kind and op id)."""
+        try:
+            self.ledger.validate_state()
+        except AssertionError as e:
+            logger.error("isthmus validate: after %s the ledger's records disagree: %s",
+                         cause, e)
+            raise errors.InternalError(
+                f"validate mode: after {cause} the controller's records disagree ({e}); this "
+                "is a bug in isthmus: please report it with the server log.") from None
 
     def ensure_loaded(self, executable: Executable) -> None:
         """Gives the program to every current worker of `executable` that lacks it (one that

@@ -60,6 +60,16 @@ class Session:
         self.checkpoints = SessionCheckpoints(core, arrays, programs)
         self.profiles = SessionProfiles(core, arrays, programs)
 
+    @property
+    def validating(self) -> bool:
+        """The controller runs in validate mode (`ControllerConfig.validate`)."""
+        return self.core.controller.config.validate
+
+    def validate(self, cause: str) -> None:
+        """Validate mode: raises InternalError where the controller's records disagree
+        after `cause` (`Controller.validate`)."""
+        self.core.controller.validate(cause)
+
     async def close(self) -> None:
         """Frees everything the session still holds."""
         core = self.core

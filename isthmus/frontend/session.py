@@ -89,6 +89,7 @@ class FrontendSession:
         self.futures: dict[int, Wait | errors.IsthmusError] = {}
         self.deleted_executables: set[int] = set()
         self._handles = itertools.count(SERVER_HANDLE_BASE)
+        self._validate = controller_session.validating  # `check_after`
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
         self.lease: Lease | None = None  # on a shared service, the lease it runs under
@@ -125,6 +126,8 @@ class FrontendSession:
                     f"IFRT request {kind or '(empty)'} is not implemented by isthmus; see "
                     "docs/protocol.md for the requests it serves.")
             pending = entry.handler(self, request, response)
+            if pending is None and self._validate:
+                self.check_after(request, kind)
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             self._fail(request, kind, response, e)
             return
@@ -146,6 +149,8 @@ class FrontendSession:
                       pending: Awaitable[None]) -> None:
         try:
             await pending
+            if self._validate and not self.closed:
+                self.check_after(request, kind)
         except Exception as e:  # noqa: BLE001
             self._fail(request, kind, response, e)
             return
@@ -178,6 +183,27 @@ class FrontendSession:
         failed.response_metadata.status.message = error.message
         if not self.closed:
             self._send(failed)
+
+    def check_after(self, request: Message, kind: str) -> None:
+        """Validate mode, after a request's handler succeeded: every array and future handle
+        the client minted for its results is bound (XLA's server checks this as it
+        reserves them), and the controller's records agree (`Controller.validate`)."""
+        cause = f"{kind} (op {request.request_metadata.op_id})"
+        body = getattr(request, kind)
+        entry = self._handlers[kind]
+        for fields, table, what in ((entry.array_results, self.arrays, "array"),
+                                    (entry.future_results, self.futures, "future")):
+            for field in fields:
+                unbound = [h for h in _handles_in(body, field)
+                           if h < SERVER_HANDLE_BASE and h not in table]
+                if unbound:
+                    logger.error("isthmus validate: %s succeeded without binding its %s "
+                                 "handles %s (%s)", cause, what, unbound, field)
+                    raise errors.InternalError(
+                        f"validate mode: {cause} succeeded without binding the {what} "
+                        f"handles {unbound} the client minted; this is a bug in isthmus: "
+                        "please report it with the server log.")
+        self.ctl.validate(cause)
 
     # ---- handle tables -------------------------------------------------------------------
 

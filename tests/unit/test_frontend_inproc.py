@@ -323,3 +323,61 @@ def test_a_client_handle_in_the_servers_own_range_is_refused():
         assert frontend.controller.ledger.accounting()[0]["buffers"] == 1  # the refused is freed
         await session.close()
     asyncio.run(main())
+
+
+def test_validate_mode_fails_the_request_that_broke_the_records(caplog):
+    """`--validate`: after each request the handles the client minted for its results are
+    bound and the ledger's records agree, or that request fails with INTERNAL, logged as
+    'isthmus validate:' (which fails a test's LocalServer at its stop)."""
+    import dataclasses
+
+    async def main():
+        fleet = embedded_fleet(2)[0]
+        frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1,
+                                                               validate=True)), schema())
+        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
+        metadata.version.protocol_version = 25
+        metadata.version.ifrt_serdes_version_number = 3
+        sent = []
+        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        session.handle(_request(1, "init_request"))
+        assert sent[-1].response_metadata.status.code == 0
+        # A handler that answers without binding the result handle it was given.
+        kind = "fully_replicated_shard_request"
+        session._handlers = dict(session._handlers)
+        session._handlers[kind] = dataclasses.replace(
+            session._handlers[kind], handler=lambda session, request, response: None)
+        session.handle(_request(2, kind, array_handle=5, result_handle=6))
+        status = sent[-1].response_metadata.status
+        assert status.code == 13 and "without binding the array handles [6]" in status.message
+        # An array's group whose count of holders is off by one.
+        s = schema()
+        sharding = s["xla.ifrt.ShardingProto"]()
+        hlo = s["xla.ifrt.HloShardingProto"]()
+        hlo.devices.device_ids.append(0)
+        hlo.xla_op_sharding.SetInParent()
+        sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+        sharding.serialized_sharding.data = hlo.SerializeToString()
+        data = np.arange(4, dtype=np.int32)
+        session.host_buffers.begin(9, data.nbytes)
+        session.host_buffers.complete(9, memoryview(bytearray(data.tobytes())))
+        session.handle(_request(
+            3, "make_array_from_host_buffer_request",
+            dtype=s["xla.ifrt.DTypeProto"](kind=s["xla.ifrt.DTypeProto"].KIND_S32),
+            shape=s["xla.ifrt.ShapeProto"](dims=[4]), sharding=sharding,
+            host_buffer_handle=9, array_handle=9))
+        for _ in range(200):
+            if any(r.response_metadata.op_id == 3 for r in sent):
+                break
+            await asyncio.sleep(0.01)
+        assert [r for r in sent if r.response_metadata.op_id == 3][0].response_metadata \
+            .status.code == 0
+        group = session.arrays[9].group
+        group.refs += 1
+        session.handle(_request(4, "init_request"))
+        status = sent[-1].response_metadata.status
+        assert status.code == 13 and "records disagree" in status.message, status
+        group.refs -= 1
+        await session.close()
+    asyncio.run(main())
+    assert any("isthmus validate:" in r.getMessage() for r in caplog.records)
