@@ -20,7 +20,9 @@ from bench.elastic import rss_mib
 from isthmus.testing import LocalServer
 from tests.integration.fuzzer import Fuzzer, Summary
 
-ARGS = ["--host-buffer-timeout", "2"]
+# Validate mode: a request that leaves the controller's records inconsistent is a finding
+# (it fails with INTERNAL, which the fuzzer reports, and the server's log names it).
+ARGS = ["--host-buffer-timeout", "2", "--validate"]
 
 
 def run(server: LocalServer, requests: int, seed: int, exclude: list[str]
