@@ -150,7 +150,9 @@ class FrontendSession:
         try:
             await pending
             if self._validate and not self.closed:
-                self.check_after(request, kind)
+                # Not the bindings: later requests may already have destroyed the results
+                # or checked the futures of a request answered late.
+                self.ctl.validate(f"{kind} (op {request.request_metadata.op_id})")
         except Exception as e:  # noqa: BLE001
             self._fail(request, kind, response, e)
             return
@@ -185,9 +187,10 @@ class FrontendSession:
             self._send(failed)
 
     def check_after(self, request: Message, kind: str) -> None:
-        """Validate mode, after a request's handler succeeded: every array and future handle
-        the client minted for its results is bound (XLA's server checks this as it
-        reserves them), and the controller's records agree (`Controller.validate`)."""
+        """Validate mode, after a request's handler answered at once: every array and
+        future handle the client minted for its results is bound (XLA's server checks this
+        as it reserves them), and the controller's records agree (`Controller.validate`;
+        a request answered later gets only this)."""
         cause = f"{kind} (op {request.request_metadata.op_id})"
         body = getattr(request, kind)
         entry = self._handlers[kind]
