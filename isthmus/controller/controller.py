@@ -220,12 +220,33 @@ class Controller:
         where the ledger's records disagree after `cause` (a request's kind and op id)."""
         try:
             self.ledger.validate_state()
+            self.validate_executables()
         except AssertionError as e:
-            logger.error("isthmus validate: after %s the ledger's records disagree: %s",
+            logger.error("isthmus validate: after %s the controller's records disagree: %s",
                          cause, e)
             raise errors.InternalError(
                 f"validate mode: after {cause} the controller's records disagree ({e}); this "
                 "is a bug in isthmus: please report it with the server log.") from None
+
+    def validate_executables(self) -> None:
+        """Raises AssertionError where the executables' records disagree: one listed under
+        another's key, a negative count of holders, an idle one still held or not listed,
+        one released by all but neither idle nor failed, more idle than the cache keeps."""
+        for key, executable in self._executables.items():
+            assert executable.key == key, f"executable {executable.id} listed under another key"
+            assert executable.refs >= 0, f"executable {executable.id} has {executable.refs} holders"
+            if (executable.refs == 0 and executable.error is None
+                    and not getattr(executable.request, "private", False)):
+                assert key in self._idle, (
+                    f"executable {executable.id} is held by no session but is not idle")
+        for key, executable in self._idle.items():
+            assert self._executables.get(key) is executable, (
+                f"idle executable {executable.id} is not the one listed")
+            assert executable.refs == 0, (
+                f"idle executable {executable.id} has {executable.refs} holders")
+        assert len(self._idle) <= self.config.compile_cache_size, (
+            f"{len(self._idle)} idle executables, more than the {self.config.compile_cache_size} "
+            "kept")
 
     def ensure_loaded(self, executable: Executable) -> None:
         """Gives the program to every current worker of `executable` that lacks it (one that

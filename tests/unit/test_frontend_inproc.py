@@ -378,6 +378,13 @@ def test_validate_mode_fails_the_request_that_broke_the_records(caplog):
         status = sent[-1].response_metadata.status
         assert status.code == 13 and "records disagree" in status.message, status
         group.refs -= 1
+        # The executables' records: more idle than the cache keeps.
+        config = frontend.controller.config
+        frontend.controller.config = dataclasses.replace(config, compile_cache_size=-1)
+        session.handle(_request(5, "init_request"))
+        status = sent[-1].response_metadata.status
+        assert status.code == 13 and "idle executables" in status.message, status
+        frontend.controller.config = config
         await session.close()
     asyncio.run(main())
     assert any("isthmus validate:" in r.getMessage() for r in caplog.records)
