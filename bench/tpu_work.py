@@ -29,14 +29,11 @@ import time
 import numpy as np
 
 
-def mlp(steps: int) -> dict:
-    import pathlib
-
+def mlp_update(params, x, y):
+    """One SGD step of the MLP (softmax cross-entropy): the new parameters and the loss.
+    bench/step_timeline.py times the same step."""
     import jax
     import jax.numpy as jnp
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
-    from train_mlp import init
 
     def loss(params, x, y):
         for w, b in params[:-1]:
@@ -45,16 +42,32 @@ def mlp(steps: int) -> dict:
         logits = x @ w + b
         return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * y, axis=-1))
 
-    @jax.jit
-    def step(params, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
-        return jax.tree.map(lambda p, g: p - 0.05 * g, params, grads), value
+    value, grads = jax.value_and_grad(loss)(params, x, y)
+    return jax.tree.map(lambda p, g: p - 0.05 * g, params, grads), value
+
+
+def mlp_init(sizes: list[int]) -> list:
+    """examples/train_mlp.py's parameters for layers of `sizes`."""
+    import pathlib
+
+    import jax
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    from train_mlp import init
+
+    return init(jax.random.key(0), sizes)
+
+
+def mlp(steps: int) -> dict:
+    import jax
+
+    step = jax.jit(mlp_update)
 
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((8, 128, 784)).astype(np.float32)
     ys = np.eye(10, dtype=np.float32)[rng.integers(0, 10, (8, 128))]
     data = [(jax.device_put(x), jax.device_put(y)) for x, y in zip(xs, ys)]
-    params = init(jax.random.key(0), [784, 512, 512, 10])
+    params = mlp_init([784, 512, 512, 10])
     losses = []
     for i in range(steps):  # the losses, each read
         params, value = step(params, *data[i % len(data)])

@@ -11,12 +11,29 @@ from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.slots import Loaded
 
 
-class Shard:
-    """An output shard that becomes ready (or fails) when the test says so."""
+class Token:
+    """The token of a run: ends (or fails) when the test says so."""
 
     def __init__(self):
         self.done = threading.Event()
         self.error = None
+
+    def block_until_ready(self):
+        self.done.wait(10)
+        if self.error is not None:
+            raise self.error
+
+    def finish(self, error=None):
+        self.error = error
+        self.done.set()
+
+
+class Shard(Token):
+    """An output shard that becomes ready (or fails) when the test says so, and may be
+    deleted (donated), as jaxlib's arrays are."""
+
+    def __init__(self):
+        super().__init__()
         self.deleted = False
 
     def is_ready(self):
@@ -30,30 +47,7 @@ class Shard:
     def block_until_ready(self):
         if self.deleted:
             raise RuntimeError("INVALID_ARGUMENT: Array has been deleted.")
-        self.done.wait(10)
-        if self.error is not None:
-            raise self.error
-
-    def finish(self, error=None):
-        self.error = error
-        self.done.set()
-
-
-class Token:
-    """The token of a run: ends when the test says so."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.error = None
-
-    def block_until_ready(self):
-        self.done.wait(10)
-        if self.error is not None:
-            raise self.error
-
-    def finish(self, error=None):
-        self.error = error
-        self.done.set()
+        super().block_until_ready()
 
 
 def outputs(host):

@@ -38,6 +38,36 @@ def _request(op_id, kind, **fields):
     return request
 
 
+def _one_device(device_id):
+    """An HloSharding on one device, as the client sends it."""
+    s = schema()
+    sharding = s["xla.ifrt.ShardingProto"]()
+    hlo = s["xla.ifrt.HloShardingProto"]()
+    hlo.devices.device_ids.append(device_id)
+    hlo.xla_op_sharding.SetInParent()
+    sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
+    sharding.serialized_sharding.data = hlo.SerializeToString()
+    return sharding
+
+
+async def _put(session, sent, op_id, handle, data):
+    """Uploads `data` (int32) to device 0 as array `handle`; the response."""
+    s = schema()
+    session.host_buffers.begin(op_id, data.nbytes)
+    session.host_buffers.complete(op_id, memoryview(bytearray(data.tobytes())))
+    session.handle(_request(
+        op_id, "make_array_from_host_buffer_request",
+        dtype=s["xla.ifrt.DTypeProto"](kind=s["xla.ifrt.DTypeProto"].KIND_S32),
+        shape=s["xla.ifrt.ShapeProto"](dims=list(data.shape)), sharding=_one_device(0),
+        host_buffer_handle=op_id, array_handle=handle))
+    for _ in range(200):
+        answers = [r for r in sent if r.response_metadata.op_id == op_id]
+        if answers:
+            return answers[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no answer to request {op_id}")
+
+
 def test_upload_and_download_through_the_front_end():
     async def main():
         frontend, session, sent = _session()
@@ -290,36 +320,12 @@ def test_a_client_handle_in_the_servers_own_range_is_refused():
     async def main():
         frontend, session, sent = _session()
         session.handle(_request(1, "init_request"))
-        s = schema()
-        sharding = s["xla.ifrt.ShardingProto"]()
-        hlo = s["xla.ifrt.HloShardingProto"]()
-        hlo.devices.device_ids.append(0)
-        hlo.xla_op_sharding.SetInParent()
-        sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
-        sharding.serialized_sharding.data = hlo.SerializeToString()
         data = np.arange(4, dtype=np.int32)
-
-        async def put(op_id, handle):
-            """Uploads 4 int32 as array `handle`; the response."""
-            session.host_buffers.begin(op_id, data.nbytes)
-            session.host_buffers.complete(op_id, memoryview(bytearray(data.tobytes())))
-            session.handle(_request(
-                op_id, "make_array_from_host_buffer_request",
-                dtype=s["xla.ifrt.DTypeProto"](kind=s["xla.ifrt.DTypeProto"].KIND_S32),
-                shape=s["xla.ifrt.ShapeProto"](dims=[4]), sharding=sharding,
-                host_buffer_handle=op_id, array_handle=handle))
-            for _ in range(200):
-                answers = [r for r in sent if r.response_metadata.op_id == op_id]
-                if answers:
-                    return answers[0]
-                await asyncio.sleep(0.01)
-            raise AssertionError(f"no answer to request {op_id}")
-
-        refused = await put(2, SERVER_HANDLE_BASE)
+        refused = await _put(session, sent, 2, SERVER_HANDLE_BASE, data)
         assert refused.response_metadata.status.code == 3, refused
         assert "range this server mints" in refused.response_metadata.status.message
         assert SERVER_HANDLE_BASE not in session.arrays  # nothing bound to it, not even the error
-        assert (await put(3, 7)).response_metadata.status.code == 0
+        assert (await _put(session, sent, 3, 7, data)).response_metadata.status.code == 0
         assert frontend.controller.ledger.accounting()[0]["buffers"] == 1  # the refused is freed
         await session.close()
     asyncio.run(main())
@@ -351,27 +357,8 @@ def test_validate_mode_fails_the_request_that_broke_the_records(caplog):
         status = sent[-1].response_metadata.status
         assert status.code == 13 and "without binding the array handles [6]" in status.message
         # An array's group whose count of holders is off by one.
-        s = schema()
-        sharding = s["xla.ifrt.ShardingProto"]()
-        hlo = s["xla.ifrt.HloShardingProto"]()
-        hlo.devices.device_ids.append(0)
-        hlo.xla_op_sharding.SetInParent()
-        sharding.serialized_sharding.type_name = "xla::ifrt::HloSharding"
-        sharding.serialized_sharding.data = hlo.SerializeToString()
-        data = np.arange(4, dtype=np.int32)
-        session.host_buffers.begin(9, data.nbytes)
-        session.host_buffers.complete(9, memoryview(bytearray(data.tobytes())))
-        session.handle(_request(
-            3, "make_array_from_host_buffer_request",
-            dtype=s["xla.ifrt.DTypeProto"](kind=s["xla.ifrt.DTypeProto"].KIND_S32),
-            shape=s["xla.ifrt.ShapeProto"](dims=[4]), sharding=sharding,
-            host_buffer_handle=9, array_handle=9))
-        for _ in range(200):
-            if any(r.response_metadata.op_id == 3 for r in sent):
-                break
-            await asyncio.sleep(0.01)
-        assert [r for r in sent if r.response_metadata.op_id == 3][0].response_metadata \
-            .status.code == 0
+        answer = await _put(session, sent, 3, 9, np.arange(4, dtype=np.int32))
+        assert answer.response_metadata.status.code == 0
         group = session.arrays[9].group
         group.refs += 1
         session.handle(_request(4, "init_request"))
