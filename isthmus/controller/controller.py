@@ -50,8 +50,9 @@ class ControllerConfig:
     host_buffer_timeout: float = 30.0  # seconds a request waits for host data to start arriving
     max_array_bytes: int = 1 << 40  # larger arrays are refused with RESOURCE_EXHAUSTED
     compile_cache_size: int = 256  # executables kept after every session released them
-    # Check the ledger's records after every request (`Controller.validate`; `--validate`,
-    # on in the test suite): a bookkeeping bug fails the request that caused it.
+    # Check the ledger's and the executables' records after every request
+    # (`Controller.validate`; `--validate`, on in the test suite): a bookkeeping bug fails
+    # the request that caused it.
     validate: bool = False
 
 
@@ -217,7 +218,8 @@ class Controller:
 
     def validate(self, cause: str) -> None:
         """Validate mode: raises InternalError (and logs it, marked "isthmus validate:")
-        where the ledger's records disagree after `cause` (a request's kind and op id)."""
+        where the ledger's or the executables' records disagree after `cause` (a request's
+        kind and op id)."""
         try:
             self.ledger.validate_state()
             self.validate_executables()

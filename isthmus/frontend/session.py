@@ -152,7 +152,7 @@ class FrontendSession:
             if self._validate and not self.closed:
                 # Not the bindings: later requests may already have destroyed the results
                 # or checked the futures of a request answered late.
-                self.ctl.validate(f"{kind} (op {request.request_metadata.op_id})")
+                self.ctl.validate(_cause(request, kind))
         except Exception as e:  # noqa: BLE001
             self._fail(request, kind, response, e)
             return
@@ -191,7 +191,7 @@ class FrontendSession:
         future handle the client minted for its results is bound (XLA's server checks this
         as it reserves them), and the controller's records agree (`Controller.validate`;
         a request answered later gets only this)."""
-        cause = f"{kind} (op {request.request_metadata.op_id})"
+        cause = _cause(request, kind)
         body = getattr(request, kind)
         entry = self._handlers[kind]
         for fields, table, what in ((entry.array_results, self.arrays, "array"),
@@ -309,6 +309,11 @@ class Entry:
     handler: Handler
     array_results: tuple[str, ...] = ()  # fields of the request body with result array handles
     future_results: tuple[str, ...] = ()  # fields with result future handles
+
+
+def _cause(request: Message, kind: str) -> str:
+    """How validate mode names a request: its kind and op id."""
+    return f"{kind} (op {request.request_metadata.op_id})"
 
 
 def _refused_handle(what: str, handle: int) -> errors.InvalidRequest:
