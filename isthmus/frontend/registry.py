@@ -13,6 +13,10 @@ message, where the handler left it unset) or raises `IsthmusError`. A handler th
 (for data, for a computation) returns an awaitable; the session sends the response when it
 completes.
 
+A jaxlib newer than the oldest supported one adds kinds; their entries are listed in
+`NEWER_KINDS` too, so the table may name kinds an older schema lacks (no client of that
+jaxlib can send them).
+
 `array_results` and `future_results` name the request fields that carry client-minted
 handles of results: when the request fails, those handles are bound to the error, so the
 client's later uses report the real cause rather than "unknown handle".
@@ -67,4 +71,13 @@ HANDLERS: Mapping[str, Entry] = MappingProxyType({
     "loaded_host_callback_return_request": Entry(unsupported.host_callback_return),
     "get_default_device_assignment_request": Entry(devices.default_device_assignment),
     "get_default_layout_request": Entry(devices.default_layout),
+    # jaxlib 0.12.1 (protocol versions 26..28, above isthmus's).
+    "cancel_execution_request": Entry(unsupported.newer_protocol("cancelling an execution")),
+    "hash_values_request": Entry(unsupported.newer_protocol("hashing arrays' values")),
+    "deserialize_loaded_executable_request": Entry(
+        unsupported.newer_protocol("deserializing a compiled executable")),
 })
+
+# Kinds some supported jaxlibs lack (their entries stand above all the same).
+NEWER_KINDS = frozenset({
+    "cancel_execution_request", "hash_values_request", "deserialize_loaded_executable_request"})

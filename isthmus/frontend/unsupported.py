@@ -3,13 +3,19 @@
 Host callbacks cannot reach the server from the stock OSS client (it refuses them before
 compiling), and isthmus never reports an executable as MPMD. These handlers answer the way
 the client copes with best.
+
+Kinds that newer jaxlibs add for protocol versions above the ones isthmus speaks (jaxlib
+0.12.1: hash values, cancel an execution, deserialize an executable) are refused in words: a
+client sends them only at the version that introduced them, which isthmus never answers in
+`GetVersion`, so one that arrives comes from a client that did not follow the negotiation.
 """
 
 from __future__ import annotations
 
 from isthmus import errors
 from isthmus.frontend.message import Message
-from isthmus.frontend.session import FrontendSession
+from isthmus.frontend.session import FrontendSession, Handler
+from isthmus.protocol import versions
 
 
 def host_callback_poll(session: FrontendSession, request: Message, response: Message) -> None:
@@ -40,3 +46,16 @@ def mpmd_metadata(session: FrontendSession, request: Message, response: Message)
 def mpmd_cost_analysis(session: FrontendSession, request: Message, response: Message) -> None:
     raise _not_mpmd(
         session, request.loaded_executable_mpmd_cost_analysis_request.loaded_executable_handle)
+
+
+def newer_protocol(what: str) -> Handler:
+    """The handler of a request kind of a protocol version above isthmus's."""
+
+    def refuse(session: FrontendSession, request: Message, response: Message) -> None:
+        raise errors.Unimplemented(
+            f"{what} comes with an IFRT proxy protocol version above "
+            f"{versions.MAX_PROTOCOL_VERSION}, the highest isthmus speaks; this session "
+            f"negotiated version {session.version.protocol}, at which the client does not "
+            "send it. Use the stock jax client, which keeps to the version it negotiated.")
+
+    return refuse

@@ -24,15 +24,15 @@ VERSION_COST_ANALYSIS = 18  # LoadedExecutableCostAnalysis / HumanReadableProgra
 
 # What the stock client of each jaxlib offers in its GetVersion request, measured: IFRT
 # SerDes (min, max) -> jaxlib (min 0: the field is not sent). Protocol versions are 16..25
-# for all three.
-CLIENT_SERDES = {(0, 3): "0.10", (0, 6): "0.11", (2, 6): "0.12"}
+# for the first three, 16..28 for 0.12.1.
+CLIENT_SERDES = {(0, 3): "0.10.x", (0, 6): "0.11.x", (2, 6): "0.12.0", (3, 7): "0.12.1"}
 
 
 def client_jaxlib(serdes_min: int, serdes_max: int) -> str:
     """The jaxlib a stock client's version request identifies, as words for messages."""
     known = CLIENT_SERDES.get((serdes_min, serdes_max))
     if known is not None:
-        return f"jaxlib {known}.x"
+        return f"jaxlib {known}"
     if serdes_max > max(high for _, high in CLIENT_SERDES):
         return f"a jaxlib newer than 0.12 (IFRT SerDes {serdes_min}..{serdes_max})"
     return f"a jaxlib isthmus does not know (IFRT SerDes {serdes_min}..{serdes_max})"

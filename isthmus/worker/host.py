@@ -52,12 +52,27 @@ from isthmus.worker.slots import (
     place,
 )
 
-__all__ = ["DeviceHost", "computation_error", "make_cpu_client"]
+__all__ = ["DeviceHost", "computation_error", "launch_id", "make_cpu_client"]
 
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+_LAUNCH_IDS = 0x7FFFFFFF  # jaxlib takes a launch id as a positive int32
+
+
+def launch_id(results: Sequence[int]) -> int | None:
+    """The launch id of a run over several devices, the same on every worker of it.
+
+    The processes of a collective meet only when they launch it with the same id. jaxlib's
+    own count of launches (0.12.1 and later) agrees only between processes that ran the same
+    programs since they started, which a restarted worker or one that outlived a lost slice
+    has not; so each run gets its first output's group base instead, which the controller
+    gives every worker of the run alike and no other run shares. A program without outputs
+    keeps jaxlib's count.
+    """
+    return results[0] % _LAUNCH_IDS + 1 if results else None
 
 
 class DeviceHost(CollectiveOrder, PythonCalls):
@@ -394,7 +409,8 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                 else:
                     per_output = [[value] for value in loaded.executable.execute(values)]
             else:
-                per_output, token = self._execute_sharded(loaded, args, positions, copy_first)
+                per_output, token = self._execute_sharded(loaded, args, positions, copy_first,
+                                                          launch_id(results))
         except Exception as e:  # noqa: BLE001
             error = errors.from_runtime_error(e, errors.ExecutionError, "execution failed")
             for base in results:
@@ -415,10 +431,11 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             self.collective_started([s for shards in per_output for s in shards], token)
 
     def _execute_sharded(self, loaded: Loaded, args: Sequence[int | Sequence[BufferId]],
-                         positions: Sequence[int], copy_first: frozenset[int]
-                         ) -> tuple[list[list[Any]], Any]:
+                         positions: Sequence[int], copy_first: frozenset[int],
+                         launch: int | None) -> tuple[list[list[Any]], Any]:
         """A program over several devices: each argument as one array of this host's
-        shards, each output taken apart into its shards here; and the run's token."""
+        shards, each output taken apart into its shards here; and the run's token.
+        `launch` is the run's launch id (`launch_id`)."""
         import jax
 
         array_impl = jax_compat.jaxlib_extension().ArrayImpl
@@ -432,7 +449,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             # Shards are in the program's device order; jaxlib's own checks would reject
             # the local-only shard lists of a multi-process program.
             arrays.append(array_impl(aval, loaded.arg_shardings[index], shards, True, True))
-        outputs = loaded.executable.execute_sharded(arrays, with_tokens=True)
+        outputs = loaded.executable.execute_sharded(arrays, with_tokens=True, launch_id=launch)
         return outputs.disassemble_into_single_device_arrays(), outputs.consume_token()
 
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----

@@ -202,8 +202,12 @@ def test_continuation_flood_is_a_connection_error(server: LocalServer) -> None:
             if peer.eof or peer.goaway is not None:
                 break
         peer.read(lambda p: p.goaway is not None)
-        assert peer.goaway in (PROTOCOL_ERROR, ENHANCE_YOUR_CALM) or peer.reset, (
-            "the flood was neither answered with GOAWAY nor cut off")
+        # Under load the server's close may reach us as a failed write (the kernel resets
+        # the connection our flood still writes to) before any GOAWAY is read: cut off too.
+        if peer.goaway is not None:
+            assert peer.goaway in (PROTOCOL_ERROR, ENHANCE_YOUR_CALM)
+        else:
+            assert peer.eof or peer.reset, "the flood was neither answered with GOAWAY nor cut off"
 
 
 def test_large_continuation_frames_are_refused_early(server: LocalServer) -> None:

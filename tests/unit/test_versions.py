@@ -27,7 +27,8 @@ def test_the_refusal_names_the_client_and_server_jaxlib():
     import jaxlib.version
 
     assert versions.client_jaxlib(0, 3) == "jaxlib 0.10.x"
-    assert versions.client_jaxlib(2, 6) == "jaxlib 0.12.x"
+    assert versions.client_jaxlib(2, 6) == "jaxlib 0.12.0"
+    assert versions.client_jaxlib(3, 7) == "jaxlib 0.12.1"
     assert "newer than 0.12" in versions.client_jaxlib(4, 8)
     with pytest.raises(errors.VersionMismatch) as info:
         versions.negotiate(26, 30, 8, 4)
