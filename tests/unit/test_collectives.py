@@ -160,3 +160,16 @@ def test_a_program_whose_outputs_were_all_donated_is_waited_for_by_its_token():
         # group to re-form (HOLD_AFTER_FAILURE).
         assert asyncio.get_running_loop().time() - began >= 0.2
     run(main())
+
+
+def test_a_runs_launch_id_is_its_own_and_the_same_on_every_worker():
+    """What every worker of a run passes to jaxlib as its launch id: named by the run's
+    first output's group base (the same command reaches every worker), a positive int32,
+    different for different runs; a run without outputs keeps jaxlib's own count."""
+    from isthmus.worker.host import launch_id
+
+    ids = [launch_id((base, base + 8)) for base in (0, 8, 16, 2**31 - 2, 2**40 + 8)]
+    assert len(set(ids)) == len(ids)
+    assert all(0 < i < 2**31 for i in ids)
+    assert launch_id((8,)) == launch_id((8, 64))
+    assert launch_id(()) is None
