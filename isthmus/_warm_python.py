@@ -22,6 +22,8 @@ import atexit
 import json
 import os
 import runpy
+import select
+import signal
 import sys
 import threading
 import traceback
@@ -29,30 +31,29 @@ import traceback
 import jax  # the point of this process (and its config, in the child)
 import numpy  # noqa: F401
 
-_write_lock = threading.Lock()
-_control_out = os.fdopen(os.dup(1), "w", buffering=1)
-_control_in = os.fdopen(os.dup(0), "r")
+_CONTROL_IN, _CONTROL_OUT = os.dup(0), os.dup(1)
 
 
 def _reply(message: dict) -> None:
-    with _write_lock:
-        _control_out.write(json.dumps(message) + "\n")
+    os.write(_CONTROL_OUT, (json.dumps(message) + "\n").encode())
 
 
 def _reap() -> None:
+    """Reports every child that ended."""
     while True:
         try:
-            pid, status = os.wait()
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            threading.Event().wait(0.01)
-            continue
+            return
+        if pid == 0:
+            return
         _reply({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def _child(request: dict) -> int:
     """Runs in the forked child: becomes `python script args...` and returns its code."""
-    _control_in.close()
-    _control_out.close()
+    os.close(_CONTROL_IN)
+    os.close(_CONTROL_OUT)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
@@ -108,15 +109,39 @@ def _exit(code: int) -> None:
 
 
 def main() -> None:
-    threading.Thread(target=_reap, daemon=True, name="reaper").start()
+    """One thread (a fork never copies another's locks): requests and ended children are
+    both waited for in one `select`, a SIGCHLD waking it through its wakeup fd."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     _reply({"ready": True})
-    for line in _control_in:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _exit(_child(request))
-        _reply({"id": request["id"], "pid": pid})
-    os._exit(0)  # the caller went away
+    pending = b""
+    while True:
+        try:
+            ready, _, _ = select.select([_CONTROL_IN, wake_read], [], [])
+        except InterruptedError:
+            continue
+        if wake_read in ready:
+            os.read(wake_read, 4096)
+        _reap()
+        if _CONTROL_IN not in ready:
+            continue
+        chunk = os.read(_CONTROL_IN, 1 << 20)
+        if not chunk:
+            os._exit(0)  # the caller went away
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_read)
+                os.close(wake_write)
+                _exit(_child(request))
+            _reply({"id": request["id"], "pid": pid})
 
 
 if __name__ == "__main__":

@@ -359,11 +359,17 @@ class _WarmPython:
                     self._changed.wait_for(lambda: pid in self._ended, 10)
                 code = self._ended.pop(pid, None)
 
-            def read(path: str) -> str:
-                with open(path, errors="replace") as f:
-                    return f.read()
+            def read(path: str) -> str | None:
+                try:
+                    with open(path, errors="replace") as f:
+                        return f.read()
+                except FileNotFoundError:  # the child failed before it became the script
+                    return None
 
             stdout, stderr = read(out), read(err)
+        if stdout is None or stderr is None:
+            raise ServerError(f"the warm Python's child for {script} ended ({code}) before "
+                              f"it ran it: {self._stderr()}")
         if not ended:
             raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
         if code is None:

@@ -93,11 +93,17 @@ def value(family, **labels) -> float:
 
 
 def scrape_when(base: str, condition, what: str, timeout: float = 30.0) -> dict:
-    """Scrapes until `condition(families)` holds; returns those families."""
+    """Scrapes until `condition(families)` holds; returns those families. A family the
+    condition reads that is not there yet (KeyError: a worker's counters appear with its first
+    report) is waited for like any other."""
     deadline = time.monotonic() + timeout
     while True:
         found = families(base)
-        if condition(found):
+        try:
+            holds = condition(found)
+        except KeyError:
+            holds = False
+        if holds:
             return found
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} within {timeout} s: {sorted(found.items())}")
