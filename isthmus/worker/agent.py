@@ -335,7 +335,8 @@ class WorkerAgent(CommandApplier):
         if isinstance(message, m.Batch):
             for command in unpack(message.commands):
                 try:
-                    await self._apply_command(command)
+                    if not self._apply_now(command):
+                        await self._apply_command(command)
                 except Exception as e:  # refused with the cause, see `_refuse`
                     self._refuse(command, e)
                     if (isinstance(command, c.Execute) and self.host is not None

@@ -57,6 +57,25 @@ class CommandApplier:
                error: errors.IsthmusError | None = None) -> None:
         raise NotImplementedError
 
+    def _apply_now(self, command: c.Told) -> bool:
+        """Applies a command that waits for nothing (`_apply_command`'s waits): a plain
+        command, or an Execute of a program loaded here that meets no other program in a
+        collective; the common case of a step, applied without a coroutine. False: the
+        command is left to `_apply_command`."""
+        if type(command) is c.Execute:
+            host, executable = self.host, command.executable
+            if (host is None or executable in self._refused or not host.knows(executable)
+                    or host.is_collective(executable)):
+                return False
+            self._crashes.fault(executable)
+            self._on_execute(host, command)
+            return True
+        if isinstance(command, c.Execute) or (
+                isinstance(command, m.Ask) and isinstance(command.command, c.CallPython)):
+            return False
+        self._apply(command)
+        return True
+
     async def _apply_command(self, command: c.Told) -> None:
         """Applies one command of a batch, after what it must wait for: its program loaded,
         the collective programs before it (`CollectiveOrder.collective_settled`)."""

@@ -63,6 +63,17 @@ class BufferStore:
                 "keep a copy (or don't donate it) if you need it again.")
         return value
 
+    def values(self, buffer_ids: Sequence[BufferId]) -> list[Any]:
+        """`value` of each, in one call (a program's arguments)."""
+        slots = self._slots
+        out = []
+        for buffer_id in buffer_ids:
+            value = slots.get(buffer_id)
+            if value is None or isinstance(value, Failed) or value.is_deleted():
+                self.value(buffer_id)  # raises why
+            out.append(value)
+        return out
+
     def live(self) -> list[Any]:
         """The stored and host arrays that still hold data."""
         return [v for v in self._slots.values()
@@ -80,6 +91,10 @@ class BufferStore:
     def store(self, buffer_id: BufferId, value: Any) -> None:
         """The slot holds `value`: an array (stored), a `HostArray` or a `Failed`."""
         self._slots[buffer_id] = value
+
+    def store_all(self, buffer_ids: Sequence[BufferId], values: Sequence[Any]) -> None:
+        """`store` of each id with the value at its place (a program's outputs)."""
+        self._slots.update(zip(buffer_ids, values))
 
     def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
         self._slots[buffer_id] = Failed(error)

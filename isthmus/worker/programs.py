@@ -293,7 +293,7 @@ def arg_shardings(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...]
     return tuple(result)
 
 
-def result_handlers(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...] | None:
+def result_handlers(info: CompiledInfo, devices: Sequence[Any]) -> list[Any] | None:
     """For a program on one device, per output, jaxlib's maker of its array (its aval and
     its device in the memory kind the program writes it to); None for a program on several
     devices, or one with an output that has no plain dtype (a token)."""
@@ -309,4 +309,4 @@ def result_handlers(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ..
         sharding = _jax.SingleDeviceSharding(devices[0], memory_kind=kind or None)
         handlers.append(jax_compat.result_handler(
             jax.core.ShapedArray(aval.shape, aval.dtype.numpy), sharding))
-    return tuple(handlers)
+    return handlers

@@ -103,7 +103,7 @@ class Loaded:
     span: frozenset[int] | None = None
     # A program on one device: per output, what makes its array from the output buffer
     # (`programs.result_handlers`; None: outputs taken apart as jaxlib returns them).
-    result_handlers: tuple[Any, ...] | None = None
+    result_handlers: list[Any] | None = None  # a list, as jaxlib takes it
 
 
 @dataclasses.dataclass(slots=True)
