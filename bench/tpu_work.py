@@ -8,7 +8,7 @@ Results (compared bit for bit, where the program is the same): the MLP's losses
 output, an array through host memory (memory_kind="pinned_host") and back, a donating loop's
 final state, the Flax NNX language model's losses (where flax is installed); a colocated
 Python function's output is checked against numpy. Figures (compared as ratios): MLP steps/s
-(pipelined, never waiting), a tiny jit + fetch's p50, 256 MiB device_put and fetch in GB/s,
+(pipelined, never waiting, for 2 s), a tiny jit + fetch's p50, 256 MiB device_put and fetch in GB/s,
 a large bf16 matmul's TFLOP/s (10 in flight at a time) and the language model's time.
 
 Through isthmus (JAX_PLATFORMS=proxy) `pathwaysutils.initialize()` runs first, so that an
@@ -58,7 +58,7 @@ def mlp_init(sizes: list[int]) -> list:
     return init(jax.random.key(0), sizes)
 
 
-def mlp(steps: int) -> dict:
+def mlp(steps: int, seconds: float = 2.0) -> dict:
     import jax
 
     step = jax.jit(mlp_update)
@@ -72,13 +72,20 @@ def mlp(steps: int) -> dict:
     for i in range(steps):  # the losses, each read
         params, value = step(params, *data[i % len(data)])
         losses.append(float(value))
-    values = []
+    # Steps/s, never waiting, for `seconds`, the last 50 losses kept as a loop that logs
+    # them keeps them (bench/step_timeline.py's loop). A burst of 200 steps (50 ms locally)
+    # weighed the pipeline's fill and drain, a few ms through isthmus, as much as its rate.
+    values: list = []
+    done = 0
     start = time.perf_counter()
-    for i in range(steps):  # steps/s, never waiting
-        params, value = step(params, *data[i % len(data)])
-        values.append(value)
-    jax.block_until_ready(values)
-    rate = steps / (time.perf_counter() - start)
+    while time.perf_counter() - start < seconds:
+        for i in range(50):
+            params, value = step(params, *data[(done + i) % len(data)])
+            values.append(value)
+        done += 50
+        values = values[-50:]
+    jax.block_until_ready(values)  # each step reads the last: all have run
+    rate = done / (time.perf_counter() - start)
     return {"mlp_losses": losses, "mlp_steps_per_s": rate}
 
 

@@ -30,6 +30,14 @@ from types import MappingProxyType
 from isthmus.frontend import arrays, devices, execute, futures, programs, transfers, unsupported
 from isthmus.frontend.session import Entry
 
+# Kinds of a protocol version above isthmus's, by what they would do: jaxlib 0.12.1's
+# versions 26..28. Each is refused, naming it (`unsupported.newer_protocol`).
+_NEWER = {
+    "cancel_execution_request": "cancelling an execution",
+    "hash_values_request": "hashing arrays' values",
+    "deserialize_loaded_executable_request": "deserializing a compiled executable",
+}
+
 HANDLERS: Mapping[str, Entry] = MappingProxyType({
     "init_request": Entry(devices.init),
     "check_future_request": Entry(futures.check_future),
@@ -71,13 +79,8 @@ HANDLERS: Mapping[str, Entry] = MappingProxyType({
     "loaded_host_callback_return_request": Entry(unsupported.host_callback_return),
     "get_default_device_assignment_request": Entry(devices.default_device_assignment),
     "get_default_layout_request": Entry(devices.default_layout),
-    # jaxlib 0.12.1 (protocol versions 26..28, above isthmus's).
-    "cancel_execution_request": Entry(unsupported.newer_protocol("cancelling an execution")),
-    "hash_values_request": Entry(unsupported.newer_protocol("hashing arrays' values")),
-    "deserialize_loaded_executable_request": Entry(
-        unsupported.newer_protocol("deserializing a compiled executable")),
+    **{kind: Entry(unsupported.newer_protocol(what)) for kind, what in _NEWER.items()},
 })
 
 # Kinds some supported jaxlibs lack (their entries stand above all the same).
-NEWER_KINDS = frozenset({
-    "cancel_execution_request", "hash_values_request", "deserialize_loaded_executable_request"})
+NEWER_KINDS = frozenset(_NEWER)
