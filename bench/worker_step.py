@@ -1,0 +1,126 @@
+"""A worker's own cost per step, in process: what isthmus spends on a step beside jaxlib.
+
+    python bench/worker_step.py [--platform cpu|tpu] [--sizes 32,16,16,10] [--steps N]
+
+A worker's command applier (no controller, no sockets) on a host of one device applies, per
+step, a decoded batch of an Execute of the MLP step of bench/tpu_work.py and a Free of the
+parameters it replaced, as a worker reads them; the same steps through jaxlib's own call
+(`execute_sharded(...).consume_with_handlers(...)`) give what jaxlib alone costs. Prints the
+calling thread's CPU microseconds per step of both (median of 7 rounds) and their difference,
+isthmus's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import statistics
+import sys
+import time
+import types
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+
+
+async def measure(platform: str, sizes: list[int], steps: int) -> dict[str, float]:
+    import jax
+    from tpu_work import mlp_init, mlp_update
+
+    from isthmus.compat import jax as jax_compat
+    from isthmus.ids import BufferId, ExecutableId
+    from isthmus.transport import commands as c
+    from isthmus.transport import messages as m
+    from isthmus.transport.records import CompileRequest
+    from isthmus.worker.agent import WorkerAgent
+    from isthmus.worker.crashes import CrashRecord
+    from isthmus.worker.host import DeviceHost
+    from isthmus.worker.platforms import make_client
+
+    agent = WorkerAgent.__new__(WorkerAgent)  # no controller, links or process state
+    agent.host = host = DeviceHost(make_client(platform, 1))
+    agent._programs, agent._refused, agent._incoming = {}, {}, {}
+    agent._tasks, agent._waits = set(), {}
+    agent._link = types.SimpleNamespace(send=lambda message: None)
+    agent._applied = agent._acked = 0
+    agent._applying = ""
+    crashes = CrashRecord.__new__(CrashRecord)  # no record file
+    crashes._faulty, crashes.running = set(), lambda executable: None
+    agent._crashes = crashes
+
+    params = mlp_init(sizes)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, sizes[0])).astype(np.float32)
+    y = np.eye(sizes[-1], dtype=np.float32)[rng.integers(0, sizes[-1], 128)]
+    leaves = [np.asarray(v) for v in jax.tree_util.tree_leaves((params, x, y))]
+    lowered = jax.jit(mlp_update).lower(params, x, y)
+    options = jax_compat.xla_client().CompileOptions().SerializeAsString()
+    program = ExecutableId(1)
+    await host.compile(program, CompileRequest(lowered.as_text().encode(), options, (0,)))
+    for index, value in enumerate(leaves):
+        await host.put(BufferId(index), 0, value)
+    n_params = len(leaves) - 2
+    args: list[int] = list(range(len(leaves)))
+    next_base = 1000
+
+    def batch() -> bytes:
+        nonlocal next_base
+        results = tuple(range(next_base, next_base + n_params + 1))
+        message = m.Batch((c.Execute(program, tuple(args), results),
+                           c.Free(tuple(BufferId(a) for a in args[:n_params]))))
+        args[:n_params] = results[:n_params]
+        next_base += 100
+        encoded = m.encode(message)
+        assert isinstance(encoded, bytes)
+        return encoded
+
+    async def through_worker(n: int) -> float:
+        frames = [batch() for _ in range(n)]
+        start = time.thread_time()
+        for frame in frames:
+            await agent._handle(m.decode(frame))
+        cpu = time.thread_time() - start
+        host.buffers.value(BufferId(next_base - 100 + n_params)).block_until_ready()
+        return cpu / n * 1e6
+
+    loaded = host._executables[program]
+
+    def through_jaxlib(n: int) -> float:
+        values = [host.buffers.value(BufferId(a)) for a in args]
+        start = time.thread_time()
+        for _ in range(n):
+            outputs = loaded.executable.execute_sharded(values).consume_with_handlers(
+                loaded.result_handlers)
+            values[:n_params] = outputs[:n_params]
+        cpu = time.thread_time() - start
+        outputs[-1].block_until_ready()
+        return cpu / n * 1e6
+
+    await through_worker(200)
+    through_jaxlib(200)
+    worker, alone = [], []
+    for _ in range(7):
+        worker.append(await through_worker(steps))
+        alone.append(through_jaxlib(steps))
+    await host.close()
+    return {"worker_us": statistics.median(worker), "jaxlib_us": statistics.median(alone)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--platform", default="cpu")
+    parser.add_argument("--sizes", default="32,16,16,10")
+    parser.add_argument("--steps", type=int, default=3000)
+    args = parser.parse_args()
+    result = asyncio.run(measure(args.platform, [int(s) for s in args.sizes.split(",")],
+                                 args.steps))
+    print(f"a worker's step, CPU us of the calling thread: {result['worker_us']:.1f}; "
+          f"jaxlib's call alone {result['jaxlib_us']:.1f}; isthmus's share "
+          f"{result['worker_us'] - result['jaxlib_us']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
