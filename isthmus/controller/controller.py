@@ -14,9 +14,10 @@ import hashlib
 import itertools
 import logging
 from collections.abc import Awaitable
-from typing import Any, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar, cast
 
 from isthmus import errors
+from isthmus.controller import sharding as sh
 from isthmus.controller.counts import Counts
 from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.controller.ledger import Ledger
@@ -25,7 +26,7 @@ from isthmus.ids import ExecutableId, WorkerId
 from isthmus.logs import event
 from isthmus.transport import commands as c
 from isthmus.transport.messages import CrashReport, dtype_name
-from isthmus.transport.records import CompiledInfo, CompileRequest
+from isthmus.transport.records import Aval, ColocatedProgram, CompiledInfo, CompileRequest
 from isthmus.worker.programs import canonical_digest
 from isthmus.worker.vetting import ProgramVetter, Vetted
 
@@ -56,6 +57,69 @@ class ControllerConfig:
     validate: bool = False
 
 
+class ProgramPlan(Protocol):
+    """What an executable runs: a program compiled on the hosts (`CompileRequest`), a
+    colocated Python function (`ColocatedProgram`), or a plan the controller carries out
+    itself (`ReshardPlan`, `KeepPlan`, `ProfilePlan`, `PersistencePlan`). The front end runs
+    each kind by its own runner (`frontend/execute.py`'s `RUNNERS`)."""
+
+    # The session's own executable, never shared with another session and unloaded as soon
+    # as it is released; else cached by program, options and devices.
+    private: ClassVar[bool]
+    on_hosts: ClassVar[bool]  # compiled or loaded on the hosts of its devices
+
+
+_Plan = TypeVar("_Plan")
+
+
+def plan_of(executable: Executable, kind: type[_Plan]) -> _Plan:
+    """The executable's plan, which its runner knows to be of `kind`."""
+    plan = executable.request
+    if not isinstance(plan, kind):
+        raise errors.InternalError(
+            f"executable {executable.id} runs a {type(plan).__name__}, not a {kind.__name__}; "
+            "this is a bug in isthmus: please report it.")
+    return plan
+
+
+class OutputSpec(NamedTuple):
+    """One output of an executable, worked out at its first run and kept: what each run's
+    array of it is, and where."""
+
+    aval: Aval
+    sharding: sh.Sharding
+    nbytes: tuple[int, ...]  # per shard, as the ledger counts them (a reshard's: none kept)
+    # A small output's origin, for reading it ahead (`readahead.py`: the executable's
+    # `readahead` table and the output's index); None: not read ahead.
+    origin: tuple[dict[tuple[int, int], int], int] | None = None
+
+
+class ParamSpec(NamedTuple):
+    """One parameter of a compiled program, worked out at its first run and kept: where an
+    argument must be for it."""
+
+    sharding: sh.Sharding | None  # the sharding the argument must have (None: not said)
+    memory_kind: str
+
+
+class InputSpec(NamedTuple):
+    """One input of a colocated Python function, as it was specialized for."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    sharding: sh.Sharding
+
+
+def hosted(executable: Executable) -> CompileRequest | ColocatedProgram:
+    """The program the hosts of an `on_hosts` executable compile or load."""
+    plan = executable.request
+    if not isinstance(plan, (CompileRequest, ColocatedProgram)):
+        raise errors.InternalError(
+            f"executable {executable.id} runs a {type(plan).__name__}, which the hosts do not "
+            "load; this is a bug in isthmus: please report it.")
+    return plan
+
+
 class Executable:
     """A program compiled for a list of devices, loaded on the workers that own them."""
 
@@ -65,13 +129,13 @@ class Executable:
                  "refused", "runs", "slices", "readahead", "placed")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
-                 request: CompileRequest) -> None:
+                 request: ProgramPlan) -> None:
         self.id = executable_id
         self.key = key
         self.devices = devices
         self.device_ids = tuple(d.id for d in devices)
         self.positions = {d.id: p for p, d in enumerate(devices)}  # device id -> position
-        self.request = request
+        self.request: ProgramPlan = request
         # The channels that were given the program, and the fleet epoch when that was last
         # checked (`Controller.ensure_loaded`). A worker compiles the program again by itself
         # when its collective group re-forms; a worker that replaced one must be given it.
@@ -83,11 +147,9 @@ class Executable:
             parts.setdefault(device.worker, []).append(position)
         self.parts = {w: tuple(p) for w, p in parts.items()}
         self.workers = tuple(self.parts)  # where its commands go (the controller interns it)
-        self.output_specs: list | None = None  # per output, worked out at the first Execute
-        self.input_specs: list | None = None  # per input of a colocated Python program
-        # per parameter: (sharding it must arrive in, or None: unknown; memory kind), worked
-        # out at the first Execute
-        self.param_specs: list | None = None
+        self.output_specs: list[OutputSpec] | None = None  # per output, from its first run
+        self.input_specs: list[InputSpec] | None = None  # per input of a colocated function
+        self.param_specs: list[ParamSpec] | None = None  # per parameter, from the first run
         # per parameter: the last sharding an argument passed the placement check in (the
         # same object again passes without a check: a loop's outputs share their sharding)
         self.placed: dict[int, object] = {}
@@ -173,7 +235,7 @@ class Controller:
 
     # ---- programs ------------------------------------------------------------------------
 
-    def executable(self, request: Any, devices: tuple[Device, ...],
+    def executable(self, request: ProgramPlan, devices: tuple[Device, ...],
                    info: CompiledInfo | None = None) -> Executable:
         """The executable for a program on devices: cached, or compiling from now on.
 
@@ -181,12 +243,12 @@ class Controller:
         belongs to the session that sent it (its code runs for that session's arrays only),
         and it is unloaded as soon as that session releases it. `info` describes it (its
         hosts only unpickle it, or have nothing to load)."""
-        if getattr(request, "private", False):
+        if request.private or not isinstance(request, CompileRequest):
             key = b"python:%d" % next(self._private_keys)
         else:
             key = hashlib.sha256(request.module).digest() + hashlib.sha256(
                 request.compile_options).digest() + repr([d.id for d in devices]).encode() + (
-                getattr(request, "namespace", "").encode())
+                request.namespace.encode())
             if self._refused:
                 refused = self._refused.get(self.program_digest(key, request))
                 if refused is not None:
@@ -201,15 +263,15 @@ class Controller:
         if down is not None:
             raise down
         executable = Executable(ExecutableId(next(self._executable_ids)), key, devices, request)
-        if not getattr(request, "private", False):
+        if not request.private:
             self.counts.compile_misses += 1
         executable.workers = self.fleet.worker_set(executable.parts)
         executable.refs = 1
         executable.info = info
         self._executables[key] = executable
-        if getattr(request, "on_hosts", True):
+        if request.on_hosts:  # compiled (a colocated function: unpickled) there
             executable.compiled = asyncio.get_running_loop().create_task(
-                self._compile(executable, request))
+                self._compile(executable, hosted(executable)))
         else:
             executable.compiled = asyncio.get_running_loop().create_future()
             # A program that is not compiled on the hosts comes with its info.
@@ -238,7 +300,7 @@ class Controller:
             assert executable.key == key, f"executable {executable.id} listed under another key"
             assert executable.refs >= 0, f"executable {executable.id} has {executable.refs} holders"
             if (executable.refs == 0 and executable.error is None
-                    and not getattr(executable.request, "private", False)):
+                    and not executable.request.private):
                 assert key in self._idle, (
                     f"executable {executable.id} is held by no session but is not idle")
         for key, executable in self._idle.items():
@@ -263,7 +325,7 @@ class Controller:
             channel = self.fleet.channel(worker)
             if executable.holders.get(worker) is not channel:
                 if refused is None:
-                    channel.send(c.Load(executable.id, executable.request))
+                    channel.send(c.Load(executable.id, hosted(executable)))
                 else:
                     channel.send(c.Refuse(executable.id, tuple(executable.device_ids),
                                           errors.ProgramRefused(refused)))
@@ -318,7 +380,8 @@ class Controller:
         later (`ensure_loaded`); its Compile is refused here (`executable`)."""
         executable = next((e for e in self._executables.values()
                            if e.id == report.executable), None) if report.executable else None
-        if executable is None or getattr(executable.request, "private", False):
+        if executable is None or not isinstance(executable.request, CompileRequest) or (
+                executable.request.private):
             logger.warning("worker %s died of a fatal signal (%s) %s; see its log", where,
                            report.fatal, f"while dispatching executable {report.executable}, "
                            "which this controller no longer knows" if report.executable
@@ -338,7 +401,7 @@ class Controller:
             # The same program has the same name (the module's): only those are digested.
             if other is executable or (
                     other.info is not None and other.info.name == name
-                    and not getattr(other.request, "private", False)
+                    and isinstance(other.request, CompileRequest) and not other.request.private
                     and self.program_digest(other.key, other.request) == digest):
                 other.refused = message
                 other.epoch = -1  # `ensure_loaded` refuses it to workers that join later
@@ -348,7 +411,8 @@ class Controller:
                                           errors.ProgramRefused(message)))
                     other.holders[worker] = channel
 
-    async def _compile(self, executable: Executable, request: CompileRequest) -> CompiledInfo:
+    async def _compile(self, executable: Executable,
+                       request: CompileRequest | ColocatedProgram) -> CompiledInfo:
         executable.epoch = self.fleet.epoch
         channels = {worker: self.fleet.channel(worker) for worker in executable.parts}
         executable.holders = dict(channels)
@@ -366,7 +430,8 @@ class Controller:
             raise error from None
         if executable.info is None:
             executable.info = infos[0]
-        if getattr(request, "executable", b""):  # loaded: a later Load compiles it again
+        if isinstance(request, CompileRequest) and request.executable:
+            # Loaded from the vetting process's executable: a later Load compiles it again.
             executable.request = dataclasses.replace(request, executable=b"")
         info = executable.info
         if info is None:
@@ -382,10 +447,10 @@ class Controller:
         executable.refs -= 1
         if executable.refs > 0 or executable.error is not None:
             return
-        if getattr(executable.request, "private", False):
+        if executable.request.private:
             self._executables.pop(executable.key, None)
             self.counts.retire(executable.slices, executable.runs)
-            if getattr(executable.request, "on_hosts", True):
+            if executable.request.on_hosts:
                 for worker in executable.parts:
                     self.fleet.channel(worker).send(c.DropExecutable(executable.id))
             return

@@ -23,7 +23,7 @@ from typing import ClassVar, cast
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, first_error, groups_of
-from isthmus.controller.controller import Executable
+from isthmus.controller.controller import Executable, plan_of
 from isthmus.controller.session_core import Keeper, Owner, SessionCore, as_error
 from isthmus.controller.session_python import default_layout, dtype_name, finish, settle_after
 from isthmus.ids import BufferId, WorkerId
@@ -82,7 +82,7 @@ class SessionCheckpoints:
 
     def run(self, executable: Executable, args: Sequence[Array]
             ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
-        plan: PersistencePlan = executable.request  # type: ignore[assignment]
+        plan = plan_of(executable, PersistencePlan)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if plan.write:
             outputs: list[Array] = []

@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer
-from isthmus.controller.controller import Executable
+from isthmus.controller.controller import Executable, plan_of
 from isthmus.controller.session_checkpoints import plugin_info
 from isthmus.controller.session_core import Keeper, SessionCore
 from isthmus.controller.session_python import dtype_name
@@ -107,7 +107,7 @@ class SessionKept:
 
     def run(self, executable: Executable, args: Sequence[Array], kept: KeptArrays | None
                  ) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
-        plan: KeepPlan = executable.request  # type: ignore[assignment]
+        plan = plan_of(executable, KeepPlan)
         if kept is None:
             raise errors.Unimplemented(
                 "keeping arrays for a later client needs a lease of a shared service "

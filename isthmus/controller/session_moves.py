@@ -21,7 +21,7 @@ from isthmus import dtypes, errors
 from isthmus.controller import readahead, reads
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, BufferGroup, first_error, groups_of
-from isthmus.controller.controller import Executable
+from isthmus.controller.controller import Executable, OutputSpec, plan_of
 from isthmus.controller.session_core import Keeper, SessionCore, as_error
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
@@ -163,7 +163,7 @@ class SessionMoves:
         """`reshard` of the arguments to the plan's targets; the status resolves when the
         outputs are computed. The client keeps the first call's output types for later
         calls, so every call must bring arguments of the first call's dtypes and shapes."""
-        plan: ReshardPlan = executable.request  # type: ignore[assignment]
+        plan = plan_of(executable, ReshardPlan)
         if len(args) != len(plan.sources):
             raise errors.InvalidRequest(
                 f"the reshard program moves {len(plan.sources)} arrays (reshardRequest."
@@ -171,7 +171,7 @@ class SessionMoves:
         if executable.output_specs is None:
             first = [Aval(a.dtype, a.shape) for a in args]
         else:
-            first = [aval for aval, *_ in executable.output_specs]
+            first = [spec.aval for spec in executable.output_specs]
         default_kind = executable.devices[0].memory_kinds[0]
         for index, (array, source, target, aval) in enumerate(
                 zip(args, plan.sources, plan.targets, first)):
@@ -203,7 +203,7 @@ class SessionMoves:
             _check_shared(args, frozenset(donated))
         outputs = self.reshard(args, plan.targets)
         if executable.output_specs is None:
-            executable.output_specs = [(aval, out.sharding, None)
+            executable.output_specs = [OutputSpec(aval, out.sharding, ())
                                        for aval, out in zip(first, outputs)]
         for index in donated:  # after the reshard read them, as a donating device_put
             self.arrays.donate_in_order(args[index])

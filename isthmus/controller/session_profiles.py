@@ -36,7 +36,7 @@ import numpy as np
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array
-from isthmus.controller.controller import Controller, Executable
+from isthmus.controller.controller import Controller, Executable, plan_of
 from isthmus.controller.session_arrays import HostData, HostShard
 from isthmus.controller.session_checkpoints import plugin_info
 from isthmus.controller.session_core import Keeper, SessionCore, as_error
@@ -130,7 +130,7 @@ class SessionProfiles:
         """Starts a profile, or stops the one this executable started."""
         if args:
             raise errors.InvalidRequest("a profile request takes no arrays.")
-        plan: ProfilePlan = executable.request  # type: ignore[assignment]
+        plan = plan_of(executable, ProfilePlan)
         traces = self._profiles
         trace = traces.pop(executable.id, None)
         if trace is None:

@@ -17,7 +17,7 @@ from isthmus import dtypes, errors
 from isthmus.controller import readahead
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, first_error, groups_of
-from isthmus.controller.controller import Executable
+from isthmus.controller.controller import Executable, OutputSpec, ParamSpec
 from isthmus.controller.groups import GONE, BufferGroup
 from isthmus.controller.session_core import Owner, SessionCore
 from isthmus.ids import BufferId, WorkerId
@@ -146,14 +146,14 @@ class SessionPrograms:
         return outputs, status
 
     @staticmethod
-    def _param_specs(executable: Executable) -> list[tuple[sh.Sharding | None, str]]:
+    def _param_specs(executable: Executable) -> list[ParamSpec]:
         """Per parameter, the sharding its argument must have (None: the program does not
         say) and the memory kind it must be in; kept on the executable."""
         info = executable.info
         assert info is not None
         device_ids = executable.device_ids
         default_kind = executable.devices[0].memory_kinds[0]
-        specs: list[tuple[sh.Sharding | None, str]] = []
+        specs: list[ParamSpec] = []
         for index in range(len(info.params)):
             if len(device_ids) == 1:
                 sharding: sh.Sharding | None = sh.Sharding.single(device_ids[0])
@@ -163,8 +163,8 @@ class SessionPrograms:
             else:
                 sharding = None
             kinds = info.param_memory_kinds
-            specs.append((sharding, (kinds[index] if index < len(kinds) else None)
-                          or default_kind))
+            specs.append(ParamSpec(sharding, (kinds[index] if index < len(kinds) else None)
+                                   or default_kind))
         executable.param_specs = specs
         return specs
 
@@ -195,7 +195,7 @@ class SessionPrograms:
         assert info is not None
         if executable.output_specs is None:
             device_ids = executable.device_ids
-            specs = []
+            specs: list[OutputSpec] = []
             for index, aval in enumerate(info.outputs):
                 memory_kind = (info.output_memory_kinds[index]
                                if index < len(info.output_memory_kinds) else None)
@@ -205,8 +205,8 @@ class SessionPrograms:
                     sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind,
                                            info.output_shardings[index])
                 nbytes = sh.shard_nbytes(sharding, aval.shape, aval.dtype.itemsize)
-                specs.append((aval, sharding, nbytes,
-                              (executable.readahead, index) if readahead.small(nbytes) else None))
+                specs.append(OutputSpec(aval, sharding, nbytes, (executable.readahead, index)
+                                        if readahead.small(nbytes) else None))
             executable.output_specs = specs
         new_group = self.controller.ledger.new_group
         outputs = []

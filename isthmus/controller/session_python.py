@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import cast
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
-from isthmus.controller.controller import Executable
+from isthmus.controller.controller import Executable, InputSpec, OutputSpec
 from isthmus.controller.session_core import Keeper, Owner, SessionCore, as_error
 from isthmus.ids import BufferId
 from isthmus.transport import commands as c
@@ -79,16 +78,20 @@ class SessionPython:
             memory_stats={}, generated_code_bytes=0)
         executable = self.controller.executable(program, devices, info)
         executable.output_specs = [
-            (Aval(d, tuple(shape)), s, sh.shard_nbytes(s, tuple(shape), d.itemsize))
+            OutputSpec(Aval(d, tuple(shape)), s, sh.shard_nbytes(s, tuple(shape), d.itemsize))
             for d, shape, s in outputs]
-        executable.input_specs = list(inputs)
+        executable.input_specs = [InputSpec(d, tuple(shape), s) for d, shape, s in inputs]
         self.programs.keep(executable)
         return executable
 
     def call(self, executable: Executable, args: Sequence[Array],
              stream: tuple[int, ...]) -> tuple[list[Array], Callable[[], Awaitable[None]]]:
         """Runs a colocated function; returns its outputs and a way to wait for the call."""
-        specs = cast(list, executable.input_specs)  # set for every colocated program
+        specs, output_specs = executable.input_specs, executable.output_specs
+        if specs is None or output_specs is None:
+            raise errors.InternalError(
+                f"executable {executable.id} is no colocated function; this is a bug in "
+                "isthmus: please report it.")
         if len(args) != len(specs):
             raise errors.InvalidRequest(
                 f"the colocated function takes {len(specs)} arrays but {len(args)} were given.")
@@ -106,7 +109,7 @@ class SessionPython:
             group = array.group
             refs.append(group.base if group is not None else tuple(b.id for b in array.shards))
         outputs = []
-        for aval, sharding, nbytes in executable.output_specs:  # type: ignore[union-attr]
+        for aval, sharding, nbytes, _ in output_specs:
             group = self.controller.ledger.new_group(
                 self.fleet.devices_of(sharding.devices), nbytes, sharding.memory_kind,
                 definers=1)

@@ -38,6 +38,3 @@ def compile_custom_call(session: FrontendSession, program: Message) -> tuple[Exe
         [(s.dtype, s.shape, s.sharding) for s in outputs])
     return executable, custom.name
 
-
-def is_python(executable: Executable) -> bool:
-    return executable.input_specs is not None

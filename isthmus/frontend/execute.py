@@ -1,16 +1,76 @@
-"""LoadedExecutableExecute and LoadedExecutableFetchExecuteResult."""
+"""LoadedExecutableExecute and LoadedExecutableFetchExecuteResult.
+
+An executable runs by its plan's kind (`controller.ProgramPlan`): `RUNNERS` names the runner
+of each, and a test checks that every kind has one.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from isthmus import errors
-from isthmus.frontend.colocated import is_python
+from isthmus.controller.arrays import Array
+from isthmus.controller.controller import Executable
+from isthmus.controller.session_checkpoints import PersistencePlan
+from isthmus.controller.session_kept import KeepPlan
+from isthmus.controller.session_moves import ReshardPlan
+from isthmus.controller.session_profiles import ProfilePlan
 from isthmus.frontend.message import Message
-from isthmus.frontend.persistence import is_kept, is_persistence
-from isthmus.frontend.profile import is_profile
-from isthmus.frontend.reshard import is_reshard
 from isthmus.frontend.session import FrontendSession
+from isthmus.transport.records import ColocatedProgram, CompileRequest
+
+# A run's outputs, and what resolves once it has run (the status the client may ask for).
+Run = tuple[list[Array], Callable[[], Awaitable[None]]]
+# (session, executable, its arguments, the request's execute_options) -> the run
+Runner = Callable[[FrontendSession, Executable, Sequence[Array], Message], Run]
+
+
+def _non_donatable(options: Message) -> frozenset[int]:
+    return frozenset(int(i) for i in options.non_donatable_input_indices)
+
+
+def _program(session: FrontendSession, executable: Executable, args: Sequence[Array],
+             options: Message) -> Run:
+    return session.ctl.programs.execute(executable, args, _non_donatable(options))
+
+
+def _python(session: FrontendSession, executable: Executable, args: Sequence[Array],
+            options: Message) -> Run:
+    # Calls from one client thread (its execution stream) run in order on the hosts.
+    return session.ctl.python.call(
+        executable, args, (int(session.id), int(options.execution_stream_id)))
+
+
+def _reshard(session: FrontendSession, executable: Executable, args: Sequence[Array],
+             options: Message) -> Run:
+    return session.ctl.moves.run_reshard(executable, args, _non_donatable(options))
+
+
+def _kept(session: FrontendSession, executable: Executable, args: Sequence[Array],
+          options: Message) -> Run:
+    kept = session.kept() if session.lease is not None else None
+    return session.ctl.kept.run(executable, args, kept)
+
+
+def _profile(session: FrontendSession, executable: Executable, args: Sequence[Array],
+             options: Message) -> Run:
+    return session.ctl.profiles.run(executable, args)
+
+
+def _persistence(session: FrontendSession, executable: Executable, args: Sequence[Array],
+                 options: Message) -> Run:
+    return session.ctl.checkpoints.run(executable, args)
+
+
+RUNNERS: Mapping[type, Runner] = MappingProxyType({
+    CompileRequest: _program,
+    ColocatedProgram: _python,
+    ReshardPlan: _reshard,
+    KeepPlan: _kept,
+    ProfilePlan: _profile,
+    PersistencePlan: _persistence,
+})
 
 
 def execute(session: FrontendSession, request: Message, response: Message) -> None:
@@ -27,24 +87,12 @@ def execute(session: FrontendSession, request: Message, response: Message) -> No
                 f"running an executable compiled for devices {[d.id for d in executable.devices]}"
                 f" on devices {requested} is not supported; compile it for those devices.")
     args = [session.array(h) for h in body.args_handles]
-    options = body.execute_options
-    if is_persistence(executable):
-        outputs, status = session.ctl.checkpoints.run(executable, args)
-    elif is_reshard(executable):
-        outputs, status = session.ctl.moves.run_reshard(
-            executable, args, frozenset(int(i) for i in options.non_donatable_input_indices))
-    elif is_profile(executable):
-        outputs, status = session.ctl.profiles.run(executable, args)
-    elif is_kept(executable):
-        kept = session.kept() if session.lease is not None else None
-        outputs, status = session.ctl.kept.run(executable, args, kept)
-    elif is_python(executable):
-        # Calls from one client thread (its execution stream) run in order on the hosts.
-        outputs, status = session.ctl.python.call(
-            executable, args, (int(session.id), int(options.execution_stream_id)))
-    else:
-        non_donatable = frozenset(int(i) for i in options.non_donatable_input_indices)
-        outputs, status = session.ctl.programs.execute(executable, args, non_donatable)
+    runner = RUNNERS.get(type(executable.request))
+    if runner is None:
+        raise errors.InternalError(
+            f"no runner for a {type(executable.request).__name__}; this is a bug in isthmus: "
+            "please report it.")
+    outputs, status = runner(session, executable, args, body.execute_options)
     out = response.loaded_executable_execute_response
     if body.result_array_handle:
         if len(body.result_array_handle) != len(outputs):
@@ -65,7 +113,7 @@ def execute(session: FrontendSession, request: Message, response: Message) -> No
     # status handle comes back unasked.
     if body.result_status_handle:
         session.add_future(body.result_status_handle, status)
-    elif options.fill_status and not body.result_array_handle:
+    elif body.execute_options.fill_status and not body.result_array_handle:
         out.status_handle = session.add_future(None, status)
     out.SetInParent()
 

@@ -138,9 +138,3 @@ def compile_plugin(session: FrontendSession, program: Message) -> Executable:
     return session.ctl.checkpoints.compile(plan)
 
 
-def is_persistence(executable: Executable) -> bool:
-    return isinstance(executable.request, PersistencePlan)
-
-
-def is_kept(executable: Executable) -> bool:
-    return isinstance(executable.request, KeepPlan)

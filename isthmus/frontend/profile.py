@@ -118,6 +118,3 @@ def compile_profile(session: FrontendSession, plan: ProfilePlan) -> Executable:
     """Starts a Compile of a profile program: the session's executable for the plan."""
     return session.ctl.profiles.compile(plan)
 
-
-def is_profile(executable: Executable) -> bool:
-    return isinstance(executable.request, ProfilePlan)

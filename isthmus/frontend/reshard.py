@@ -76,9 +76,6 @@ def compile_reshard(session: FrontendSession, plan: ReshardPlan) -> Executable:
     return session.ctl.moves.compile_reshard(plan)
 
 
-def is_reshard(executable: Executable) -> bool:
-    return isinstance(executable.request, ReshardPlan)
-
 
 def _fields(body: object, where: str, names: dict[str, str]) -> dict[str, object]:
     """`body`'s fields by their lowerCamel names; refuses unknown and repeated fields."""

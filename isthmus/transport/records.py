@@ -35,6 +35,10 @@ class CompileRequest:
     # The SHA-256 of the program without debug information, as the vetting process found it
     # (the hosts' caches name the program by it; empty: they parse the program for it).
     digest: bytes = b""
+    # As a plan of the controller's (`controller.ProgramPlan`): shared by every session that
+    # compiles the same program, and compiled on the hosts.
+    private: ClassVar[bool] = False
+    on_hosts: ClassVar[bool] = True
 
 
 @CODEC.record  # travels in compile replies
@@ -91,6 +95,7 @@ class ColocatedProgram:
     outputs: tuple[tuple[int, ...], ...]  # per output: likewise
     output_types: tuple[tuple[str, tuple[int, ...]], ...]  # per output: (dtype name, shape)
     private: ClassVar[bool] = True  # the session's own executable (`Controller.executable`)
+    on_hosts: ClassVar[bool] = True  # loaded (unpickled) on the hosts of its devices
 
 
 @CODEC.record  # travels in StartProfile

@@ -1,5 +1,6 @@
 """The table from request kinds to handlers (frontend/registry.py) against the installed
-jaxlib's schema: every kind has its entry, every entry names a kind and fields that exist."""
+jaxlib's schema: every kind has its entry, every entry names a kind and fields that exist.
+And the table from an executable's plan kinds to their runners (frontend/execute.py)."""
 
 import asyncio
 
@@ -20,6 +21,39 @@ HANDLE_TYPES = {FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64,
 def _kinds(message: str, oneof: str) -> list[str]:
     descriptor = schema()[message].DESCRIPTOR
     return [field.name for field in descriptor.oneofs_by_name[oneof].fields]
+
+
+def _plan_kinds() -> set[type]:
+    """Every class of the server's layers that is a `controller.ProgramPlan`: it says whether
+    it is private and whether it runs on the hosts."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    kinds = set()
+    for package in ("isthmus.controller", "isthmus.transport", "isthmus.frontend"):
+        for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+            name = f"{package}.{info.name}"
+            module = importlib.import_module(name)
+            for _, cls in inspect.getmembers(module, inspect.isclass):
+                if cls.__module__ == name and all(isinstance(getattr(cls, flag, None), bool)
+                                                  for flag in ("private", "on_hosts")):
+                    kinds.add(cls)
+    return kinds
+
+
+def test_every_plan_kind_has_a_runner_and_the_hosts_load_those_they_run():
+    from isthmus.frontend.execute import RUNNERS
+    from isthmus.transport.records import ColocatedProgram, CompileRequest
+
+    kinds = _plan_kinds()
+    assert len(kinds) >= 6, kinds  # the discovery finds the kinds at all
+    assert {k.__name__ for k in kinds - set(RUNNERS)} == set(), "plans without a runner"
+    assert {k.__name__ for k in set(RUNNERS) - kinds} == set(), "runners of no plan"
+    # `Controller.executable` sends an `on_hosts` plan to the hosts as a program they load.
+    for kind in kinds:
+        assert kind.on_hosts == issubclass(kind, (CompileRequest, ColocatedProgram)), kind
+    assert not CompileRequest.private and ColocatedProgram.private
 
 
 def test_every_request_kind_of_the_schema_has_an_entry():
