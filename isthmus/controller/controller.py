@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import hashlib
 import itertools
 import logging
@@ -120,17 +121,42 @@ def hosted(executable: Executable) -> CompileRequest | ColocatedProgram:
     return plan
 
 
+class ExecutableState(enum.Enum):
+    """Where an executable is in its life (`Executable.state`, moved only by `move`, along
+    `MOVES`). Whether its program is refused (it crashed a worker) is beside this:
+    `Executable.refused`, in any state."""
+
+    COMPILING = "compiling"  # held by sessions; its compile on the hosts has not answered
+    READY = "ready"  # held by sessions, and runnable
+    IDLE = "idle"  # held by none, kept in the cache (`Controller._idle`); compiled or not yet
+    FAILED = "failed"  # its compile failed (`Executable.error`); no longer listed
+    DROPPED = "dropped"  # left the cache, or a private one released: unloaded from the hosts
+
+
+_S = ExecutableState
+MOVES: dict[ExecutableState, frozenset[ExecutableState]] = {
+    _S.COMPILING: frozenset({_S.READY, _S.FAILED, _S.IDLE, _S.DROPPED}),
+    _S.READY: frozenset({_S.IDLE, _S.DROPPED}),
+    # Taken again (compiling still, or compiled), evicted, or its compile failed meanwhile.
+    _S.IDLE: frozenset({_S.COMPILING, _S.READY, _S.FAILED, _S.DROPPED}),
+    _S.FAILED: frozenset(),
+    _S.DROPPED: frozenset(),
+}
+
+
 class Executable:
     """A program compiled for a list of devices, loaded on the workers that own them."""
 
     __slots__ = ("id", "key", "devices", "device_ids", "positions", "parts", "workers",
                  "compiled", "info", "refs", "error", "request", "epoch", "holders",
                  "output_specs", "input_specs", "param_specs", "dispatched",
-                 "refused", "runs", "slices", "readahead", "placed")
+                 "refused", "runs", "slices", "readahead", "placed", "state")
 
     def __init__(self, executable_id: ExecutableId, key: bytes, devices: tuple[Device, ...],
                  request: ProgramPlan) -> None:
         self.id = executable_id
+        self.state = ExecutableState.READY if not request.on_hosts else (
+            ExecutableState.COMPILING)
         self.key = key
         self.devices = devices
         self.device_ids = tuple(d.id for d in devices)
@@ -165,6 +191,14 @@ class Executable:
         self.slices = tuple(sorted({d.slice_index for d in devices}))  # the slices it runs on
         # (output, position) -> runs read ahead since a client last took one (readahead.py)
         self.readahead: dict[tuple[int, int], int] = {}
+
+    def move(self, to: ExecutableState) -> None:
+        """Its next state, along `MOVES`; any other move is a bug in isthmus."""
+        if to not in MOVES[self.state]:
+            raise errors.InternalError(
+                f"executable {self.id} cannot go from {self.state.value} to {to.value}; this "
+                "is a bug in isthmus: please report it with the server log.")
+        self.state = to
 
 
 LAYOUTS_KEPT = 4096  # default layouts known (`Controller.default_layout`), oldest out first
@@ -255,7 +289,11 @@ class Controller:
                     raise errors.ProgramRefused(refused)
         executable = self._executables.get(key)
         if executable is not None and executable.error is None:
-            self._idle.pop(key, None)
+            if executable.state is ExecutableState.IDLE:
+                del self._idle[key]
+                compiled = executable.compiled
+                executable.move(ExecutableState.READY if compiled is not None and compiled.done()
+                                else ExecutableState.COMPILING)
             executable.refs += 1
             self.counts.compile_hits += 1
             return executable
@@ -294,15 +332,21 @@ class Controller:
 
     def validate_executables(self) -> None:
         """Raises AssertionError where the executables' records disagree: one listed under
-        another's key, a negative count of holders, an idle one still held or not listed,
-        one released by all but neither idle nor failed, more idle than the cache keeps."""
+        another's key, a negative count of holders, a listed one failed or dropped, an idle
+        one held or not kept idle, a held one released by all, more idle than the cache
+        keeps."""
         for key, executable in self._executables.items():
             assert executable.key == key, f"executable {executable.id} listed under another key"
-            assert executable.refs >= 0, f"executable {executable.id} has {executable.refs} holders"
-            if (executable.refs == 0 and executable.error is None
-                    and not executable.request.private):
-                assert key in self._idle, (
-                    f"executable {executable.id} is held by no session but is not idle")
+            refs, state = executable.refs, executable.state
+            assert refs >= 0, f"executable {executable.id} has {refs} holders"
+            if state is ExecutableState.IDLE:
+                assert refs == 0, f"idle executable {executable.id} has {refs} holders"
+                assert key in self._idle, f"executable {executable.id} is idle but not kept"
+            else:
+                assert state in (ExecutableState.COMPILING, ExecutableState.READY), (
+                    f"executable {executable.id} is {state.value} but still listed")
+                assert refs > 0, (
+                    f"executable {executable.id} is held by no session but is {state.value}")
         for key, executable in self._idle.items():
             assert self._executables.get(key) is executable, (
                 f"idle executable {executable.id} is not the one listed")
@@ -420,13 +464,11 @@ class Controller:
         try:
             infos = await asyncio.gather(*waits)
         except errors.IsthmusError as e:
-            executable.error = e
-            self._executables.pop(executable.key, None)
+            self._failed(executable, e)
             raise
         except Exception as e:  # noqa: BLE001
             error = errors.from_runtime_error(e, errors.CompileError, "compilation failed")
-            executable.error = error
-            self._executables.pop(executable.key, None)
+            self._failed(executable, error)
             raise error from None
         if executable.info is None:
             executable.info = infos[0]
@@ -441,7 +483,20 @@ class Controller:
         logger.info("compiled %s for devices %s", shown(info.name), executable.device_ids,
                     extra=event("compiled", program=shown(info.name),
                                 devices=len(executable.devices)))
+        if executable.state is ExecutableState.COMPILING:  # idle or dropped: stays so
+            executable.move(ExecutableState.READY)
         return info
+
+    def _failed(self, executable: Executable, error: errors.IsthmusError) -> None:
+        """Its compile failed: no longer listed (a later compile of the program starts
+        afresh), nor kept idle."""
+        executable.error = error
+        if executable.state is ExecutableState.DROPPED:
+            return  # evicted while compiling: another may be listed under its key now
+        if self._executables.get(executable.key) is executable:
+            del self._executables[executable.key]
+        self._idle.pop(executable.key, None)
+        executable.move(ExecutableState.FAILED)
 
     def release_executable(self, executable: Executable) -> None:
         executable.refs -= 1
@@ -450,16 +505,19 @@ class Controller:
         if executable.request.private:
             self._executables.pop(executable.key, None)
             self.counts.retire(executable.slices, executable.runs)
+            executable.move(ExecutableState.DROPPED)
             if executable.request.on_hosts:
                 for worker in executable.parts:
                     self.fleet.channel(worker).send(c.DropExecutable(executable.id))
             return
+        executable.move(ExecutableState.IDLE)
         self._idle[executable.key] = executable
         while len(self._idle) > self.config.compile_cache_size:
             key = next(iter(self._idle))
             old = self._idle.pop(key)
             self._executables.pop(key, None)
             self.counts.retire(old.slices, old.runs)
+            old.move(ExecutableState.DROPPED)
             for worker in old.parts:
                 self.fleet.channel(worker).send(c.DropExecutable(old.id))
 
