@@ -1,5 +1,5 @@
 """The collective group of a fleet's workers, formed again whenever its membership changes
-(the `FleetManager`'s part that forms it; manager.py has the model).
+(a part of the `FleetManager`, held by it; manager.py has the model).
 
 A re-formation waits a moment for the losses and registrations that come with the one that
 asked for it, then sends every member a `FormGroup` of a new generation on a fresh
@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from isthmus.compat import jax as jax_compat
 from isthmus.controller.fleet import Device, WholeFleet
@@ -24,9 +24,6 @@ from isthmus.ports import free_port
 from isthmus.transport import messages as m
 from isthmus.transport.remote import RemoteWorker
 
-if TYPE_CHECKING:
-    from isthmus.controller.manager import FleetSpec, ManagerConfig
-
 logger = logging.getLogger(__name__)
 
 # Seconds before a re-formation, for the losses (a dead slice's hosts, within milliseconds)
@@ -34,25 +31,81 @@ logger = logging.getLogger(__name__)
 LOSS_SETTLE, JOIN_SETTLE = 0.05, 0.2
 
 
+class Shape(Protocol):
+    """What a formation reads of the fleet's shape (`manager.FleetSpec`)."""
+
+    @property
+    def slices(self) -> int: ...
+
+    @property
+    def hosts_per_slice(self) -> int: ...
+
+
+class Settings(Protocol):
+    """What a formation reads of the manager's settings (`manager.ManagerConfig`)."""
+
+    @property
+    def formation_timeout(self) -> float: ...
+
+    @property
+    def advertise_host(self) -> str: ...
+
+    @property
+    def unix_dir(self) -> str | None: ...
+
+
+class Slots(Protocol):
+    """The fleet's host slots, as the manager numbers them."""
+
+    def slot(self, slice_index: int, host: int) -> WorkerId:
+        """The slot of a slice's host."""
+        ...
+
+    def slices(self) -> list[SliceId]:
+        """The slices the fleet knows."""
+        ...
+
+    def slot_devices(self, slot: WorkerId) -> list[Device]:
+        """A slot's devices."""
+        ...
+
+
 class GroupFormation:
-    """Forms the collective group of the live workers (a mixin of `FleetManager`)."""
+    """Forms the collective group of the live workers: `want` asks for a re-formation (a
+    worker joined, or one was lost), `run` forms it whenever asked, `members` are the slots
+    of the current group."""
 
-    spec: FleetSpec
-    fleet: WholeFleet
-    config: ManagerConfig
-    members: dict[WorkerId, RemoteWorker]  # slots in the current group
-    _services: list[object]  # coordination services of every generation
-    _form_lock: asyncio.Lock
-    _form_wanted: asyncio.Event  # set by a loss or a registration
-    _joined: bool  # a worker registered since the last re-formation began
-    _formed: asyncio.Event
-    _losses: list[str]  # losses since the group last formed (for errors)
-    _on_generation: Callable[[int], None]
-    slices: Callable[[], list[SliceId]]
-    slot: Callable[[int, int], WorkerId]
-    _slot_devices: Callable[[WorkerId], list[Device]]
+    def __init__(self, spec: Shape, fleet: WholeFleet, config: Settings, slots: Slots,
+                 on_generation: Callable[[int], None]) -> None:
+        self.spec = spec
+        self.fleet = fleet
+        self.config = config
+        self.slots = slots
+        self._on_generation = on_generation
+        self.members: dict[WorkerId, RemoteWorker] = {}  # slots in the current group
+        self._services: list[object] = []  # coordination services of every generation
+        self._form_lock = asyncio.Lock()
+        self._form_wanted = asyncio.Event()  # set by a loss or a registration
+        self._joined = False  # a worker registered since the last re-formation began
+        self._losses: list[str] = []  # losses since the group last formed (for errors)
+        self.formed = asyncio.Event()  # set once the first group formed
 
-    async def _former(self) -> None:
+    def want(self, *, joined: bool = False, loss: str = "") -> None:
+        """Asks for a re-formation: a worker `joined`, or one was lost (`loss`, its error's
+        words, told to the members with the new group), or one left on purpose."""
+        if joined:
+            self._joined = True
+        if loss:
+            self._losses.append(loss)
+        self._form_wanted.set()
+
+    def leave(self, slot: WorkerId) -> None:
+        """A slot's worker is gone: no longer a member of the group."""
+        self.members.pop(slot, None)
+        self.fleet.members = set(self.members)
+
+    async def run(self) -> None:
+        """Forms the group whenever `want` asks (a task of the manager's)."""
         while True:
             await self._form_wanted.wait()
             await asyncio.sleep(LOSS_SETTLE)
@@ -125,7 +178,7 @@ class GroupFormation:
                     channel.last_seen = max(channel.last_seen, now)
             mapping: dict[int, int] = {}
             for channel, local_ids in zip(members, replies):
-                for device, jaxlib_id in zip(self._slot_devices(channel.slot), local_ids):
+                for device, jaxlib_id in zip(self.slots.slot_devices(channel.slot), local_ids):
                     mapping[device.id] = jaxlib_id
             for channel in members:
                 channel.send_now(m.DeviceMap(mapping))
@@ -133,13 +186,13 @@ class GroupFormation:
             self.members = {c.slot: c for c in members if self.fleet.workers.get(c.slot) is c}
             self.fleet.members = set(self.members)
             self.fleet.generation = generation
-            for slice_index in self.slices():
-                hosts = [self.slot(slice_index, h) for h in range(self.spec.hosts_per_slice)]
+            for slice_index in self.slots.slices():
+                hosts = [self.slots.slot(slice_index, h) for h in range(self.spec.hosts_per_slice)]
                 if all(h in self.members for h in hosts):
                     self.fleet.mark_up(slice_index)
             self._on_generation(generation)
-            self._formed.set()
-            up = [s for s in self.slices() if self.fleet.slice_error(s) is None]
+            self.formed.set()
+            up = [s for s in self.slots.slices() if self.fleet.slice_error(s) is None]
             logger.info("collective group %s formed; slices up: %s", generation, up,
                         extra=event("group_formed", generation=generation, slices_up=up))
 

@@ -87,8 +87,9 @@ class WorkerStatus(TypedDict):
     shared_memory: bool  # puts reach it through the shared directory
 
 
-class FleetManager(GroupFormation):
-    """Registers workers into host slots and keeps the collective group formed."""
+class FleetManager:
+    """Registers workers into host slots and keeps the collective group formed (by its part
+    `formation`, a `GroupFormation`)."""
 
     def __init__(self, spec: FleetSpec, fleet: WholeFleet, config: ManagerConfig | None = None,
                  on_slice_down: Callable[[SliceId, errors.IsthmusError], None] | None = None,
@@ -102,21 +103,15 @@ class FleetManager(GroupFormation):
         self.fleet = fleet
         self.config = config or ManagerConfig()
         self._on_slice_down = on_slice_down or (lambda s, e: None)
-        self._on_generation = on_generation or (lambda g: None)
         self._on_crash = on_crash or (lambda r, w: None)
         self._last_program = last_program or (lambda w: None)
         self.incarnation = secrets.randbits(63) | 1  # this controller process (never 0)
-        self.members: dict[WorkerId, RemoteWorker] = {}  # slots in the current group
         self._tokens: dict[str, RemoteWorker] = {}  # live memberships by pulse token
         self._retiring: dict[WorkerId, str] = {}  # workers replaced on purpose, and why
-        self._losses: list[str] = []  # losses since the group last formed (for errors)
         self.lost_count = 0  # workers lost since start (for the metrics)
         fleet.members = set()
-        self._services: list[object] = []  # coordination services of every generation
-        self._form_lock = asyncio.Lock()
-        self._form_wanted = asyncio.Event()
-        self._joined = False  # a worker registered since the last re-formation began
-        self._formed = asyncio.Event()
+        self.formation = GroupFormation(spec, fleet, self.config, self,
+                                        on_generation or (lambda g: None))
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         # The first worker to register describes the devices (platform, kind, memory
@@ -127,7 +122,8 @@ class FleetManager(GroupFormation):
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._monitor()), loop.create_task(self._former())]
+        self._tasks = [loop.create_task(self._monitor()),
+                       loop.create_task(self.formation.run())]
 
     async def stop(self, grace: float = 3.0) -> None:
         """Tells the workers to shut down and waits up to `grace` seconds for them to leave:
@@ -191,8 +187,21 @@ class FleetManager(GroupFormation):
     def slices(self) -> list[SliceId]:
         return sorted({d.slice_index for d in self.fleet.devices})
 
-    def _slot_devices(self, slot: WorkerId) -> list[Device]:
+    def slot_devices(self, slot: WorkerId) -> list[Device]:
         return [d for d in self.fleet.devices if d.worker == slot]
+
+    @property
+    def members(self) -> dict[WorkerId, RemoteWorker]:
+        """The slots of the current collective group (`GroupFormation.members`)."""
+        return self.formation.members
+
+    async def form(self) -> None:
+        """Forms the collective group now (`GroupFormation.form`)."""
+        await self.formation.form()
+
+    async def wait_complete(self, timeout: float) -> None:
+        """Waits until every slice of the spec is up (`GroupFormation.wait_complete`)."""
+        await self.formation.wait_complete(timeout)
 
     # ---- registration --------------------------------------------------------------------
 
@@ -254,8 +263,7 @@ class FleetManager(GroupFormation):
                                                    pid=message.pid))
         if message.crash is not None:
             self._crash_reported(message, slice_index, host)
-        self._joined = True
-        self._form_wanted.set()
+        self.formation.want(joined=True)
         return channel
 
     def _crash_reported(self, message: m.Register, slice_index: int, host: int) -> None:
@@ -270,7 +278,7 @@ class FleetManager(GroupFormation):
                            extra=event("worker_crashed", worker=where))
 
     def welcome(self, channel: RemoteWorker) -> m.Welcome:
-        device = self._slot_devices(channel.slot)[0]
+        device = self.slot_devices(channel.slot)[0]
         channel.name = (f"{channel.register.hostname}:{channel.register.pid} (slice "
                         f"{device.slice_index}, host {device.host_index})")
         return m.Welcome(channel.slot, device.slice_index, device.host_index,
@@ -318,24 +326,23 @@ class FleetManager(GroupFormation):
             return
         retired = self._retiring.pop(channel.slot, None)
         if retired is not None:  # we replace it on purpose: no loss, no warning
-            device = self._slot_devices(channel.slot)[0]
+            device = self.slot_devices(channel.slot)[0]
             logger.info("worker %s:%s (slice %s) retired: %s", channel.register.hostname,
                         channel.register.pid, device.slice_index, retired)
             self.fleet.detach(channel.slot)
-            self.members.pop(channel.slot, None)
-            self.fleet.members = set(self.members)
+            self.formation.leave(channel.slot)
             error = errors.WorkerLost(f"slice {device.slice_index}'s worker was retired: "
                                       f"{retired}.")
             channel.mark_lost(error)
             self.fleet.mark_down(device.slice_index, error)
             self._on_slice_down(device.slice_index, error)
-            self._form_wanted.set()
+            self.formation.want()
             return
         if self._stopping:  # we told it to go
             self.fleet.detach(channel.slot)
             channel.mark_lost(errors.SessionClosed("the server is shutting down."))
             return
-        device = self._slot_devices(channel.slot)[0]
+        device = self.slot_devices(channel.slot)[0]
         register = channel.register
         program = self._last_program(channel.slot)
         if program is not None:
@@ -347,15 +354,13 @@ class FleetManager(GroupFormation):
             f"{device.slice_index}`) and recreate them, or continue on the other slices.")
         logger.warning("%s", error.message, extra=event(
             "worker_lost", slice=device.slice_index, host=device.host_index, pid=register.pid))
-        self._losses.append(error.message)
         self.lost_count += 1
         self.fleet.detach(channel.slot)
-        self.members.pop(channel.slot, None)
-        self.fleet.members = set(self.members)
+        self.formation.leave(channel.slot)
         channel.mark_lost(error)
         self.fleet.mark_down(device.slice_index, error)
         self._on_slice_down(device.slice_index, error)
-        self._form_wanted.set()
+        self.formation.want(loss=error.message)
 
     def retire(self, slice_index: SliceId, reason: str) -> None:
         """The workers of `slice_index` are about to end on purpose (`LocalLauncher.renew`):
