@@ -34,7 +34,7 @@ from isthmus.transport import commands as c
 
 if TYPE_CHECKING:
     from isthmus.controller.arrays import Array, Buffer
-    from isthmus.controller.controller import Executable
+    from isthmus.controller.executables import Executable
     from isthmus.controller.fleet import Fleet
 
 READAHEAD_BYTES = 4096  # per shard: scalars and small vectors, not activations

@@ -23,7 +23,7 @@ from typing import ClassVar, cast
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, first_error, groups_of
-from isthmus.controller.controller import Executable, plan_of
+from isthmus.controller.executables import Executable, plan_of
 from isthmus.controller.session_core import Keeper, Owner, SessionCore, as_error
 from isthmus.controller.session_python import default_layout, dtype_name, finish, settle_after
 from isthmus.ids import BufferId, WorkerId

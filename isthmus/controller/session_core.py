@@ -14,8 +14,9 @@ from typing import Protocol
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup
-from isthmus.controller.controller import Controller, Executable
+from isthmus.controller.controller import Controller
 from isthmus.controller.dispatch import OrderedDispatcher
+from isthmus.controller.executables import Executable
 from isthmus.controller.fleet import Fleet
 from isthmus.controller.storage import TenantFiles
 

@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer
-from isthmus.controller.controller import Executable, plan_of
+from isthmus.controller.executables import Executable, plan_of
 from isthmus.controller.session_checkpoints import plugin_info
 from isthmus.controller.session_core import Keeper, SessionCore
 from isthmus.controller.session_python import dtype_name

@@ -21,7 +21,7 @@ from isthmus import dtypes, errors
 from isthmus.controller import readahead, reads
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, Buffer, BufferGroup, first_error, groups_of
-from isthmus.controller.controller import Executable, OutputSpec, plan_of
+from isthmus.controller.executables import Executable, OutputSpec, plan_of
 from isthmus.controller.session_core import Keeper, SessionCore, as_error
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c

@@ -36,7 +36,8 @@ import numpy as np
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array
-from isthmus.controller.controller import Controller, Executable, plan_of
+from isthmus.controller.controller import Controller
+from isthmus.controller.executables import Executable, plan_of
 from isthmus.controller.session_arrays import HostData, HostShard
 from isthmus.controller.session_checkpoints import plugin_info
 from isthmus.controller.session_core import Keeper, SessionCore, as_error

@@ -17,7 +17,7 @@ from isthmus import dtypes, errors
 from isthmus.controller import readahead
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, first_error, groups_of
-from isthmus.controller.controller import Executable, OutputSpec, ParamSpec
+from isthmus.controller.executables import Executable, OutputSpec, ParamSpec
 from isthmus.controller.groups import GONE, BufferGroup
 from isthmus.controller.session_core import Owner, SessionCore
 from isthmus.ids import BufferId, WorkerId

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, BufferGroup, first_error, groups_of
-from isthmus.controller.controller import Executable, InputSpec, OutputSpec
+from isthmus.controller.executables import Executable, InputSpec, OutputSpec
 from isthmus.controller.session_core import Keeper, Owner, SessionCore, as_error
 from isthmus.ids import BufferId
 from isthmus.transport import commands as c

@@ -7,7 +7,7 @@ to the session; the hosts of the call unpickle it (`worker/colocated.py`).
 from __future__ import annotations
 
 from isthmus import errors
-from isthmus.controller.controller import Executable
+from isthmus.controller.executables import Executable
 from isthmus.frontend.message import Message
 from isthmus.frontend.session import FrontendSession
 from isthmus.transport.records import COLOCATED_PROGRAM_TYPE

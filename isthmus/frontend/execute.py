@@ -1,6 +1,6 @@
 """LoadedExecutableExecute and LoadedExecutableFetchExecuteResult.
 
-An executable runs by its plan's kind (`controller.ProgramPlan`): `RUNNERS` names the runner
+An executable runs by its plan's kind (`executables.ProgramPlan`): `RUNNERS` names the runner
 of each, and a test checks that every kind has one.
 """
 
@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 from isthmus import errors
 from isthmus.controller.arrays import Array
-from isthmus.controller.controller import Executable
+from isthmus.controller.executables import Executable
 from isthmus.controller.session_checkpoints import PersistencePlan
 from isthmus.controller.session_kept import KeepPlan
 from isthmus.controller.session_moves import ReshardPlan

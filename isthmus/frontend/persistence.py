@@ -18,7 +18,7 @@ from typing import Any
 
 from isthmus import dtypes, errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.controller import Executable
+from isthmus.controller.executables import Executable
 from isthmus.controller.session_checkpoints import PersistencePlan, Saved
 from isthmus.controller.session_kept import KeepPlan, KeptSpec
 from isthmus.frontend import profile, reshard

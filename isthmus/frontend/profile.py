@@ -23,7 +23,7 @@ import math
 import re
 
 from isthmus import errors
-from isthmus.controller.controller import Executable
+from isthmus.controller.executables import Executable
 from isthmus.controller.session_profiles import ProfilePlan
 from isthmus.frontend.session import FrontendSession
 from isthmus.transport.records import TraceOptions

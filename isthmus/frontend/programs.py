@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Sequence
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
-from isthmus.controller.controller import Executable
+from isthmus.controller.executables import Executable
 from isthmus.frontend import layouts
 from isthmus.frontend.colocated import compile_custom_call
 from isthmus.frontend.message import Message

@@ -23,7 +23,7 @@ import binascii
 
 from isthmus import errors
 from isthmus.controller import sharding as sh
-from isthmus.controller.controller import Executable
+from isthmus.controller.executables import Executable
 from isthmus.controller.session_moves import ReshardPlan
 from isthmus.frontend.session import FrontendSession
 from isthmus.ids import DeviceId

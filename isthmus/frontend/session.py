@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypedDict
 
 from isthmus import errors
 from isthmus.controller.arrays import Array
-from isthmus.controller.controller import Executable
+from isthmus.controller.executables import Executable
 from isthmus.controller.leases import Lease
 from isthmus.controller.session import Session as ControllerSession
 from isthmus.controller.session_kept import KeptArrays

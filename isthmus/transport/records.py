@@ -35,7 +35,7 @@ class CompileRequest:
     # The SHA-256 of the program without debug information, as the vetting process found it
     # (the hosts' caches name the program by it; empty: they parse the program for it).
     digest: bytes = b""
-    # As a plan of the controller's (`controller.ProgramPlan`): shared by every session that
+    # As a plan of the controller's (`executables.ProgramPlan`): shared by every session that
     # compiles the same program, and compiled on the hosts.
     private: ClassVar[bool] = False
     on_hosts: ClassVar[bool] = True

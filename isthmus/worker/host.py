@@ -22,13 +22,12 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from isthmus import errors
-from isthmus.compat import jax as jax_compat
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.transport.base import Commands
 from isthmus.transport.commands import ORDERED_PUT_BYTES, Command, Request
 from isthmus.transport.host import Part
-from isthmus.worker import platforms, programs, regroup
+from isthmus.worker import platforms, programs, regroup, runs
 from isthmus.worker.buffers import BufferStore, ids_of, missing
 from isthmus.worker.collectives import CollectiveOrder, InFlight
 from isthmus.worker.colocated import Pending
@@ -38,6 +37,7 @@ from isthmus.worker.persistence import Checkpoints
 from isthmus.worker.profiler import HostProfiles
 from isthmus.worker.python_calls import PythonCalls, PythonRunner
 from isthmus.worker.reads import Reads
+from isthmus.worker.runs import launch_id
 from isthmus.worker.slots import (
     Failed,
     HostArray,
@@ -58,22 +58,6 @@ __all__ = ["DeviceHost", "computation_error", "launch_id", "make_cpu_client"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-_LAUNCH_IDS = 0x7FFFFFFF  # jaxlib takes a launch id as a positive int32
-
-
-def launch_id(results: Sequence[int]) -> int | None:
-    """The launch id of a run over several devices, the same on every worker of it.
-
-    The processes of a collective meet only when they launch it with the same id. jaxlib's
-    own count of launches (0.12.1 and later) agrees only between processes that ran the same
-    programs since they started, which a restarted worker or one that outlived a lost slice
-    has not; so each run gets its first output's group base instead, which the controller
-    gives every worker of the run alike and no other run shares. A program without outputs
-    keeps jaxlib's count.
-    """
-    return results[0] % _LAUNCH_IDS + 1 if results else None
-
 
 class DeviceHost(CollectiveOrder, PythonCalls):
     """Buffers and executables of the local devices of one jaxlib client.
@@ -394,15 +378,15 @@ class DeviceHost(CollectiveOrder, PythonCalls):
             waits = ([s for ref in args for s in self.buffers.spans_of(ids_of(ref, positions))]
                      if self.buffers.spanning() else [])
             if len(loaded.devices) == 1 and loaded.result_handlers is not None and not waits:
-                self._execute_one(loaded, args, cast("Sequence[BufferId]", results),
-                                  copy_first)
+                runs.run_one(loaded, self.buffers, args, cast("Sequence[BufferId]", results),
+                             copy_first)
                 return
             if len(loaded.devices) == 1:
-                values = self._arguments_one(args, copy_first)
+                values = runs.arguments_one(self.buffers, args, copy_first)
                 per_output = [[value] for value in loaded.executable.execute(values)]
             else:
-                per_output, token = self._execute_sharded(loaded, args, positions, copy_first,
-                                                          launch_id(results))
+                per_output, token = runs.run_sharded(loaded, self.buffers, args, positions,
+                                                     copy_first, launch_id(results))
         except Exception as e:  # noqa: BLE001
             error = errors.from_runtime_error(e, errors.ExecutionError, "execution failed")
             for base in results:
@@ -426,52 +410,6 @@ class DeviceHost(CollectiveOrder, PythonCalls):
                     self.buffers.span(BufferId(base + p), span)
         if len(positions) > 1 or loaded.span is not None:
             self.collective_started([s for shards in per_output for s in shards], token)
-
-    def _arguments_one(self, args: Sequence[int | Sequence[BufferId]],
-                       copy_first: frozenset[int]) -> list[Any]:
-        """The arguments of a program on one device: its shards as they are (its one
-        position here is 0: an argument's id is its base, or its first id)."""
-        import jax
-
-        ids: list[Any] = [ref if isinstance(ref, int) else ref[0] for ref in args]
-        values = self.buffers.values(ids)
-        for index in copy_first:
-            values[index] = jax.device_put(values[index], values[index].sharding,
-                                           may_alias=False)
-        return values
-
-    def _execute_one(self, loaded: Loaded, args: Sequence[int | Sequence[BufferId]],
-                     results: Sequence[BufferId], copy_first: frozenset[int]) -> None:
-        """A program on one device, the common step: its shards go in as they are and each
-        output's array is made by a handler made once (no global arrays built and taken
-        apart, no sharding made per output: 45 -> 12 us for an 8-argument step in jaxlib);
-        an output's id is its base. Raises as `execute`'s call into jaxlib does."""
-        outputs = loaded.executable.execute_sharded(
-            self._arguments_one(args, copy_first)).consume_with_handlers(
-            loaded.result_handlers)
-        self.buffers.store_all(results, outputs)
-
-    def _execute_sharded(self, loaded: Loaded, args: Sequence[int | Sequence[BufferId]],
-                         positions: Sequence[int], copy_first: frozenset[int],
-                         launch: int | None) -> tuple[list[list[Any]], Any]:
-        """A program over several devices: each argument as one array of this host's
-        shards, each output taken apart into its shards here; and the run's token.
-        `launch` is the run's launch id (`launch_id`)."""
-        import jax
-
-        array_impl = jax_compat.jaxlib_extension().ArrayImpl
-        arrays = []
-        for index, ref in enumerate(args):
-            shards = [self.buffers.value(b) for b in ids_of(ref, positions)]
-            if index in copy_first:
-                shards = [jax.device_put(s, s.sharding, may_alias=False) for s in shards]
-            # A token parameter has no aval: jax passes a bool[0] buffer for it.
-            aval = loaded.info.param_avals[index] or shards[0].aval
-            # Shards are in the program's device order; jaxlib's own checks would reject
-            # the local-only shard lists of a multi-process program.
-            arrays.append(array_impl(aval, loaded.arg_shardings[index], shards, True, True))
-        outputs = loaded.executable.execute_sharded(arrays, with_tokens=True, launch_id=launch)
-        return outputs.disassemble_into_single_device_arrays(), outputs.consume_token()
 
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 
