@@ -9,12 +9,8 @@ import numpy as np
 import pytest
 
 from isthmus import errors
-from isthmus.controller.controller import (
-    MOVES,
-    Controller,
-    ControllerConfig,
-    ExecutableState,
-)
+from isthmus.controller.controller import Controller, ControllerConfig
+from isthmus.controller.executables import MOVES, ExecutableState
 from isthmus.controller.session_moves import ReshardPlan
 from isthmus.head import embedded_fleet
 from isthmus.transport.records import CompileRequest
