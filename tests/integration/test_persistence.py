@@ -133,9 +133,10 @@ def test_a_worker_killed_during_a_save_fails_it_and_the_last_checkpoint_restores
             assert client.stdout.readline().startswith("SAVED1")
             # Freeze slice 0's worker while it writes its shards of step 2 (a temporary file
             # of one is there), check that they are not both in place, then kill it. The
-            # worker runs only in slices of a millisecond between checks, stopped while this
-            # process looks: on a loaded machine a look that came late missed the whole write
-            # (a shard takes ~10 ms), and the test waited for a save that had finished.
+            # worker runs in slices of 5 ms between looks, stopped while this process looks:
+            # on a loaded machine a look that came late missed the whole write (a shard takes
+            # ~10 ms), and the test waited for a save that had finished. Slices of 1 ms kept
+            # it stopped so long that it missed its heartbeats and was lost before it wrote.
             mine = ("shard-0-2048_0-4096.npy", "shard-2048-4096_0-4096.npy")
             deadline, writing = time.monotonic() + 120, []
             os.kill(victim, signal.SIGSTOP)
@@ -143,7 +144,7 @@ def test_a_worker_killed_during_a_save_fails_it_and_the_last_checkpoint_restores
                 writing = [p for name in mine for p in tmp_path.glob(f"step2*/big/{name}.tmp-*")]
                 if not writing:
                     os.kill(victim, signal.SIGCONT)
-                    time.sleep(0.001)  # the slice it runs in
+                    time.sleep(0.005)  # the slice it runs in
                     os.kill(victim, signal.SIGSTOP)
             assert writing, "the save never started"
             done = [p for name in mine for p in tmp_path.glob(f"step2*/big/{name}")]
