@@ -19,11 +19,14 @@ the controller or the client.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import io
 import json
+import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -33,6 +36,11 @@ from isthmus import errors
 from isthmus.ids import BufferId
 
 FORMAT = 1
+# Testing aid: a host that writes a local shard whose path matches this glob stops with the
+# file half written (its temporary in place) until it is killed, so that tests can take a
+# worker down in the middle of a save without racing its timing.
+TEST_STALL_ENV = "ISTHMUS_TEST_STALL_WRITE"
+logger = logging.getLogger(__name__)
 Box = tuple[tuple[int, int], ...]
 # numpy parses .npy headers with `ast.literal_eval`, which CPython 3.11 cannot run in several
 # threads at once ("AST constructor recursion depth mismatch"): one parse at a time.
@@ -79,6 +87,7 @@ def _write_atomically(fs: Any, path: str, data: bytes | np.ndarray) -> None:
                 np.save(f, data, allow_pickle=False)  # straight from the array
             else:
                 f.write(data)
+            _stall_if_asked(path)
         os.replace(temporary, path)
     except BaseException:
         try:
@@ -86,6 +95,15 @@ def _write_atomically(fs: Any, path: str, data: bytes | np.ndarray) -> None:
         except OSError:
             pass
         raise
+
+
+def _stall_if_asked(path: str) -> None:
+    pattern = os.environ.get(TEST_STALL_ENV)
+    if pattern and fnmatch.fnmatch(path, pattern):
+        logger.warning("stopping in the middle of writing %s until killed (%s=%s)", path,
+                       TEST_STALL_ENV, pattern)
+        while True:
+            time.sleep(1)
 
 
 def write_boxes(location: str, values: Sequence[tuple[np.ndarray, Box]]) -> int:
