@@ -245,7 +245,7 @@ def compile_program(session: FrontendSession, request: Message,
         vetted = await session.ctl.core.controller.vet(module, options, len(device_ids))
         executable = session.ctl.programs.compile(CompileRequest(
             vetted.module, options, device_ids, replicas, executable=vetted.executable,
-            digest=vetted.digest))
+            digest=vetted.digest, signature=vetted.signature))
         await _answer(session, executable, response.compile_response)
 
     return compile_vetted()

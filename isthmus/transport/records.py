@@ -35,6 +35,9 @@ class CompileRequest:
     # The SHA-256 of the program without debug information, as the vetting process found it
     # (the hosts' caches name the program by it; empty: they parse the program for it).
     digest: bytes = b""
+    # Its `main`'s signature, as the vetting process read it (None: the hosts parse the
+    # program for it, a few ms a program).
+    signature: Signature | None = None
     # As a plan of the controller's (`executables.ProgramPlan`): shared by every session that
     # compiles the same program, and compiled on the hosts.
     private: ClassVar[bool] = False
@@ -48,6 +51,20 @@ class Aval:
 
     dtype: dtypes.DType
     shape: tuple[int, ...]
+
+
+@CODEC.record  # travels in compile commands, and from the vetting process
+@dataclasses.dataclass(frozen=True, slots=True)
+class Signature:
+    """What a program's `main` says of itself: its name, global parameter and output types,
+    the parameters it donates, and the memory kind each parameter is read from (empty: none
+    names one)."""
+
+    name: str
+    params: tuple[Aval, ...]
+    outputs: tuple[Aval, ...]
+    donated: tuple[int, ...]
+    param_memory_kinds: tuple[str | None, ...]
 
 
 @CODEC.record  # travels in compile replies

@@ -19,7 +19,7 @@ import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.compat import jax as jax_compat
-from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
+from isthmus.transport.records import Aval, CompiledInfo, CompileRequest, Signature
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def warm_up() -> None:
         parsed = parse_program(context, _SMALL)
         artifact = stablehlo.serialize_portable_artifact(
             parsed, stablehlo.get_current_version(), allow_other_dialects=True)
-    _parse_signature(artifact)
+    parse_signature(artifact)
 
 
 def canonical_digest(module: bytes) -> bytes:
@@ -90,39 +90,44 @@ def canonical_digest(module: bytes) -> bytes:
     return hashlib.sha256(out.getvalue()).digest()
 
 
-def _parse_signature(module: bytes) -> tuple[str, tuple[Aval, ...], tuple[Aval, ...],
-                                               tuple[int, ...], tuple[str | None, ...]]:
-    from jaxlib.mlir import ir
-
+def parse_signature(module: bytes) -> Signature:
+    """The signature of a program's bytes (only bytes this server wrote, or in the
+    disposable process)."""
     context = jax_compat.make_ir_context()
     with context:
-        parsed = parse_program(context, module)
-        name = "main"
-        if "sym_name" in parsed.operation.attributes:
-            name = ir.StringAttr(parsed.operation.attributes["sym_name"]).value
-        main = None
-        for op in parsed.body.operations:
-            attrs = op.attributes
-            if "sym_name" in attrs and ir.StringAttr(attrs["sym_name"]).value == "main":
-                main = op
-        if main is None:
-            raise errors.CompileError(
-                "the program has no `main` function; send a program lowered by jax.")
-        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-        params = tuple(_aval(t) for t in ftype.inputs)
-        outputs = tuple(_aval(t) for t in ftype.results)
-        donated: list[int] = []
-        memory_kinds: list[str | None] = []
-        if "arg_attrs" in main.attributes:
-            for index, attr in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
-                d = ir.DictAttr(attr)
-                if "tf.aliasing_output" in d or "jax.buffer_donor" in d:
-                    donated.append(index)
-                memory_kinds.append(ir.StringAttr(d["mhlo.memory_kind"]).value
-                                    if "mhlo.memory_kind" in d else None)
-        if not any(memory_kinds):
-            memory_kinds = []
-    return name, params, outputs, tuple(donated), tuple(memory_kinds)
+        return signature_of(parse_program(context, module))
+
+
+def signature_of(parsed: Any) -> Signature:
+    """The signature of a parsed module (in its context)."""
+    from jaxlib.mlir import ir
+
+    name = "main"
+    if "sym_name" in parsed.operation.attributes:
+        name = ir.StringAttr(parsed.operation.attributes["sym_name"]).value
+    main = None
+    for op in parsed.body.operations:
+        attrs = op.attributes
+        if "sym_name" in attrs and ir.StringAttr(attrs["sym_name"]).value == "main":
+            main = op
+    if main is None:
+        raise errors.CompileError(
+            "the program has no `main` function; send a program lowered by jax.")
+    ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+    params = tuple(_aval(t) for t in ftype.inputs)
+    outputs = tuple(_aval(t) for t in ftype.results)
+    donated: list[int] = []
+    memory_kinds: list[str | None] = []
+    if "arg_attrs" in main.attributes:
+        for index, attr in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
+            d = ir.DictAttr(attr)
+            if "tf.aliasing_output" in d or "jax.buffer_donor" in d:
+                donated.append(index)
+            memory_kinds.append(ir.StringAttr(d["mhlo.memory_kind"]).value
+                                if "mhlo.memory_kind" in d else None)
+    if not any(memory_kinds):
+        memory_kinds = []
+    return Signature(name, params, outputs, tuple(donated), tuple(memory_kinds))
 
 
 def _aval(t: Any) -> Aval:
@@ -158,7 +163,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     import jax
 
     _jax, xc = jax_compat.jaxlib_extension(), jax_compat.xla_client()
-    name, params, outputs, donated, param_memory_kinds = _parse_signature(request.module)
+    signature = request.signature or parse_signature(request.module)
     try:
         options = xc.CompileOptions.ParseFromString(request.compile_options)
     except Exception as e:  # noqa: BLE001
@@ -183,7 +188,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
             _count("vetted")
         except Exception as e:  # noqa: BLE001 - compiled here instead
             logger.info("the vetted executable of %s does not load here (%s); compiling",
-                        name, _first_line(e))
+                        signature.name, _first_line(e))
     if executable is None:
         try:
             executable = client.compile_and_load(request.module, device_list, options)
@@ -216,23 +221,23 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     output_layouts, output_layouts_error = _layouts(executable.get_output_layouts)
     hlo_text = optional(executable.get_hlo_text, "")
     info = CompiledInfo(
-        name=name,
-        params=params,
-        outputs=outputs,
+        name=signature.name,
+        params=signature.params,
+        outputs=signature.outputs,
         param_shardings=shardings(optional(executable.get_parameter_shardings, None)),
         output_shardings=shardings(optional(executable.get_output_shardings, None)),
         param_layouts=param_layouts,
         output_layouts=output_layouts,
         output_memory_kinds=tuple(memory_kinds[0]) if memory_kinds else (),
-        donated_inputs=compiled_donations(hlo_text, donated),
+        donated_inputs=compiled_donations(hlo_text, signature.donated),
         fingerprint=fingerprint if isinstance(fingerprint, bytes) else None,
         cost_analysis=dict(optional(executable.cost_analysis, {}) or {}),
         hlo_text=hlo_text,
         memory_stats=memory_stats,
         generated_code_bytes=int(optional(executable.size_of_generated_code_in_bytes, 0)),
         param_avals=tuple(jax.core.ShapedArray(p.shape, p.dtype.numpy) if p.dtype.numpy is not None
-                          else None for p in params),
-        param_memory_kinds=param_memory_kinds,
+                          else None for p in signature.params),
+        param_memory_kinds=signature.param_memory_kinds,
         param_layouts_error=param_layouts_error,
         output_layouts_error=output_layouts_error,
     )

@@ -43,6 +43,7 @@ import sys
 from typing import Any, BinaryIO
 
 from isthmus import errors
+from isthmus.transport.records import CODEC, Signature
 from isthmus.worker.compile_cache import CacheConfig
 from isthmus.worker.vetted_record import VettedRecord, marked
 
@@ -67,8 +68,8 @@ class ProgramVetter:
         self._devices = 8  # CPU devices of the child, for trial compiles
         self._ready = False  # the child has said it is ready (`_wait_ready`)
         self._lock = asyncio.Lock()  # one program at a time through the child
-        self._vetted: collections.OrderedDict[bytes, tuple[bytes, bytes]] = (
-            collections.OrderedDict())  # (program, digest) by the client's bytes
+        self._vetted: collections.OrderedDict[bytes, Vetted] = (
+            collections.OrderedDict())  # by the client's bytes (no executable)
         self._refused: dict[bytes, str] = {}
         self.children = 0  # started so far (a test sees a crash replaced)
 
@@ -85,21 +86,20 @@ class ProgramVetter:
         known = self._vetted.get(raw)
         if known is not None:
             self._vetted.move_to_end(raw)
-            return Vetted(*known)
+            return known
         refused = self._refused.get(raw)
         if refused is not None:
             raise errors.InvalidRequest(refused)
         if self.record is not None:
-            known = await asyncio.to_thread(self.record.program, raw)
-            if known is not None:
-                self._keep(raw, *known)
-                return Vetted(*known)
+            remembered = await asyncio.to_thread(self.record.program, raw)
+            if remembered is not None:
+                return self._keep(raw, Vetted(*remembered))
         async with self._lock:
             known = self._vetted.get(raw)
             if known is not None:
-                return Vetted(*known)
+                return known
             result, compiled = await self._ask(module, options, devices, raw, name)
-        self._keep(raw, result.module, result.digest)  # executables are not kept
+        self._keep(raw, dataclasses.replace(result, executable=b""))  # executables: not kept
         if compiled:
             self.trial_compiles += 1
         elif options:
@@ -108,10 +108,11 @@ class ProgramVetter:
             await asyncio.to_thread(self._record, raw, result, options if compiled else b"")
         return result
 
-    def _keep(self, raw: bytes, module: bytes, digest: bytes) -> None:
-        self._vetted[raw] = (module, digest)
+    def _keep(self, raw: bytes, vetted: Vetted) -> Vetted:
+        self._vetted[raw] = vetted
         while len(self._vetted) > REMEMBERED:
             self._vetted.popitem(last=False)
+        return vetted
 
     def _record(self, raw: bytes, result: Vetted, compiled_with: bytes) -> None:
         assert self.record is not None
@@ -208,17 +209,28 @@ class Vetted:
     module: bytes  # the program as it wrote it
     digest: bytes  # SHA-256 of its form without debug information
     executable: bytes = b""  # its trial compile, serialized (empty: none, or seen before)
+    # Its `main`'s signature, read from the same parse (None: a program remembered across a
+    # restart, whose hosts parse it again).
+    signature: Signature | None = None
 
 
 def _pack(vetted: Vetted) -> bytes:
+    signature = CODEC.encode(vetted.signature)
     return (_LENGTH.pack(len(vetted.module)) + vetted.module + vetted.digest
-            + vetted.executable)
+            + _LENGTH.pack(len(signature)) + signature + vetted.executable)
 
 
 def _unpack(data: bytes) -> Vetted:
     (size,) = _LENGTH.unpack_from(data)
     end = _LENGTH.size + size
-    return Vetted(data[_LENGTH.size:end], data[end:end + 32], data[end + 32:])
+    module, digest = data[_LENGTH.size:end], data[end:end + 32]
+    (size,) = _LENGTH.unpack_from(data, end + 32)
+    start = end + 32 + _LENGTH.size
+    signature = CODEC.decode(data[start:start + size])
+    if signature is not None and not isinstance(signature, Signature):
+        raise errors.InternalError("the process that parses programs wrote no signature; "
+                                   "this is a bug in isthmus: please report it.")
+    return Vetted(module, digest, data[start + size:], signature)
 
 
 async def _read_frame(stream: asyncio.StreamReader) -> bytes:
@@ -227,6 +239,30 @@ async def _read_frame(stream: asyncio.StreamReader) -> bytes:
 
 
 # ---- the child ---------------------------------------------------------------------------
+
+class _Contexts:
+    """The child's MLIR context, shared by `USES` programs in turn: making one (jax's
+    dialects registered) costs more than parsing a small program (1.6 ms against 0.8 here,
+    twice that on a TPU machine's sandbox). A fresh one now and then keeps what the
+    context interns across programs bounded."""
+
+    USES = 64
+
+    def __init__(self) -> None:
+        self._context: Any = None
+        self._uses = 0
+
+    def get(self) -> Any:
+        from isthmus.compat import jax as jax_compat
+
+        if self._context is None or self._uses >= self.USES:
+            self._context, self._uses = jax_compat.make_ir_context(), 0
+        self._uses += 1
+        return self._context
+
+
+_CONTEXTS = _Contexts()
+
 
 def vet_program(module: bytes, options: bytes = b"", record: str = "") -> tuple[Vetted, bool]:
     """In the child: the program parsed, verified and written again, and its digest; with
@@ -237,10 +273,9 @@ def vet_program(module: bytes, options: bytes = b"", record: str = "") -> tuple[
     from jaxlib.mlir import passmanager
     from jaxlib.mlir.dialects import stablehlo
 
-    from isthmus.compat import jax as jax_compat
-    from isthmus.worker.programs import parse_program
+    from isthmus.worker.programs import parse_program, signature_of
 
-    context = jax_compat.make_ir_context()
+    context = _CONTEXTS.get()
     with context:
         parsed = parse_program(context, module)
         try:
@@ -249,6 +284,7 @@ def vet_program(module: bytes, options: bytes = b"", record: str = "") -> tuple[
             raise errors.CompileError(
                 f"the program is not valid StableHLO ({_first_line(e)}); send a program "
                 "lowered by jax.") from None
+        signature = signature_of(parsed)
         # Shardy's dialect (sdy) travels beside StableHLO's, as the client's serializer
         # writes it.
         vetted = stablehlo.serialize_portable_artifact(
@@ -258,11 +294,11 @@ def vet_program(module: bytes, options: bytes = b"", record: str = "") -> tuple[
         parsed.operation.write_bytecode(file=stripped)
     digest = hashlib.sha256(stripped.getvalue()).digest()
     if not options or (record and marked(record, digest, options)):
-        return Vetted(vetted, digest), False
-    return Vetted(vetted, digest, trial_compile(vetted, options)), True
+        return Vetted(vetted, digest, signature=signature), False
+    return Vetted(vetted, digest, trial_compile(vetted, options, signature), signature), True
 
 
-def trial_compile(module: bytes, options: bytes) -> bytes:
+def trial_compile(module: bytes, options: bytes, signature: Signature | None = None) -> bytes:
     """Compiles `module` as the workers will, on this process's own CPU devices; returns
     the executable serialized (the hosts load it on their own devices instead of
     compiling). Raises CompileError with XLA's reason."""
@@ -278,7 +314,7 @@ def trial_compile(module: bytes, options: bytes) -> bytes:
     if len(devices) < count:
         raise errors.InternalError(f"the trial compile has {len(devices)} of {count} devices")
     executable, _ = compile_program(devices[0].client, devices, CompileRequest(
-        module, options, tuple(d.id for d in devices), replicas))
+        module, options, tuple(d.id for d in devices), replicas, signature=signature))
     try:
         return bytes(executable.serialize())
     except Exception:  # noqa: BLE001 - a program jaxlib cannot serialize is compiled again
