@@ -295,10 +295,17 @@ class HostBufferStore:
         self.bytes_held = 0
 
 
-def map_shared_file(directory: str, handle: int, size: int) -> memoryview:
+def map_shared_file(directory: str, handle: int, size: int, populate: bool = False
+                    ) -> memoryview:
     """The bytes of `<directory>/lt_<handle>`, a buffer the client wrote there (protocol 17's
     shared-directory transfer), mapped without copying; the file is removed at once (the
-    mapping keeps the bytes until they are dropped)."""
+    mapping keeps the bytes until they are dropped).
+
+    `populate`: the mapping's pages are all mapped at once (MAP_POPULATE) rather than one
+    fault per page as they are read. On the TPU machine's sandbox, where a page fault is
+    dear, a 256 MiB `device_put` from the mapping ran at 0.57 GB/s page by page and at 3.48
+    populated (6.21 from memory); a CPU backend may alias the mapping and never read most
+    of it, so it maps lazily."""
     path = os.path.join(directory, f"lt_{int(handle)}")
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -315,7 +322,9 @@ def map_shared_file(directory: str, handle: int, size: int) -> memoryview:
                 f"bytes, not the {size} announced.")
         if size == 0:
             return memoryview(b"")
-        return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+        flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return memoryview(mmap.mmap(fd, size, flags=flags,
+                                    prot=mmap.PROT_READ | mmap.PROT_WRITE))
     finally:
         os.close(fd)
         try:

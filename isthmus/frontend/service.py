@@ -183,14 +183,16 @@ class Frontend:
         return size
 
     def read_shared(self, header: StoreHeader) -> memoryview:
-        """A host buffer the client wrote into the shared directory."""
+        """A host buffer the client wrote into the shared directory (blocking: its pages
+        are mapped at once for an accelerator fleet, `map_shared_file`)."""
         if self.config.shared_dir is None:
             raise errors.Unimplemented(
                 "this server has no shared directory for host buffers; unset "
                 "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES in the client "
                 "(or start the server with --shared-dir).")
         return map_shared_file(self.config.shared_dir, header.handle,
-                               self.check_host_buffer_size(header.buffer_size))
+                               self.check_host_buffer_size(header.buffer_size),
+                               populate=self.controller.fleet.platform != "cpu")
 
     def host_buffers(self, session_id: int, identity: Identity | None = None
                      ) -> HostBufferStore:

@@ -66,3 +66,18 @@ def test_strings():
     assert back.tolist() == x.tolist()
     with pytest.raises(errors.InvalidRequest, match="needs 3 strings"):
         decode_host_array(SESSION, data, dtypes.STRING, (3,), None)
+
+
+@pytest.mark.parametrize("populate", [False, True], ids=["lazy", "populated"])
+def test_a_shared_file_maps_whole_and_is_removed(tmp_path, populate):
+    from isthmus.frontend.host_buffers import map_shared_file
+
+    data = np.arange(1 << 18, dtype=np.uint32).tobytes()  # 1 MiB
+    (tmp_path / "lt_7").write_bytes(data)
+    view = map_shared_file(str(tmp_path), 7, len(data), populate=populate)
+    assert not (tmp_path / "lt_7").exists()
+    assert bytes(view) == data
+    view[:4] = b"\1\2\3\4"  # a private mapping: the server may write into it in place
+    with pytest.raises(errors.InvalidRequest, match="not the 5 announced"):
+        (tmp_path / "lt_8").write_bytes(data)
+        map_shared_file(str(tmp_path), 8, 5, populate=populate)
