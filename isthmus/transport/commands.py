@@ -369,8 +369,7 @@ class CallPython(Request[None]):
     stream: tuple[int, ...] = ()  # calls of one stream run in order, others concurrently
 
     def apply(self, host: CommandHost) -> Awaitable[None]:
-        return host.call_python(self.executable, self.args, self.results,
-                                self.stream)
+        return host.python.call(self.executable, self.args, self.results, self.stream)
 
 
 # ---- checkpoints and profiles -------------------------------------------------------------

@@ -46,6 +46,15 @@ class CheckpointIO(Protocol):
         ...
 
 
+class ColocatedCalls(Protocol):
+    """A host's colocated Python calls (`worker/python_calls.py`)."""
+
+    def call(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+             results: Sequence[int], stream: tuple[int, ...] = ()) -> Awaitable[None]:
+        """Runs a colocated Python function (`commands.CallPython`)."""
+        ...
+
+
 class ProfileControl(Protocol):
     """A host's profiles (`worker/profiler.py`)."""
 
@@ -131,13 +140,11 @@ class CommandHost(Protocol):
         """Runs a program on this host's shards (`commands.Execute`)."""
         ...
 
-    def call_python(self, executable_id: ExecutableId,
-                    args: Sequence[int | Sequence[BufferId]], results: Sequence[int],
-                    stream: tuple[int, ...] = ()) -> Awaitable[None]:
-        """Runs a colocated Python function (`commands.CallPython`)."""
-        ...
-
     # ---- parts ---------------------------------------------------------------------------
+
+    @property
+    def python(self) -> ColocatedCalls:
+        ...
 
     @property
     def checkpoints(self) -> CheckpointIO:

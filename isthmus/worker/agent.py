@@ -466,7 +466,7 @@ class WorkerAgent(CommandApplier):
             await old.settle_writes()  # host data still being placed lands in `old` first
             moved, calls = await asyncio.get_running_loop().run_in_executor(
                 None, new.adopt, old, self._pending_reason)
-            await new.take_calls(calls, old.devices)
+            await new.python.take_calls(calls, old.devices)
             logger.info("moved %s buffers into the new collective group (%s outputs of "
                         "colocated calls still running follow)", moved, len(calls))
             # Waits still pending are on computations the old group never finished: ask

@@ -35,7 +35,7 @@ from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.inline import InlineOrder
 from isthmus.worker.persistence import Checkpoints
 from isthmus.worker.profiler import HostProfiles
-from isthmus.worker.python_calls import PythonCalls, PythonRunner
+from isthmus.worker.python_calls import PythonCalls
 from isthmus.worker.reads import Reads
 from isthmus.worker.runs import launch_id
 from isthmus.worker.slots import (
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-class DeviceHost(CollectiveOrder, PythonCalls):
+class DeviceHost(CollectiveOrder):
     """Buffers and executables of the local devices of one jaxlib client.
 
     Devices are named by their global (fleet-wide) ids; `device_map` turns them into the
@@ -103,9 +103,11 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="isthmus-host"
         )
-        self._python: PythonRunner | None = None  # made at the first colocated call
         self.compile_cache = compile_cache  # executables kept across groups or restarts
-        # Parts: checkpoint I/O (over the buffers and devices) and profiles.
+        # Parts: colocated Python calls and checkpoint I/O (over the buffers, devices and
+        # programs), and profiles.
+        self.python = PythonCalls(self.buffers, self.devices, self._local, self._executables,
+                                  self._pool)
         self.checkpoints = Checkpoints(self.buffers, self.devices, self._pool)
         # Reads (readiness waits, fetches) of computed buffers; a later program donates a
         # copy of what one still reads.
@@ -296,7 +298,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         """Starts compiling a StableHLO program for local devices, in a thread (a colocated
         Python program is unpickled instead, and resolves to None)."""
         if isinstance(request, records.ColocatedProgram):
-            return self._load_python(executable_id, request)
+            return self.python.load(executable_id, request)
         work = asyncio.get_running_loop().run_in_executor(
             self._pool, self._compile_blocking, request)
         return self._finish_compile(executable_id, request, work)
@@ -349,7 +351,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         """In-process hosts never lose their programs: nothing to do."""
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
-        self._drop_python(self._executables.pop(executable_id, None))
+        self.python.drop(self._executables.pop(executable_id, None))
 
     def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
@@ -434,7 +436,7 @@ class DeviceHost(CollectiveOrder, PythonCalls):
         """Moves `old`'s buffers into this host's client (a new collective group) and empties
         `old`; see `regroup.move_buffers`. Blocking; run it in a thread. Returns how many
         moved, and the placeholders of colocated calls still running there (for
-        `take_calls`, on the event loop)."""
+        `python.take_calls`, on the event loop)."""
         slots, spans = old.buffers.take_all()
         old._executables.clear()
         calls = {b: v for b, v in slots.items() if isinstance(v, Pending)}

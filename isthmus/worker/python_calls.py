@@ -1,6 +1,6 @@
-"""Colocated Python calls on a `DeviceHost`: loading programs, running calls in order per
-stream and concurrently across streams, and storing their outputs (`colocated.py` has the
-model)."""
+"""Colocated Python calls on a `DeviceHost` (its `python` part): loading programs, running
+calls in order per stream and concurrently across streams, and storing their outputs
+(`colocated.py` has the model)."""
 
 from __future__ import annotations
 
@@ -18,36 +18,40 @@ from isthmus.worker.slots import Failed, Unloadable, failing
 
 
 class PythonCalls:
-    """The colocated-Python part of `DeviceHost` (a mixin over its buffers and programs)."""
+    """A host's colocated Python calls, a part of `DeviceHost` over its buffers, devices,
+    programs and thread pool (shared with it, not copied): loading programs, running calls
+    in order per stream and concurrently across streams, and storing their outputs."""
 
-    buffers: BufferStore
-    _executables: dict[ExecutableId, Any]
-    _pool: concurrent.futures.Executor
-    _python: PythonRunner | None
-    _local: set[Any]  # jaxlib devices held here
-    devices: dict[int, Any]
-    _get: Callable[[BufferId], Any]
-    fail: Callable[[BufferId, errors.IsthmusError], None]
+    def __init__(self, buffers: BufferStore, devices: dict[int, Any], local: set[Any],
+                 executables: dict[ExecutableId, Any], pool: concurrent.futures.Executor
+                 ) -> None:
+        self.buffers = buffers
+        self.devices = devices  # global id -> jaxlib device
+        self._local = local  # jaxlib devices held here
+        self._executables = executables  # the host's programs, colocated ones among them
+        self._pool = pool
+        self._runner: PythonRunner | None = None  # made at the first call
 
-    async def _load_python(self, executable_id: ExecutableId,
-                           program: records.ColocatedProgram) -> None:
+    async def load(self, executable_id: ExecutableId,
+                   program: records.ColocatedProgram) -> None:
         try:
             function = await asyncio.get_running_loop().run_in_executor(
                 self._pool, colocated.load, program, self.devices, self._local)
         except errors.IsthmusError as e:
             self._executables[executable_id] = Unloadable(e, ())
             raise
-        self._executables[executable_id] = function  # type: ignore[assignment]
+        self._executables[executable_id] = function
 
-    def _drop_python(self, dropped: Any) -> None:
-        if isinstance(dropped, colocated.PythonFunction) and self._python is not None:
+    def drop(self, dropped: Any) -> None:
+        """A program the host dropped: a Python function is kept while calls may need it."""
+        if isinstance(dropped, colocated.PythonFunction) and self._runner is not None:
             # Calls submitted before the drop may not have started yet, and they may need
             # what this function holds (a colocated object's first method call finds the
             # object through the function that made it): let them run first.
-            self._python.keep_while_busy(dropped)
+            self._runner.keep_while_busy(dropped)
 
-    def call_python(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
-                    results: Sequence[int], stream: Any = None) -> Awaitable[None]:
+    def call(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
+             results: Sequence[int], stream: Any = None) -> Awaitable[None]:
         """Runs a colocated Python function on this host's shards (`colocated.py`).
 
         `args[i]` names input i's shards in the order of its own devices (a group base or one
@@ -70,17 +74,17 @@ class PythonCalls:
         except errors.IsthmusError as e:
             for ids in slots:
                 for buffer_id in ids:
-                    self.fail(buffer_id, e)
+                    self.buffers.fail(buffer_id, e)
             return failing(e)
         for ids, values in zip(slots, pending):
             for buffer_id, value in zip(ids, values):
                 self.buffers.store(buffer_id, value)
-        if self._python is None:
-            self._python = PythonRunner()
-        work = self._python.submit(stream, lambda: colocated.run(function, self.devices, inputs))
-        return self._store_python(work, slots, pending)
+        if self._runner is None:
+            self._runner = PythonRunner()
+        work = self._runner.submit(stream, lambda: colocated.run(function, self.devices, inputs))
+        return self._store(work, slots, pending)
 
-    async def _store_python(self, work: Awaitable[list[list[Any]]],
+    async def _store(self, work: Awaitable[list[list[Any]]],
                             slots: list[list[BufferId]], pending: list[list[Any]]) -> None:
         try:
             outputs = await work
@@ -119,7 +123,7 @@ class PythonCalls:
         """Takes over the placeholders of colocated calls that were running on an earlier
         group's host (`DeviceHost.adopt`), on the event loop, where calls store their
         outputs: one whose call has ended since gets its output moved here; the others wait
-        here for their calls (`_store_python`)."""
+        here for their calls (`_store`)."""
         device_ids = {d: g for g, d in old_devices.items()}
         for buffer_id, placeholder in calls.items():
             if not placeholder.resolved():
