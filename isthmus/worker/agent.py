@@ -341,7 +341,7 @@ class WorkerAgent(CommandApplier):
                     self._refuse(command, e)
                     if (isinstance(command, c.Execute) and self.host is not None
                             and not isinstance(e, errors.IsthmusError)
-                            and self.host.spans_others(command.executable)):
+                            and self.host.collectives.spans_others(command.executable)):
                         # The parts of the program on other hosts wait for this one in their
                         # collectives, forever: only a re-formed group ends their wait.
                         raise errors.InternalError(

@@ -65,7 +65,7 @@ class CommandApplier:
         if type(command) is c.Execute:
             host, executable = self.host, command.executable
             if (host is None or executable in self._refused or not host.knows(executable)
-                    or host.is_collective(executable)):
+                    or host.collectives.is_collective(executable)):
                 return False
             self._crashes.fault(executable)
             self._on_execute(host, command)
@@ -78,7 +78,7 @@ class CommandApplier:
 
     async def _apply_command(self, command: c.Told) -> None:
         """Applies one command of a batch, after what it must wait for: its program loaded,
-        the collective programs before it (`CollectiveOrder.collective_settled`)."""
+        the collective programs before it (`CollectiveOrder.settled`)."""
         if isinstance(command, m.Ask) and isinstance(command.command, c.CallPython):
             self._applying = "loading a colocated Python function"
             await self._load(command.command.executable)
@@ -89,14 +89,15 @@ class CommandApplier:
             self._applying = f"compiling program {command.executable}"
             await self._load(command.executable)
             self._crashes.fault(command.executable)
-            if self.host is not None and self.host.is_collective(command.executable):
+            if self.host is not None and self.host.collectives.is_collective(
+                    command.executable):
                 self._applying = (f"program {command.executable} waits for the collective "
                                   "programs before it")
-                await self.host.collective_settled(command.executable, self._superseded)
-                if self._superseded.is_set() and self.host.spans_any(
+                await self.host.collectives.settled(command.executable, self._superseded)
+                if self._superseded.is_set() and self.host.collectives.spans_any(
                         command.executable, self._gone):
                     # It would wait for a lost peer on a broken communicator.
-                    self.host.fail_outputs(command.executable, command.results,
+                    self.host.collectives.fail_outputs(command.executable, command.results,
                                            errors.WorkerLost(
                         f"the program spanned a worker that was lost "
                         f"({self._pending_reason or 'a peer left the collective group'}); "
@@ -120,7 +121,7 @@ class CommandApplier:
             self._reply(request, error=error)
         if self.host is not None:
             if isinstance(command, c.Execute):  # its outputs, by the program's positions
-                self.host.fail_outputs(command.executable, command.results, error)
+                self.host.collectives.fail_outputs(command.executable, command.results, error)
             for buffer_id in produced(command):
                 self.host.fail(buffer_id, error)
 

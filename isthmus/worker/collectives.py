@@ -1,9 +1,9 @@
 """When a worker may dispatch a program that meets other devices in collectives.
 
-`DeviceHost` takes these from `CollectiveOrder`: which programs span devices of other hosts,
-failing the outputs of one that would wait for a lost peer, and the two rules that hold back
-the next collective program (a few at a time over several local CPU devices; nothing new on
-a communicator whose last collective failed).
+`CollectiveOrder`, a part of `DeviceHost` (`host.collectives`), says which programs span
+devices of other hosts, fails the outputs of one that would wait for a lost peer, and keeps
+the two rules that hold back the next collective program (a few at a time over several local
+CPU devices; nothing new on a communicator whose last collective failed).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from isthmus import errors
@@ -22,21 +22,24 @@ logger = logging.getLogger(__name__)
 
 
 class CollectiveOrder:
-    """Mixed into `DeviceHost`, whose `_executables`, `_collectives`, `_shared_pool`,
-    `_pool` and `fail` it uses."""
+    """A host's collective programs in flight, and the rules of the next one's dispatch.
+    It is handed the host's program table and thread pool (shared, not copied), whether
+    the host's devices meet on a shared thread pool (XLA:CPU), and how to fail a buffer."""
 
     # Collective programs over several local CPU devices a worker keeps in flight (see
-    # `collective_settled`): 2 lets the next step be dispatched while one runs, so the
+    # `settled`): 2 lets the next step be dispatched while one runs, so the
     # devices never wait for the worker to notice a step's end (8% more steps/s on
     # bench/dp_loop.py, bench/RESULTS.md), and stays far from the deadlock of many.
     CPU_COLLECTIVES_IN_FLIGHT = 2
 
-    _executables: dict[ExecutableId, Any]
-    _collectives: collections.deque[InFlight]  # those in flight, oldest first
-    _collective_failed: bool  # one that finished since the last dispatch failed
-    _shared_pool: bool
-    _pool: Any
-    fail: Any  # DeviceHost.fail
+    def __init__(self, executables: dict[ExecutableId, Any], pool: Any, shared_pool: bool,
+                 fail: Callable[[BufferId, errors.IsthmusError], None]) -> None:
+        self._executables = executables
+        self._pool = pool
+        self._shared_pool = shared_pool
+        self._fail = fail
+        self.in_flight: collections.deque[InFlight] = collections.deque()  # oldest first
+        self.failed = False  # one that finished since the last dispatch failed
 
     def spans_any(self, executable_id: ExecutableId, device_ids: frozenset[int]) -> bool:
         """The program runs on some of these devices of other hosts."""
@@ -50,7 +53,7 @@ class CollectiveOrder:
         loaded = self._executables.get(executable_id)
         for base in results:
             for p in loaded.positions if loaded is not None else ():
-                self.fail(BufferId(base + p), error)
+                self._fail(BufferId(base + p), error)
 
     def spans_others(self, executable_id: ExecutableId) -> bool:
         """The program runs on devices of other hosts too: their parts meet this host's."""
@@ -64,7 +67,7 @@ class CollectiveOrder:
         return isinstance(loaded, Loaded) and (
             len(loaded.positions) > 1 or loaded.span is not None)
 
-    async def collective_settled(self, executable_id: ExecutableId,
+    async def settled(self, executable_id: ExecutableId,
                                  superseded: asyncio.Event) -> None:
         """Called before dispatching a collective program: waits for the last one, when
         that is needed, and holds back after one that failed.
@@ -91,38 +94,38 @@ class CollectiveOrder:
         Once `superseded` is set (the group is being replaced; a computation may wait for
         a lost peer forever) nothing waits.
         """
-        in_flight = self._collectives
-        if not in_flight and not self._collective_failed:
+        in_flight = self.in_flight
+        if not in_flight and not self.failed:
             return
         if superseded.is_set():
             in_flight.clear()
-            self._collective_failed = False
+            self.failed = False
             return
-        oldest = self.collective_backlog(executable_id)
+        oldest = self.backlog(executable_id)
         if oldest:
             await first_of(superseded, self.wait_for(oldest))
-        self.collectives_finished()
-        failed, self._collective_failed = self._collective_failed, False
+        self.drop_finished()
+        failed, self.failed = self.failed, False
         if failed and not superseded.is_set():
             in_flight.clear()
             logger.info("a collective program failed; waiting up to %.0f s for the group "
                         "to re-form before the next one", self.HOLD_AFTER_FAILURE)
             await first_of(superseded, asyncio.sleep(self.HOLD_AFTER_FAILURE))
 
-    def collective_backlog(self, executable_id: ExecutableId) -> list[Any]:
+    def backlog(self, executable_id: ExecutableId) -> list[Any]:
         """What a program must wait for before it is dispatched (the first rule of
-        `collective_settled`, and all the embedded backend keeps, having no peers): the
+        `settled`, and all the embedded backend keeps, having no peers): the
         output shards of the oldest collective programs in flight when it runs over several
         local CPU devices and more than CPU_COLLECTIVES_IN_FLIGHT - 1 are; [] when it may
         go now."""
-        in_flight = self._collectives
+        in_flight = self.in_flight
         if not in_flight:
             return []
         loaded = self._executables.get(executable_id)
         if not (isinstance(loaded, Loaded) and len(loaded.positions) > 1
                 and (self._shared_pool or loaded.devices[0].platform == "cpu")):
             return []
-        self.collectives_finished()
+        self.drop_finished()
         room = self.CPU_COLLECTIVES_IN_FLIGHT - 1
         return list(in_flight)[:max(0, len(in_flight) - room)]
 
@@ -131,20 +134,20 @@ class CollectiveOrder:
         for in a thread)."""
         return asyncio.get_running_loop().run_in_executor(self._pool, block_all, values)
 
-    def collective_started(self, outputs: list[Any], token: Any = None) -> None:
+    def started(self, outputs: list[Any], token: Any = None) -> None:
         """A collective program was dispatched: these are its output shards, and `token`
         (jaxlib's `ShardedToken` of the run, if asked for) tells when it ends."""
-        self._collectives.append(InFlight(outputs, token))
-        if len(self._collectives) > 1:
-            self.collectives_finished()  # what a GPU's queue finished lets go of memory
+        self.in_flight.append(InFlight(outputs, token))
+        if len(self.in_flight) > 1:
+            self.drop_finished()  # what a GPU's queue finished lets go of memory
 
-    def collectives_finished(self) -> None:
+    def drop_finished(self) -> None:
         """Drops the programs in flight that have finished, oldest first, noting a
         failure."""
-        in_flight = self._collectives
+        in_flight = self.in_flight
         while in_flight and in_flight[0].finished():
             if in_flight.popleft().failed():
-                self._collective_failed = True
+                self.failed = True
 
     HOLD_AFTER_FAILURE = 3.0  # seconds: the controller re-forms within ~0.5 s of a loss
 

@@ -13,7 +13,6 @@ later operation on it reports that exception.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 from collections.abc import Awaitable, Sequence
@@ -29,7 +28,7 @@ from isthmus.transport.commands import ORDERED_PUT_BYTES, Command, Request
 from isthmus.transport.host import Part
 from isthmus.worker import platforms, programs, regroup, runs
 from isthmus.worker.buffers import BufferStore, ids_of, missing
-from isthmus.worker.collectives import CollectiveOrder, InFlight
+from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.colocated import Pending
 from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.inline import InlineOrder
@@ -59,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-class DeviceHost(CollectiveOrder):
+class DeviceHost:
     """Buffers and executables of the local devices of one jaxlib client.
 
     Devices are named by their global (fleet-wide) ids; `device_map` turns them into the
@@ -91,21 +90,21 @@ class DeviceHost(CollectiveOrder):
         self._local = set(client.local_devices()) | {
             d for d in companions.values() if d.process_index == d.client.process_index()}
         # XLA:CPU meets a program's local devices in an in-process rendezvous on a shared
-        # thread pool (see `collective_settled`); GPU devices each have their own stream.
-        self._shared_pool = getattr(client, "platform", "cpu") == "cpu"
+        # thread pool (see `CollectiveOrder.settled`); GPU devices each have their own
+        # stream.
+        shared_pool = getattr(client, "platform", "cpu") == "cpu"
         self.buffers = BufferStore()  # the shard buffers, in explicit states (buffers.py)
         self._shardings: dict[tuple[int, str | None], Any] = {}  # see `_sharding`
         self._executables: dict[ExecutableId, Loaded | Unloadable] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
-        # The collective programs in flight (`collective_settled`).
-        self._collectives: collections.deque[InFlight] = collections.deque()
-        self._collective_failed = False
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="isthmus-host"
         )
         self.compile_cache = compile_cache  # executables kept across groups or restarts
         # Parts: colocated Python calls and checkpoint I/O (over the buffers, devices and
         # programs), and profiles.
+        # The collective programs in flight, and when the next may go.
+        self.collectives = CollectiveOrder(self._executables, self._pool, shared_pool, self.fail)
         self.python = PythonCalls(self.buffers, self.devices, self._local, self._executables,
                                   self._pool)
         self.checkpoints = Checkpoints(self.buffers, self.devices, self._pool)
@@ -411,7 +410,7 @@ class DeviceHost(CollectiveOrder):
                 for p in positions:
                     self.buffers.span(BufferId(base + p), span)
         if len(positions) > 1 or loaded.span is not None:
-            self.collective_started([s for shards in per_output for s in shards], token)
+            self.collectives.started([s for shards in per_output for s in shards], token)
 
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 

@@ -3,7 +3,7 @@ that issues them, in order, as a worker applies what it reads.
 
 One exception keeps a client from hanging (and then aborting) the server: a program over
 several local CPU devices while CPU_COLLECTIVES_IN_FLIGHT collective programs still run
-(`CollectiveOrder.collective_backlog`). XLA:CPU meets a program's devices in a rendezvous on
+(`CollectiveOrder.backlog`). XLA:CPU meets a program's devices in a rendezvous on
 a shared thread pool; with dozens of such programs queued on few cores every device thread
 waits for a device that gets no thread, and after 40 s XLA aborts the process (local jax
 does the same). So that program, and every command after it, wait here in order, and a task
@@ -36,21 +36,30 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class InlineHost(CommandHost, Protocol):
-    """What `InlineOrder` uses of its host (a `worker.host.DeviceHost`): the commands' host,
-    and the collective programs in flight (`CollectiveOrder`)."""
+class Backlog(Protocol):
+    """The collective programs in flight on a host (`CollectiveOrder`), as `InlineOrder`
+    uses them."""
 
     def fail_outputs(self, executable_id: ExecutableId, results: Sequence[int],
                      error: errors.IsthmusError) -> None:
         """Makes this host's outputs of one run of a program error buffers."""
         ...
 
-    def collective_backlog(self, executable_id: ExecutableId) -> list[Any]:
+    def backlog(self, executable_id: ExecutableId) -> list[Any]:
         """What a program must wait for before it is dispatched ([]: it may go now)."""
         ...
 
     def wait_for(self, values: list[Any]) -> Awaitable[None]:
         """Resolves once these arrays are computed or donated."""
+        ...
+
+
+class InlineHost(CommandHost, Protocol):
+    """What `InlineOrder` uses of its host (a `worker.host.DeviceHost`): the commands' host,
+    and its collective programs in flight."""
+
+    @property
+    def collectives(self) -> Backlog:
         ...
 
 
@@ -102,7 +111,7 @@ class InlineOrder:
                 logger.exception("command %s failed; what it was to make holds the error",
                                  type(command).__name__)
             if isinstance(command, c.Execute):  # its outputs, by the program's positions
-                self._host.fail_outputs(command.executable, command.results, error)
+                self._host.collectives.fail_outputs(command.executable, command.results, error)
             for buffer_id in command.produces():
                 self._host.fail(buffer_id, error)
             failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -127,11 +136,11 @@ class InlineOrder:
         return bool(self._older(command))
 
     def _older(self, command: Command) -> list[object]:
-        """What an Execute must wait for (`collective_backlog`); [] for other commands."""
+        """What an Execute must wait for (`CollectiveOrder.backlog`); [] for other commands."""
         if not isinstance(command, c.Execute):
             return []
         try:
-            return self._host.collective_backlog(command.executable)
+            return self._host.collectives.backlog(command.executable)
         except Exception:  # a bug: the command goes (and fails, or not)
             logger.exception("checking the collective programs in flight failed; this is a "
                              "bug in isthmus")
@@ -149,7 +158,7 @@ class InlineOrder:
             command, answer = self._backlog[0]
             older = self._older(command)
             if older:
-                await self._host.wait_for(older)
+                await self._host.collectives.wait_for(older)
                 continue
             self._backlog.popleft()
             if self._flow is not None and len(self._backlog) < self._flow.limits.low:

@@ -150,7 +150,7 @@ class SimulatedHost(DeviceHost):
         made = [BufferId(base + p) for base in results for p in positions]
         with self._settled(self._ids(args, positions), made):
             super().execute(executable_id, args, results, frozenset(range(len(args))))
-        self._collectives.clear()  # no XLA rendezvous waits behind a simulated run
+        self.collectives.in_flight.clear()  # no XLA rendezvous waits behind a simulated run
         if not isinstance(loaded, Loaded):
             return
         outputs = [[_real(self.buffers.slot(BufferId(base + p))) for p in loaded.positions]

@@ -3,7 +3,6 @@ stay in flight over several local CPU devices, and the hold after one failed. Ou
 are stand-ins whose readiness the test controls; the rules see nothing else of them."""
 
 import asyncio
-import collections
 import concurrent.futures
 import threading
 
@@ -51,7 +50,7 @@ class Shard(Token):
 
 
 def outputs(host):
-    return [program.outputs for program in host._collectives]
+    return [program.outputs for program in host.in_flight]
 
 
 class Cpu:
@@ -62,13 +61,10 @@ class Host(CollectiveOrder):
     HOLD_AFTER_FAILURE = 0.2
 
     def __init__(self):
-        self._collectives = collections.deque()
-        self._collective_failed = False
-        self._shared_pool = True
-        self._pool = concurrent.futures.ThreadPoolExecutor(2)
         loaded = Loaded.__new__(Loaded)
         loaded.positions, loaded.devices, loaded.span = (0, 1), (Cpu(), Cpu()), None
-        self._executables = {7: loaded}
+        super().__init__({7: loaded}, concurrent.futures.ThreadPoolExecutor(2), True,
+                         lambda buffer_id, error: None)
 
 
 def run(coroutine):
@@ -79,11 +75,11 @@ def test_a_step_is_dispatched_while_one_runs_and_waits_behind_two():
     async def main():
         host, superseded = Host(), asyncio.Event()
         first, second = Shard(), Shard()
-        await host.collective_settled(7, superseded)  # nothing in flight
-        host.collective_started([first])
-        await host.collective_settled(7, superseded)  # one in flight: room for the next
-        host.collective_started([second])
-        waiting = asyncio.ensure_future(host.collective_settled(7, superseded))
+        await host.settled(7, superseded)  # nothing in flight
+        host.started([first])
+        await host.settled(7, superseded)  # one in flight: room for the next
+        host.started([second])
+        waiting = asyncio.ensure_future(host.settled(7, superseded))
         await asyncio.sleep(0.1)
         assert not waiting.done()  # two in flight: the third waits for the oldest
         first.finish()
@@ -96,20 +92,20 @@ def test_a_failed_collective_holds_the_next_until_the_group_re_forms():
     async def main():
         host, superseded = Host(), asyncio.Event()
         shard = Shard()
-        host.collective_started([shard])
+        host.started([shard])
         shard.finish(RuntimeError("gloo: connection closed by peer"))
-        host.collective_started([Shard()])  # dispatched meanwhile; notes the failure
+        host.started([Shard()])  # dispatched meanwhile; notes the failure
         loop = asyncio.get_running_loop()
         began = loop.time()
-        await host.collective_settled(7, superseded)
+        await host.settled(7, superseded)
         assert loop.time() - began >= 0.2  # held for HOLD_AFTER_FAILURE
-        assert not host._collective_failed and not host._collectives
+        assert not host.failed and not host.in_flight
         # Once the group is being replaced nothing waits, whatever is in flight.
-        host.collective_started([Shard()])
-        host.collective_started([Shard()])
+        host.started([Shard()])
+        host.started([Shard()])
         superseded.set()
-        await host.collective_settled(7, superseded)
-        assert not host._collectives
+        await host.settled(7, superseded)
+        assert not host.in_flight
     run(main())
 
 
@@ -119,16 +115,16 @@ def test_a_program_whose_outputs_a_later_one_took_by_donation_is_known_by_the_re
     async def main():
         host, superseded = Host(), asyncio.Event()
         first, kept, second = Shard(), Shard(), Shard()
-        host.collective_started([first, kept], Token())
-        await host.collective_settled(7, superseded)
+        host.started([first, kept], Token())
+        await host.settled(7, superseded)
         first.deleted = True  # donated to the second step, still running
-        host.collective_started([second], Token())
-        waiting = asyncio.ensure_future(host.collective_settled(7, superseded))
+        host.started([second], Token())
+        waiting = asyncio.ensure_future(host.settled(7, superseded))
         await asyncio.sleep(0.1)
         assert not waiting.done()  # the first step's other output is still being computed
         kept.finish()
         await waiting
-        assert outputs(host) == [[second]] and not host._collective_failed
+        assert outputs(host) == [[second]] and not host.failed
     run(main())
 
 
@@ -140,22 +136,22 @@ def test_a_program_whose_outputs_were_all_donated_is_waited_for_by_its_token():
         host, superseded = Host(), asyncio.Event()
         runs = []
         for _ in range(2):
-            await host.collective_settled(7, superseded)
+            await host.settled(7, superseded)
             if runs:
                 runs[-1][0].deleted = True  # donated to the step dispatched now
             runs.append((Shard(), Token()))
-            host.collective_started([runs[-1][0]], runs[-1][1])
-        waiting = asyncio.ensure_future(host.collective_settled(7, superseded))
+            host.started([runs[-1][0]], runs[-1][1])
+        waiting = asyncio.ensure_future(host.settled(7, superseded))
         await asyncio.sleep(0.1)
         assert not waiting.done()  # two in flight, the first known only by its token
         runs[0][1].finish()
         await waiting
-        assert outputs(host) == [[runs[1][0]]] and not host._collective_failed
+        assert outputs(host) == [[runs[1][0]]] and not host.failed
         runs[1][0].deleted = True  # the third step took it, then the fourth comes
-        host.collective_started([Shard()], Token())
+        host.started([Shard()], Token())
         runs[1][1].finish(RuntimeError("gloo: connection closed by peer"))
         began = asyncio.get_running_loop().time()
-        await host.collective_settled(7, superseded)
+        await host.settled(7, superseded)
         # The second step's run failed, though its outputs went on: the next waits for the
         # group to re-form (HOLD_AFTER_FAILURE).
         assert asyncio.get_running_loop().time() - began >= 0.2

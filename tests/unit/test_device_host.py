@@ -156,8 +156,8 @@ def test_a_step_donating_the_output_of_a_running_collective_step_runs_after_it()
         for p in range(devices):  # donated inputs read as deleted, never as "not here"
             with pytest.raises(errors.ArrayDeleted):
                 host.buffers.value(100 * steps + p)
-        host.collectives_finished()
-        assert not host._collective_failed
+        host.collectives.drop_finished()
+        assert not host.collectives.failed
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 120))
 

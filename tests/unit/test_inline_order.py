@@ -20,8 +20,9 @@ class Host:
         self.log = []
         self.busy = []  # arrays of collective programs still running
         self.waited = []
+        self.collectives = self  # its collective programs in flight (`inline.Backlog`)
 
-    def collective_backlog(self, executable):
+    def backlog(self, executable):
         return list(self.busy) if executable == 1 else []
 
     def wait_for(self, values):
