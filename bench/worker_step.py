@@ -36,20 +36,20 @@ async def measure(platform: str, sizes: list[int], steps: int) -> dict[str, floa
     from isthmus.transport import messages as m
     from isthmus.transport.records import CompileRequest
     from isthmus.worker.agent import WorkerAgent
+    from isthmus.worker.applying import CommandApplier
     from isthmus.worker.crashes import CrashRecord
     from isthmus.worker.host import DeviceHost
     from isthmus.worker.platforms import make_client
 
     agent = WorkerAgent.__new__(WorkerAgent)  # no controller, links or process state
     agent.host = host = DeviceHost(make_client(platform, 1))
-    agent._programs, agent._refused, agent._incoming = {}, {}, {}
+    agent.applier = CommandApplier(agent)
     agent._tasks, agent._waits = set(), {}
-    agent._link = types.SimpleNamespace(send=lambda message: None)
+    agent.link = types.SimpleNamespace(send=lambda message: None)
     agent._applied = agent._acked = 0
-    agent._applying = ""
     crashes = CrashRecord.__new__(CrashRecord)  # no record file
     crashes._faulty, crashes.running = set(), lambda executable: None
-    agent._crashes = crashes
+    agent.crashes = crashes
 
     params = mlp_init(sizes)
     rng = np.random.default_rng(0)

@@ -28,7 +28,6 @@ from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.transport.auth import Unauthenticated
 from isthmus.transport.links import ControllerLink, PeerClient, PeerDataServer, Pulse
-from isthmus.transport.records import ColocatedProgram, CompileRequest
 from isthmus.transport.tls import TlsConfig
 from isthmus.worker import scheduling, supervise
 from isthmus.worker.applying import CommandApplier
@@ -46,7 +45,7 @@ from isthmus.worker.platforms import (
     join_group,
 )
 from isthmus.worker.process import exit_now, preload, watch_stop_signals
-from isthmus.worker.reading import Incoming, probe_found, unpack
+from isthmus.worker.reading import probe_found, unpack
 from isthmus.worker.simulated import make_host
 
 logger = logging.getLogger(__name__)
@@ -82,23 +81,17 @@ class WorkerConfig:
     crash: CrashConfig = CrashConfig()  # crash records of its slot (`worker/crashes.py`)
 
 
-class WorkerAgent(CommandApplier):
+class WorkerAgent:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.host: DeviceHost | None = None
+        # Applies the controller's commands to the host (`applying.py`).
+        self.applier = CommandApplier(self)
         self._settled = False  # gctune.settle() done
         self._next_client: Any = None
         self._next_companions: Any = None  # its colocated CPU devices' client (accelerators)
         self._keep: list[Any] = []  # distributed clients of past groups stay alive
-        self._incoming: dict[int, Incoming] = {}
-        # Every program the controller gave this worker, by executable id. Kept across
-        # collective groups: after a re-formation a program is loaded again on first use
-        # (from `_compile_cache` when a group of the same members compiled it before).
-        self._programs: dict[int, CompileRequest | ColocatedProgram] = {}
-        # Programs the controller refused (they crashed a worker): executable id -> (the
-        # error their Executes fail with, their devices' global ids).
-        self._refused: dict[int, tuple[errors.IsthmusError, tuple[int, ...]]] = {}
-        self._crashes = CrashRecord(config.crash)
+        self.crashes = CrashRecord(config.crash)
         cache = config.platform.compile_cache
         # Executables this process compiled, kept across its collective groups (and in the
         # persistent cache when there is one).
@@ -111,13 +104,13 @@ class WorkerAgent(CommandApplier):
         self._waits: dict[int, tuple[Any, asyncio.Task[Any]]] = {}
         # Set when a FormGroup has arrived behind the commands being applied: the current
         # group is on its way out, and nothing waits for its computations any more.
-        self._superseded = asyncio.Event()
-        self._gone: frozenset[int] = frozenset()  # devices the coming group will not have
-        self._pending_reason = ""  # why it re-forms (FormGroup.reason)
+        self.superseded = asyncio.Event()
+        self.gone: frozenset[int] = frozenset()  # devices the coming group will not have
+        self.pending_reason = ""  # why it re-forms (FormGroup.reason)
         self._last_loss = ("", float("-inf"))  # the last FormGroup.reason, and when
-        self._link = ControllerLink(config.controller, config.token, config.tls)
-        self._peers = PeerClient(config.tls)
-        self._data = PeerDataServer(self._serve_buffer, config.tls)
+        self.link = ControllerLink(config.controller, config.token, config.tls)
+        self.peers = PeerClient(config.tls)
+        self._data = PeerDataServer(self.applier.serve_buffer, config.tls)
         self._stop = asyncio.Event()
         self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
@@ -127,15 +120,14 @@ class WorkerAgent(CommandApplier):
         self._joined = False  # some controller has welcomed this process
         self._acked = 0  # ... of which the controller has been told (`Applied`)
         self._queue: asyncio.Queue[Any] | None = None  # read, waiting to be applied
-        self._applying = ""  # what the command being applied waits for (heartbeats say)
         self.log_path = own_log_path()  # named in errors and in the controller's log
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def run(self) -> int:
         loop = self._loop = asyncio.get_running_loop()  # for `stop_soon` from other threads
-        crash = self._crashes.take()  # how this slot's last process died, if it crashed
-        self._crashes.arm()
+        crash = self.crashes.take()  # how this slot's last process died, if it crashed
+        self.crashes.arm()
         # Heavy imports now, before registering: later they would hold the GIL and silence
         # the heartbeats.
         await loop.run_in_executor(None, preload)
@@ -171,20 +163,20 @@ class WorkerAgent(CommandApplier):
         if self._pulse is not None:
             self._pulse.stop()
         await self._data.stop()
-        await self._peers.close()
+        await self.peers.close()
         return self.exit_code
 
     async def _serve(self, register: m.Register) -> int:
         """One membership: register, obey, until the stream ends. Returns an exit code."""
-        self._link = ControllerLink(self.config.controller, self.config.token,
+        self.link = ControllerLink(self.config.controller, self.config.token,
                                     self.config.tls)
         try:
-            messages = await self._link.open(register, self.config.connect_timeout)
+            messages = await self.link.open(register, self.config.connect_timeout)
             welcome = await messages.__anext__()
         except Unauthenticated as e:
             logger.error("the controller at %s refused this worker: %s", self.config.controller,
                          e)
-            await self._link.close()
+            await self.link.close()
             return EXIT_REFUSED
         except (TimeoutError, StopAsyncIteration, Exception) as e:  # noqa: BLE001
             code = getattr(e, "code", None)
@@ -192,16 +184,16 @@ class WorkerAgent(CommandApplier):
             logger.error("cannot reach the controller at %s within %g s (%s); check that it "
                          "runs and that --controller is its address", self.config.controller,
                          self.config.connect_timeout, why)
-            await self._link.close()
+            await self.link.close()
             self.stop(EXIT_CONTROLLER_LOST)
             return EXIT_CONTROLLER_LOST
         if isinstance(welcome, m.Refused):
             logger.error("the controller refused this worker: %s", welcome.reason)
-            await self._link.close()
+            await self.link.close()
             return EXIT_REFUSED
         logger.info("joined as slice %s host %s", welcome.slice_index, welcome.host_index)
         self._joined = True
-        self._crashes.joined(welcome.controller)
+        self.crashes.joined(welcome.controller)
         self._applied = self._acked = 0
         self._loop = asyncio.get_running_loop()
         if self._pulse is None:
@@ -211,25 +203,25 @@ class WorkerAgent(CommandApplier):
         self._pulse.token = welcome.token or None
         self._data.key = welcome.data_key
         if welcome.shared_probe is not None and probe_found(*welcome.shared_probe):
-            self._link.send(m.SharedDir(os.path.dirname(welcome.shared_probe[0])))
+            self.link.send(m.SharedDir(os.path.dirname(welcome.shared_probe[0])))
         loop = asyncio.get_running_loop()
         # This membership's errors also go to the controller's log (`incidents.py`).
-        forwarder = IncidentForwarder(self._link.send, loop)
+        forwarder = IncidentForwarder(self.link.send, loop)
         logging.getLogger().addHandler(forwarder)
         heartbeat = loop.create_task(self._heartbeat(welcome.heartbeat_interval))
         queue = self._queue = asyncio.Queue()
-        applier = loop.create_task(self._apply_in_order(queue))
-        reader = loop.create_task(self._read(messages, queue, applier))
+        applying = loop.create_task(self._apply_in_order(queue))
+        reader = loop.create_task(self._read(messages, queue, applying))
         stopped = asyncio.ensure_future(self._stop.wait())
         # A command loop that failed ends the membership (logged in `_apply_in_order`): the
         # controller sees the stream close, fails what this worker held with DATA_LOSS, and
         # this process registers afresh, instead of leaving its requests unanswered.
-        await asyncio.wait([reader, applier, stopped], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([reader, applying, stopped], return_when=asyncio.FIRST_COMPLETED)
         if self._pulse is not None:
             self._pulse.token = None
-        for task in (heartbeat, reader, applier, stopped, *self._tasks):
+        for task in (heartbeat, reader, applying, stopped, *self._tasks):
             task.cancel()
-        await self._link.close()
+        await self.link.close()
         logging.getLogger().removeHandler(forwarder)
         self._queue = None
         return self.exit_code if self._stop.is_set() else EXIT_CONTROLLER_LOST
@@ -238,9 +230,7 @@ class WorkerAgent(CommandApplier):
         """Forgets everything of the last membership (its buffers are gone for the fleet)."""
         self.host = None
         self._next_client = self._next_companions = None
-        self._incoming.clear()
-        self._programs.clear()
-        self._refused.clear()
+        self.applier.reset()
         self._tasks.clear()
 
     def stop(self, code: int = EXIT_SHUTDOWN) -> None:
@@ -282,31 +272,31 @@ class WorkerAgent(CommandApplier):
         while True:
             self._acked = self._applied
             queued = self._queue.qsize() if self._queue is not None else 0
-            self._link.send(m.Heartbeat(self.host.stats() if self.host else {}, self._applied,
-                                        queued, self._applying))
+            self.link.send(m.Heartbeat(self.host.stats() if self.host else {}, self._applied,
+                                        queued, self.applier.applying))
             await asyncio.sleep(interval)
 
     async def _read(self, messages: Any, queue: asyncio.Queue[Any],
-                    applier: asyncio.Task[None]) -> None:
+                    applying: asyncio.Task[None]) -> None:
         """Reads the stream while `_apply_in_order` applies it, so that a FormGroup is seen
-        even while the applier waits for a computation of the group it replaces."""
+        even while the commands wait for a computation of the group it replaces."""
         try:
             async for message in messages:
                 if isinstance(message, m.FormGroup):
-                    self._gone = frozenset(message.gone)
-                    self._pending_reason = message.reason
+                    self.gone = frozenset(message.gone)
+                    self.pending_reason = message.reason
                     if message.reason:
                         self._last_loss = (message.reason, time.monotonic())
-                    self._superseded.set()
+                    self.superseded.set()
                 queue.put_nowait(message)
             queue.put_nowait(None)
-            await applier
+            await applying
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the controller is gone or dropped us
             logger.warning("the stream to the controller ended: %s", e)
         finally:
-            applier.cancel()
+            applying.cancel()
 
     async def _apply_in_order(self, queue: asyncio.Queue[Any]) -> None:
         """Applies what `_read` queues, in order. A command that fails is refused by itself
@@ -322,23 +312,24 @@ class WorkerAgent(CommandApplier):
                     "the worker could not apply a %s and leaves the fleet to register afresh "
                     "(arrays it held are lost); this is a bug in isthmus: please report it "
                     "with this log%s", type(message).__name__, where)
-                self._link.send(m.Leaving(
+                self.link.send(m.Leaving(
                     f"it left the fleet: {e if isinstance(e, errors.IsthmusError) else repr(e)}"
                     f"; this is a bug in isthmus: please report it with the worker's log{where}"))
                 raise
             finally:
-                self._applying = ""
+                self.applier.applying = ""
 
     # ---- messages ------------------------------------------------------------------------
 
     async def _handle(self, message: Any) -> None:
         if isinstance(message, m.Batch):
+            applier = self.applier
             for command in unpack(message.commands):
                 try:
-                    if not self._apply_now(command):
-                        await self._apply_command(command)
-                except Exception as e:  # refused with the cause, see `_refuse`
-                    self._refuse(command, e)
+                    if not applier.apply_now(command):
+                        await applier.apply_command(command)
+                except Exception as e:  # refused with the cause, see `refuse`
+                    applier.refuse(command, e)
                     if (isinstance(command, c.Execute) and self.host is not None
                             and not isinstance(e, errors.IsthmusError)
                             and self.host.collectives.spans_others(command.executable)):
@@ -348,16 +339,16 @@ class WorkerAgent(CommandApplier):
                             f"its part of program {command.executable}, which spans other "
                             f"hosts, failed ({type(e).__name__}: {e}), and the other parts "
                             "would wait for it forever") from e
-                self._applying = ""
+                applier.applying = ""
                 self._applied += m.weight(command)
             if self._applied - self._acked >= m.ACK_EVERY:
                 self._acked = self._applied
-                self._link.send(m.Applied(self._applied))
+                self.link.send(m.Applied(self._applied))
         elif isinstance(message, m.FormGroup):
-            self._applying = f"joining collective group {message.generation}"
+            self.applier.applying = f"joining collective group {message.generation}"
             await self._form(message)
         elif isinstance(message, m.DeviceMap):
-            self._applying = "moving buffers into the new collective group"
+            self.applier.applying = "moving buffers into the new collective group"
             await self._activate(message.mapping)
         elif isinstance(message, m.Shutdown):
             logger.info("shutting down: %s", message.reason)
@@ -365,21 +356,21 @@ class WorkerAgent(CommandApplier):
         else:
             logger.warning("unexpected message %s", type(message).__name__)
 
-    def _reply(self, request: int, value: Any = None, error: Any = None) -> None:
-        self._link.send(m.Reply(request, value, error))
+    def reply(self, request: int, value: Any = None, error: Any = None) -> None:
+        self.link.send(m.Reply(request, value, error))
 
-    def _spawn(self, request: int, work: Any, command: Any = None) -> None:
+    def spawn(self, request: int, work: Any, command: Any = None) -> None:
         """Runs `work` as a task and answers `request` with its outcome. With `command`
         (a wait for computations), the request is asked again if the group re-forms."""
         if command is None and isinstance(work, asyncio.Future) and work.done() \
                 and not work.cancelled():
             error = work.exception()  # the usual small put: stored already, answered now
             if error is None:
-                self._reply(request, work.result())
+                self.reply(request, work.result())
                 return
             if isinstance(error, errors.IsthmusError) \
                     and not isinstance(error, errors.PeerFailure):
-                self._reply(request, error=error)
+                self.reply(request, error=error)
                 return
 
         async def run() -> None:
@@ -389,19 +380,19 @@ class WorkerAgent(CommandApplier):
                 # The transport noticed the loss before the controller's FormGroup arrived:
                 # wait (briefly) to name the lost worker, as arrays of the lost slice do.
                 reason = await self._loss_reason()
-                self._reply(request, error=errors.WorkerLost(
+                self.reply(request, error=errors.WorkerLost(
                     f"the computation producing this array spanned a worker that was lost "
                     f"({reason}); recreate it, or continue on the slices that are up. "
                     f"[{e.message}]" if reason else e.message))
             except errors.IsthmusError as e:
-                self._reply(request, error=e)
+                self.reply(request, error=e)
             except Exception as e:
                 logger.exception("request %s failed", request)
-                self._reply(request, error=errors.InternalError(
+                self.reply(request, error=errors.InternalError(
                     f"the worker failed unexpectedly ({type(e).__name__}: {e}); this is a "
                     "bug in isthmus: please report it with the worker log."))
             else:
-                self._reply(request, value)
+                self.reply(request, value)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
@@ -414,13 +405,13 @@ class WorkerAgent(CommandApplier):
         """Why the group is re-forming (the controller's words, naming the lost worker): now
         if a FormGroup has come, else once one comes (at most LOSS_REASON_WAIT s), else the
         last loss if it is recent; "" when there is none."""
-        if not self._superseded.is_set():
+        if not self.superseded.is_set():
             try:
-                await asyncio.wait_for(self._superseded.wait(), LOSS_REASON_WAIT)
+                await asyncio.wait_for(self.superseded.wait(), LOSS_REASON_WAIT)
             except TimeoutError:
                 pass
-        if self._superseded.is_set() and self._pending_reason:
-            return self._pending_reason
+        if self.superseded.is_set() and self.pending_reason:
+            return self.pending_reason
         reason, at = self._last_loss
         return reason if time.monotonic() - at < 2 * LOSS_REASON_WAIT else ""
 
@@ -442,13 +433,13 @@ class WorkerAgent(CommandApplier):
         joined = await asyncio.gather(*joins, return_exceptions=True)
         failed = next((j for j in joined if isinstance(j, BaseException)), None)
         if failed is not None:
-            self._reply(message.request, error=errors.WorkerLost(
+            self.reply(message.request, error=errors.WorkerLost(
                 f"joining collective group {message.generation} failed: {failed}"))
             return
         self._keep.extend(distributed for distributed, _ in joined)
         self._next_client = joined[0][1]
         self._next_companions = joined[1][1] if len(joined) > 1 else None
-        self._reply(message.request, [d.id for d in self._next_client.local_devices()])
+        self.reply(message.request, [d.id for d in self._next_client.local_devices()])
 
     async def _activate(self, mapping: dict[int, int]) -> None:
         companions = None
@@ -465,7 +456,7 @@ class WorkerAgent(CommandApplier):
         if old is not None:
             await old.settle_writes()  # host data still being placed lands in `old` first
             moved, calls = await asyncio.get_running_loop().run_in_executor(
-                None, new.adopt, old, self._pending_reason)
+                None, new.adopt, old, self.pending_reason)
             await new.python.take_calls(calls, old.devices)
             logger.info("moved %s buffers into the new collective group (%s outputs of "
                         "colocated calls still running follow)", moved, len(calls))
@@ -473,8 +464,8 @@ class WorkerAgent(CommandApplier):
             # them again here, where such buffers now hold their error.
             for command, task in list(self._waits.values()):
                 task.cancel()
-                self._apply(command)
-        self._superseded.clear()
+                self.applier.apply(command)
+        self.superseded.clear()
 
 
 async def run_worker(config: WorkerConfig) -> int:

@@ -11,6 +11,7 @@ from isthmus.ids import BufferId
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
 from isthmus.worker.agent import WorkerAgent
+from isthmus.worker.applying import CommandApplier
 from isthmus.worker.host import DeviceHost, make_cpu_client
 
 
@@ -18,10 +19,10 @@ def _agent():
     """A worker's command applier on an in-process host, its replies recorded."""
     agent = WorkerAgent.__new__(WorkerAgent)  # no controller, links or process state
     agent.host = DeviceHost(make_cpu_client(1))
-    agent._programs, agent._refused, agent._incoming = {}, {}, {}
+    agent.applier = CommandApplier(agent)
     agent._tasks, agent._waits = set(), {}
     sent = []
-    agent._link = types.SimpleNamespace(send=sent.append)
+    agent.link = types.SimpleNamespace(send=sent.append)
     return agent, sent
 
 
@@ -35,20 +36,20 @@ def test_a_request_answered_already_is_answered_at_once_and_a_wait_is_kept():
     async def main():
         agent, sent = _agent()
         value = np.arange(6, dtype=np.float32)
-        agent._apply(m.Ask(1, c.Put(BufferId(1), 0, value)))  # a put that travels as itself
-        agent._apply(m.Ask(2, c.Ready((BufferId(1),))))
+        agent.applier.apply(m.Ask(1, c.Put(BufferId(1), 0, value)))  # a put that travels as itself
+        agent.applier.apply(m.Ask(2, c.Ready((BufferId(1),))))
         # Both answered in the call that applied them: no task, nothing to ask again.
         assert [(r.request, r.value, r.error) for r in sent] == [(1, None, None),
                                                                 (2, None, None)]
         assert not agent._tasks and not agent._waits
-        agent._apply(m.Ask(3, c.Ready((BufferId(1), BufferId(9)))))  # 9 is not here
+        agent.applier.apply(m.Ask(3, c.Ready((BufferId(1), BufferId(9)))))  # 9 is not here
         assert set(agent._waits) == {3}  # asked again of a new host if the group re-forms
         assert agent._waits[3][0] == m.Ask(3, c.Ready((BufferId(1), BufferId(9))))
         while agent._tasks:
             await asyncio.sleep(0)
         assert sent[2].request == 3 and "9" in sent[2].error.message
         assert not agent._waits
-        agent._apply(m.Ask(4, c.Fetch(BufferId(1))))
+        agent.applier.apply(m.Ask(4, c.Fetch(BufferId(1))))
         np.testing.assert_array_equal(sent[3].value, value)
         await agent.host.close()
     asyncio.run(asyncio.wait_for(main(), 30))
