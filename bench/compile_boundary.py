@@ -7,7 +7,7 @@ backend and the default fleet.
 
 Each cold program is new to the server (its constant differs), so the figures include the
 disposable process that parses, verifies and compiles a client's program first
-(isthmus/worker/vetting.py), then the compile on the hosts. Medians of ROUNDS (default 5)
+(isthmus/controller/vetting.py), then the compile on the hosts. Medians of ROUNDS (default 5)
 fresh client processes, each compiling PROGRAMS programs.
 """
 

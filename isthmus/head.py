@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from isthmus.controller.controller import Controller, ControllerConfig
 from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.controller.manager import FleetManager, FleetSpec, ManagerConfig
+from isthmus.controller.vetting import ProgramVetter, vetter_for
 from isthmus.ids import COMPANION_BASE, DeviceId, SliceId, WorkerId
 from isthmus.launch import RestartPolicy
 from isthmus.observe.options import ObserveConfig
 from isthmus.transport.tls import TlsConfig
 from isthmus.wire.peers import Limits
 from isthmus.worker.platforms import Platform
-from isthmus.worker.vetting import ProgramVetter, vetter_for
 
 if TYPE_CHECKING:  # imported where first used (a plain server needs few of them)
     from isthmus.frontend.lease_service import SharedService

@@ -327,7 +327,7 @@ def _stop_event() -> asyncio.Event:
 async def _spawn_vetter(args: argparse.Namespace) -> Any:
     """The process that parses client programs, started before the server's own imports
     (about a second), so that the two overlap and the server is ready no later for it."""
-    from isthmus.worker.vetting import vetter_for
+    from isthmus.controller.vetting import vetter_for
 
     vetter = vetter_for(platform_config(args).compile_cache)
     await vetter.spawn()

@@ -21,6 +21,7 @@ from isthmus.controller.counts import Counts
 from isthmus.controller.executables import Executable, ExecutableState, ProgramPlan, hosted
 from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.controller.ledger import Ledger
+from isthmus.controller.vetting import ProgramVetter, Vetted
 from isthmus.dtypes import DType
 from isthmus.ids import ExecutableId, WorkerId
 from isthmus.logs import event
@@ -28,7 +29,6 @@ from isthmus.transport import commands as c
 from isthmus.transport.messages import CrashReport, dtype_name
 from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest
 from isthmus.worker.programs import canonical_digest
-from isthmus.worker.vetting import ProgramVetter, Vetted
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ class CompileRequest:
     replicas: int = 1  # the device assignment is device_ids as [replicas, computations]
     # A shared service's tenant: its executables are cached apart from other tenants'.
     namespace: str = ""
-    # The executable the disposable process compiled (worker/vetting.py), for a host in the
+    # The executable the disposable process compiled (controller/vetting.py), for a host in the
     # controller's process to load instead of compiling again (empty: compile).
     executable: bytes = b""
     # The SHA-256 of the program without debug information, as the vetting process found it

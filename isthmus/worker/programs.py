@@ -181,7 +181,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     fresh = executable is None  # not from the persistent cache: stored there once made
     payload = b""
     if executable is None and request.executable:
-        try:  # compiled by the vetting process on its own devices (worker/vetting.py)
+        try:  # compiled by the vetting process on its own devices (controller/vetting.py)
             executable = client.deserialize_executable(request.executable, device_list,
                                                         options)
             payload = request.executable

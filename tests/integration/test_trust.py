@@ -1,5 +1,5 @@
 """Issue 37: the trust boundary. A client's program bytes are parsed first in a disposable
-process (`worker/vetting.py`); damaged bytes get a clean error, and bytes that take that
+process (`controller/vetting.py`); damaged bytes get a clean error, and bytes that take that
 process down are refused, while the server, its workers and every session keep running.
 Raw protocol (a stock client never sends damaged programs), on both backends.
 """

@@ -246,10 +246,10 @@ def test_kept_executables_write_through_to_the_persistent_cache(client, tmp_path
                                   "kept_executable_bytes": 0}
 
 
-# ---- the vetting process's record beside the cache (worker/vetted_record.py) -------------
+# ---- the vetting process's record beside the cache (controller/vetted_record.py) -------------
 
 def test_the_vetted_record_keeps_programs_and_trial_marks(tmp_path):
-    from isthmus.worker.vetted_record import VettedRecord, marked
+    from isthmus.controller.vetted_record import VettedRecord, marked
 
     record = VettedRecord(CacheConfig(str(tmp_path)))
     raw, digest = b"r" * 64, b"d" * 32
@@ -275,7 +275,7 @@ def test_the_vetted_record_keeps_programs_and_trial_marks(tmp_path):
 def test_the_vetted_record_is_apart_per_jaxlib_version(tmp_path, monkeypatch):
     import jaxlib
 
-    from isthmus.worker.vetted_record import VettedRecord, marked
+    from isthmus.controller.vetted_record import VettedRecord, marked
 
     record = VettedRecord(CacheConfig(str(tmp_path)))
     record.remember(b"r" * 64, b"program", b"d" * 32)

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from isthmus.controller.vetting import Vetted, _pack, _unpack, vet_program
 from isthmus.transport.records import CompileRequest
 from isthmus.worker import programs
-from isthmus.worker.vetting import Vetted, _pack, _unpack, vet_program
 
 
 def _program() -> bytes:

@@ -5,7 +5,7 @@ workers) only ever parse bytes that process wrote.
 MLIR's bytecode reader and XLA's compiler are not hardened against hostile input: a portable
 artifact with a few bytes changed can crash the process that reads it, or (still a valid
 module) the one that compiles it. `ProgramVetter` keeps one child process (`python -m
-isthmus.worker.vetting`) that deserializes each new program, verifies it, writes it again as a
+isthmus.controller.vetting`) that deserializes each new program, verifies it, writes it again as a
 StableHLO portable artifact, with the SHA-256 of its canonical form (no debug information:
 what names a program for the compile caches and for refusing it), and, for a CPU fleet,
 compiles it once with its compile options on CPU devices of its own (`trial`; the result is
@@ -43,9 +43,9 @@ import sys
 from typing import Any, BinaryIO
 
 from isthmus import errors
+from isthmus.controller.vetted_record import VettedRecord, marked
 from isthmus.transport.records import CODEC, Signature
 from isthmus.worker.compile_cache import CacheConfig
-from isthmus.worker.vetted_record import VettedRecord, marked
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class ProgramVetter:
             child = None
         if child is None or child.returncode is not None:
             child = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "isthmus.worker.vetting",
+                sys.executable, "-m", "isthmus.controller.vetting",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL,  # MLIR prints each refusal; we say it
                 env={**os.environ, "JAX_PLATFORMS": "cpu",
