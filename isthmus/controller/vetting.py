@@ -5,21 +5,22 @@ workers) only ever parse bytes that process wrote.
 MLIR's bytecode reader and XLA's compiler are not hardened against hostile input: a portable
 artifact with a few bytes changed can crash the process that reads it, or (still a valid
 module) the one that compiles it. `ProgramVetter` keeps one child process (`python -m
-isthmus.controller.vetting`) that deserializes each new program, verifies it, writes it again as a
-StableHLO portable artifact, with the SHA-256 of its canonical form (no debug information:
-what names a program for the compile caches and for refusing it), and, for a CPU fleet,
-compiles it once with its compile options on CPU devices of its own (`trial`; the result is
-thrown away: a GPU fleet's programs only get parsed and written). A child that dies or hangs
-on a program answers INVALID_ARGUMENT naming the program; those bytes are refused from then
-on, and the next program gets a fresh child. A program the trial compile refuses is the
-client's CompileError, as the workers would have answered. Results are kept by the SHA-256 of
-the client's program and options, so a program compiled again (a warm compile) costs a
-dictionary lookup.
+isthmus.controller.vetting`) that deserializes each new program, verifies it, writes it
+again as a StableHLO portable artifact, with the SHA-256 of its canonical form (no debug
+information: what names a program for the compile caches and for refusing it), and, for a
+CPU fleet, compiles it once with its compile options on CPU devices of its own (`trial`; the
+result is thrown away: a GPU fleet's programs only get parsed and written). A child that
+dies or hangs on a program answers INVALID_ARGUMENT naming the program; those bytes are
+refused from then on, and the next program gets a fresh child. A program the trial compile
+refuses is the client's CompileError, as the workers would have answered. Results are kept
+by the SHA-256 of the client's program and options, so a program compiled again (a warm
+compile) costs a dictionary lookup.
 
 The child speaks length-prefixed frames on its stdin and stdout: a request is the program's
 bytes and then its compile options (empty: no trial compile); a reply is a status byte (0:
 vetted and compiled on trial, 1: refused, 2: vetted, and compiled on trial before) and then
-the vetted artifact, its digest and the serialized executable (`_pack`), or the reason as
+the vetted artifact, its digest, its `main`'s signature (read in the same parse, so that the
+hosts need not parse it again) and the serialized executable (`_pack`), or the reason as
 UTF-8. The hosts load that executable on their own devices instead of compiling the program
 again (`Controller.loads_vetted`: the embedded backend, and a fleet that is not a shared
 service; a host that cannot load it compiles).

@@ -169,7 +169,7 @@ class WorkerAgent:
     async def _serve(self, register: m.Register) -> int:
         """One membership: register, obey, until the stream ends. Returns an exit code."""
         self.link = ControllerLink(self.config.controller, self.config.token,
-                                    self.config.tls)
+                                   self.config.tls)
         try:
             messages = await self.link.open(register, self.config.connect_timeout)
             welcome = await messages.__anext__()
@@ -273,7 +273,7 @@ class WorkerAgent:
             self._acked = self._applied
             queued = self._queue.qsize() if self._queue is not None else 0
             self.link.send(m.Heartbeat(self.host.stats() if self.host else {}, self._applied,
-                                        queued, self.applier.applying))
+                                       queued, self.applier.applying))
             await asyncio.sleep(interval)
 
     async def _read(self, messages: Any, queue: asyncio.Queue[Any],
