@@ -18,7 +18,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from typing import Any
 
 from isthmus import errors, gctune
@@ -35,6 +34,20 @@ from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.crashes import CrashConfig, CrashRecord
 from isthmus.worker.host import DeviceHost
 from isthmus.worker.incidents import IncidentForwarder, own_log_path
+from isthmus.worker.membership import (
+    EXIT_CONTROLLER_LOST,
+    EXIT_REFUSED,
+    EXIT_SHUTDOWN,
+    Failed,
+    GroupActive,
+    GroupCalled,
+    Membership,
+    Phase,
+    Refused,
+    Stop,
+    StreamEnded,
+    Welcomed,
+)
 from isthmus.worker.platforms import (
     EXIT_PLATFORM_UNAVAILABLE,
     Description,
@@ -50,9 +63,6 @@ from isthmus.worker.simulated import make_host
 
 logger = logging.getLogger(__name__)
 
-EXIT_SHUTDOWN = 0
-EXIT_REFUSED = 2
-EXIT_CONTROLLER_LOST = 3
 EXIT_DROPPED = 4  # declared lost while alive, with no way to start afresh (no argv)
 STOP_GRACE = 5.0  # seconds a signalled worker may take to stop before it just exits
 # Seconds a request whose collective lost a peer waits for the controller to say which.
@@ -87,9 +97,13 @@ class WorkerAgent:
         self.host: DeviceHost | None = None
         # Applies the controller's commands to the host (`applying.py`).
         self.applier = CommandApplier(self)
+        # Where it stands with the fleet (registering, joined, forming a group, in one,
+        # stopping), what the group being formed lacks, the commands applied and acked.
+        self.membership = Membership()
         self._settled = False  # gctune.settle() done
-        self._next_client: Any = None
-        self._next_companions: Any = None  # its colocated CPU devices' client (accelerators)
+        # The group joined by the last FormGroup, until its DeviceMap makes it active:
+        # (generation, its jaxlib client, its colocated CPU devices' client or None).
+        self._next: tuple[int, Any, Any] | None = None
         self._keep: list[Any] = []  # distributed clients of past groups stay alive
         self.crashes = CrashRecord(config.crash)
         cache = config.platform.compile_cache
@@ -102,23 +116,12 @@ class WorkerAgent:
         # the group re-forms, those still waiting are asked again of the new host, where a
         # computation stuck on a lost peer has become an error (it would never finish here).
         self._waits: dict[int, tuple[Any, asyncio.Task[Any]]] = {}
-        # Set when a FormGroup has arrived behind the commands being applied: the current
-        # group is on its way out, and nothing waits for its computations any more.
-        self.superseded = asyncio.Event()
-        self.gone: frozenset[int] = frozenset()  # devices the coming group will not have
-        self.pending_reason = ""  # why it re-forms (FormGroup.reason)
-        self._last_loss = ("", float("-inf"))  # the last FormGroup.reason, and when
         self.link = ControllerLink(config.controller, config.token, config.tls)
         self.peers = PeerClient(config.tls)
         self._data = PeerDataServer(self.applier.serve_buffer, config.tls)
-        self._stop = asyncio.Event()
-        self.exit_code = EXIT_CONTROLLER_LOST
         self._pulse: Pulse | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._described: Description | None = None  # read off a client at start
-        self._applied = 0  # weight of the commands applied in this membership
-        self._joined = False  # some controller has welcomed this process
-        self._acked = 0  # ... of which the controller has been told (`Applied`)
         self._queue: asyncio.Queue[Any] | None = None  # read, waiting to be applied
         self.log_path = own_log_path()  # named in errors and in the controller's log
 
@@ -144,17 +147,19 @@ class WorkerAgent:
                               socket.gethostname(), os.getpid(), described.memory_kinds,
                               described.companions, crash, self.log_path,
                               described.attributes)
-        while not self._stop.is_set():
-            code = await self._serve(register)
-            if self._joined:
+        membership = self.membership
+        while membership.live:
+            await self._serve(register)
+            if membership.welcomed:
                 register = dataclasses.replace(register, crash=None)  # reported once
-            if self._stop.is_set() or code != EXIT_CONTROLLER_LOST:
-                self.exit_code = code if not self._stop.is_set() else self.exit_code
+            if membership.phase is Phase.ENDED:  # refused, or no controller to be reached
                 break
-            if auth.is_join_token(self.config.token) and self._joined:
-                # Its join token is used up: its launcher starts a fresh worker instead.
-                logger.info("membership ended; exiting for a fresh worker to take the slot")
-                self.exit_code = EXIT_CONTROLLER_LOST
+            # A join token is used up once welcomed: its launcher starts a fresh worker.
+            stopping = membership.stopping
+            membership.handle(StreamEnded(reusable=not auth.is_join_token(self.config.token)))
+            if membership.phase is Phase.ENDED:
+                if not stopping:
+                    logger.info("membership ended; exiting for a fresh worker to take the slot")
                 break
             # The controller dropped us (or went away): start afresh and register again; a
             # controller that is really gone makes the next connection attempt fail.
@@ -164,10 +169,14 @@ class WorkerAgent:
             self._pulse.stop()
         await self._data.stop()
         await self.peers.close()
-        return self.exit_code
+        return membership.exit_code
 
-    async def _serve(self, register: m.Register) -> int:
-        """One membership: register, obey, until the stream ends. Returns an exit code."""
+    @property
+    def exit_code(self) -> int:
+        return self.membership.exit_code
+
+    async def _serve(self, register: m.Register) -> None:
+        """One membership: register, obey, until the stream ends (or it is refused)."""
         self.link = ControllerLink(self.config.controller, self.config.token,
                                    self.config.tls)
         try:
@@ -177,7 +186,8 @@ class WorkerAgent:
             logger.error("the controller at %s refused this worker: %s", self.config.controller,
                          e)
             await self.link.close()
-            return EXIT_REFUSED
+            self.membership.handle(Refused(EXIT_REFUSED))
+            return
         except (TimeoutError, StopAsyncIteration, Exception) as e:  # noqa: BLE001
             code = getattr(e, "code", None)
             why = code().name if callable(code) else (str(e) or type(e).__name__)
@@ -185,16 +195,16 @@ class WorkerAgent:
                          "runs and that --controller is its address", self.config.controller,
                          self.config.connect_timeout, why)
             await self.link.close()
-            self.stop(EXIT_CONTROLLER_LOST)
-            return EXIT_CONTROLLER_LOST
+            self.membership.handle(Refused(EXIT_CONTROLLER_LOST))
+            return
         if isinstance(welcome, m.Refused):
             logger.error("the controller refused this worker: %s", welcome.reason)
             await self.link.close()
-            return EXIT_REFUSED
+            self.membership.handle(Refused(EXIT_REFUSED))
+            return
         logger.info("joined as slice %s host %s", welcome.slice_index, welcome.host_index)
-        self._joined = True
+        self.membership.handle(Welcomed())
         self.crashes.joined(welcome.controller)
-        self._applied = self._acked = 0
         self._loop = asyncio.get_running_loop()
         if self._pulse is None:
             self._pulse = Pulse(self.config.controller, welcome.heartbeat_interval,
@@ -212,7 +222,7 @@ class WorkerAgent:
         queue = self._queue = asyncio.Queue()
         applying = loop.create_task(self._apply_in_order(queue))
         reader = loop.create_task(self._read(messages, queue, applying))
-        stopped = asyncio.ensure_future(self._stop.wait())
+        stopped = asyncio.ensure_future(self.membership.ending.wait())
         # A command loop that failed ends the membership (logged in `_apply_in_order`): the
         # controller sees the stream close, fails what this worker held with DATA_LOSS, and
         # this process registers afresh, instead of leaving its requests unanswered.
@@ -224,20 +234,18 @@ class WorkerAgent:
         await self.link.close()
         logging.getLogger().removeHandler(forwarder)
         self._queue = None
-        return self.exit_code if self._stop.is_set() else EXIT_CONTROLLER_LOST
 
     def _reset(self) -> None:
         """Forgets everything of the last membership (its buffers are gone for the fleet)."""
         self.host = None
-        self._next_client = self._next_companions = None
+        self._next = None
         self.applier.reset()
         self._tasks.clear()
 
     def stop(self, code: int = EXIT_SHUTDOWN) -> None:
         if code == EXIT_SHUTDOWN:
             supervise.told_to_stop()
-        self.exit_code = code
-        self._stop.set()
+        self.membership.handle(Stop(code))
 
     def stop_soon(self, reason: str) -> None:
         """Stops from any thread; exits outright if the event loop does not get there within
@@ -270,10 +278,10 @@ class WorkerAgent:
 
     async def _heartbeat(self, interval: float) -> None:
         while True:
-            self._acked = self._applied
             queued = self._queue.qsize() if self._queue is not None else 0
-            self.link.send(m.Heartbeat(self.host.stats() if self.host else {}, self._applied,
-                                       queued, self.applier.applying))
+            self.link.send(m.Heartbeat(self.host.stats() if self.host else {},
+                                       self.membership.acknowledge(), queued,
+                                       self.applier.applying))
             await asyncio.sleep(interval)
 
     async def _read(self, messages: Any, queue: asyncio.Queue[Any],
@@ -283,11 +291,8 @@ class WorkerAgent:
         try:
             async for message in messages:
                 if isinstance(message, m.FormGroup):
-                    self.gone = frozenset(message.gone)
-                    self.pending_reason = message.reason
-                    if message.reason:
-                        self._last_loss = (message.reason, time.monotonic())
-                    self.superseded.set()
+                    self.membership.handle(GroupCalled(message.generation,
+                                                       frozenset(message.gone), message.reason))
                 queue.put_nowait(message)
             queue.put_nowait(None)
             await applying
@@ -312,9 +317,11 @@ class WorkerAgent:
                     "the worker could not apply a %s and leaves the fleet to register afresh "
                     "(arrays it held are lost); this is a bug in isthmus: please report it "
                     "with this log%s", type(message).__name__, where)
-                self.link.send(m.Leaving(
-                    f"it left the fleet: {e if isinstance(e, errors.IsthmusError) else repr(e)}"
-                    f"; this is a bug in isthmus: please report it with the worker's log{where}"))
+                for leaving in self.membership.handle(Failed(
+                        f"it left the fleet: "
+                        f"{e if isinstance(e, errors.IsthmusError) else repr(e)}; this is a "
+                        f"bug in isthmus: please report it with the worker's log{where}")):
+                    self.link.send(leaving)
                 raise
             finally:
                 self.applier.applying = ""
@@ -323,7 +330,7 @@ class WorkerAgent:
 
     async def _handle(self, message: Any) -> None:
         if isinstance(message, m.Batch):
-            applier = self.applier
+            applier, membership = self.applier, self.membership
             for command in unpack(message.commands):
                 try:
                     if not applier.apply_now(command):
@@ -340,10 +347,8 @@ class WorkerAgent:
                             f"hosts, failed ({type(e).__name__}: {e}), and the other parts "
                             "would wait for it forever") from e
                 applier.applying = ""
-                self._applied += m.weight(command)
-            if self._applied - self._acked >= m.ACK_EVERY:
-                self._acked = self._applied
-                self.link.send(m.Applied(self._applied))
+                if (ack := membership.count(m.weight(command))) is not None:
+                    self.link.send(ack)
         elif isinstance(message, m.FormGroup):
             self.applier.applying = f"joining collective group {message.generation}"
             await self._form(message)
@@ -405,15 +410,13 @@ class WorkerAgent:
         """Why the group is re-forming (the controller's words, naming the lost worker): now
         if a FormGroup has come, else once one comes (at most LOSS_REASON_WAIT s), else the
         last loss if it is recent; "" when there is none."""
-        if not self.superseded.is_set():
+        superseded = self.membership.superseded
+        if not superseded.is_set():
             try:
-                await asyncio.wait_for(self.superseded.wait(), LOSS_REASON_WAIT)
+                await asyncio.wait_for(superseded.wait(), LOSS_REASON_WAIT)
             except TimeoutError:
                 pass
-        if self.superseded.is_set() and self.pending_reason:
-            return self.pending_reason
-        reason, at = self._last_loss
-        return reason if time.monotonic() - at < 2 * LOSS_REASON_WAIT else ""
+        return self.membership.loss_reason()
 
     # ---- collective groups ---------------------------------------------------------------
 
@@ -437,17 +440,21 @@ class WorkerAgent:
                 f"joining collective group {message.generation} failed: {failed}"))
             return
         self._keep.extend(distributed for distributed, _ in joined)
-        self._next_client = joined[0][1]
-        self._next_companions = joined[1][1] if len(joined) > 1 else None
-        self.reply(message.request, [d.id for d in self._next_client.local_devices()])
+        client = joined[0][1]
+        self._next = (message.generation, client, joined[1][1] if len(joined) > 1 else None)
+        self.reply(message.request, [d.id for d in client.local_devices()])
 
     async def _activate(self, mapping: dict[int, int]) -> None:
+        if self._next is None:
+            raise errors.InternalError("a DeviceMap came before any collective group was "
+                                       "joined; this is a bug in isthmus.")
+        generation, client, next_companions = self._next
         companions = None
-        if self._next_companions is not None:
-            by_id = {d.id: d for d in self._next_client.devices()}
+        if next_companions is not None:
+            by_id = {d.id: d for d in client.devices()}
             companions = companion_devices({g: by_id[j] for g, j in mapping.items()},
-                                           self._next_companions, COMPANION_BASE)
-        new = make_host(self._next_client, mapping, self.config.platform.simulate_flops,
+                                           next_companions, COMPANION_BASE)
+        new = make_host(client, mapping, self.config.platform.simulate_flops,
                         self._compile_cache, companions)
         old, self.host = self.host, new
         if old is None and not self._settled:
@@ -456,7 +463,7 @@ class WorkerAgent:
         if old is not None:
             await old.settle_writes()  # host data still being placed lands in `old` first
             moved, calls = await asyncio.get_running_loop().run_in_executor(
-                None, new.adopt, old, self.pending_reason)
+                None, new.adopt, old, self.membership.pending_reason)
             await new.python.take_calls(calls, old.devices)
             logger.info("moved %s buffers into the new collective group (%s outputs of "
                         "colocated calls still running follow)", moved, len(calls))
@@ -465,7 +472,7 @@ class WorkerAgent:
             for command, task in list(self._waits.values()):
                 task.cancel()
                 self.applier.apply(command)
-        self.superseded.clear()
+        self.membership.handle(GroupActive(generation))
 
 
 async def run_worker(config: WorkerConfig) -> int:

@@ -26,6 +26,7 @@ from isthmus.transport.links import ControllerLink, PeerClient
 from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest
 from isthmus.worker.crashes import CrashRecord
 from isthmus.worker.host import DeviceHost
+from isthmus.worker.membership import Membership
 from isthmus.worker.reading import Incoming, produced, request_of, write_fetched
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,9 @@ class Worker(Protocol):
     link: ControllerLink
     peers: PeerClient
     crashes: CrashRecord
-    superseded: asyncio.Event  # a FormGroup waits behind the commands being applied
-    gone: frozenset[int]  # devices the coming group will not have
-    pending_reason: str  # why the group re-forms
+    # Whether a FormGroup waits behind the commands being applied, what the coming group
+    # will lack and why (`membership.py`).
+    membership: Membership
 
     def spawn(self, request: int, work: Awaitable[object],
               command: m.Ask | m.FetchFile | None = None) -> None:
@@ -119,14 +120,15 @@ class CommandApplier:
             if host is not None and host.collectives.is_collective(command.executable):
                 self.applying = (f"program {command.executable} waits for the collective "
                                  "programs before it")
-                await host.collectives.settled(command.executable, worker.superseded)
-                if worker.superseded.is_set() and host.collectives.spans_any(
-                        command.executable, worker.gone):
+                membership = worker.membership
+                await host.collectives.settled(command.executable, membership.superseded)
+                if membership.superseded.is_set() and host.collectives.spans_any(
+                        command.executable, membership.gone):
                     # It would wait for a lost peer on a broken communicator.
                     host.collectives.fail_outputs(command.executable, command.results,
                                                   errors.WorkerLost(
                         f"the program spanned a worker that was lost "
-                        f"({worker.pending_reason or 'a peer left the collective group'}); "
+                        f"({membership.pending_reason or 'a peer left the collective group'}); "
                         "run it again on the slices that are up."))
                     return
         self.applying = ""
