@@ -145,8 +145,25 @@ def build_parser() -> argparse.ArgumentParser:
                              "machine is told the status")
     status.add_argument("--service-ca", default=os.environ.get("ISTHMUS_SERVICE_CA"),
                         metavar="PEM", help="a shared service's certificate to trust")
+    status.add_argument("--buffer", type=int, default=None, metavar="ID",
+                        help="show one buffer's last moves (pending, defined, stored, failed, "
+                             "deleted, freed) and the request or event that caused each")
+    status.add_argument("--array", default=None, metavar="SESSION:HANDLE",
+                        help="the same for each buffer of a session's array (session ids are "
+                             "in the plain status; handles are the client's)")
     add_leases_command(commands)
     return parser
+
+
+def _session_handle(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        session, handle = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"isthmus status: --array is SESSION:HANDLE (two integers), not "
+                         f"{text!r}") from None
+    return session, handle
 
 
 def _listen(args: argparse.Namespace) -> str:
@@ -166,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from isthmus.status import command as status_command
 
         return status_command(args.controller, args.timeout, args.json, args.token_file,
-                              args.service_ca)
+                              args.service_ca, args.buffer, _session_handle(args.array))
     if args.subcommand == "worker":
         return _worker(args, argv)
     if args.subcommand == "k8s":

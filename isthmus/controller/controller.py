@@ -55,6 +55,8 @@ class ControllerConfig:
     # (`Controller.validate`; `--validate`, on in the test suite): a bookkeeping bug fails
     # the request that caused it.
     validate: bool = False
+    # Moves of shards kept with their causes, for `isthmus status --buffer` (0: none kept).
+    transitions: int = 4096
 
 
 LAYOUTS_KEPT = 4096  # default layouts known (`Controller.default_layout`), oldest out first
@@ -69,7 +71,8 @@ class Controller:
         self.config = config or ControllerConfig()
         self._executable_ids = itertools.count(1)
         self._private_keys = itertools.count(1)
-        self.ledger = Ledger(fleet)  # the buffer groups and the arrays that hold them
+        # The buffer groups and the arrays that hold them.
+        self.ledger = Ledger(fleet, self.config.transitions)
         self._executables: dict[bytes, Executable] = {}
         self._idle: dict[bytes, Executable] = {}  # released executables, oldest first
         self._dispatches = itertools.count(1)

@@ -33,6 +33,7 @@ import numpy as np
 
 from isthmus import errors
 from isthmus.controller.fleet import Device
+from isthmus.controller.transitions import Transitions
 from isthmus.ids import WorkerId
 
 DELETED_MESSAGE = ("the array was deleted, or donated to a computation that consumed it; keep a "
@@ -95,11 +96,11 @@ class BufferGroup:
     __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "state", "states_apart",
                  "reason", "_reasons", "refs", "shard_refs", "pins", "free_when_unpinned",
                  "defined", "_definers", "storing", "_unanswered", "dispatched", "origin",
-                 "ahead")
+                 "ahead", "log")
 
     def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
                  nbytes: tuple[int, ...], memory_kind: str | None = None,
-                 definers: int = 0) -> None:
+                 definers: int = 0, log: Transitions | None = None) -> None:
         self.base = base
         self.devices = devices
         self.workers = workers  # the distinct workers of `devices`: where group commands go
@@ -131,6 +132,10 @@ class BufferGroup:
         # answer); controller/readahead.py.
         self.origin: tuple[dict[tuple[int, int], int], int] | None = None
         self.ahead: dict[int, asyncio.Future[np.ndarray]] | None = None
+        # Where its moves are recorded with their cause (the ledger's; None: nowhere).
+        self.log = log
+        if log is not None:
+            log.record(base, len(devices), None, None, self.state)
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -233,6 +238,10 @@ class BufferGroup:
         positions = list(positions)
         for p in positions:
             check_move(self.state_at(p), new, repr(self))
+        if self.log is not None:
+            olds = {self.state_at(p) for p in positions}
+            self.log.record(self.base, len(self.devices), tuple(positions),
+                            olds.pop() if len(olds) == 1 else "mixed", new)
         if len(positions) == len(self.devices):
             self.state, self.states_apart = new, None
             return
@@ -251,6 +260,9 @@ class BufferGroup:
         else:
             for old in self.states():
                 check_move(old, new, repr(self))
+        if self.log is not None:
+            self.log.record(self.base, len(self.devices), None,
+                            self.state if self.states_apart is None else "mixed", new)
         self.state, self.states_apart = new, None
 
     def expect(self, count: int = 1) -> None:
@@ -274,6 +286,8 @@ class BufferGroup:
         if self.states_apart is None:
             if self.state is PENDING:
                 self.state = DEFINED  # PENDING -> DEFINED is legal: no check to make
+                if self.log is not None:
+                    self.log.record(self.base, len(self.devices), None, PENDING, DEFINED)
         else:
             pending = self.positions_in(PENDING)
             if pending:
@@ -342,6 +356,8 @@ class BufferGroup:
         """The shards were dropped on their workers (the ledger sends the Free)."""
         if positions is None:
             if self.states_apart is None and self.state is not FREED:
+                if self.log is not None:
+                    self.log.record(self.base, len(self.devices), None, self.state, FREED)
                 self.state = FREED  # legal from every state but FREED
                 return
             self._move_all(FREED)

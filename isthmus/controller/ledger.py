@@ -21,6 +21,7 @@ from isthmus import errors
 from isthmus.controller.arrays import Array, ArrayState, Buffer, whole_group
 from isthmus.controller.fleet import Device
 from isthmus.controller.groups import FREED, BufferGroup
+from isthmus.controller.transitions import DEFAULT_SIZE, Transitions
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
 
@@ -45,8 +46,11 @@ class FleetForFrees(Protocol):
 class Ledger:
     """The controller's buffer groups and the arrays that hold them."""
 
-    def __init__(self, fleet: FleetForFrees) -> None:
+    def __init__(self, fleet: FleetForFrees, history: int = DEFAULT_SIZE) -> None:
         self.fleet = fleet
+        # The last `history` moves of shards, with their causes (`isthmus status --buffer`).
+        self.transitions = Transitions(history)
+        self._log = self.transitions if history > 0 else None
         self._next_buffer_id = 1
         self._live: dict[BufferId, BufferGroup] = {}  # by base id, until every shard is freed
         self._holders: set[Array] = set()  # arrays counted in their groups' refs
@@ -63,7 +67,8 @@ class Ledger:
         self._next_buffer_id += len(devices)
         if workers is None:
             workers = self.fleet.worker_set(d.worker for d in devices)
-        group = BufferGroup(base, devices, workers, nbytes, memory_kind, definers)
+        group = BufferGroup(base, devices, workers, nbytes, memory_kind, definers,
+                            self._log)
         self._live[BufferId(base)] = group
         return group
 
@@ -204,19 +209,28 @@ class Ledger:
 
     def poison_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
         """Every buffer on the slice is gone: uses of it report `error` (DATA_LOSS)."""
-        for group in self._live.values():
-            positions = [p for p, device in enumerate(group.devices)
-                         if device.slice_index == slice_index and group.reason_at(p) is None]
-            if positions:
-                group.fail(positions, error)
+        cause, self.transitions.cause = self.transitions.cause, f"slice {slice_index} lost"
+        try:
+            for group in self._live.values():
+                positions = [p for p, device in enumerate(group.devices)
+                             if device.slice_index == slice_index and group.reason_at(p) is None]
+                if positions:
+                    group.fail(positions, error)
+        finally:
+            self.transitions.cause = cause
 
     def evict_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
         """Every buffer on the slice is dropped from its (live) workers and reports `error`
         on use: the slice was taken from the lease that made them (a shared service)."""
         self.poison_slice(slice_index, error)
-        self.free_buffers([Buffer(group, position) for group in list(self._live.values())
-                           for position, device in enumerate(group.devices)
-                           if device.slice_index == slice_index])
+        cause, self.transitions.cause = self.transitions.cause, (
+            f"slice {slice_index} taken from its lease")
+        try:
+            self.free_buffers([Buffer(group, position) for group in list(self._live.values())
+                               for position, device in enumerate(group.devices)
+                               if device.slice_index == slice_index])
+        finally:
+            self.transitions.cause = cause
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -232,6 +246,14 @@ class Ledger:
                 entry["buffers"] += 1
                 entry["bytes"] += group.nbytes[position]
         return result
+
+    def state_of(self, buffer_id: int) -> str:
+        """A buffer's state now ("freed" once its group has left the ledger, or for an id
+        never named)."""
+        for base, group in self._live.items():
+            if base <= buffer_id < base + len(group):
+                return group.state_at(buffer_id - base).value
+        return FREED.value
 
     def live_groups(self) -> list[BufferGroup]:
         return list(self._live.values())

@@ -207,24 +207,58 @@ class Frontend:
                 "live session.")
         return session.host_buffers
 
-    def status(self, identity: Identity | None = None, local: bool = True) -> dict[str, Any]:
-        """The fleet, its sessions and arrays. On a shared service only an admin's tunnel
-        sees sessions and memory figures (they are other tenants'); a tenant, or a caller
-        on the service's own machine (`local`), sees the fleet's health and the service's
-        aggregate figures; a stranger elsewhere, that a credential is needed."""
+    def status(self, identity: Identity | None = None, local: bool = True,
+               buffer: int | None = None, array: tuple[int, int] | None = None
+               ) -> dict[str, Any]:
+        """The fleet, its sessions and arrays; with `buffer`, that buffer's last moves and
+        what caused them instead (with `array`, (session id, array handle): those of the
+        array's buffers). On a shared service only an admin's tunnel sees sessions,
+        buffers and memory figures (they are other tenants'); a tenant, or a caller on the
+        service's own machine (`local`), sees the fleet's health and the service's aggregate
+        figures; a stranger elsewhere, that a credential is needed."""
         if self.shared is not None and identity is None and not local:
             raise errors.Unauthenticated(
                 "this shared service tells its status to its tenants and admins only: run "
                 "isthmus status --controller HOST:PORT --token-file FILE --service-ca PEM "
                 "with a tenant's (an admin's, for everything) token, or on the service's "
                 "own machine.")
+        admin = self.shared is None or getattr(getattr(identity, "tenant", None), "admin",
+                                                   False)
+        if buffer is not None or array is not None:
+            if not admin:
+                raise errors.NotPermitted(
+                    "a buffer's moves are shown to the shared service's admins only: run "
+                    "isthmus status --buffer or --array with an admin's token.")
+            if array is not None:
+                return self._array_status(*array)
+            assert buffer is not None
+            return self._buffer_status(buffer)
         status = self._status()
-        if self.shared is not None and not getattr(
-                getattr(identity, "tenant", None), "admin", False):
+        if not admin:
             status["sessions_open"] = len(status.pop("sessions"))
             status["workers"] = {slot: {} for slot in status["workers"]}
             status["redacted"] = "sessions and memory figures are for the service's admins"
         return status
+
+    def _array_status(self, session_id: int, handle: int) -> dict[str, Any]:
+        session = self.sessions.get(SessionId(session_id))
+        if session is None:
+            raise errors.UnknownHandle(f"there is no open session {session_id}; isthmus "
+                                       "status lists the open sessions.")
+        array = session.arrays.get(handle)
+        if array is None:
+            raise errors.UnknownHandle(f"session {session_id} has no array handle {handle}.")
+        if isinstance(array, errors.IsthmusError):
+            return {"session": session_id, "array": handle, "error": array.message,
+                    "buffers": []}
+        return {"session": session_id, "array": handle, "state": array.state.value,
+                "buffers": [self._buffer_status(int(b.id)) for b in array.shards]}
+
+    def _buffer_status(self, buffer: int) -> dict[str, Any]:
+        ledger = self.controller.ledger
+        transitions = ledger.transitions
+        return {"buffer": buffer, "transitions": transitions.of(buffer),
+                "kept": len(transitions), "state": ledger.state_of(buffer)}
 
     def _status(self) -> dict[str, Any]:
         fleet = self.controller.fleet

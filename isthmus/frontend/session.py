@@ -90,6 +90,8 @@ class FrontendSession:
         self.deleted_executables: set[int] = set()
         self._handles = itertools.count(SERVER_HANDLE_BASE)
         self._validate = controller_session.validating  # `check_after`
+        # Where the ledger records what caused its moves (`controller/transitions.py`).
+        self._transitions = controller_session.core.controller.ledger.transitions
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = False
         self.lease: Lease | None = None  # on a shared service, the lease it runs under
@@ -120,17 +122,21 @@ class FrontendSession:
         response.response_metadata.op_id = op_id
         kind = request.WhichOneof("request")
         entry = self._handlers.get(kind) if kind else None
+        transitions = self._transitions
         try:
             if kind is None or entry is None:
                 raise errors.Unimplemented(
                     f"IFRT request {kind or '(empty)'} is not implemented by isthmus; see "
                     "docs/protocol.md for the requests it serves.")
+            transitions.cause = (kind, op_id, self.id)
             pending = entry.handler(self, request, response)
             if pending is None and self._validate:
                 self.check_after(request, kind)
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's error
             self._fail(request, kind, response, e)
             return
+        finally:
+            transitions.cause = None
         if pending is None:
             _answered(response, kind)
             response.response_metadata.seq_num = next(self._seq)
@@ -294,7 +300,11 @@ class FrontendSession:
         self.arrays.clear()
         self.executables.clear()
         self.futures.clear()
-        await self.ctl.close()
+        self._transitions.cause = f"session {self.id} closed"
+        try:
+            await self.ctl.close()
+        finally:
+            self._transitions.cause = None
         if self._on_close is not None:
             self._on_close(self)
 

@@ -214,8 +214,9 @@ class IfrtProxyServicer:
 
     async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
+            buffer, array = _status_query(request)
             status = self.frontend.status(getattr(context, "identity", None),
-                                          getattr(context, "local", True))
+                                          getattr(context, "local", True), buffer, array)
         except errors.IsthmusError as e:
             raise Refused(grpc_status(e.code), e.message) from None
         return json.dumps(status, sort_keys=True).encode()
@@ -370,9 +371,42 @@ async def start_server(frontend: Frontend, host: str, port: int | None,
     return server, bound
 
 
-def fetch_status(address: str, timeout: float = 10.0) -> dict[str, Any]:
-    """Asks a running server for its status (used by `isthmus status`)."""
+def _status_query(request: bytes) -> tuple[int | None, tuple[int, int] | None]:
+    """A Status request's body: empty (the whole status), or a JSON object naming a buffer
+    ({"buffer": 17}) or an array ({"array": [SESSION, HANDLE]}) whose moves to show."""
+    try:
+        query = json.loads(request) if request else {}
+    except ValueError:
+        query = None
+    if not isinstance(query, dict):
+        raise errors.InvalidRequest("a status query is empty, or a JSON object such as "
+                                    '{"buffer": 17} or {"array": [1, 5]}')
+    buffer, array = query.get("buffer"), query.get("array")
+    if buffer is not None and (type(buffer) is not int or buffer < 0):
+        raise errors.InvalidRequest(f"a status query's buffer must be a buffer id (a "
+                                    f"non-negative integer), not {buffer!r}")
+    if array is not None:
+        if (not isinstance(array, list) or len(array) != 2
+                or not all(type(n) is int and n >= 0 for n in array)):
+            raise errors.InvalidRequest(f"a status query's array is [SESSION, HANDLE] (two "
+                                        f"non-negative integers), not {array!r}")
+        return buffer, (array[0], array[1])
+    return buffer, None
+
+
+def status_query(buffer: int | None = None, array: tuple[int, int] | None = None) -> bytes:
+    """The body of a Status request (`_status_query` reads it)."""
+    if array is not None:
+        return json.dumps({"array": list(array)}).encode()
+    return json.dumps({"buffer": buffer}).encode() if buffer is not None else b""
+
+
+def fetch_status(address: str, timeout: float = 10.0, buffer: int | None = None,
+                 array: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Asks a running server for its status (used by `isthmus status`); with `buffer` (or
+    `array`: session id, handle), that buffer's (the array's buffers') last moves."""
     target = address.removeprefix("grpc://")
+    query = status_query(buffer, array)
     with grpc.insecure_channel(target) as channel:
         call = channel.unary_unary(f"/{ADMIN_SERVICE}/Status")
-        return json.loads(call(b"", timeout=timeout))
+        return json.loads(call(query, timeout=timeout))

@@ -318,3 +318,49 @@ def test_run_gives_its_command_the_allocator_that_keeps_transfer_memory():
             env={**env, **extra})
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip().splitlines()[-1] == want, (extra, result.stdout)
+
+
+def test_status_shows_a_buffers_moves_and_what_caused_them():
+    """`isthmus status --buffer ID` (and `--array SESSION:HANDLE`): each move of the buffer
+    with the request that caused it; bad queries get one line and exit 2."""
+    server = LocalServer(devices=1)
+    address = server.start()
+    try:
+        out = run_snippet(f"""
+            import subprocess, sys
+            import jax
+            from isthmus.wire.servicer import fetch_status
+            x = jax.device_put(np.arange(4.0, dtype=np.float32))
+            y = jax.jit(lambda a: a * 2, donate_argnums=0)(x)
+            y.block_until_ready()
+            def status(*args):
+                r = subprocess.run([sys.executable, "-m", "isthmus.cli", "status",
+                                    "--controller", "{address}", *args],
+                                   capture_output=True, text=True, timeout=60)
+                return f"{{r.returncode}}\\n{{r.stdout}}{{r.stderr}}"
+            emit("put", status("--buffer", "1"))
+            [session] = fetch_status("{address}")["sessions"]
+            emit("array", status("--array", f"{{session}}:1"))  # x: the stock client's first
+            emit("no_session", status("--array", "999:1"))
+            emit("bad_array", status("--array", "one"))
+            emit("y", y)
+        """, address)
+    finally:
+        server.stop()
+    assert out["y"].tolist() == [0.0, 2.0, 4.0, 6.0]
+    code, *lines = str(out["put"]).splitlines()
+    assert code == "0", lines
+    # Made by the put, stored (its worker's answer), consumed by the donating run (x is
+    # still held by the client: not freed yet); each move names its request.
+    assert lines[0].startswith("buffer 1: deleted now; its last 3 moves"), lines
+    assert "made pending" in lines[1], lines
+    assert "make_array_from_host_buffer_request (op" in lines[1], lines
+    assert "-> stored" in lines[2] and "no request" in lines[2], lines
+    assert "stored -> deleted" in lines[3], lines
+    assert "loaded_executable_execute_request (op" in lines[3], lines
+    code, *lines = str(out["array"]).splitlines()
+    assert code == "0" and lines[0] == "array 1 of session 1: deleted, 1 buffers", lines
+    assert lines[1].startswith("buffer 1: deleted now") and len(lines) == 5, lines
+    assert str(out["no_session"]).startswith("2\n") and "no open session 999" in str(
+        out["no_session"])
+    assert "SESSION:HANDLE" in str(out["bad_array"])

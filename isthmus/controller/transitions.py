@@ -1,0 +1,71 @@
+"""The last moves of the ledger's shards, each with what caused it: a bounded log that
+`isthmus status --buffer ID` shows for one buffer.
+
+A move records when it happened, the group and positions it concerned, the states it went
+from and to, and its cause: the request being handled then (its kind, op id and session), or
+a fleet event the ledger names (a slice lost, taken from a lease). A move outside both (a
+worker's answer arriving, a request's work finishing later) records no cause; the entries
+before it say which request started that work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TypedDict
+
+DEFAULT_SIZE = 4096  # moves kept; a few per program run, so the last thousand or so runs
+
+# What caused a move: (request kind, op id, session id), or a fleet event's words.
+Cause = tuple[str, int, int] | str
+
+
+class Entry(TypedDict):
+    """One move of a buffer, as `isthmus status --buffer` shows it."""
+
+    at: float  # seconds since the epoch
+    positions: list[int] | None  # None: every shard of its group
+    old: str | None  # None: the group was made by this move
+    new: str
+    cause: str
+
+
+class Transitions:
+    """The log (`Ledger.transitions`; groups made by the ledger append to it)."""
+
+    __slots__ = ("_log", "cause")
+
+    def __init__(self, size: int = DEFAULT_SIZE) -> None:
+        # (time, base, shards in the group, positions or None, old state or None, new, cause)
+        self._log: deque[tuple[float, int, int, tuple[int, ...] | None, object, object,
+                               Cause | None]] = deque(maxlen=max(size, 1))
+        self.cause: Cause | None = None  # what causes the moves now; set around each request
+
+    def record(self, base: int, shards: int, positions: tuple[int, ...] | None,
+               old: object, new: object) -> None:
+        self._log.append((time.time(), base, shards, positions, old, new, self.cause))
+
+    def __len__(self) -> int:
+        return len(self._log)
+
+    def of(self, buffer_id: int) -> list[Entry]:
+        """The moves still in the log that concerned `buffer_id`, oldest first."""
+        found: list[Entry] = []
+        for at, base, shards, positions, old, new, cause in self._log:
+            if not base <= buffer_id < base + shards:
+                continue
+            if positions is not None and buffer_id - base not in positions:
+                continue
+            found.append(Entry(at=at, positions=None if positions is None else list(positions),
+                               old=None if old is None else getattr(old, "value", str(old)),
+                               new=getattr(new, "value", str(new)), cause=describe(cause)))
+        return found
+
+
+def describe(cause: Cause | None) -> str:
+    if cause is None:
+        return "no request: a worker's answer, or work a request started finishing later"
+    if isinstance(cause, str):
+        return cause
+    kind, op_id, session = cause
+    return f"{kind} (op {op_id}) of session {session}"

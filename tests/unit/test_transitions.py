@@ -1,0 +1,96 @@
+"""The ledger's log of moves (controller/transitions.py): each move of a shard is recorded
+with its cause (the request being handled, or the fleet event), the log is bounded, and
+`of` finds one buffer's moves, whole-group moves and its own position's alike."""
+
+import asyncio
+
+from isthmus import errors
+from isthmus.controller.ledger import Ledger
+from isthmus.controller.transitions import Transitions, describe
+from tests.unit.test_ledger import DEVICES, FakeFleet, _array
+
+
+def _moves(ledger, buffer_id):
+    return [(e["old"], e["new"], e["positions"], e["cause"])
+            for e in ledger.transitions.of(buffer_id)]
+
+
+def test_every_move_of_a_buffer_is_kept_with_the_request_that_caused_it():
+    async def body():
+        ledger = Ledger(FakeFleet())
+        log = ledger.transitions
+        log.cause = ("make_array_from_host_buffer_request", 7, 1)
+        array = _array(ledger, definers=1)
+        group = array.group
+        group.settle()
+        group.stored(1)
+        log.cause = None  # the put's answer for position 2 arrives outside a request
+        group.stored(2)
+        log.cause = ("delete_array_request", 9, 1)
+        ledger.request_delete(array)
+        ledger.delete([array])
+        log.cause = None
+        base = group.base
+        put = "make_array_from_host_buffer_request (op 7) of session 1"
+        assert _moves(ledger, base + 1) == [
+            (None, "pending", None, put), ("pending", "defined", None, put),
+            ("defined", "stored", [1], put),
+            ("mixed", "deleted", None, "delete_array_request (op 9) of session 1"),
+            ("deleted", "freed", None, "delete_array_request (op 9) of session 1")]
+        # Position 2's answer came later; position 0's never did.
+        assert [m[:2] for m in _moves(ledger, base + 2)][2] == ("defined", "stored")
+        assert _moves(ledger, base + 2)[2][3] == describe(None)
+        assert [m[:2] for m in _moves(ledger, base)] == [
+            (None, "pending"), ("pending", "defined"), ("mixed", "deleted"),
+            ("deleted", "freed")]
+        assert ledger.state_of(base) == "freed" and _moves(ledger, base + 4) == []
+
+    asyncio.run(body())
+
+
+def test_a_slice_lost_names_itself_as_the_cause():
+    async def body():
+        ledger = Ledger(FakeFleet())
+        array = _array(ledger)
+        ledger.transitions.cause = ("loaded_executable_execute_request", 3, 2)
+        ledger.poison_slice(1, errors.WorkerLost("worker 1 was lost"))
+        assert ledger.transitions.cause == ("loaded_executable_execute_request", 3, 2)
+        [_, failed] = ledger.transitions.of(array.group.base + 2)
+        assert (failed["old"], failed["new"], failed["positions"], failed["cause"]) == (
+            "defined", "failed", [2, 3], "slice 1 lost")
+        [made] = ledger.transitions.of(array.group.base)  # slice 0's shards did not move
+        assert made["old"] is None and made["new"] == "defined"
+        assert ledger.state_of(array.group.base + 2) == "failed"
+        assert ledger.state_of(array.group.base) == "defined"
+
+    asyncio.run(body())
+
+
+def test_the_log_keeps_its_last_moves_only_and_none_when_off():
+    async def body():
+        ledger = Ledger(FakeFleet(), history=5)
+        arrays = [_array(ledger, DEVICES[:1]) for _ in range(4)]
+        assert len(ledger.transitions) == 4
+        for array in arrays:
+            ledger.request_delete(array)
+            ledger.delete([array])
+        assert len(ledger.transitions) == 5  # 12 moves, the last 5 kept
+        assert ledger.transitions.of(arrays[0].group.base) == []
+        assert [e["new"] for e in ledger.transitions.of(arrays[3].group.base)] == [
+            "deleted", "freed"]
+        off = Ledger(FakeFleet(), history=0)
+        array = _array(off)
+        off.request_delete(array)
+        off.delete([array])
+        assert len(off.transitions) == 0 and array.group.log is None
+
+    asyncio.run(body())
+
+
+def test_describe_names_requests_events_and_their_absence():
+    assert describe(("compile_request", 4, 9)) == "compile_request (op 4) of session 9"
+    assert describe("slice 2 lost") == "slice 2 lost"
+    assert "no request" in describe(None)
+    log = Transitions(0)  # a deque needs room for one: the ledger gives groups no log then
+    log.record(1, 1, None, None, "defined")
+    assert len(log) == 1
