@@ -18,9 +18,10 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
 
 from isthmus import errors, gctune
+from isthmus.compat.jaxlib_types import DistributedClient, JaxlibClient
 from isthmus.ids import COMPANION_BASE
 from isthmus.transport import auth
 from isthmus.transport import commands as c
@@ -103,26 +104,27 @@ class WorkerAgent:
         self._settled = False  # gctune.settle() done
         # The group joined by the last FormGroup, until its DeviceMap makes it active:
         # (generation, its jaxlib client, its colocated CPU devices' client or None).
-        self._next: tuple[int, Any, Any] | None = None
-        self._keep: list[Any] = []  # distributed clients of past groups stay alive
+        self._next: tuple[int, JaxlibClient, JaxlibClient | None] | None = None
+        self._keep: list[DistributedClient] = []  # those of past groups stay alive
         self.crashes = CrashRecord(config.crash)
         cache = config.platform.compile_cache
         # Executables this process compiled, kept across its collective groups (and in the
         # persistent cache when there is one).
         self._compile_cache = KeptExecutables(CompileCache(cache) if cache is not None
                                               else None)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         # Requests that wait for computations (Ready, Fetch, FetchFile) and their tasks: when
         # the group re-forms, those still waiting are asked again of the new host, where a
         # computation stuck on a lost peer has become an error (it would never finish here).
-        self._waits: dict[int, tuple[Any, asyncio.Task[Any]]] = {}
+        self._waits: dict[int, tuple[m.Ask | m.FetchFile, asyncio.Task[None]]] = {}
         self.link = ControllerLink(config.controller, config.token, config.tls)
         self.peers = PeerClient(config.tls)
         self._data = PeerDataServer(self.applier.serve_buffer, config.tls)
         self._pulse: Pulse | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._described: Description | None = None  # read off a client at start
-        self._queue: asyncio.Queue[Any] | None = None  # read, waiting to be applied
+        # Messages read, waiting to be applied (None: the stream ended).
+        self._queue: asyncio.Queue[object] | None = None
         self.log_path = own_log_path()  # named in errors and in the controller's log
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -284,7 +286,7 @@ class WorkerAgent:
                                        self.applier.applying))
             await asyncio.sleep(interval)
 
-    async def _read(self, messages: Any, queue: asyncio.Queue[Any],
+    async def _read(self, messages: AsyncIterator[object], queue: asyncio.Queue[object],
                     applying: asyncio.Task[None]) -> None:
         """Reads the stream while `_apply_in_order` applies it, so that a FormGroup is seen
         even while the commands wait for a computation of the group it replaces."""
@@ -303,7 +305,7 @@ class WorkerAgent:
         finally:
             applying.cancel()
 
-    async def _apply_in_order(self, queue: asyncio.Queue[Any]) -> None:
+    async def _apply_in_order(self, queue: asyncio.Queue[object]) -> None:
         """Applies what `_read` queues, in order. A command that fails is refused by itself
         (`_refuse`); anything else that raises here is a bug that leaves this worker's
         state unknown: it is logged (and so reaches the controller) and ends the loop, and
@@ -328,7 +330,7 @@ class WorkerAgent:
 
     # ---- messages ------------------------------------------------------------------------
 
-    async def _handle(self, message: Any) -> None:
+    async def _handle(self, message: object) -> None:
         if isinstance(message, m.Batch):
             applier, membership = self.applier, self.membership
             for command in unpack(message.commands):
@@ -361,10 +363,12 @@ class WorkerAgent:
         else:
             logger.warning("unexpected message %s", type(message).__name__)
 
-    def reply(self, request: int, value: Any = None, error: Any = None) -> None:
+    def reply(self, request: int, value: object = None,
+              error: errors.IsthmusError | None = None) -> None:
         self.link.send(m.Reply(request, value, error))
 
-    def spawn(self, request: int, work: Any, command: Any = None) -> None:
+    def spawn(self, request: int, work: Awaitable[object],
+              command: m.Ask | m.FetchFile | None = None) -> None:
         """Runs `work` as a task and answers `request` with its outcome. With `command`
         (a wait for computations), the request is asked again if the group re-forms."""
         if command is None and isinstance(work, asyncio.Future) and work.done() \

@@ -20,18 +20,18 @@ buffer and is a non-empty frozenset of device ids.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from isthmus import errors
+from isthmus.compat.jaxlib_types import JaxArray
 from isthmus.ids import BufferId
-from isthmus.worker.slots import Failed, HostArray
+from isthmus.worker.slots import Failed, HostArray, Slot
 
 
 class BufferStore:
     """Slots and spans of one host's buffers (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self._slots: dict[BufferId, Any] = {}
+        self._slots: dict[BufferId, Slot] = {}
         self._spans: dict[BufferId, frozenset[int]] = {}
 
     # ---- reading -------------------------------------------------------------------------
@@ -45,11 +45,11 @@ class BufferStore:
     def ids(self) -> list[BufferId]:
         return list(self._slots)
 
-    def slot(self, buffer_id: BufferId) -> Any | None:
+    def slot(self, buffer_id: BufferId) -> Slot | None:
         """What the slot holds, whatever its state (None: absent)."""
         return self._slots.get(buffer_id)
 
-    def value(self, buffer_id: BufferId) -> Any:
+    def value(self, buffer_id: BufferId) -> JaxArray | HostArray:
         """The stored array (or host array); raises the slot's error, or that it is absent
         or was deleted."""
         value = self._slots.get(buffer_id)
@@ -63,7 +63,7 @@ class BufferStore:
                 "keep a copy (or don't donate it) if you need it again.")
         return value
 
-    def values(self, buffer_ids: Sequence[BufferId]) -> list[Any]:
+    def values(self, buffer_ids: Sequence[BufferId]) -> list[JaxArray | HostArray]:
         """`value` of each, in one call (a program's arguments)."""
         slots = self._slots
         out = []
@@ -74,7 +74,7 @@ class BufferStore:
             out.append(value)
         return out
 
-    def live(self) -> list[Any]:
+    def live(self) -> list[JaxArray | HostArray]:
         """The stored and host arrays that still hold data."""
         return [v for v in self._slots.values()
                 if not isinstance(v, Failed) and not v.is_deleted()]
@@ -88,11 +88,11 @@ class BufferStore:
 
     # ---- writing -------------------------------------------------------------------------
 
-    def store(self, buffer_id: BufferId, value: Any) -> None:
+    def store(self, buffer_id: BufferId, value: Slot) -> None:
         """The slot holds `value`: an array (stored), a `HostArray` or a `Failed`."""
         self._slots[buffer_id] = value
 
-    def store_all(self, buffer_ids: Sequence[BufferId], values: Sequence[Any]) -> None:
+    def store_all(self, buffer_ids: Sequence[BufferId], values: Sequence[Slot]) -> None:
         """`store` of each id with the value at its place (a program's outputs)."""
         self._slots.update(zip(buffer_ids, values))
 
@@ -109,13 +109,13 @@ class BufferStore:
             if spans:
                 spans.pop(buffer_id, None)
 
-    def take_all(self) -> tuple[dict[BufferId, Any], dict[BufferId, frozenset[int]]]:
+    def take_all(self) -> tuple[dict[BufferId, Slot], dict[BufferId, frozenset[int]]]:
         """Empties the store; its slots and spans (for a new collective group's store)."""
         slots, spans = self._slots, self._spans
         self._slots, self._spans = {}, {}
         return slots, spans
 
-    def adopt(self, slots: dict[BufferId, Any]) -> None:
+    def adopt(self, slots: dict[BufferId, Slot]) -> None:
         """Takes slots moved from another store (`regroup.move_buffers`)."""
         self._slots.update(slots)
 

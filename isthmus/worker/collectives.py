@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import cast
 
 from isthmus import errors
+from isthmus.compat.jaxlib_types import JaxArray, ShardedToken
 from isthmus.ids import BufferId, ExecutableId
-from isthmus.worker.slots import Loaded, block_all, first_of
+from isthmus.worker.slots import Loaded, Program, Settling, Unloadable, block_all, first_of
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,8 @@ class CollectiveOrder:
     # bench/dp_loop.py, bench/RESULTS.md), and stays far from the deadlock of many.
     CPU_COLLECTIVES_IN_FLIGHT = 2
 
-    def __init__(self, executables: dict[ExecutableId, Any], pool: Any, shared_pool: bool,
+    def __init__(self, executables: dict[ExecutableId, Program],
+                 pool: concurrent.futures.Executor, shared_pool: bool,
                  fail: Callable[[BufferId, errors.IsthmusError], None]) -> None:
         self._executables = executables
         self._pool = pool
@@ -50,7 +53,8 @@ class CollectiveOrder:
     def fail_outputs(self, executable_id: ExecutableId, results: Sequence[int],
                      error: errors.IsthmusError) -> None:
         """Makes this host's outputs of one run of a program error buffers."""
-        loaded = self._executables.get(executable_id)
+        # An Execute names a compiled program (colocated functions run by `python_calls`).
+        loaded = cast("Loaded | Unloadable | None", self._executables.get(executable_id))
         for base in results:
             for p in loaded.positions if loaded is not None else ():
                 self._fail(BufferId(base + p), error)
@@ -112,7 +116,7 @@ class CollectiveOrder:
                         "to re-form before the next one", self.HOLD_AFTER_FAILURE)
             await first_of(superseded, asyncio.sleep(self.HOLD_AFTER_FAILURE))
 
-    def backlog(self, executable_id: ExecutableId) -> list[Any]:
+    def backlog(self, executable_id: ExecutableId) -> list[InFlight]:
         """What a program must wait for before it is dispatched (the first rule of
         `settled`, and all the embedded backend keeps, having no peers): the
         output shards of the oldest collective programs in flight when it runs over several
@@ -129,12 +133,12 @@ class CollectiveOrder:
         room = self.CPU_COLLECTIVES_IN_FLIGHT - 1
         return list(in_flight)[:max(0, len(in_flight) - room)]
 
-    def wait_for(self, values: list[Any]) -> asyncio.Future[None]:
+    def wait_for(self, values: Sequence[Settling]) -> asyncio.Future[None]:
         """Resolves once these arrays or programs in flight are computed or donated (waited
         for in a thread)."""
         return asyncio.get_running_loop().run_in_executor(self._pool, block_all, values)
 
-    def started(self, outputs: list[Any], token: Any = None) -> None:
+    def started(self, outputs: list[JaxArray], token: ShardedToken | None = None) -> None:
         """A collective program was dispatched: these are its output shards, and `token`
         (jaxlib's `ShardedToken` of the run, if asked for) tells when it ends."""
         self.in_flight.append(InFlight(outputs, token))
@@ -168,7 +172,7 @@ class InFlight:
 
     __slots__ = ("outputs", "token", "_done", "_error")
 
-    def __init__(self, outputs: list[Any], token: Any) -> None:
+    def __init__(self, outputs: list[JaxArray], token: ShardedToken | None) -> None:
         self.outputs = outputs
         self.token = token
         self._done = False  # the token (or every output) was waited for
@@ -207,7 +211,7 @@ class InFlight:
         return self._error or failed(self.outputs)
 
 
-def failed(values: list[Any]) -> bool:
+def failed(values: list[JaxArray]) -> bool:
     """Some of these settled shards hold an error (donated ones are their consumer's)."""
     for value in values:
         if value.is_deleted():

@@ -29,14 +29,22 @@ import threading
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
+from isthmus.compat.jaxlib_types import JaxArray, JaxlibClient, JaxlibDevice
 from isthmus.transport.records import ColocatedProgram
-from isthmus.worker.slots import computation_error
+from isthmus.worker.slots import HostArray, Slot, computation_error
+
+if TYPE_CHECKING:
+    import jax
+    from jax.tree_util import PyTreeDef
+
+    from isthmus.worker.python_calls import PythonCalls
 
 MAX_TRACEBACK_CHARS = 6000
 
@@ -50,10 +58,10 @@ class Pending:
 
     def __init__(self) -> None:
         self._event = threading.Event()
-        self.value: Any = None
-        self.moved_to: Any = None
+        self.value: Slot | None = None
+        self.moved_to: PythonCalls | None = None
 
-    def resolve(self, value: Any) -> None:
+    def resolve(self, value: Slot) -> None:
         self.value = value
         self._event.set()
 
@@ -70,29 +78,36 @@ class Pending:
     def is_deleted(self) -> bool:
         return False
 
-    def block_until_ready(self) -> Any:
+    def block_until_ready(self) -> object:
         self._event.wait()
         if hasattr(self.value, "error"):
             raise self.value.error
         return self.value.block_until_ready()
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None
+                  ) -> np.ndarray:
         self.block_until_ready()
         return np.asarray(self.value)
 
 
 # ---- device lookups by global id -----------------------------------------------------------
 
-_current: dict[str, Any] = {"by_id": {}, "ids": {}}
+class _Devices(TypedDict):
+    by_id: dict[int, JaxlibDevice]  # by global id
+    ids: dict[JaxlibDevice, int]  # ... and back
+
+
+_current: _Devices = {"by_id": {}, "ids": {}}
 _patch_lock = threading.RLock()
 # The global ids of the devices of every client still alive that this host pointed at, by
 # client: those of an earlier collective group too. Its arrays outlive the group when a call
 # ran across a re-formation or kept them (jax's result store between a call that finds its
 # output specs and the call that pops its result; a colocated object's state).
-_earlier: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
+_earlier: weakref.WeakKeyDictionary[JaxlibClient, dict[int, int]] = (
+    weakref.WeakKeyDictionary())
 
 
-def use_devices(devices: dict[int, Any]) -> None:
+def use_devices(devices: dict[int, JaxlibDevice]) -> None:
     """Points jax's colocated-Python (de)serialization at these devices, by global id."""
     _current["by_id"] = dict(devices)
     _current["ids"] = {d: g for g, d in devices.items()}
@@ -102,7 +117,7 @@ def use_devices(devices: dict[int, Any]) -> None:
         jax_compat.point_colocated_devices(lambda: _current["by_id"], _global_id)
 
 
-def _global_id(device: Any) -> int:
+def _global_id(device: JaxlibDevice) -> int:
     found = _current["ids"].get(device)
     if found is None:
         found = _earlier.get(device.client, {}).get(device.id)
@@ -116,12 +131,12 @@ class PythonFunction:
     """A colocated program unpickled on this host."""
 
     program: ColocatedProgram
-    fun: Callable[..., Any]
-    in_tree: Any
-    in_specs: tuple[Any, ...]
+    fun: Callable[..., object]
+    in_tree: PyTreeDef
+    in_specs: tuple[jax.ShapeDtypeStruct, ...]
     local_in: tuple[tuple[int, ...], ...]  # per input: its positions held here
     local_out: tuple[tuple[int, ...], ...]  # per output: likewise
-    local_devices: frozenset[Any]  # the call's devices held here (jaxlib devices)
+    local_devices: frozenset[JaxlibDevice]  # the call's devices held here
 
 
 def user_error(name: str, e: BaseException) -> errors.IsthmusError:
@@ -138,7 +153,8 @@ def user_error(name: str, e: BaseException) -> errors.IsthmusError:
         f"the colocated Python function {name!r} raised {type(e).__name__}: {e}\n{text}")
 
 
-def load(program: ColocatedProgram, devices: dict[int, Any], local: set[Any]) -> PythonFunction:
+def load(program: ColocatedProgram, devices: dict[int, JaxlibDevice], local: set[JaxlibDevice]
+         ) -> PythonFunction:
     """Unpickles a program for this host's devices (blocking: it may import modules)."""
     use_devices(devices)
     try:
@@ -161,8 +177,8 @@ def load(program: ColocatedProgram, devices: dict[int, Any], local: set[Any]) ->
                      frozenset(devices[program.device_ids[p]] for p in held(program.device_ids)))
 
 
-def run(function: PythonFunction, devices: dict[int, Any], inputs: Sequence[Sequence[Any]]
-        ) -> list[list[Any]]:
+def run(function: PythonFunction, devices: dict[int, JaxlibDevice],
+        inputs: Sequence[Sequence[JaxArray | HostArray]]) -> list[list[JaxArray | HostArray]]:
     """Calls the function on this host's shards (blocking); returns, per output, the values
     of its local positions."""
     import jax
@@ -201,7 +217,7 @@ def run(function: PythonFunction, devices: dict[int, Any], inputs: Sequence[Sequ
         raise user_error(program.name, e) from None
 
 
-def _device_value(value: Any, device: Any) -> Any:
+def _device_value(value: JaxArray | HostArray, device: JaxlibDevice) -> JaxArray:
     """A shard as the user function sees it: string arrays become StringDType jax arrays."""
     import jax
 
@@ -212,11 +228,9 @@ def _device_value(value: Any, device: Any) -> Any:
     return value
 
 
-def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int], out: Any,
-                  devices: dict[int, Any]) -> list[Any]:
+def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int],
+                  out: object, devices: dict[int, JaxlibDevice]) -> list[JaxArray | HostArray]:
     import jax
-
-    from isthmus.worker.slots import HostArray
 
     dtype_name, shape = program.output_types[index]
     if not isinstance(out, jax.Array):
@@ -228,7 +242,7 @@ def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int
     if not is_string and np.dtype(out.dtype).name != dtype_name:
         raise ValueError(f"output {index} is {out.dtype} but its spec says {dtype_name}")
     by_device = {shard.device: shard.data for shard in out.addressable_shards}
-    values = []
+    values: list[JaxArray | HostArray] = []
     for p in positions:
         device = devices[program.outputs[index][p]]
         shard = by_device.get(device)
@@ -244,7 +258,8 @@ def _local_shards(program: ColocatedProgram, index: int, positions: Sequence[int
     return values
 
 
-def _from_an_earlier_group(out: Any, global_id: int, device: Any) -> Any | None:
+def _from_an_earlier_group(out: jax.Array, global_id: int, device: JaxlibDevice
+                           ) -> JaxArray | None:
     """`out`'s shard on device `global_id` of an earlier collective group's client, copied
     onto `device` of this group's (which `regroup.move_buffers` did for stored buffers), or
     None when it has none there."""

@@ -29,7 +29,18 @@ import os
 import secrets
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from isthmus.compat.jaxlib_types import (
+    CompileOptions,
+    DeviceList,
+    JaxlibClient,
+    JaxlibDevice,
+    LoadedExecutable,
+)
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +80,7 @@ class CompileCache:
     # ---- keys ----------------------------------------------------------------------------
 
     @staticmethod
-    def key(client: Any, devices: Sequence[Any], program_digest: bytes,
+    def key(client: JaxlibClient, devices: Sequence[JaxlibDevice], program_digest: bytes,
             compile_options: bytes, device_ids: Sequence[int], replicas: int,
             namespace: str = "") -> str:
         """`program_digest`: the program's SHA-256 without debug information
@@ -102,7 +113,8 @@ class CompileCache:
 
     # ---- entries -------------------------------------------------------------------------
 
-    def load(self, key: str, client: Any, devices: Any, options: Any) -> Any | None:
+    def load(self, key: str, client: JaxlibClient, devices: DeviceList,
+             options: CompileOptions) -> LoadedExecutable | None:
         """The executable stored under `key`, loaded on `client`; None when there is none
         usable (a bad entry is removed)."""
         path = self._path(key)
@@ -135,7 +147,8 @@ class CompileCache:
             pass
         return executable
 
-    def store(self, key: str, client: Any, executable: Any, payload: bytes = b"") -> None:
+    def store(self, key: str, client: JaxlibClient, executable: LoadedExecutable,
+              payload: bytes = b"") -> None:
         """Writes an executable, or its `payload` when it came serialized (an executable
         loaded from bytes does not serialize whole again); errors are logged: the cache is
         an optimisation."""
@@ -216,7 +229,8 @@ class KeptExecutables:
             max_workers=1, thread_name_prefix="isthmus-keep")
         self.hits = self.misses = 0
 
-    def load(self, key: str, client: Any, devices: Any, options: Any) -> Any | None:
+    def load(self, key: str, client: JaxlibClient, devices: DeviceList,
+             options: CompileOptions) -> LoadedExecutable | None:
         with self._lock:
             payload = self._entries.get(key)
             if payload is not None:
@@ -234,13 +248,14 @@ class KeptExecutables:
         self.misses += 1
         return self.below.load(key, client, devices, options) if self.below else None
 
-    def store(self, key: str, client: Any, executable: Any, payload: bytes = b"") -> None:
+    def store(self, key: str, client: JaxlibClient, executable: LoadedExecutable,
+              payload: bytes = b"") -> None:
         if self.below is not None:  # one serialization for both, before the answer
             self._keep(key, client, executable, payload, self.below)
         else:
             self._writer.submit(self._keep, key, client, executable, payload, None)
 
-    def _keep(self, key: str, client: Any, executable: Any, payload: bytes,
+    def _keep(self, key: str, client: JaxlibClient, executable: LoadedExecutable, payload: bytes,
               below: CompileCache | None) -> None:
         try:
             payload = payload or client.serialize_executable(executable)
@@ -275,7 +290,7 @@ class KeptExecutables:
                 "kept_executable_bytes": self._size}
 
 
-def write_whole(fs: Any, path: str, data: bytes) -> None:
+def write_whole(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     """Writes `data` at `path` whole or not at all, for readers that may come at any time:
     under a temporary name renamed into place on a local file system, one object write on
     an object store. Raises OSError (the temporary file is gone)."""
@@ -320,7 +335,7 @@ def _payload(data: bytes) -> bytes | None:
     return payload
 
 
-def _modified(entry: dict[str, Any]) -> float:
+def _modified(entry: dict[str, Any]) -> float:  # an fsspec listing's entry
     value = entry.get("mtime") or entry.get("LastModified") or entry.get("updated") or 0
     if hasattr(value, "timestamp"):
         return float(value.timestamp())
@@ -330,7 +345,7 @@ def _modified(entry: dict[str, Any]) -> float:
         return 0.0
 
 
-def filesystem(location: str) -> tuple[Any, str]:
+def filesystem(location: str) -> tuple[AbstractFileSystem, str]:
     import fsspec
 
     try:
@@ -341,6 +356,6 @@ def filesystem(location: str) -> tuple[Any, str]:
     return fs, root
 
 
-def is_local(fs: Any) -> bool:
+def is_local(fs: AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol in ("file", "local")

@@ -37,7 +37,8 @@ import mmap
 import os
 import struct
 import threading
-from typing import IO, Any
+from collections.abc import Callable
+from typing import IO
 
 from isthmus.transport import messages as m
 
@@ -84,7 +85,7 @@ class CrashRecord:
         self._map: mmap.mmap | None = None
         self._doomed: set[int] = set()  # the testing aids' programs: to crash on
         self._faulty: set[int] = set()  # ... and to raise on
-        self.running: Any = _nothing
+        self.running: Callable[[int], None] = _nothing
 
     @property
     def _paths(self) -> tuple[str, str]:
@@ -178,7 +179,7 @@ def _nothing(executable_id: int) -> None:
     """`running` when there are no records."""
 
 
-def _marker(page: mmap.mmap) -> Any:
+def _marker(page: mmap.mmap) -> Callable[[int], None]:
     """`running` with records: one `pack_into` on the mapped page, called straight from C."""
     return functools.partial(_U64.pack_into, page, _EXECUTABLE)
 

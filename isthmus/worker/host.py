@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Awaitable, Hashable, Sequence
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
 
 from isthmus import errors
+from isthmus.compat.jaxlib_types import JaxlibClient, JaxlibDevice, JaxSharding
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.transport.base import Commands
@@ -41,6 +42,8 @@ from isthmus.worker.slots import (
     Failed,
     HostArray,
     Loaded,
+    Program,
+    Slot,
     Unloadable,
     already_done,
     computation_error,
@@ -50,6 +53,9 @@ from isthmus.worker.slots import (
     move,
     place,
 )
+
+if TYPE_CHECKING:
+    from isthmus.transport.flow import FlowGate
 
 __all__ = ["DeviceHost", "computation_error", "launch_id", "make_cpu_client"]
 
@@ -70,10 +76,10 @@ class DeviceHost:
     own too); they hold buffers and run programs and colocated Python like the others.
     """
 
-    def __init__(self, client: Any, device_map: dict[int, int] | None = None, *,
+    def __init__(self, client: JaxlibClient, device_map: dict[int, int] | None = None, *,
                  pool: concurrent.futures.Executor | None = None,
                  compile_cache: CompileCache | KeptExecutables | None = None,
-                 companions: dict[int, Any] | None = None) -> None:
+                 companions: dict[int, JaxlibDevice] | None = None) -> None:
         import jax
 
         # Buffers must keep the client's dtypes: without x64, jax.device_put would turn
@@ -94,8 +100,8 @@ class DeviceHost:
         # stream.
         shared_pool = getattr(client, "platform", "cpu") == "cpu"
         self.buffers = BufferStore()  # the shard buffers, in explicit states (buffers.py)
-        self._shardings: dict[tuple[int, str | None], Any] = {}  # see `_sharding`
-        self._executables: dict[ExecutableId, Loaded | Unloadable] = {}
+        self._shardings: dict[tuple[int, str | None], JaxSharding] = {}  # see `_sharding`
+        self._executables: dict[ExecutableId, Program] = {}
         self._writes: set[asyncio.Future[None]] = set()  # host data being placed, in threads
         self._pool = pool or concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="isthmus-host"
@@ -165,7 +171,7 @@ class DeviceHost:
         if error is not None:
             raise error
 
-    def _sharding(self, device_id: int, memory_kind: str | None) -> Any:
+    def _sharding(self, device_id: int, memory_kind: str | None) -> JaxSharding:
         """Where host data or a copy goes: a device's SingleDeviceSharding (in a memory
         kind, or its default memory)."""
         sharding = self._shardings.get((device_id, memory_kind))
@@ -361,7 +367,8 @@ class DeviceHost:
         Arguments listed in `copy_first` are copied before the call so that donation cannot
         consume them.
         """
-        loaded = self._executables.get(executable_id)
+        # An Execute names a compiled program (colocated functions run by `python.call`).
+        loaded = cast("Loaded | Unloadable | None", self._executables.get(executable_id))
         positions = loaded.positions if loaded is not None else ()
         token = None  # of a run over several devices (`InFlight`)
         try:
@@ -426,7 +433,7 @@ class DeviceHost:
         """Commands shared with other workers."""
         self._inline.deliver(commands)
 
-    def attach_flow(self, gate: Any, key: Any) -> None:
+    def attach_flow(self, gate: FlowGate, key: Hashable) -> None:
         """The fleet's flow gate, which this channel's backlog closes (`InlineOrder`)."""
         self._inline.attach_flow(gate, key)
 
@@ -441,7 +448,7 @@ class DeviceHost:
         calls = {b: v for b, v in slots.items() if isinstance(v, Pending)}
         for buffer_id in calls:
             del slots[buffer_id]
-        into: dict[BufferId, Any] = {}
+        into: dict[BufferId, Slot] = {}
         moved = regroup.move_buffers(slots, spans, old.devices, self.devices, into, reason,
                                      wait)
         self.buffers.adopt(into)

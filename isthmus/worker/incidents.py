@@ -20,7 +20,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
 
 from isthmus.transport import messages as m
 
@@ -51,7 +50,8 @@ class IncidentForwarder(logging.Handler):
     loop `loop`: at once from it (so an incident leaves before the error reply that follows
     it), scheduled there from other threads."""
 
-    def __init__(self, send: Callable[[Any], None], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, send: Callable[[m.Incident], None], loop: asyncio.AbstractEventLoop
+                 ) -> None:
         super().__init__(level=logging.WARNING)
         self._send = send
         self._loop = loop

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from isthmus.ids import ExecutableId
     from isthmus.transport.commands import Command, Request
     from isthmus.transport.flow import FlowGate
+    from isthmus.worker.slots import Settling
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -45,11 +46,11 @@ class Backlog(Protocol):
         """Makes this host's outputs of one run of a program error buffers."""
         ...
 
-    def backlog(self, executable_id: ExecutableId) -> list[Any]:
+    def backlog(self, executable_id: ExecutableId) -> Sequence[Settling]:
         """What a program must wait for before it is dispatched ([]: it may go now)."""
         ...
 
-    def wait_for(self, values: list[Any]) -> Awaitable[None]:
+    def wait_for(self, values: Sequence[Settling]) -> Awaitable[None]:
         """Resolves once these arrays are computed or donated."""
         ...
 
@@ -114,7 +115,7 @@ class InlineOrder:
                 self._host.collectives.fail_outputs(command.executable, command.results, error)
             for buffer_id in command.produces():
                 self._host.fail(buffer_id, error)
-            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             failed.set_exception(error)
             failed.exception()  # a told command's failure is read from its outputs
             return failed
@@ -135,7 +136,7 @@ class InlineOrder:
     def _held(self, command: Command) -> bool:
         return bool(self._older(command))
 
-    def _older(self, command: Command) -> list[object]:
+    def _older(self, command: Command) -> Sequence[Settling]:
         """What an Execute must wait for (`CollectiveOrder.backlog`); [] for other commands."""
         if not isinstance(command, c.Execute):
             return []
@@ -168,8 +169,8 @@ class InlineOrder:
                 _chain(result, answer)
 
 
-def _chain(result: Awaitable[Any], answer: asyncio.Future[Any]) -> None:
-    def copy(done: asyncio.Future[Any]) -> None:
+def _chain(result: Awaitable[object], answer: asyncio.Future[Any]) -> None:
+    def copy(done: asyncio.Future[object]) -> None:
         if answer.done():
             return
         if done.cancelled():

@@ -19,6 +19,7 @@ the controller or the client.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import fnmatch
 import io
 import json
@@ -27,13 +28,19 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 import numpy as np
 
 from isthmus import errors
+from isthmus.compat.jaxlib_types import JaxArray, JaxlibDevice
 from isthmus.ids import BufferId
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+    from isthmus.worker.slots import HostArray
 
 FORMAT = 1
 # Testing aid: a host that writes a local shard whose path matches this glob stops with the
@@ -45,13 +52,14 @@ Box = tuple[tuple[int, int], ...]
 # numpy parses .npy headers with `ast.literal_eval`, which CPython 3.11 cannot run in several
 # threads at once ("AST constructor recursion depth mismatch"): one parse at a time.
 _HEADERS = threading.Lock()
+_T = TypeVar("_T")
 
 
 def shard_file(box: Box) -> str:
     return "shard-" + "_".join(f"{a}-{b}" for a, b in box) + ".npy"
 
 
-def _filesystem(location: str) -> tuple[Any, str]:
+def _filesystem(location: str) -> tuple[AbstractFileSystem, str]:
     import fsspec
 
     try:
@@ -66,12 +74,12 @@ def _filesystem(location: str) -> tuple[Any, str]:
             "pick a location every host can reach.") from None
 
 
-def _is_local(fs: Any) -> bool:
+def _is_local(fs: AbstractFileSystem) -> bool:
     return (fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]) in ("file",
                                                                                "local")
 
 
-def _write_atomically(fs: Any, path: str, data: bytes | np.ndarray) -> None:
+def _write_atomically(fs: AbstractFileSystem, path: str, data: bytes | np.ndarray) -> None:
     """Writes bytes, or an array as .npy, so that readers see the whole file or none."""
     if not _is_local(fs):
         if isinstance(data, np.ndarray):
@@ -174,10 +182,10 @@ def read_box(location: str, dtype: np.dtype, shape: Sequence[int], box: Box) -> 
 class Shards(Protocol):
     """What checkpoint I/O needs of a host's buffers (`buffers.BufferStore` gives it)."""
 
-    def value(self, buffer_id: BufferId) -> Any:
+    def value(self, buffer_id: BufferId) -> JaxArray | HostArray:
         """The buffer's array; raises its error (or that it is missing or deleted)."""
 
-    def store(self, buffer_id: BufferId, value: Any) -> None:
+    def store(self, buffer_id: BufferId, value: JaxArray) -> None:
         """Makes `value` the buffer `buffer_id`."""
 
     def fail(self, buffer_id: BufferId, error: errors.IsthmusError) -> None:
@@ -188,9 +196,10 @@ class Checkpoints:
     """Writing and reading checkpoint shards of a host's buffers, in the host's threads (a
     part of `DeviceHost`: it sees the buffers through `Shards` only)."""
 
-    def __init__(self, shards: Shards, devices: Mapping[int, Any], pool: Any) -> None:
+    def __init__(self, shards: Shards, devices: Mapping[int, JaxlibDevice],
+                 pool: concurrent.futures.Executor) -> None:
         self._shards = shards
-        self._devices = devices  # global device id -> jax device
+        self._devices = devices  # by global id
         self._pool = pool
 
     def write_shards(self, location: str, items: Sequence[tuple[BufferId, Box]]
@@ -238,11 +247,12 @@ class Checkpoints:
         return run()
 
 
-async def _failed(error: errors.IsthmusError) -> Any:
+async def _failed(error: errors.IsthmusError) -> NoReturn:
     raise error
 
 
-async def _in_thread(pool: Any, work: Any, doing: str) -> Any:
+async def _in_thread(pool: concurrent.futures.Executor, work: Callable[..., _T], doing: str
+                     ) -> _T:
     try:
         return await asyncio.get_running_loop().run_in_executor(pool, work)
     except errors.IsthmusError:

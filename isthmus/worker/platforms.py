@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from collections.abc import Mapping, MutableMapping
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
+from isthmus.compat.jaxlib_types import (
+    CpuCollectives,
+    DistributedClient,
+    JaxlibClient,
+    JaxlibDevice,
+)
 from isthmus.worker import scheduling
 from isthmus.worker.compile_cache import CacheConfig
 
@@ -85,7 +91,7 @@ def parse_gpus(text: str | None) -> tuple[int, ...] | None:
     return gpus
 
 
-def visible_gpus(environ: Any = os.environ) -> tuple[int, ...]:
+def visible_gpus(environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
     """The GPUs this machine shows a new process, without touching CUDA (which would claim
     memory): CUDA_VISIBLE_DEVICES when set, else the NVIDIA driver's list."""
     listed = environ.get("CUDA_VISIBLE_DEVICES")
@@ -162,7 +168,7 @@ def _no_tpu(reason: str) -> PlatformUnavailable:
         "on a TPU machine, or use --platform cpu.")
 
 
-def make_tpu_client() -> Any:
+def make_tpu_client() -> JaxlibClient:
     """A client of the chips this process may use (libtpu's environment says which: one
     process at a time may hold a chip)."""
     check_local_tpu()
@@ -187,7 +193,8 @@ def check_local_cuda() -> None:
                        "CUDA_VISIBLE_DEVICES is empty)")
 
 
-def prepare_process(platform: Platform, environ: Any = os.environ) -> None:
+def prepare_process(platform: Platform, environ: MutableMapping[str, str] = os.environ
+                    ) -> None:
     """Sets what jax and XLA read at start-up. Call before any client is made."""
     # jax's own default backends stay on the CPU: the accelerator client is ours.
     environ["JAX_PLATFORMS"] = "cpu"
@@ -221,8 +228,8 @@ def _no_cuda(reason: str) -> PlatformUnavailable:
         "NVIDIA GPU, or use --platform cpu.")
 
 
-def make_cuda_client(distributed_client: Any = None, node_id: int = 0,
-                     num_nodes: int = 1) -> Any:
+def make_cuda_client(distributed_client: DistributedClient | None = None, node_id: int = 0,
+                     num_nodes: int = 1) -> JaxlibClient:
     """A client over the GPUs this process may see; NCCL collectives when distributed."""
     if not _cuda_plugin_registered():
         raise _no_cuda("jax's CUDA plugin is not installed in this Python")
@@ -246,8 +253,9 @@ def make_cuda_client(distributed_client: Any = None, node_id: int = 0,
     return client
 
 
-def make_client(platform: str, num_devices: int, distributed_client: Any = None,
-                node_id: int = 0, num_nodes: int = 1, collectives: Any = None) -> Any:
+def make_client(platform: str, num_devices: int,
+                distributed_client: DistributedClient | None = None, node_id: int = 0,
+                num_nodes: int = 1, collectives: CpuCollectives | None = None) -> JaxlibClient:
     """The client a worker serves: `num_devices` CPU devices, or its GPUs or TPU chips (all
     it sees)."""
     if platform == "tpu":
@@ -270,7 +278,7 @@ def make_client(platform: str, num_devices: int, distributed_client: Any = None,
         return client
     from isthmus.worker.slots import make_cpu_client
 
-    extra: dict[str, Any] = {}
+    extra: dict[str, object] = {}
     if distributed_client is not None:
         extra = dict(distributed_client=distributed_client, node_id=node_id,
                      num_nodes=num_nodes, collectives=collectives)
@@ -278,7 +286,8 @@ def make_client(platform: str, num_devices: int, distributed_client: Any = None,
 
 
 def join_group(address: str, node_id: int, num_nodes: int, platform: str, devices: int,
-               timeout: int, gloo_scheduling: str = scheduling.DEFAULT) -> tuple[Any, Any]:
+               timeout: int, gloo_scheduling: str = scheduling.DEFAULT
+               ) -> tuple[DistributedClient, JaxlibClient]:
     """Joins the collective group whose coordinator is at `address` (blocking): returns the
     distributed-runtime client (keep it alive) and the device client made in the group.
     A CPU group's gloo loop thread gets `gloo_scheduling` (`worker/scheduling.py`)."""
@@ -315,7 +324,7 @@ class Description:
     attributes: tuple[tuple[tuple[str, int | tuple[int, ...]], ...], ...] = ()
 
 
-def stand_in(environ: Any = os.environ) -> bool:
+def stand_in(environ: Mapping[str, str] = os.environ) -> bool:
     """CPU devices are served as accelerators (`STAND_IN_ENV`; tests only)."""
     return environ.get(STAND_IN_ENV, "") not in ("", "0")
 
@@ -341,7 +350,7 @@ def describe(platform: Platform, cpu_devices: int) -> Description:
     return describe_client("cuda", make_cuda_client())
 
 
-def describe_client(name: str, client: Any) -> Description:
+def describe_client(name: str, client: JaxlibClient) -> Description:
     devices = client.local_devices()
     first = devices[0]
     default = first.default_memory().kind
@@ -356,7 +365,7 @@ def describe_client(name: str, client: Any) -> Description:
 ATTRIBUTES = ("coords", "core_on_chip")  # what jax reads of a TPU device beyond its id
 
 
-def device_attributes(device: Any) -> tuple[tuple[str, int | tuple[int, ...]], ...]:
+def device_attributes(device: JaxlibDevice) -> tuple[tuple[str, int | tuple[int, ...]], ...]:
     """The backend's attributes of a jaxlib device that a client needs as they are: a TPU's
     chip coordinates and core (jax builds TPU meshes from them); none for CPU and GPU."""
     found: list[tuple[str, int | tuple[int, ...]]] = []
@@ -369,7 +378,8 @@ def device_attributes(device: Any) -> tuple[tuple[str, int | tuple[int, ...]], .
     return tuple(found)
 
 
-def companion_devices(primary: dict[int, Any], client: Any, base: int) -> dict[int, Any]:
+def companion_devices(primary: dict[int, JaxlibDevice], client: JaxlibClient, base: int
+                      ) -> dict[int, JaxlibDevice]:
     """The colocated CPU devices of a group's accelerators: `primary` maps global ids to
     the accelerators' jaxlib devices (every host's), `client` is the CPU client of the
     group's colocated devices, which has as many per host. The r-th accelerator of a host
@@ -378,7 +388,7 @@ def companion_devices(primary: dict[int, Any], client: Any, base: int) -> dict[i
     accelerators: dict[int, list[int]] = {}
     for g in sorted(primary):
         accelerators.setdefault(primary[g].process_index, []).append(g)
-    cpus: dict[int, list[Any]] = {}
+    cpus: dict[int, list[JaxlibDevice]] = {}
     for device in sorted(client.devices(), key=lambda d: d.id):
         cpus.setdefault(device.process_index, []).append(device)
     mapping = {}
@@ -392,12 +402,12 @@ def companion_devices(primary: dict[int, Any], client: Any, base: int) -> dict[i
     return mapping
 
 
-def device_memory(client: Any, devices: dict[int, Any]) -> dict[str, int]:
+def device_memory(client: JaxlibClient, devices: dict[int, JaxlibDevice]) -> dict[str, int]:
     """A jaxlib client's own memory figures, summed over its devices, and per device as
     `memory/<global id>/<figure>` (GPU clients keep them; jaxlib's CPU client does
     not, and then there are none)."""
     totals: dict[str, int] = {}
-    global_ids: dict[Any, int] | None = None
+    global_ids: dict[JaxlibDevice, int] | None = None
     for device in client.local_devices():
         try:
             stats = device.memory_stats()
@@ -415,7 +425,7 @@ def device_memory(client: Any, devices: dict[int, Any]) -> dict[str, int]:
     return totals
 
 
-def default_layout(device: Any, dtype: str, shape: tuple[int, ...]) -> str:
+def default_layout(device: JaxlibDevice | None, dtype: str, shape: tuple[int, ...]) -> str:
     """The backend's default layout of an array of `dtype` (a numpy name) and `shape` on a
     jaxlib `device` (None: not this host's), as XLA writes it: row-major on CPU and GPU
     ("{1,0}"), tiled and often transposed on a TPU ("{0,1:T(8,128)}")."""

@@ -21,10 +21,10 @@ import secrets
 import socket
 import threading
 from collections.abc import Awaitable
-from typing import Any
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
+from isthmus.compat.jaxlib_types import ProfilerSession
 from isthmus.transport.records import TraceOptions
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ SUFFIX = ".xplane.pb"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def _session(options: TraceOptions) -> Any:
+def _session(options: TraceOptions) -> ProfilerSession:
     """A started jaxlib profiler session (`jax_compat.profiler_extension`)."""
     _profiler = jax_compat.profiler_extension()
     profile_options = _profiler.ProfileOptions()
@@ -53,7 +53,7 @@ class ProcessProfiler:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._trace: str | None = None  # the trace being recorded, if any
-        self._session: Any = None
+        self._session: ProfilerSession | None = None
 
     def start(self, trace: str, options: TraceOptions) -> bool:
         """Starts recording for `trace`; False when this process already records it."""
@@ -89,7 +89,7 @@ class ProcessProfiler:
                                        "profiler in this process may hold it.") from None
 
 
-def _stop_quietly(session: Any) -> None:
+def _stop_quietly(session: ProfilerSession) -> None:
     try:
         session.stop()
     except Exception:  # noqa: BLE001 - dropping it anyway

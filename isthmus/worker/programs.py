@@ -12,14 +12,28 @@ import collections
 import logging
 import re
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.compat import jax as jax_compat
+from isthmus.compat.jaxlib_types import (
+    JaxlibClient,
+    JaxlibDevice,
+    JaxSharding,
+    LoadedExecutable,
+    MlirContext,
+    MlirModule,
+    MlirType,
+    OpSharding,
+    ResultHandler,
+)
 from isthmus.transport.records import Aval, CompiledInfo, CompileRequest, Signature
+
+if TYPE_CHECKING:
+    from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +45,15 @@ LOADS: collections.Counter[str] = collections.Counter()
 _LOADS_LOCK = threading.Lock()  # compiles run in several threads
 
 
+_T = TypeVar("_T")
+_D = TypeVar("_D")
+
+
 def _count(how: str) -> None:
     with _LOADS_LOCK:
         LOADS[how] += 1
 
-def parse_program(context: Any, module: bytes) -> Any:
+def parse_program(context: MlirContext, module: bytes) -> MlirModule:
     """The module of a program's bytes: a StableHLO portable artifact, or MLIR text or
     bytecode. Only for bytes this server wrote (`vetting`), or in the disposable process."""
     from jaxlib.mlir import ir
@@ -98,7 +116,7 @@ def parse_signature(module: bytes) -> Signature:
         return signature_of(parse_program(context, module))
 
 
-def signature_of(parsed: Any) -> Signature:
+def signature_of(parsed: MlirModule) -> Signature:
     """The signature of a parsed module (in its context)."""
     from jaxlib.mlir import ir
 
@@ -130,7 +148,7 @@ def signature_of(parsed: Any) -> Signature:
     return Signature(name, params, outputs, tuple(donated), tuple(memory_kinds))
 
 
-def _aval(t: Any) -> Aval:
+def _aval(t: MlirType) -> Aval:
     from jaxlib.mlir import ir
 
     if isinstance(t, ir.RankedTensorType):
@@ -156,8 +174,9 @@ def _first_line(e: BaseException) -> str:
     return text[0][:300] if text else type(e).__name__
 
 
-def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest,
-                    cache: Any = None) -> tuple[Any, CompiledInfo]:
+def compile_program(client: JaxlibClient, devices: Sequence[JaxlibDevice],
+                    request: CompileRequest, cache: CompileCache | KeptExecutables | None = None
+                    ) -> tuple[LoadedExecutable, CompiledInfo]:
     """Compiles and loads `request` on `devices` (blocking); with a `CompileCache`, loads it
     from there when it was compiled before (and stores it there when not)."""
     import jax
@@ -172,7 +191,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     options.executable_build_options.device_assignment = xc.DeviceAssignment.create(
         np.array([d.id for d in devices], dtype=np.int64).reshape(request.replicas, -1))
     device_list = _jax.DeviceList(tuple(devices))
-    key = executable = None
+    key, executable = "", None
     if cache is not None:
         digest = cache.program_digest(request.module, request.digest)
         key = cache.key(client, devices, digest, request.compile_options, request.device_ids,
@@ -198,10 +217,10 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
     if cache is not None and fresh:
         cache.store(key, client, executable, payload)
 
-    def shardings(values: Any) -> tuple[bytes, ...] | None:
+    def shardings(values: Iterable[OpSharding] | None) -> tuple[bytes, ...] | None:
         return None if values is None else tuple(s.SerializeToString() for s in values)
 
-    def optional(call: Any, default: Any) -> Any:
+    def optional(call: Callable[[], _T], default: _D) -> _T | _D:
         try:
             return call()
         except Exception:  # noqa: BLE001 - a backend may not implement every query
@@ -215,7 +234,7 @@ def compile_program(client: Any, devices: Sequence[Any], request: CompileRequest
             "host_argument_size_in_bytes", "host_output_size_in_bytes",
             "host_alias_size_in_bytes", "host_temp_size_in_bytes")
         if hasattr(stats, field)}
-    memory_kinds = optional(executable.get_output_memory_kinds, [[]])
+    memory_kinds: Sequence[Sequence[str]] = optional(executable.get_output_memory_kinds, [[]])
     fingerprint = optional(lambda: executable.fingerprint, None)
     param_layouts, param_layouts_error = _layouts(executable.get_parameter_layouts)
     output_layouts, output_layouts_error = _layouts(executable.get_output_layouts)
@@ -254,7 +273,7 @@ def compile_failure(e: BaseException) -> errors.IsthmusError:
     return error
 
 
-def _layouts(query: Any) -> tuple[tuple[str, ...], str]:
+def _layouts(query: Callable[[], Iterable[object]]) -> tuple[tuple[str, ...], str]:
     """A layout query's answer as text, or why the backend has none (it raises
     UNIMPLEMENTED for token parameters and outputs, and jax then uses default layouts)."""
     try:
@@ -284,7 +303,8 @@ def compiled_donations(hlo_text: str, declared: tuple[int, ...]) -> tuple[int, .
     return tuple(i for i in declared if i in used)
 
 
-def arg_shardings(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...]:
+def arg_shardings(info: CompiledInfo, devices: Sequence[JaxlibDevice]
+                  ) -> tuple[JaxSharding, ...]:
     """A jax sharding per parameter, to wrap shards into the arrays jaxlib executes on."""
     _jax, xc = jax_compat.jaxlib_extension(), jax_compat.xla_client()
     if info.param_shardings is None or len(devices) == 1:
@@ -298,7 +318,8 @@ def arg_shardings(info: CompiledInfo, devices: Sequence[Any]) -> tuple[Any, ...]
     return tuple(result)
 
 
-def result_handlers(info: CompiledInfo, devices: Sequence[Any]) -> list[Any] | None:
+def result_handlers(info: CompiledInfo, devices: Sequence[JaxlibDevice]
+                    ) -> list[ResultHandler] | None:
     """For a program on one device, per output, jaxlib's maker of its array (its aval and
     its device in the memory kind the program writes it to); None for a program on several
     devices, or one with an output that has no plain dtype (a token)."""

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TypeAlias
 
 from isthmus import errors
+from isthmus.compat.jaxlib_types import JaxArray, JaxlibDevice
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.worker import colocated, regroup
 from isthmus.worker.buffers import BufferStore, ids_of
-from isthmus.worker.slots import Failed, Unloadable, failing
+from isthmus.worker.slots import Failed, HostArray, Program, Slot, Unloadable, failing
+
+# A colocated call's outputs on this host: per output, the values of its local positions.
+Outputs: TypeAlias = list[list[JaxArray | HostArray]]
 
 
 class PythonCalls:
@@ -22,12 +26,12 @@ class PythonCalls:
     programs and thread pool (shared with it, not copied): loading programs, running calls
     in order per stream and concurrently across streams, and storing their outputs."""
 
-    def __init__(self, buffers: BufferStore, devices: dict[int, Any], local: set[Any],
-                 executables: dict[ExecutableId, Any], pool: concurrent.futures.Executor
-                 ) -> None:
+    def __init__(self, buffers: BufferStore, devices: dict[int, JaxlibDevice],
+                 local: set[JaxlibDevice], executables: dict[ExecutableId, Program],
+                 pool: concurrent.futures.Executor) -> None:
         self.buffers = buffers
-        self.devices = devices  # global id -> jaxlib device
-        self._local = local  # jaxlib devices held here
+        self.devices = devices  # by global id
+        self._local = local  # those held here
         self._executables = executables  # the host's programs, colocated ones among them
         self._pool = pool
         self._runner: PythonRunner | None = None  # made at the first call
@@ -42,7 +46,7 @@ class PythonCalls:
             raise
         self._executables[executable_id] = function
 
-    def drop(self, dropped: Any) -> None:
+    def drop(self, dropped: Program | None) -> None:
         """A program the host dropped: a Python function is kept while calls may need it."""
         if isinstance(dropped, colocated.PythonFunction) and self._runner is not None:
             # Calls submitted before the drop may not have started yet, and they may need
@@ -51,7 +55,8 @@ class PythonCalls:
             self._runner.keep_while_busy(dropped)
 
     def call(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
-             results: Sequence[int], stream: Any = None) -> Awaitable[None]:
+             results: Sequence[int], stream: tuple[int, ...] | None = None
+             ) -> Awaitable[None]:
         """Runs a colocated Python function on this host's shards (`colocated.py`).
 
         `args[i]` names input i's shards in the order of its own devices (a group base or one
@@ -84,8 +89,8 @@ class PythonCalls:
         work = self._runner.submit(stream, lambda: colocated.run(function, self.devices, inputs))
         return self._store(work, slots, pending)
 
-    async def _store(self, work: Awaitable[list[list[Any]]],
-                            slots: list[list[BufferId]], pending: list[list[Any]]) -> None:
+    async def _store(self, work: Awaitable[Outputs], slots: list[list[BufferId]],
+                     pending: list[list[colocated.Pending]]) -> None:
         try:
             outputs = await work
         except Exception as e:  # noqa: BLE001
@@ -119,7 +124,7 @@ class PythonCalls:
             raise error
 
     async def take_calls(self, calls: dict[BufferId, colocated.Pending],
-                         old_devices: dict[int, Any]) -> None:
+                         old_devices: dict[int, JaxlibDevice]) -> None:
         """Takes over the placeholders of colocated calls that were running on an earlier
         group's host (`DeviceHost.adopt`), on the event loop, where calls store their
         outputs: one whose call has ended since gets its output moved here; the others wait
@@ -140,8 +145,8 @@ class PythonCalls:
             self.buffers.store(buffer_id, value)
 
 
-def _onto(outputs: list[list[Any]], old_devices: dict[int, Any], new_devices: dict[int, Any]
-          ) -> list[list[Any]]:
+def _onto(outputs: list[list[Slot]], old_devices: dict[int, JaxlibDevice],
+          new_devices: dict[int, JaxlibDevice]) -> list[list[Slot]]:
     device_ids = {d: g for g, d in old_devices.items()}
     return [[regroup.onto(v, device_ids, new_devices) for v in values] for values in outputs]
 
@@ -154,16 +159,16 @@ class PythonRunner:
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.THREADS, thread_name_prefix="isthmus-python")
-        self._tails: dict[Any, asyncio.Future[Any]] = {}
-        self._running: set[asyncio.Future[Any]] = set()
-        self._kept: list[Any] = []
+        self._tails: dict[Hashable, asyncio.Future[Outputs]] = {}  # the last call, by stream
+        self._running: set[asyncio.Future[Outputs]] = set()
+        self._kept: list[object] = []
         self._releasing: set[asyncio.Task[None]] = set()
 
-    def submit(self, stream: Any, work: Callable[[], Any]) -> asyncio.Future[Any]:
+    def submit(self, stream: Hashable, work: Callable[[], Outputs]) -> asyncio.Future[Outputs]:
         loop = asyncio.get_running_loop()
         previous = self._tails.get(stream)
 
-        async def after_previous() -> Any:
+        async def after_previous() -> Outputs:
             if previous is not None:
                 await asyncio.wait([previous])
             return await loop.run_in_executor(self._pool, work)
@@ -172,7 +177,7 @@ class PythonRunner:
         self._tails[stream] = task
         self._running.add(task)
 
-        def forget(t: asyncio.Future[Any]) -> None:
+        def forget(t: asyncio.Future[Outputs]) -> None:
             self._running.discard(t)
             if self._tails.get(stream) is t:
                 del self._tails[stream]
@@ -182,7 +187,7 @@ class PythonRunner:
         task.add_done_callback(forget)
         return task
 
-    def keep_while_busy(self, value: Any) -> None:
+    def keep_while_busy(self, value: object) -> None:
         """Holds `value` until the calls submitted so far have finished."""
         if not self._running:
             return

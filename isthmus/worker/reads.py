@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
 from isthmus import errors
+from isthmus.compat.jaxlib_types import JaxArray
 from isthmus.ids import BufferId
 from isthmus.worker.buffers import BufferStore, ids_of
-from isthmus.worker.slots import already_done, block_all, computation_error, failing
+from isthmus.worker.slots import HostArray, already_done, block_all, computation_error, failing
+
+_T = TypeVar("_T")
 
 
 class ReadsInFlight:
@@ -37,14 +40,14 @@ class ReadsInFlight:
     def __contains__(self, buffer_id: object) -> bool:
         return buffer_id in self._count
 
-    def track(self, buffer_ids: Sequence[BufferId], read: Awaitable[Any]) -> Awaitable[Any]:
+    def track(self, buffer_ids: Sequence[BufferId], read: Awaitable[_T]) -> Awaitable[_T]:
         """`read`, with `buffer_ids` counted from now (the commands applied after this one
         see them) until it ends."""
         for b in buffer_ids:
             self._count[b] = self._count.get(b, 0) + 1
         return self._ends(buffer_ids, read)
 
-    async def _ends(self, buffer_ids: Sequence[BufferId], read: Awaitable[Any]) -> Any:
+    async def _ends(self, buffer_ids: Sequence[BufferId], read: Awaitable[_T]) -> _T:
         try:
             return await read
         finally:
@@ -101,7 +104,7 @@ class Reads:
             return already_done()
         return self.in_flight.track(buffer_ids, self._wait_ready(values))
 
-    async def _wait_ready(self, values: list[Any]) -> None:
+    async def _wait_ready(self, values: list[JaxArray | HostArray]) -> None:
         pending = [v for v in values if not v.is_ready()]
         if pending:
             # Small computations finish within a turn of the event loop; a thread hand-off
@@ -131,7 +134,7 @@ class Reads:
             pass
         return self.in_flight.track([buffer_id], self._wait_value(value))
 
-    async def _wait_value(self, value: Any) -> np.ndarray:
+    async def _wait_value(self, value: JaxArray | HostArray) -> np.ndarray:
         try:
             if not value.is_ready():
                 await asyncio.sleep(0)

@@ -11,17 +11,18 @@ with `onto`, when it ends (`python_calls.py`).
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any
 
 import numpy as np
 
 from isthmus import errors
+from isthmus.compat.jaxlib_types import JaxArray, JaxlibDevice
 from isthmus.ids import BufferId
 from isthmus.worker.colocated import Pending
-from isthmus.worker.slots import Failed, HostArray, settle_quietly
+from isthmus.worker.slots import Failed, HostArray, Slot, settle_quietly
 
 
-def onto(value: Any, device_ids: Mapping[Any, int], new_devices: Mapping[int, Any]) -> Any:
+def onto(value: Slot, device_ids: Mapping[JaxlibDevice, int],
+         new_devices: Mapping[int, JaxlibDevice]) -> Slot:
     """A computed single-device array copied from an old client's device (global ids in
     `device_ids`) onto the device of the same global id in `new_devices` (through host
     memory: two clients share nothing). Host arrays and errors stay as they are. Blocking."""
@@ -35,9 +36,9 @@ def onto(value: Any, device_ids: Mapping[Any, int], new_devices: Mapping[int, An
         memory_kind=value.sharding.memory_kind))
 
 
-def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, frozenset[int]],
-                 old_devices: Mapping[int, Any], new_devices: Mapping[int, Any],
-                 into: MutableMapping[BufferId, Any], reason: str = "",
+def move_buffers(buffers: Mapping[BufferId, Slot], spans: Mapping[BufferId, frozenset[int]],
+                 old_devices: Mapping[int, JaxlibDevice], new_devices: Mapping[int, JaxlibDevice],
+                 into: MutableMapping[BufferId, Slot], reason: str = "",
                  wait: float = 30.0) -> int:
     """Moves a host's `buffers` (on `old_devices`, by global device id) onto `new_devices`, the
     devices of a new collective group's client, storing each in `into` as it is done.
@@ -105,7 +106,7 @@ def move_buffers(buffers: Mapping[BufferId, Any], spans: Mapping[BufferId, froze
     return moved
 
 
-def _lost_a_peer(value: Any) -> bool:
+def _lost_a_peer(value: JaxArray) -> bool:
     """A computed buffer whose computation failed because its collective lost a peer."""
     try:
         value.block_until_ready()

@@ -4,9 +4,9 @@ shards, its outputs into them, and the launch id of a run over several devices."
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from isthmus.compat import jax as jax_compat
+from isthmus.compat.jaxlib_types import JaxArray, ShardedToken
 from isthmus.ids import BufferId
 from isthmus.worker.buffers import BufferStore, ids_of
 from isthmus.worker.slots import Loaded
@@ -28,13 +28,15 @@ def launch_id(results: Sequence[int]) -> int | None:
 
 
 def arguments_one(buffers: BufferStore, args: Sequence[int | Sequence[BufferId]],
-                  copy_first: frozenset[int]) -> list[Any]:
+                  copy_first: frozenset[int]) -> list[JaxArray]:
     """The arguments of a program on one device: its shards as they are (its one position
     here is 0: an argument's id is its base, or its first id); those in `copy_first` copied,
     so that donation cannot consume them."""
     import jax
 
-    ids: list[Any] = [ref if isinstance(ref, int) else ref[0] for ref in args]
+    # An int is a group base, the id of its position 0 (no BufferId() call on this path).
+    ids: list[BufferId] = [ref if isinstance(ref, int) else ref[0]  # type: ignore[misc]
+                           for ref in args]
     values = buffers.values(ids)
     for index in copy_first:
         values[index] = jax.device_put(values[index], values[index].sharding, may_alias=False)
@@ -54,7 +56,7 @@ def run_one(loaded: Loaded, buffers: BufferStore, args: Sequence[int | Sequence[
 
 def run_sharded(loaded: Loaded, buffers: BufferStore, args: Sequence[int | Sequence[BufferId]],
                 positions: Sequence[int], copy_first: frozenset[int],
-                launch: int | None) -> tuple[list[list[Any]], Any]:
+                launch: int | None) -> tuple[list[list[JaxArray]], ShardedToken]:
     """A program over several devices: each argument as one array of this host's shards,
     each output taken apart into its shards here; and the run's token. `launch` is the run's
     launch id (`launch_id`)."""

@@ -22,20 +22,24 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from isthmus import errors
+from isthmus.compat.jaxlib_types import JaxArray, JaxlibClient, JaxlibDevice, JaxSharding
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport.host import Part
 from isthmus.worker.buffers import ids_of
+from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.host import DeviceHost
-from isthmus.worker.slots import Failed, Loaded
+from isthmus.worker.slots import Failed, Loaded, Program, Slot
 
 __all__ = ["SimulatedHost", "make_host"]
 
 
-def make_host(client: Any, device_map: dict[int, int] | None = None,
-              simulate_flops: float = 0.0, compile_cache: Any = None,
-              companions: dict[int, Any] | None = None) -> DeviceHost:
+def make_host(client: JaxlibClient, device_map: dict[int, int] | None = None,
+              simulate_flops: float = 0.0,
+              compile_cache: CompileCache | KeptExecutables | None = None,
+              companions: dict[int, JaxlibDevice] | None = None) -> DeviceHost:
     """The host of a client: a `SimulatedHost` at `simulate_flops` FLOP/s per device when
     that is set, else a `DeviceHost`; `compile_cache` keeps its executables across
     restarts; `companions` are its colocated CPU devices (`DeviceHost`)."""
@@ -45,7 +49,7 @@ def make_host(client: Any, device_map: dict[int, int] | None = None,
     return DeviceHost(client, device_map, compile_cache=compile_cache, companions=companions)
 
 
-def _real(value: Any) -> Any:
+def _real(value: Slot | None) -> Slot | None:
     return value.value if isinstance(value, _Pending) else value
 
 
@@ -55,7 +59,7 @@ class _Pending:
 
     __slots__ = ("value", "ready_at")
 
-    def __init__(self, value: Any, ready_at: float) -> None:
+    def __init__(self, value: JaxArray, ready_at: float) -> None:
         self.value = value
         self.ready_at = ready_at
 
@@ -72,15 +76,15 @@ class _Pending:
     def is_deleted(self) -> bool:
         return self.value.is_deleted()
 
-    def devices(self) -> Any:
+    def devices(self) -> set[JaxlibDevice]:
         return self.value.devices()
 
     @property
-    def sharding(self) -> Any:
+    def sharding(self) -> JaxSharding:
         return self.value.sharding
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> np.dtype:
         return self.value.dtype
 
     @property
@@ -91,7 +95,8 @@ class _Pending:
     def nbytes(self) -> int:
         return self.value.nbytes
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None
+                  ) -> np.ndarray:
         self.block_until_ready()
         value = np.asarray(self.value)
         return value if dtype is None else value.astype(dtype)
@@ -101,7 +106,7 @@ class SimulatedHost(DeviceHost):
     """A `DeviceHost` whose programs are simulated after their first call (see the module
     docstring); `flops_per_s` is the simulated rate of each device."""
 
-    def __init__(self, client: Any, device_map: dict[int, int] | None = None, *,
+    def __init__(self, client: JaxlibClient, device_map: dict[int, int] | None = None, *,
                  flops_per_s: float, **kwargs: Any) -> None:
         if flops_per_s <= 0:
             raise ValueError(f"the simulated rate must be positive, not {flops_per_s}")
@@ -110,7 +115,7 @@ class SimulatedHost(DeviceHost):
         # Invariant: a device runs one simulated program at a time; it is busy until then.
         self._busy: dict[int, float] = {}
         # Per program that ran once for real: (seconds per run, its outputs' shards).
-        self._templates: dict[ExecutableId, tuple[float, list[list[Any]]]] = {}
+        self._templates: dict[ExecutableId, tuple[float, list[list[Slot | None]]]] = {}
 
     def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:
@@ -143,7 +148,7 @@ class SimulatedHost(DeviceHost):
                 self.buffers.store(BufferId(base + p), _Pending(shard, end))
 
     def _first_run(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
-                   results: Sequence[int], loaded: Any) -> None:
+                   results: Sequence[int], loaded: Program | None) -> None:
         """Runs the program for real and keeps its outputs as the template of later runs.
         No argument is donated (its buffer may be a template of another program)."""
         positions = loaded.positions if isinstance(loaded, Loaded) else ()

@@ -1,8 +1,8 @@
 """The records a `DeviceHost` keeps per buffer and per program, and its small helpers.
 
 A buffer slot holds a jax array, a `HostArray` (IFRT string arrays stay host objects) or a
-`Failed` (the error that prevented it); a program slot holds a `Loaded` executable or an
-`Unloadable` (why it could not be compiled here).
+`Failed` (the error that prevented it); a program slot holds a `Loaded` executable, an
+`Unloadable` (why it could not be compiled here) or a colocated `PythonFunction`.
 """
 
 from __future__ import annotations
@@ -10,16 +10,30 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from isthmus import errors
 from isthmus.compat import jax as jax_compat
+from isthmus.compat.jaxlib_types import (
+    JaxArray,
+    JaxAval,
+    JaxlibClient,
+    JaxlibDevice,
+    JaxSharding,
+    LoadedExecutable,
+    ResultHandler,
+)
 from isthmus.transport import records
 
+if TYPE_CHECKING:
+    from isthmus.worker.colocated import PythonFunction
 
-def make_cpu_client(num_devices: int, **distributed: Any) -> Any:
+
+def make_cpu_client(num_devices: int, **distributed: object) -> JaxlibClient:
     """A jaxlib CPU client on which every custom call jax lowers to is registered.
 
     jax registers its CPU custom calls (LAPACK, sparse kernels) lazily, when a CPU client is
@@ -88,22 +102,23 @@ class HostArray:
     def delete(self) -> None:
         self._deleted = True
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None
+                  ) -> np.ndarray:
         return self.value
 
 
 @dataclasses.dataclass(slots=True)
 class Loaded:
-    executable: Any  # jaxlib LoadedExecutable
+    executable: LoadedExecutable
     info: records.CompiledInfo
-    devices: tuple[Any, ...]  # jaxlib devices of the whole program, in its order
-    arg_shardings: tuple[Any, ...]  # per parameter: a jax sharding to wrap shards with
+    devices: tuple[JaxlibDevice, ...]  # of the whole program, in its order
+    arg_shardings: tuple[JaxSharding, ...]  # per parameter: to wrap shards with
     positions: tuple[int, ...]  # positions (in the program's device list) held here
     # Global ids of the program's devices when some are on other hosts (None: all here).
     span: frozenset[int] | None = None
     # A program on one device: per output, what makes its array from the output buffer
     # (`programs.result_handlers`; None: outputs taken apart as jaxlib returns them).
-    result_handlers: list[Any] | None = None  # a list, as jaxlib takes it
+    result_handlers: list[ResultHandler] | None = None  # a list, as jaxlib takes it
 
 
 @dataclasses.dataclass(slots=True)
@@ -112,7 +127,22 @@ class Unloadable:
     positions: tuple[int, ...]  # its positions held here, whose outputs get the error
 
 
-async def failing(error: errors.IsthmusError) -> Any:
+# What a buffer slot holds (`buffers.py`): an array (stored), a host array, or an error.
+Slot: TypeAlias = "JaxArray | HostArray | Failed"
+# What a host's program table holds (`DeviceHost._executables`): a program loaded, one that
+# could not be, or a colocated Python function (`python_calls.py`).
+Program: TypeAlias = "Loaded | Unloadable | PythonFunction"
+
+
+class Settling(Protocol):
+    """What `block_all` waits for: an array, or a collective program in flight."""
+
+    def block_until_ready(self) -> object: ...
+
+    def is_deleted(self) -> bool: ...
+
+
+async def failing(error: errors.IsthmusError) -> NoReturn:
     raise error
 
 
@@ -131,14 +161,14 @@ def already_done() -> asyncio.Future[None]:
     return future
 
 
-def settle_quietly(value: Any) -> None:
+def settle_quietly(value: JaxArray) -> None:
     try:
         value.block_until_ready()
     except Exception:  # noqa: BLE001 - the caller reads the error from the value
         pass
 
 
-def block_all(values: list[Any]) -> None:
+def block_all(values: Sequence[Settling]) -> None:
     """Waits until each array is computed; returns at the first that failed (the caller
     reads the error), passing over one donated meanwhile (its consumer waits for it)."""
     for value in values:
@@ -149,7 +179,7 @@ def block_all(values: list[Any]) -> None:
                 return
 
 
-async def first_of(event: asyncio.Event, other: Any) -> None:
+async def first_of(event: asyncio.Event, other: Awaitable[object]) -> None:
     """Waits for `other` or for `event`, whichever comes first."""
     waits = [asyncio.ensure_future(other), asyncio.ensure_future(event.wait())]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -157,13 +187,13 @@ async def first_of(event: asyncio.Event, other: Any) -> None:
 
 
 @functools.cache
-def _jax_put() -> tuple[Any, Any]:
+def _jax_put() -> tuple[Callable[..., JaxAval], Callable[..., JaxArray]]:
     import jax
 
     return jax.core.ShapedArray, jax_compat.batched_device_put()
 
 
-def place(value: np.ndarray, sharding: Any, device: Any) -> Any:
+def place(value: np.ndarray, sharding: JaxSharding, device: JaxlibDevice) -> JaxArray:
     """Host data on one device (`sharding` its SingleDeviceSharding), as jax.device_put
     places a numpy array: the call its numpy handler makes, without the argument handling
     around it (4 µs a small shard instead of 30)."""
@@ -172,7 +202,7 @@ def place(value: np.ndarray, sharding: Any, device: Any) -> Any:
                               [device])
 
 
-def move(value: Any, target: Any) -> Any:
+def move(value: JaxArray, target: JaxSharding) -> JaxArray:
     """A copy of a jax array in `target` (a SingleDeviceSharding). Between the two clients of
     an accelerator host (an accelerator and its colocated CPU device) PjRt copies through
     host memory itself; where a plugin refuses that, the copy goes through numpy here."""
