@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from typing import Any
 
 import grpc
 import grpc.aio
@@ -52,7 +51,7 @@ class FleetServicer:
         self.manager = manager
         self._token = token  # the fleet's: a stream must prove it first (`transport/auth.py`)
         self.joins = joins  # single-use tokens of the workers it launched, or None
-        self._refused_peers: set[tuple[Any, str]] = set()  # (host, why) logged once each
+        self._refused_peers: set[tuple[str, str]] = set()  # (host, why) logged once each
         self._tls = tls  # mutual TLS on every control stream (`transport/tls.py`), or None
         self.port = 0  # of the control streams, once started
         self.unix_path: str | None = None  # ... or their Unix socket (a fleet without TCP)
@@ -173,7 +172,7 @@ class FleetServicer:
             self.manager.lost(channel, channel.leaving or
                               "its connection to the controller closed")
 
-    def _refused(self, host: Any, port: Any, why: str) -> None:
+    def _refused(self, host: str, port: int, why: str) -> None:
         """Logs a refused worker stream: a warning the first time for its host and reason (a
         stranger that retries does not fill the log), at debug level after that."""
         seen = (host, why)
@@ -208,7 +207,7 @@ class FleetServicer:
                 f"/{SERVICE}/Alive": Method("unary_unary", self.alive)}
 
 
-def _peer(writer: FrameStream) -> tuple[Any, Any]:
+def _peer(writer: FrameStream) -> tuple[str, int]:
     address = writer.get_extra_info("peername")
     if not isinstance(address, tuple) or len(address) < 2:  # a Unix socket's: a path, or ""
         return "local", 0

@@ -34,10 +34,18 @@ import socket
 import ssl
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from isthmus import errors
 from isthmus.wire.peers import Limits, PeerBook, Ticket, is_local
+
+if TYPE_CHECKING:
+    from isthmus.frontend.lease_service import Identity
+    from isthmus.wire.h2frames import Wire
+
+    # (identity, ticket) -> a fresh h2server connection's `Wire`, once the connection has
+    # said who it is; the ticket goes on with a connection that is still a stranger.
+    Connect = Callable[[Identity | None, Ticket | None], Wire]
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +64,8 @@ class Gate:
     `IsthmusError`; `lease_for(identity)` binds a tunnel without a lease id (the stock
     client's `grpc_proxy` route) to the tenant's one live lease."""
 
-    def __init__(self, authenticate: Callable[[str, str, str | None], Any],
-                 lease_for: Callable[[Any], Any],
+    def __init__(self, authenticate: Callable[[str, str, str | None], Identity],
+                 lease_for: Callable[[Identity], Identity],
                  tls: ssl.SSLContext | None, allow_plain_connect: bool = False,
                  limits: Limits | None = None) -> None:
         self.authenticate = authenticate
@@ -67,7 +75,7 @@ class Gate:
         self.refused = 0
         self.peers = PeerBook(limits or Limits())  # what strangers may cost, by peer
 
-    def identify(self, head: bytes, secure: bool) -> Any:
+    def identify(self, head: bytes, secure: bool) -> Identity:
         """The identity a CONNECT request (`head`, up to its blank line) establishes."""
         if not secure and not self.allow_plain_connect:
             raise errors.Unauthenticated(
@@ -107,19 +115,16 @@ class Gate:
 class Preamble(asyncio.Protocol):
     """A connection of a shared service until it has said who it is; then HTTP/2."""
 
-    def __init__(self, gate: Gate, connect: Callable[[Any, Ticket | None], Any], secure: bool,
-                 ticket: Ticket) -> None:
+    def __init__(self, gate: Gate, connect: Connect, secure: bool, ticket: Ticket) -> None:
         self.gate = gate
-        # (identity, ticket) -> a fresh h2server connection (its `wire`); the ticket goes on
-        # with a connection that is still a stranger.
         self.connect = connect
         self.secure = secure
         self.ticket = ticket  # until it says who it is
         self.buffer = b""
-        self.transport: Any = None
+        self.transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
         seconds = self.gate.peers.limits.auth_seconds
         self.ticket.watch(lambda: self._refuse(
             408, "Request Timeout", f"the connection did not say who it is within "
@@ -149,15 +154,17 @@ class Preamble(asyncio.Protocol):
                 e.code, (403, "Forbidden"))
             self._refuse(*status, e.message)
             return
+        assert self.transport is not None  # since connection_made
         self.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         self._switch(identity, buffer[end + 4:])
 
-    def _switch(self, identity: Any, rest: bytes) -> None:
+    def _switch(self, identity: Identity | None, rest: bytes) -> None:
         ticket: Ticket | None = self.ticket
         if identity is not None:
             self.ticket.release()  # a tenant's tunnel: no longer a stranger
             ticket = None
         wire = self.connect(identity, ticket)
+        assert self.transport is not None  # since connection_made
         self.transport.set_protocol(wire)
         wire.connection_made(self.transport)
         view = memoryview(rest)
@@ -186,8 +193,8 @@ class Preamble(asyncio.Protocol):
 class GatedListener:
     """Accepts TCP connections and sorts them by their first byte (module docstring)."""
 
-    def __init__(self, gate: Gate, plain: Callable[[Ticket], Any],
-                 connect: Callable[[Any, Ticket | None], Any]) -> None:
+    def __init__(self, gate: Gate, plain: Callable[[Ticket], asyncio.BaseProtocol],
+                 connect: Connect) -> None:
         self.gate = gate
         self.plain = plain  # ticket -> the protocol of a connection without identity (HTTP/2)
         self.connect = connect

@@ -7,15 +7,22 @@ import asyncio
 import base64
 import collections
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import grpc
 
-from isthmus.wire.methods import Method, Pieces
+from isthmus.wire.methods import Method, Pieces, Sink
+
+if TYPE_CHECKING:
+    from isthmus.frontend.lease_service import Identity
+    from isthmus.frontend.message import Message
+    from isthmus.wire.h2connection import Connection
 
 STREAM_WINDOW = 1 << 16  # bytes a client may send ahead on a stream that is not read
 RESERVED = {b"content-type", b"te", b"user-agent", b"grpc-timeout", b"grpc-encoding",
             b"grpc-accept-encoding", b"accept-encoding"}
+# A call's metadata as handlers read it: (name, value), a "-bin" name's value decoded bytes.
+Metadata: TypeAlias = tuple[tuple[str, str | bytes], ...]
 
 
 class Abort(Exception):
@@ -27,8 +34,8 @@ class Abort(Exception):
 class Context:
     """What a handler sees of its call (the part of grpc.aio's ServicerContext used)."""
 
-    def __init__(self, metadata: tuple[tuple[str, Any], ...], peer: str,
-                 identity: Any = None, prove: Callable[[], None] | None = None,
+    def __init__(self, metadata: Metadata, peer: str,
+                 identity: Identity | None = None, prove: Callable[[], None] | None = None,
                  local: bool = True) -> None:
         self._metadata, self._peer = metadata, peer
         # Who the connection is, on a shared service (`frontend.lease_service.Identity`; None: a
@@ -39,20 +46,20 @@ class Context:
         self.prove = prove
         self.local = local  # from the service's own machine (or a connection with identity)
 
-    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
+    def invocation_metadata(self) -> Metadata:
         return self._metadata
 
     def peer(self) -> str:
         return self._peer
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise Abort(code, details)
 
 
 class Call:
     """One call: the messages received so far, and whether the client is done sending."""
 
-    def __init__(self, owner: Any, stream_id: int, method: Method) -> None:
+    def __init__(self, owner: Connection, stream_id: int, method: Method) -> None:
         self.owner, self.id, self.method = owner, stream_id, method
         self.prefix = bytearray()  # of the message being received
         self.need: int | None = None  # its size, once its prefix is in
@@ -68,11 +75,11 @@ class Call:
         self.bare = False  # opened below h2, which never saw it (`h2connection._open_bare`)
         # A direct stream's (`h2direct`): its sink, its bytes not yet handed back to the
         # client, and what the sink waits for before it takes more.
-        self.sink: Any = None
+        self.sink: Sink | None = None
         self.direct_unacked = 0
-        self.blocked: asyncio.Future[Any] | None = None
+        self.blocked: asyncio.Future[None] | None = None
 
-    def feed(self, data: bytes, flow: int) -> None:
+    def feed(self, data: bytes | memoryview, flow: int) -> None:
         """Takes a DATA frame's bytes; whole messages become items (views of the frames'
         bytes: a message in one frame is never copied, one across frames once)."""
         self.unacked += flow
@@ -143,7 +150,7 @@ class Call:
             self.unacked = 0
         return self.items.popleft()
 
-    async def messages(self) -> AsyncIterator[Any]:
+    async def messages(self) -> AsyncIterator[Message | memoryview | Pieces]:
         decode = self.method.deserialize
         while (item := await self.next()) is not None:
             yield decode(whole(item)) if decode is not None else item
@@ -153,7 +160,7 @@ def whole(message: memoryview | Pieces) -> bytes:
     return b"".join(message) if isinstance(message, Pieces) else bytes(message)
 
 
-def metadata(headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, Any], ...]:
+def metadata(headers: list[tuple[bytes, bytes]]) -> Metadata:
     out: list[tuple[str, bytes | str]] = []
     for key, value in headers:
         if key.startswith(b":") or key in RESERVED:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 import h2.config
@@ -40,7 +40,11 @@ from isthmus.wire.h2calls import (
 )
 from isthmus.wire.h2direct import Direct
 from isthmus.wire.h2frames import LARGE, Frames, Wire, window_update
-from isthmus.wire.methods import MAX_MESSAGE, Batch, Method, Pieces, Refused
+from isthmus.wire.methods import MAX_MESSAGE, Answer, Batch, Method, Pieces, Refused
+
+if TYPE_CHECKING:
+    from isthmus.frontend.lease_service import Identity
+    from isthmus.wire.peers import Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +71,10 @@ class Connection:
         self._flush_scheduled = False
         self.direct = Direct(self)
         self.peer = "ipv4:?:0"
-        self.identity: Any = None  # a shared service's gate sets who the connection is
+        self.identity: Identity | None = None  # a shared service's gate says who it is
         # A shared service's connection without identity: its peer's limits and deadline
         # (`wire/peers.py`), until a worker's pulse proves it (`Context.prove`).
-        self.ticket: Any = None
+        self.ticket: Ticket | None = None
         self._closing = False  # over its peer's rate: closed in REFUSED_CLOSE_SECONDS
 
     def _made(self, transport: asyncio.Transport) -> None:
@@ -114,7 +118,7 @@ class Connection:
             self.ticket.release()
             self.ticket = None
 
-    def _events(self, events: list[Any]) -> None:
+    def _events(self, events: list[h2.events.Event]) -> None:
         for event in events:
             self._on(event)
         self.schedule_flush()
@@ -135,7 +139,7 @@ class Connection:
             if self.wire.transport is not None:
                 self.wire.transport.close()
 
-    def _on(self, event: Any) -> None:
+    def _on(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.RequestReceived):
             self._start(event.stream_id, event.headers)
         elif isinstance(event, h2.events.DataReceived):
@@ -261,6 +265,7 @@ class Connection:
 
     async def _serve(self, stream: Call, context: Context) -> None:
         method = stream.method
+        request: object  # a message, or a stream's async iterator of them
         if method.kind.startswith("unary"):
             try:
                 first = await stream.next()
@@ -280,7 +285,7 @@ class Connection:
             request = stream.messages()
         await self.answer(stream, method.fn(request, context))
 
-    async def answer(self, stream: Call, answer: Any) -> None:
+    async def answer(self, stream: Call, answer: Answer) -> None:
         """Sends a handler's answer (a coroutine of the response, or an async iterator of
         responses, or a response itself), then the trailers with its outcome."""
         try:
@@ -304,10 +309,10 @@ class Connection:
             self.trailers(stream, grpc.StatusCode.INTERNAL,
                            "the server failed unexpectedly; see its log")
 
-    async def _send(self, stream: Call, message: Any) -> None:
+    async def _send(self, stream: Call, message: Answer) -> None:
         """One message, or a `Batch` of them, each behind its 5-byte prefix: what is small
         goes joined into one DATA frame, a large piece is sent without a copy."""
-        pieces: list[Any] = []
+        pieces: list[bytes | memoryview] = []
         serialize = stream.method.serialize
         for one in message if isinstance(message, Batch) else (message,):
             parts = (list(one) if isinstance(one, Pieces) else
@@ -323,7 +328,7 @@ class Connection:
         if sum(len(p) for p in pieces) <= LARGE:
             await self._send_data(stream, memoryview(b"".join(pieces)))
         else:
-            small: list[Any] = []
+            small: list[bytes | memoryview] = []
             for piece in pieces:
                 if len(piece) > LARGE:
                     if small:
@@ -455,5 +460,5 @@ def coalesce(pieces: list[bytes | memoryview]) -> list[bytes | memoryview]:
     return out
 
 
-async def _unknown(request: Any, context: Context) -> None:
+async def _unknown(request: object, context: Context) -> None:
     return None

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 import h2.exceptions
 
 from isthmus.wire.h2calls import Abort, Call, Context
 from isthmus.wire.h2frames import END_STREAM, violation, window_update
-from isthmus.wire.methods import Method, Pieces, Refused
+from isthmus.wire.methods import Answer, Method, Pieces, Refused, Sink
+
+if TYPE_CHECKING:
+    from isthmus.wire.h2connection import Connection
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ CONNECTION_ACK = 16 << 20  # direct bytes handed back to the connection at a tim
 class Direct:
     """The direct streams of one connection (`owner`: its `h2connection.Connection`)."""
 
-    def __init__(self, owner: Any) -> None:
+    def __init__(self, owner: Connection) -> None:
         self.owner = owner
         self._unacked = 0  # direct bytes not yet handed back to the connection
 
@@ -55,7 +58,7 @@ class Direct:
         self.owner.wire.direct[stream.id] = (
             lambda flags, body, flow: self.data(stream, flags, body, flow))
 
-    def data(self, stream: Call, flags: int, body: Any, flow: int) -> None:
+    def data(self, stream: Call, flags: int, body: memoryview | bytes, flow: int) -> None:
         """A DATA frame of a direct stream."""
         stream.direct_unacked += flow
         # Invariant: the client may send the stream's window less its bytes not yet handed
@@ -89,7 +92,7 @@ class Direct:
         refusal) is dropped here, counted for the connection's window: h2, which never
         knew the stream, would reset it as a closed one (STREAM_CLOSED), and the client
         could take that reset for the call's outcome."""
-        def data(flags: int, body: Any, flow: int) -> None:
+        def data(flags: int, body: memoryview | bytes, flow: int) -> None:
             self._count(flow)
             if flags & END_STREAM:
                 self.owner.wire.direct.pop(stream.id, None)
@@ -98,7 +101,8 @@ class Direct:
 
     def _consume(self, stream: Call) -> None:
         """Messages to the sink while it takes them; then the window, or the end."""
-        sink = stream.sink
+        # Invariant: a direct stream has its sink until it ends or fails.
+        sink: Sink = stream.sink  # type: ignore[assignment]
         items = stream.items
         while items and stream.blocked is None:
             wait = sink.message(items.popleft())
@@ -126,7 +130,7 @@ class Direct:
         self.owner.schedule_flush()
 
     def _end(self, stream: Call) -> None:
-        response = stream.sink.end()
+        response = stream.sink.end()  # type: ignore[union-attr]  # (the invariant above)
         self.owner.wire.direct.pop(stream.id, None)
         stream.sink = None
         if isinstance(response, asyncio.Future):  # the answer, once it is known
@@ -134,7 +138,7 @@ class Direct:
             return
         self._answer(stream, response)
 
-    def _answered(self, stream: Call, answer: asyncio.Future[Any]) -> None:
+    def _answered(self, stream: Call, answer: asyncio.Future[Answer]) -> None:
         if stream.id not in self.owner.streams:
             return  # the client reset the call meanwhile
         try:
@@ -143,7 +147,7 @@ class Direct:
             self._fail(stream, e)
         self.owner.schedule_flush()
 
-    def _answer(self, stream: Call, response: Any) -> None:
+    def _answer(self, stream: Call, response: Answer) -> None:
         owner = self.owner
         if response is None and stream.task is not None:  # the streaming answer ends it
             owner.h2.receive_data_frame(stream.id, END_STREAM, b"")

@@ -26,10 +26,11 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import h2.config
 import h2.errors
+import h2.events
 import h2.exceptions
 import hyperframe.exceptions
 import numpy as np
@@ -155,7 +156,7 @@ class Wire(asyncio.BufferedProtocol):
 
     def __init__(self, on_speak: Callable[[], Frames],
                  on_made: Callable[[asyncio.Transport], None],
-                 on_events: Callable[[list[Any]], None], high_water: int) -> None:
+                 on_events: Callable[[list[h2.events.Event]], None], high_water: int) -> None:
         self.on_speak, self.on_made, self.on_events = on_speak, on_made, on_events
         # h2's state (`on_speak`) is made once the client sends more than its preface: an
         # idle connection costs its buffer and this object, a few KiB.
@@ -173,7 +174,7 @@ class Wire(asyncio.BufferedProtocol):
         self._writable: asyncio.Future[None] | None = None
         # Streams whose DATA frames bypass h2: stream id -> handler(flags, body, flow
         # controlled length); their flow control is the handler's (see `window_update`).
-        self.direct: dict[int, Callable[[int, Any, int], None]] = {}
+        self.direct: dict[int, Callable[[int, memoryview | bytes, int], None]] = {}
         # The HEADERS frames that open a stream may be taken below h2 too: `open_bare(stream
         # id, header block)` says whether it took one (else h2 gets it), and `reset_bare`
         # hears the client's RST_STREAM on any direct stream.

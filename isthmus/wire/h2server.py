@@ -13,11 +13,16 @@ service's gate and Unix socket) and the connections open on them.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from isthmus.wire.h2connection import Connection
 from isthmus.wire.h2frames import Wire
 from isthmus.wire.methods import MAX_MESSAGE, Method
+
+if TYPE_CHECKING:
+    from isthmus.frontend.lease_service import Identity
+    from isthmus.wire.gate import Gate, GatedListener
+    from isthmus.wire.peers import Ticket
 
 TRIM_AFTER = 1000  # connections open at once, past which their closing gives memory back
 
@@ -25,7 +30,7 @@ TRIM_AFTER = 1000  # connections open at once, past which their closing gives me
 class H2Server:
     """Serves `methods` (by path, "/package.Service/Method") on a TCP port."""
 
-    def __init__(self, methods: dict[str, Method], gate: Any = None,
+    def __init__(self, methods: dict[str, Method], gate: Gate | None = None,
                  max_message: int = MAX_MESSAGE) -> None:
         self.methods = methods
         self.max_message = max_message  # bytes of one gRPC message (--max-message-bytes)
@@ -33,7 +38,7 @@ class H2Server:
         self.gate = gate
         self._server: asyncio.AbstractServer | None = None
         self._unix: asyncio.AbstractServer | None = None
-        self._listener: Any = None
+        self._listener: GatedListener | None = None
         self._connections: set[Connection] = set()
         self._peak = 0  # connections open at once since memory was last given back
         self._trim: asyncio.TimerHandle | None = None
@@ -65,10 +70,10 @@ class H2Server:
         finally:
             os.umask(old)
 
-    def _connected(self, ticket: Any = None) -> Wire:
+    def _connected(self, ticket: Ticket | None = None) -> Wire:
         return self._identified(None, ticket)
 
-    def _identified(self, identity: Any, ticket: Any = None) -> Wire:
+    def _identified(self, identity: Identity | None, ticket: Ticket | None = None) -> Wire:
         connection = Connection(self.methods, self.max_message)
         connection.identity = identity
         connection.ticket = ticket

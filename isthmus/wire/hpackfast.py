@@ -13,7 +13,7 @@ or anything it does not understand, to hpack, which then decodes the whole block
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
 
 import hpack
 from hpack.exceptions import HPACKDecodingError, InvalidTableIndex
@@ -31,7 +31,9 @@ class Decoder(hpack.Decoder):
     """hpack's decoder; `decode(block, raw=True)` (as h2 calls it) reads blocks that do not
     change the table itself."""
 
-    def decode(self, data: Any, raw: bool = False) -> Any:
+    # Plain (name, value) tuples where hpack makes HeaderTuples: h2 reads either alike.
+    def decode(self, data: bytes, raw: bool = False  # type: ignore[override]
+               ) -> Iterable[tuple[bytes, bytes]]:
         if raw:
             headers = self.read_only(bytes(data))
             if headers is not None:

@@ -4,8 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeAlias
+
+if TYPE_CHECKING:
+    from grpc import StatusCode
+
+    from isthmus.frontend.message import Message
 
 # The largest request message taken by default (`isthmus up --max-message-bytes`): protobuf
 # encodes none of 2 GiB or more, and the stock client cuts host data into 1 MiB messages.
@@ -20,7 +25,7 @@ class Pieces(tuple):
 class Refused(Exception):
     """An upload sink's refusal: the call ends with this gRPC status code and message."""
 
-    def __init__(self, code: Any, message: str) -> None:
+    def __init__(self, code: StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
 
@@ -30,18 +35,55 @@ class Batch(tuple):
     for all), grpc.aio sends them one by one."""
 
 
-def joined(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+# What a handler (`Method.fn`) or a sink's `end()` hands the transport to send: a response (a
+# message, its bytes, `Pieces`, a `Batch`; None: none), a coroutine or future of one, or an
+# async iterator of them (a streaming call). The transport tells these apart as it sends
+# them (`h2connection.answer`), and a response's kind is the method's: so it stays untyped.
+Answer: TypeAlias = Any
+
+
+class CallContext(Protocol):
+    """What a handler sees of its call, on either transport: grpc.aio's ServicerContext, or
+    `h2calls.Context` (which also carries the connection's identity, read with getattr)."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
+
+    def peer(self) -> str: ...
+
+    async def abort(self, code: StatusCode, details: str = "") -> NoReturn: ...
+
+
+class Sink(Protocol):
+    """A synchronous handler of one call that h2 feeds message by message (`Method.sink`
+    says what each member promises, and what `responses()` and `size` do where a sink has
+    them)."""
+
+    def message(self, message: memoryview | Pieces) -> Awaitable[None] | None:
+        """Takes one message; an awaitable: no more (nor window) until it is done."""
+        ...
+
+    def end(self) -> Answer:
+        """The client is done: the serialized response, or what `fn` would return."""
+        ...
+
+    def cancel(self, reason: BaseException | None) -> None:
+        """The call broke off (the client reset it, or its connection closed)."""
+        ...
+
+
+def joined(serialize: Callable[[Message], bytes] | None) -> Callable[[Answer], bytes] | None:
     """`serialize` for a transport that needs one bytes object per message."""
-    def join(message: Any) -> bytes:
+    def join(message: Answer) -> bytes:
         if isinstance(message, Pieces):
             return b"".join(message)
         return serialize(message) if serialize is not None else message
     return join
 
 
-def flattened(handler: Callable[..., Any]) -> Callable[..., Any]:
+def flattened(handler: Callable[..., Answer]
+              ) -> Callable[[object, CallContext], AsyncIterator[Answer]]:
     """A streaming handler whose `Batch`es are yielded one message at a time."""
-    async def flat(request: Any, context: Any) -> Any:
+    async def flat(request: object, context: CallContext) -> AsyncIterator[Answer]:
         async for item in handler(request, context):
             if isinstance(item, Batch):
                 for message in item:
@@ -56,9 +98,10 @@ class Method:
     """One gRPC method: its shape, handler and (de)serializers (None: raw bytes)."""
 
     kind: str  # "unary_unary", "unary_stream", "stream_unary" or "stream_stream"
-    fn: Callable[..., Any]
-    deserialize: Callable[[bytes], Any] | None = None
-    serialize: Callable[[Any], bytes] | None = None
+    # (request, context) -> its `Answer`; a stream's requests come as an async iterator.
+    fn: Callable[..., Answer]
+    deserialize: Callable[[bytes], Message] | None = None
+    serialize: Callable[[Message], bytes] | None = None
     # Raw requests only: the handler takes a message that came in several frames as
     # `Pieces` instead of joined (grpc.aio always gives bytes).
     pieces: bool = False
@@ -71,4 +114,4 @@ class Method:
     # A sink with `responses()` (an async iterator) streams its answer from the start, and
     # its `end()` returns None. An upload's sink may say its `size` in bytes: one that fits
     # the stream's first window is not given a larger one (a WINDOW_UPDATE less each way).
-    sink: Callable[[Any], Any] | None = None
+    sink: Callable[[CallContext], Sink] | None = None

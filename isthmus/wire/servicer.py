@@ -13,21 +13,35 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
 
 from isthmus import errors
+from isthmus.frontend.message import Message
 from isthmus.frontend.service import Frontend
 from isthmus.protocol.wireformat import bytes_message
-from isthmus.wire.methods import MAX_MESSAGE, Method, Pieces, Refused, flattened, joined
+from isthmus.wire.methods import (
+    MAX_MESSAGE,
+    Answer,
+    CallContext,
+    Method,
+    Pieces,
+    Refused,
+    flattened,
+    joined,
+)
 from isthmus.wire.sinks import (
     SessionStream,
     Unary,
     Upload,
     grpc_status,
 )
+
+if TYPE_CHECKING:
+    from isthmus.wire.gate import Gate
+    from isthmus.wire.h2server import H2Server
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +81,14 @@ class IfrtProxyServicer:
         self.frontend = frontend
         self.schema = frontend.schema
 
-    async def get_version(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def get_version(self, request: Message, context: CallContext) -> Message:
         try:
             return self.frontend.get_version(request, getattr(context, "identity", None))
         except errors.IsthmusError as e:
             await context.abort(grpc_status(e.code), e.message)
 
-    async def ifrt_session(self, requests: AsyncIterator[Any],
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def ifrt_session(self, requests: AsyncIterator[Message],
+                           context: CallContext) -> AsyncIterator[object]:
         try:
             stream = self.session_stream(context)
         except Refused as e:
@@ -87,7 +101,7 @@ class IfrtProxyServicer:
         finally:
             reader.cancel()
 
-    async def _read(self, requests: AsyncIterator[Any], stream: SessionStream) -> None:
+    async def _read(self, requests: AsyncIterator[Message], stream: SessionStream) -> None:
         try:
             async for request in requests:
                 wait = stream.handle(request)
@@ -99,12 +113,12 @@ class IfrtProxyServicer:
             logger.info("session %s: request stream ended: %s", stream.session.id, e)
         stream.end()
 
-    def session_stream(self, context: Any) -> SessionStream:
+    def session_stream(self, context: CallContext) -> SessionStream:
         """An IfrtSession call as a sink (see `Method.sink`); h2 feeds it directly."""
         return SessionStream(self.frontend, context)
 
-    async def host_buffer_store(self, chunks: AsyncIterator[Any],
-                                context: grpc.aio.ServicerContext) -> Any:
+    async def host_buffer_store(self, chunks: AsyncIterator[bytes | memoryview | Pieces],
+                                context: CallContext) -> Message:
         try:
             upload = self.upload(context)
             try:
@@ -119,11 +133,11 @@ class IfrtProxyServicer:
             return
         return self.schema["xla.ifrt.proxy.GrpcHostBufferStoreResponse"]()
 
-    def upload(self, context: Any) -> Upload:
+    def upload(self, context: CallContext) -> Upload:
         """A HostBufferStore call as a sink (see `Method.sink`); h2 feeds it directly."""
         return Upload(self.frontend, context)
 
-    async def host_buffer_lookup(self, request: Any, context: grpc.aio.ServicerContext
+    async def host_buffer_lookup(self, request: Message, context: CallContext
                                  ) -> AsyncIterator[bytes | Pieces]:
         try:
             store = self.frontend.host_buffers(request.session_id,
@@ -138,7 +152,7 @@ class IfrtProxyServicer:
         for start in range(0, len(data), LOOKUP_CHUNK_BYTES):
             yield Pieces(bytes_message(data[start:start + LOOKUP_CHUNK_BYTES]))
 
-    def lookup_now(self, request: Any, context: Any) -> Any:
+    def lookup_now(self, request: Message, context: CallContext) -> Answer:
         """HostBufferLookup without a task when the buffer is ready and small: its
         serialized response; otherwise the streaming handler."""
         store = self.frontend.host_buffers(request.session_id,
@@ -152,11 +166,11 @@ class IfrtProxyServicer:
             return self.host_buffer_lookup(request, context)
         return b"".join(bytes_message(data)) if len(data) else b""
 
-    def _lookup_later(self, coming: asyncio.Future[memoryview], request: Any,
-                      context: Any) -> asyncio.Future[Any]:
+    def _lookup_later(self, coming: asyncio.Future[memoryview], request: Message,
+                      context: CallContext) -> asyncio.Future[Answer]:
         """`lookup_now`'s answer for a buffer still on its way: a future of the serialized
         response (or, for a large one, of the streaming handler)."""
-        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
 
         def landed(_: object) -> None:
             if coming.cancelled():
@@ -175,13 +189,13 @@ class IfrtProxyServicer:
         coming.add_done_callback(landed)
         return answer
 
-    def delete_now(self, request: Any, context: Any) -> bytes:
+    def delete_now(self, request: Message, context: CallContext) -> bytes:
         self.frontend.host_buffers(
             request.session_id, getattr(context, "identity", None)).delete(request.handle)
         return b""  # an empty GrpcHostBufferDeleteResponse
 
-    async def host_buffer_delete(self, request: Any, context: grpc.aio.ServicerContext
-                                 ) -> Any:
+    async def host_buffer_delete(self, request: Message, context: CallContext
+                                 ) -> Message:
         try:
             self.frontend.host_buffers(
                 request.session_id, getattr(context, "identity", None)).delete(request.handle)
@@ -189,8 +203,8 @@ class IfrtProxyServicer:
             await context.abort(grpc_status(e.code), e.message)
         return self.schema["xla.ifrt.proxy.GrpcHostBufferDeleteResponse"]()
 
-    async def host_buffer_read_from_disk(self, request: Any,
-                                         context: grpc.aio.ServicerContext) -> Any:
+    async def host_buffer_read_from_disk(self, request: Message,
+                                         context: CallContext) -> Message:
         header = self.frontend.parse_store_metadata(request.metadata.SerializeToString())
         try:
             store = self.frontend.host_buffers(header.session_id,
@@ -212,7 +226,7 @@ class IfrtProxyServicer:
 
     # ---- admin ---------------------------------------------------------------------------
 
-    async def status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def status(self, request: bytes, context: CallContext) -> bytes:
         try:
             buffer, array = _status_query(request)
             status = self.frontend.status(getattr(context, "identity", None),
@@ -226,7 +240,7 @@ class IfrtProxyServicer:
         s = self.schema
         p = "xla.ifrt.proxy."
 
-        def rpc(kind: str, fn: Callable[..., Any], req: str | None, resp: str | None
+        def rpc(kind: str, fn: Callable[..., Answer], req: str | None, resp: str | None
                 ) -> Method:
             return Method(kind, fn, s[p + req].FromString if req else None,
                           s[p + resp].SerializeToString if resp else None)
@@ -266,7 +280,7 @@ def grpc_handlers(methods: dict[str, Method]) -> list[grpc.GenericRpcHandler]:
              "unary_stream": grpc.unary_stream_rpc_method_handler,
              "stream_unary": grpc.stream_unary_rpc_method_handler,
              "stream_stream": grpc.stream_stream_rpc_method_handler}
-    services: dict[str, dict[str, Any]] = {}
+    services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
     for path, m in methods.items():
         service, _, name = path.lstrip("/").partition("/")
         fn = flattened(m.fn) if m.kind.endswith("stream") else m.fn
@@ -298,9 +312,10 @@ class CannotListen(OSError):
 
 async def start_server(frontend: Frontend, host: str, port: int | None,
                        extra_methods: dict[str, Method] | None = None,
-                       transport: str = "grpc", gate: Any = None,
+                       transport: str = "grpc", gate: Gate | None = None,
                        unix_path: str | None = None,
-                       max_message: int = MAX_MESSAGE) -> tuple[Any, int]:
+                       max_message: int = MAX_MESSAGE
+                       ) -> tuple[H2Server | grpc.aio.Server, int]:
     """Starts serving; returns the server and the port it bound (for port 0, a free one;
     None: no TCP port, only `unix_path`, and 0 is returned).
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+from typing import NoReturn, cast
 
 import grpc
 
 from isthmus import errors
+from isthmus.frontend.message import Message
 from isthmus.frontend.service import Frontend
 from isthmus.protocol.wireformat import bytes_field_parts
-from isthmus.wire.methods import Refused
+from isthmus.wire.methods import Answer, CallContext, Pieces, Refused
 from isthmus.wire.streams import END, drain
 
 logger = logging.getLogger(__name__)
@@ -36,12 +37,13 @@ class Upload:
 
     __slots__ = ("store", "handle", "view", "size", "filled")
 
-    def __init__(self, frontend: Frontend, context: Any) -> None:
+    def __init__(self, frontend: Frontend, context: CallContext) -> None:
         metadata = dict(context.invocation_metadata() or ())
         self.view: memoryview | None = None
         self.filled = 0
         try:
-            header = frontend.parse_store_metadata(metadata.get(STORE_METADATA_KEY))
+            header = frontend.parse_store_metadata(
+                cast("bytes | None", metadata.get(STORE_METADATA_KEY)))  # "-bin": bytes
             self.handle = header.handle
             self.store = frontend.host_buffers(header.session_id,
                                                getattr(context, "identity", None))
@@ -58,7 +60,7 @@ class Upload:
             raise Refused(grpc_status(e.code), e.message) from None
         self.view = memoryview(frontend.upload_buffer(self.size))
 
-    def message(self, chunk: Any) -> None:
+    def message(self, chunk: bytes | memoryview | Pieces) -> None:
         if self.view is None:
             return  # refused for its size: dropped
         try:
@@ -109,10 +111,12 @@ class Unary:
 
     __slots__ = ("answer", "parse", "request")
 
-    def __init__(self, answer: Callable[[Any], Any], parse: Callable[[bytes], Any]) -> None:
-        self.answer, self.parse, self.request = answer, parse, None
+    def __init__(self, answer: Callable[[Message], Answer],
+                 parse: Callable[[bytes], Message]) -> None:
+        self.answer, self.parse = answer, parse
+        self.request: Message | None = None
 
-    def message(self, message: Any) -> None:
+    def message(self, message: memoryview | Pieces) -> None:
         if self.request is not None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           "a unary call sent more than one request message")
@@ -122,7 +126,7 @@ class Unary:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           "the request message is malformed") from None
 
-    def end(self) -> Any:
+    def end(self) -> Answer:
         if self.request is None:
             raise Refused(grpc.StatusCode.INTERNAL, "the call sent no request message")
         try:
@@ -140,14 +144,16 @@ class SessionStream:
 
     __slots__ = ("frontend", "session", "queue", "parse", "pace")
 
-    def __init__(self, frontend: Frontend, context: Any) -> None:
+    def __init__(self, frontend: Frontend, context: CallContext) -> None:
         metadata = dict(context.invocation_metadata() or ())
         self.frontend = frontend
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        # Responses, an error that ends the stream, or END (`streams.drain`).
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.parse = frontend.schema["xla.ifrt.proxy.IfrtRequest"].FromString
         try:
             self.session = frontend.open_session(
-                metadata.get(SESSION_METADATA_KEY), self.queue.put_nowait, peer=context.peer(),
+                cast("bytes | None", metadata.get(SESSION_METADATA_KEY)),  # "-bin": bytes
+                self.queue.put_nowait, peer=context.peer(),
                 identity=getattr(context, "identity", None))
         except errors.IsthmusError as e:
             raise Refused(grpc_status(e.code), e.message) from None
@@ -155,7 +161,7 @@ class SessionStream:
         lease, shared = self.session.lease, self.session.shared_service
         self.pace = shared.limits(lease.tenant).pace if lease is not None else None
 
-    def message(self, message: Any) -> Awaitable[None] | None:
+    def message(self, message: memoryview | Pieces) -> Awaitable[None] | None:
         try:
             request = self.parse(bytes(message))
         except Exception:  # noqa: BLE001 - protobuf's DecodeError
@@ -164,7 +170,7 @@ class SessionStream:
                           "the session ends (its arrays are released)") from None
         return self.handle(request)
 
-    def handle(self, request: Any) -> Awaitable[None] | None:
+    def handle(self, request: Message) -> Awaitable[None] | None:
         """Hands a request to the session; flow control: when a worker is far behind, or
         this session's uploads are, what to wait for before the next one."""
         self.session.handle(request)
@@ -179,7 +185,7 @@ class SessionStream:
             return self.session.wait_for_room()
         return None
 
-    async def responses(self) -> AsyncIterator[Any]:
+    async def responses(self) -> AsyncIterator[object]:
         try:
             async for item in drain(self.queue):
                 yield item

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import cast
 
 from isthmus.wire.methods import Batch
 
 END = object()  # put this on the queue to end the stream
 
 
-async def drain(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
+async def drain(queue: asyncio.Queue[object]) -> AsyncIterator[object]:
     """Yields what is put on `queue` until END; what is there at once, as one `Batch` (when
     it is more than one item). An exception put there is raised after what came before it."""
     while True:
