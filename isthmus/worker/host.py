@@ -367,8 +367,10 @@ class DeviceHost:
         Arguments listed in `copy_first` are copied before the call so that donation cannot
         consume them.
         """
-        # An Execute names a compiled program (colocated functions run by `python.call`).
-        loaded = cast("Loaded | Unloadable | None", self._executables.get(executable_id))
+        # An Execute names a compiled program (colocated functions run by `python.call`); an
+        # annotation, not a cast: no call on the hot path.
+        loaded: Loaded | Unloadable | None = self._executables.get(  # type: ignore[assignment]
+            executable_id)
         positions = loaded.positions if loaded is not None else ()
         token = None  # of a run over several devices (`InFlight`)
         try:
@@ -386,7 +388,8 @@ class DeviceHost:
             waits = ([s for ref in args for s in self.buffers.spans_of(ids_of(ref, positions))]
                      if self.buffers.spanning() else [])
             if len(loaded.devices) == 1 and loaded.result_handlers is not None and not waits:
-                runs.run_one(loaded, self.buffers, args, cast("Sequence[BufferId]", results),
+                runs.run_one(loaded, self.buffers, args,
+                             results,  # type: ignore[arg-type]  # group bases: BufferIds
                              copy_first)
                 return
             if len(loaded.devices) == 1:
