@@ -60,6 +60,35 @@ def shared_empty(directory: str, size: int) -> np.ndarray | None:
     return array
 
 
+def adopt_file(fd: int, path: str, size: int, populate: bool = False,
+               keep: bool = True) -> np.ndarray:
+    """The `size` bytes of the open file `fd` at `path`, mapped copy-on-write with no copy.
+    `keep`: the file is renamed to a name of this process in its directory and known as the
+    array's backing file (`backing_file`: a worker on this machine maps the very same pages),
+    and it goes when the array is collected. Else, or where the rename fails, it is removed
+    at once (the mapping keeps its bytes) and the array has no backing file.
+
+    `populate`: every page is mapped at once (MAP_POPULATE) rather than one fault per page as
+    it is read; on the TPU machine's sandbox a 256 MiB `device_put` from the mapping ran at
+    0.57 GB/s page by page and 3.48 populated (6.21 from memory)."""
+    flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    region = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    array = np.frombuffer(region, np.uint8)
+    if not keep:
+        _unlink(path)
+        return array
+    kept = os.path.join(os.path.dirname(path), f"upload-{os.getpid()}-{next(_NAMES)}")
+    try:
+        os.rename(path, kept)
+    except OSError:
+        _unlink(path)
+        return array
+    address = array.ctypes.data
+    _FILES[address] = (kept, size)
+    weakref.finalize(region, _forget, address, kept)
+    return array
+
+
 def backing_file(value: np.ndarray) -> str | None:
     """The file of `shared_empty` whose bytes are exactly `value`'s, if there is one."""
     if not value.flags.c_contiguous:
@@ -118,19 +147,23 @@ def write_file(path: str, value: np.ndarray) -> None:
         f.write(memoryview(byte_view(value)))
 
 
-def map_file(path: str, read_only: bool = False) -> np.ndarray:
+def map_file(path: str, read_only: bool = False, populate: bool = False) -> np.ndarray:
     """A file's bytes as a flat uint8 array, mapped copy-on-write (no copy is made; the
     mapping keeps the bytes when the file is removed). `read_only`: a read-only array whose
     pages are mapped up front, for bytes that are only sent on (a third less time than
-    faulting them in one by one)."""
+    faulting them in one by one). `populate`: a writable one whose pages are mapped up front
+    (an accelerator's `device_put` reads all of it; see `adopt_file`)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return np.empty(0, np.uint8)
-        populate = getattr(mmap, "MAP_POPULATE", 0)
-        if read_only and populate:
-            return np.frombuffer(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | populate,
+        up_front = getattr(mmap, "MAP_POPULATE", 0)
+        if read_only and up_front:
+            return np.frombuffer(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | up_front,
                                            prot=mmap.PROT_READ), np.uint8)
+        if populate and up_front:
+            return np.frombuffer(mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE | up_front,
+                                           prot=mmap.PROT_READ | mmap.PROT_WRITE), np.uint8)
         return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), np.uint8)
 
 

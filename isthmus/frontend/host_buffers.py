@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
 import stat
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from isthmus import errors
+from isthmus.hostmem import adopt_file
 from isthmus.ids import HostBufferHandle
 
 if TYPE_CHECKING:
@@ -295,17 +295,19 @@ class HostBufferStore:
         self.bytes_held = 0
 
 
-def map_shared_file(directory: str, handle: int, size: int, populate: bool = False
-                    ) -> memoryview:
+def map_shared_file(directory: str, handle: int, size: int, populate: bool = False,
+                    keep: bool = False) -> memoryview:
     """The bytes of `<directory>/lt_<handle>`, a buffer the client wrote there (protocol 17's
-    shared-directory transfer), mapped without copying; the file is removed at once (the
-    mapping keeps the bytes until they are dropped).
+    shared-directory transfer), mapped without copying. The file leaves the client's name at
+    once. `keep` (a fleet of worker processes): it stays, under one of the server's names, as
+    the bytes' backing file until they are dropped, so that a worker on this machine maps the
+    same pages instead of a copy (`hostmem.adopt_file`, `transport/remote.py`); else it is
+    removed at once (the mapping keeps the bytes).
 
     `populate`: the mapping's pages are all mapped at once (MAP_POPULATE) rather than one
-    fault per page as they are read. On the TPU machine's sandbox, where a page fault is
-    dear, a 256 MiB `device_put` from the mapping ran at 0.57 GB/s page by page and at 3.48
-    populated (6.21 from memory); a CPU backend may alias the mapping and never read most
-    of it, so it maps lazily."""
+    fault per page as they are read (where a page fault is dear, a TPU sandbox: see
+    `adopt_file`); a CPU backend may alias the mapping and never read most of it, so it maps
+    lazily."""
     path = os.path.join(directory, f"lt_{int(handle)}")
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -321,13 +323,18 @@ def map_shared_file(directory: str, handle: int, size: int, populate: bool = Fal
                 f"the shared-directory file for host buffer {handle} has {info.st_size} "
                 f"bytes, not the {size} announced.")
         if size == 0:
+            _unlink_quietly(path)
             return memoryview(b"")
-        flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        return memoryview(mmap.mmap(fd, size, flags=flags,
-                                    prot=mmap.PROT_READ | mmap.PROT_WRITE))
+        return memoryview(adopt_file(fd, path, size, populate, keep))
+    except BaseException:
+        _unlink_quietly(path)
+        raise
     finally:
         os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

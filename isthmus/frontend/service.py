@@ -190,9 +190,11 @@ class Frontend:
                 "this server has no shared directory for host buffers; unset "
                 "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES in the client "
                 "(or start the server with --shared-dir).")
+        fleet = self.controller.fleet
         return map_shared_file(self.config.shared_dir, header.handle,
                                self.check_host_buffer_size(header.buffer_size),
-                               populate=self.controller.fleet.platform != "cpu")
+                               populate=fleet.platform != "cpu",
+                               keep=any(not w.local for w in fleet.workers.values()))
 
     def host_buffers(self, session_id: int, identity: Identity | None = None
                      ) -> HostBufferStore:

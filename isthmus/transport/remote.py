@@ -271,10 +271,9 @@ class RemoteWorker:
                 and value.nbytes >= SHARED_BYTES):
             path = self._file("put")
             try:
-                source = backing_file(value)  # an upload received into a file here
-                if source is not None:
-                    os.link(source, path)  # the worker maps the very same pages
-                else:
+                # An upload received into a file here, or a file the client wrote into the
+                # shared directory: the worker maps the very same pages.
+                if not _linked(backing_file(value), path):
                     write_file(path, value)
             except OSError as e:
                 logger.warning("writing %s failed (%s); data to worker %s streams from now on",
@@ -362,6 +361,18 @@ class RemoteWorker:
 
     def stats(self) -> dict[str, int]:
         return dict(self.reported)
+
+
+def _linked(source: str | None, path: str) -> bool:
+    """`path` is made a second name of `source` (False: there is none, or it cannot be
+    linked there, e.g. on another file system: the bytes are then copied)."""
+    if source is None:
+        return False
+    try:
+        os.link(source, path)
+    except OSError:
+        return False
+    return True
 
 
 def _unlink(path: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import Assembly, byte_view, map_file
+from isthmus.hostmem import Assembly, byte_view
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
@@ -258,9 +258,9 @@ class CommandApplier:
                            host.put(message.buffer, message.device, message.value))
 
     def _on_put_file(self, host: DeviceHost, message: m.PutFile) -> None:
-        value = map_file(message.path).view(m.dtype_of(message.dtype)).reshape(message.shape)
-        self._worker.spawn(message.request, host.put(
-            message.buffer, message.device, value, message.memory_kind))
+        self._worker.spawn(message.request, host.put_file(
+            message.buffer, message.device, message.path, m.dtype_of(message.dtype),
+            tuple(message.shape), message.memory_kind))
 
     def _on_fetch_file(self, host: DeviceHost, message: m.FetchFile) -> None:
         self._worker.spawn(message.request,

@@ -1,3 +1,5 @@
+import gc
+import os
 import types
 
 import ml_dtypes
@@ -6,6 +8,7 @@ import pytest
 
 from isthmus import dtypes, errors
 from isthmus.frontend.transfers import check_upload_strides, decode_host_array, encode_host_array
+from isthmus.hostmem import backing_file
 from isthmus.protocol.schema import schema
 
 SESSION = types.SimpleNamespace(schema=schema())
@@ -74,10 +77,25 @@ def test_a_shared_file_maps_whole_and_is_removed(tmp_path, populate):
 
     data = np.arange(1 << 18, dtype=np.uint32).tobytes()  # 1 MiB
     (tmp_path / "lt_7").write_bytes(data)
-    view = map_shared_file(str(tmp_path), 7, len(data), populate=populate)
+    (tmp_path / "lt_6").write_bytes(data)
+    alone = map_shared_file(str(tmp_path), 6, len(data), populate=populate)
+    assert os.listdir(tmp_path) == ["lt_7"]  # no worker to link it: removed at once
+    assert bytes(alone) == data and backing_file(np.frombuffer(alone, np.uint8)) is None
+    view = map_shared_file(str(tmp_path), 7, len(data), populate=populate, keep=True)
     assert not (tmp_path / "lt_7").exists()
     assert bytes(view) == data
-    view[:4] = b"\1\2\3\4"  # a private mapping: the server may write into it in place
+    # The file stays under a name of the server's as the bytes' backing file: a put to a
+    # worker on this machine links it rather than writing a copy (`transport/remote.py`).
+    array = np.frombuffer(view, np.uint32)
+    kept = backing_file(array)
+    assert kept is not None and os.path.dirname(kept) == str(tmp_path)
+    assert (tmp_path / os.path.basename(kept)).read_bytes() == data
+    view[:4] = b"\1\2\3\4"  # a private mapping: writes stay in this process
+    assert (tmp_path / os.path.basename(kept)).read_bytes() == data
+    del view, array
+    gc.collect()
+    assert os.listdir(tmp_path) == []  # the file went with the bytes
     with pytest.raises(errors.InvalidRequest, match="not the 5 announced"):
         (tmp_path / "lt_8").write_bytes(data)
-        map_shared_file(str(tmp_path), 8, 5, populate=populate)
+        map_shared_file(str(tmp_path), 8, 5, populate=populate, keep=True)
+    assert os.listdir(tmp_path) == []
