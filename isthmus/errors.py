@@ -16,18 +16,28 @@
     |   +-- OverQuota               RESOURCE_EXHAUSTED: more slices than the tenant's quota
     |   +-- NoCapacity              RESOURCE_EXHAUSTED: nothing free and no wait asked for
     |   +-- LeaseEnded              FAILED_PRECONDITION: the lease expired, was revoked or lost
-    +-- ProgramError                the user's program failed (kept apart from system faults)
-    |   +-- CompileError            the program does not parse or compile
-    |   +-- ExecutionError          the program failed while running
+    +-- ProgramError                INVALID_ARGUMENT: the user's program failed (kept apart
+    |   |                           from system faults)
+    |   +-- CompileError            INVALID_ARGUMENT: the program does not parse or compile
+    |   +-- ExecutionError          INTERNAL: the program failed while running
     |   +-- ProgramRefused          FAILED_PRECONDITION: it crashed a worker; not run again
-    +-- SystemFault                 isthmus or its fleet failed, not the user's program
+    |   +-- UserCodeError           UNKNOWN: a colocated Python function raised
+    +-- SystemFault                 INTERNAL: isthmus or its fleet failed, not the user's program
         +-- WorkerLost              DATA_LOSS: a worker (host) of the fleet went away
         |   +-- SliceReclaimed      DATA_LOSS: a higher priority took an elastic lease's slice
+        |   +-- PeerFailure         DATA_LOSS: a collective's transport lost a peer (gloo, NCCL)
         +-- SessionClosed           CANCELLED: the session ended while work was pending
         +-- InternalError           INTERNAL: a bug in isthmus; please report it
+            +-- IllegalTransition   the ledger refused a move of a shard or an array
+            |                       (controller/groups.py)
+            +-- IllegalMove         a worker's membership refused a move (worker/membership.py)
+
+    PlatformUnavailable (worker/platforms.py) is a worker's own: its platform cannot start,
+    and the process exits with a code that says so; it never reaches a client.
 
 Each error's message names the cause and ends with what the user can do next. Translation to
-a wire status happens once, in the front end (`frontend.status`).
+a wire status happens once, in the front end (`frontend.status`). tests/unit/test_exports.py
+checks that this tree names every error class of the package.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from isthmus import dtypes, errors
+from isthmus import profiling as profiler
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array
 from isthmus.controller.controller import Controller
@@ -44,7 +45,6 @@ from isthmus.controller.session_core import Keeper, SessionCore, as_error
 from isthmus.ids import ExecutableId, WorkerId
 from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, TraceOptions
-from isthmus.worker import profiler
 
 logger = logging.getLogger(__name__)
 

@@ -421,7 +421,7 @@ class ReadShards(Request[None]):
 class StartProfile(Request[bool]):
     """Starts jax's profiler in the worker's process for profile `trace`; programs run after
     it are in it. Answered False when that process records the trace already (an in-process
-    host shares its controller's process). `worker/profiler.py`."""
+    host shares its controller's process). `worker/profiler.py`, `isthmus/profiling.py`."""
 
     trace: str
     options: TraceOptions

@@ -56,7 +56,7 @@ class ColocatedCalls(Protocol):
 
 
 class ProfileControl(Protocol):
-    """A host's profiles (`worker/profiler.py`)."""
+    """A host's profiles (`worker/profiler.py`, `isthmus/profiling.py`)."""
 
     def start(self, trace: str, options: TraceOptions) -> Awaitable[bool]:
         """Starts the process's profiler; False when it records the trace already."""

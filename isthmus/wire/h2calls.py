@@ -7,7 +7,7 @@ import asyncio
 import base64
 import collections
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, NoReturn, TypeAlias
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias
 
 import grpc
 
@@ -16,7 +16,6 @@ from isthmus.wire.methods import Method, Pieces, Sink
 if TYPE_CHECKING:
     from isthmus.frontend.lease_service import Identity
     from isthmus.frontend.message import Message
-    from isthmus.wire.h2connection import Connection
 
 STREAM_WINDOW = 1 << 16  # bytes a client may send ahead on a stream that is not read
 RESERVED = {b"content-type", b"te", b"user-agent", b"grpc-timeout", b"grpc-encoding",
@@ -56,10 +55,19 @@ class Context:
         raise Abort(code, details)
 
 
+class Owner(Protocol):
+    """What a call uses of its connection (`h2connection.Connection`)."""
+
+    max_message: int  # bytes of one gRPC message; larger ones are refused
+
+    def acknowledge(self, stream_id: int, size: int) -> None:
+        """Hands `size` bytes of flow-control window back to the client."""
+
+
 class Call:
     """One call: the messages received so far, and whether the client is done sending."""
 
-    def __init__(self, owner: Connection, stream_id: int, method: Method) -> None:
+    def __init__(self, owner: Owner, stream_id: int, method: Method) -> None:
         self.owner, self.id, self.method = owner, stream_id, method
         self.prefix = bytearray()  # of the message being received
         self.need: int | None = None  # its size, once its prefix is in

@@ -20,27 +20,42 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 import h2.exceptions
 
 from isthmus.wire.h2calls import Abort, Call, Context
-from isthmus.wire.h2frames import END_STREAM, violation, window_update
+from isthmus.wire.h2frames import END_STREAM, Frames, Wire, violation, window_update
 from isthmus.wire.methods import Answer, Method, Pieces, Refused, Sink
-
-if TYPE_CHECKING:
-    from isthmus.wire.h2connection import Connection
 
 logger = logging.getLogger(__name__)
 
 CONNECTION_ACK = 16 << 20  # direct bytes handed back to the connection at a time
 
 
+class Owner(Protocol):
+    """What the direct streams use of their connection (`h2connection.Connection`)."""
+
+    h2: Frames
+    wire: Wire
+    streams: dict[int, Call]
+
+    def schedule_flush(self) -> None: ...
+
+    def trailers(self, stream: Call, code: grpc.StatusCode, message: str) -> None: ...
+
+    def stop_sending(self, stream: Call) -> None: ...
+
+    async def answer(self, stream: Call, answer: Answer) -> None: ...
+
+    async def answer_bare(self, stream: Call, framed: bytes) -> None: ...
+
+
 class Direct:
     """The direct streams of one connection (`owner`: its `h2connection.Connection`)."""
 
-    def __init__(self, owner: Connection) -> None:
+    def __init__(self, owner: Owner) -> None:
         self.owner = owner
         self._unacked = 0  # direct bytes not yet handed back to the connection
 

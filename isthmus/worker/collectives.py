@@ -18,7 +18,8 @@ from typing import cast
 from isthmus import errors
 from isthmus.compat.jaxlib_types import JaxArray, ShardedToken
 from isthmus.ids import BufferId, ExecutableId
-from isthmus.worker.slots import Loaded, Program, Settling, Unloadable, block_all, first_of
+from isthmus.worker.colocated import Program
+from isthmus.worker.slots import Loaded, Settling, Unloadable, block_all, first_of
 
 logger = logging.getLogger(__name__)
 

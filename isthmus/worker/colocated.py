@@ -29,7 +29,7 @@ import threading
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -38,15 +38,23 @@ from isthmus import errors
 from isthmus.compat import jax as jax_compat
 from isthmus.compat.jaxlib_types import JaxArray, JaxlibClient, JaxlibDevice
 from isthmus.transport.records import ColocatedProgram
-from isthmus.worker.slots import HostArray, Slot, computation_error
+from isthmus.worker.buffers import BufferStore
+from isthmus.worker.slots import HostArray, Loaded, Slot, Unloadable, computation_error
 
 if TYPE_CHECKING:
     import jax
     from jax.tree_util import PyTreeDef
 
-    from isthmus.worker.python_calls import PythonCalls
 
 MAX_TRACEBACK_CHARS = 6000
+
+
+class CallsHost(Protocol):
+    """The colocated calls of the host that took a placeholder over (`python_calls.PythonCalls`
+    of a re-formed group's host)."""
+
+    buffers: BufferStore
+    devices: dict[int, JaxlibDevice]  # by global id
 
 
 class Pending:
@@ -59,7 +67,7 @@ class Pending:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.value: Slot | None = None
-        self.moved_to: PythonCalls | None = None
+        self.moved_to: CallsHost | None = None
 
     def resolve(self, value: Slot) -> None:
         self.value = value
@@ -137,6 +145,11 @@ class PythonFunction:
     local_in: tuple[tuple[int, ...], ...]  # per input: its positions held here
     local_out: tuple[tuple[int, ...], ...]  # per output: likewise
     local_devices: frozenset[JaxlibDevice]  # the call's devices held here
+
+
+# What a host's program table holds (`DeviceHost._executables`): a program loaded, one that
+# could not be, or a colocated Python function (`python_calls.py`).
+Program: TypeAlias = Loaded | Unloadable | PythonFunction
 
 
 def user_error(name: str, e: BaseException) -> errors.IsthmusError:

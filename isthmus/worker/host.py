@@ -31,7 +31,7 @@ from isthmus.transport.host import Part
 from isthmus.worker import platforms, programs, regroup, runs
 from isthmus.worker.buffers import BufferStore, ids_of, missing
 from isthmus.worker.collectives import CollectiveOrder
-from isthmus.worker.colocated import Pending
+from isthmus.worker.colocated import Pending, Program
 from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.inline import InlineOrder
 from isthmus.worker.persistence import Checkpoints
@@ -43,7 +43,6 @@ from isthmus.worker.slots import (
     Failed,
     HostArray,
     Loaded,
-    Program,
     Slot,
     Unloadable,
     already_done,

@@ -13,13 +13,15 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from isthmus import dtypes, errors
 from isthmus.compat import jax as jax_compat
 from isthmus.compat.jaxlib_types import (
+    CompileOptions,
+    DeviceList,
     JaxlibClient,
     JaxlibDevice,
     JaxSharding,
@@ -32,8 +34,23 @@ from isthmus.compat.jaxlib_types import (
 )
 from isthmus.transport.records import Aval, CompiledInfo, CompileRequest, Signature
 
-if TYPE_CHECKING:
-    from isthmus.worker.compile_cache import CompileCache, KeptExecutables
+
+class ExecutableCache(Protocol):
+    """Where `compile_program` keeps executables (`compile_cache.CompileCache` on disk, or
+    `KeptExecutables` in memory before it)."""
+
+    def program_digest(self, module: bytes, known: bytes = b"") -> bytes: ...
+
+    def key(self, client: JaxlibClient, devices: Sequence[JaxlibDevice], program_digest: bytes,
+            compile_options: bytes, device_ids: Sequence[int], replicas: int,
+            namespace: str = "") -> str: ...
+
+    def load(self, key: str, client: JaxlibClient, devices: DeviceList,
+             options: CompileOptions) -> LoadedExecutable | None: ...
+
+    def store(self, key: str, client: JaxlibClient, executable: LoadedExecutable,
+              payload: bytes = b"") -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +192,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def compile_program(client: JaxlibClient, devices: Sequence[JaxlibDevice],
-                    request: CompileRequest, cache: CompileCache | KeptExecutables | None = None
+                    request: CompileRequest, cache: ExecutableCache | None = None
                     ) -> tuple[LoadedExecutable, CompiledInfo]:
     """Compiles and loads `request` on `devices` (blocking); with a `CompileCache`, loads it
     from there when it was compiled before (and stores it there when not)."""

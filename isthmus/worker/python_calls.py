@@ -15,7 +15,7 @@ from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
 from isthmus.worker import colocated, regroup
 from isthmus.worker.buffers import BufferStore, ids_of
-from isthmus.worker.slots import Failed, HostArray, Program, Slot, Unloadable, failing
+from isthmus.worker.slots import Failed, HostArray, Slot, Unloadable, failing
 
 # A colocated call's outputs on this host: per output, the values of its local positions.
 Outputs: TypeAlias = list[list[JaxArray | HostArray]]
@@ -27,7 +27,7 @@ class PythonCalls:
     in order per stream and concurrently across streams, and storing their outputs."""
 
     def __init__(self, buffers: BufferStore, devices: dict[int, JaxlibDevice],
-                 local: set[JaxlibDevice], executables: dict[ExecutableId, Program],
+                 local: set[JaxlibDevice], executables: dict[ExecutableId, colocated.Program],
                  pool: concurrent.futures.Executor) -> None:
         self.buffers = buffers
         self.devices = devices  # by global id
@@ -46,7 +46,7 @@ class PythonCalls:
             raise
         self._executables[executable_id] = function
 
-    def drop(self, dropped: Program | None) -> None:
+    def drop(self, dropped: colocated.Program | None) -> None:
         """A program the host dropped: a Python function is kept while calls may need it."""
         if isinstance(dropped, colocated.PythonFunction) and self._runner is not None:
             # Calls submitted before the drop may not have started yet, and they may need

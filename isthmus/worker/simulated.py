@@ -29,9 +29,10 @@ from isthmus.compat.jaxlib_types import JaxArray, JaxlibClient, JaxlibDevice, Ja
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport.host import Part
 from isthmus.worker.buffers import ids_of
+from isthmus.worker.colocated import Program
 from isthmus.worker.compile_cache import CompileCache, KeptExecutables
 from isthmus.worker.host import DeviceHost
-from isthmus.worker.slots import Failed, Loaded, Program, Slot
+from isthmus.worker.slots import Failed, Loaded, Slot
 
 __all__ = ["SimulatedHost", "make_host"]
 

@@ -2,7 +2,8 @@
 
 A buffer slot holds a jax array, a `HostArray` (IFRT string arrays stay host objects) or a
 `Failed` (the error that prevented it); a program slot holds a `Loaded` executable, an
-`Unloadable` (why it could not be compiled here) or a colocated `PythonFunction`.
+`Unloadable` (why it could not be compiled here) or a colocated `PythonFunction`
+(`colocated.Program`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import dataclasses
 import functools
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias
+from typing import NoReturn, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -28,9 +29,6 @@ from isthmus.compat.jaxlib_types import (
     ResultHandler,
 )
 from isthmus.transport import records
-
-if TYPE_CHECKING:
-    from isthmus.worker.colocated import PythonFunction
 
 
 def make_cpu_client(num_devices: int, **distributed: object) -> JaxlibClient:
@@ -129,9 +127,6 @@ class Unloadable:
 
 # What a buffer slot holds (`buffers.py`): an array (stored), a host array, or an error.
 Slot: TypeAlias = "JaxArray | HostArray | Failed"
-# What a host's program table holds (`DeviceHost._executables`): a program loaded, one that
-# could not be, or a colocated Python function (`python_calls.py`).
-Program: TypeAlias = "Loaded | Unloadable | PythonFunction"
 
 
 class Settling(Protocol):

@@ -21,8 +21,8 @@ import pytest
 from isthmus import errors
 from isthmus.frontend import profile
 from isthmus.ports import free_port
+from isthmus.profiling import SUFFIX, host_name
 from isthmus.testing import LocalServer, run_python
-from isthmus.worker.profiler import SUFFIX, host_name
 
 STEP = """
 import jax, jax.numpy as jnp, numpy as np
@@ -151,8 +151,8 @@ def test_a_profile_has_one_trace_per_host_with_the_programs_ops(server, tmp_path
 
 def test_the_process_profiler_records_once_per_process_and_writes_xplanes(tmp_path):
     # jaxlib's ProfilerSession (a jax internal, `profiler._session`) as jax 0.10-0.12 have it.
+    from isthmus.profiling import ProcessProfiler, write_trace
     from isthmus.transport.records import TraceOptions
-    from isthmus.worker.profiler import ProcessProfiler, write_trace
 
     process = ProcessProfiler()
     assert process.start("a", TraceOptions(host_tracer_level=1)) is True

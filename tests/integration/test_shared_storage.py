@@ -21,8 +21,8 @@ import time
 import numpy as np
 import pytest
 
+from isthmus.profiling import SUFFIX, host_name
 from isthmus.testing import child_environment, run_python, wait_until
-from isthmus.worker.profiler import SUFFIX, host_name
 from tests.integration.shared_service import SharedService
 
 pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
