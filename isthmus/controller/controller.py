@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 from typing import Any, cast
 
 from isthmus import errors
+from isthmus.controller import specs
 from isthmus.controller.counts import Counts
 from isthmus.controller.executables import Executable, ExecutableState, ProgramPlan, hosted
 from isthmus.controller.fleet import Device, WholeFleet
@@ -164,7 +165,8 @@ class Controller:
             self.counts.compile_misses += 1
         executable.workers = self.fleet.worker_set(executable.parts)
         executable.refs = 1
-        executable.info = info
+        if info is not None:  # known before (a plan's, or a program kept across a restart)
+            specs.work_out(executable, info)
         self._executables[key] = executable
         if request.on_hosts:  # compiled (a colocated function: unpickled) there
             executable.compiled = asyncio.get_running_loop().create_task(
@@ -329,8 +331,8 @@ class Controller:
             error = errors.from_runtime_error(e, errors.CompileError, "compilation failed")
             self._failed(executable, error)
             raise error from None
-        if executable.info is None:
-            executable.info = infos[0]
+        if executable.info is None and infos[0] is not None:
+            specs.work_out(executable, infos[0])
         if isinstance(request, CompileRequest) and request.executable:
             # Loaded from the vetting process's executable: a later Load compiles it again.
             executable.request = dataclasses.replace(request, executable=b"")

@@ -43,7 +43,7 @@ def plan_of(executable: Executable, kind: type[_Plan]) -> _Plan:
 
 
 class OutputSpec(NamedTuple):
-    """One output of an executable, worked out at its first run and kept: what each run's
+    """One output of an executable, worked out once (`specs.py`) and kept: what each run's
     array of it is, and where."""
 
     aval: Aval
@@ -55,7 +55,7 @@ class OutputSpec(NamedTuple):
 
 
 class ParamSpec(NamedTuple):
-    """One parameter of a compiled program, worked out at its first run and kept: where an
+    """One parameter of a compiled program, worked out once (`specs.py`) and kept: where an
     argument must be for it."""
 
     sharding: sh.Sharding | None  # the sharding the argument must have (None: not said)
@@ -132,9 +132,11 @@ class Executable:
             parts.setdefault(device.worker, []).append(position)
         self.parts = {w: tuple(p) for w, p in parts.items()}
         self.workers = tuple(self.parts)  # where its commands go (the controller interns it)
-        self.output_specs: list[OutputSpec] | None = None  # per output, from its first run
+        # Per output and parameter: a compiled program's from its compile's answer (specs.py),
+        # a colocated function's and a reshard's from their first run.
+        self.output_specs: list[OutputSpec] | None = None
         self.input_specs: list[InputSpec] | None = None  # per input of a colocated function
-        self.param_specs: list[ParamSpec] | None = None  # per parameter, from the first run
+        self.param_specs: list[ParamSpec] | None = None
         # per parameter: the last sharding an argument passed the placement check in (the
         # same object again passes without a check: a loop's outputs share their sharding)
         self.placed: dict[int, object] = {}

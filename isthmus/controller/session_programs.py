@@ -17,7 +17,7 @@ from isthmus import dtypes, errors
 from isthmus.controller import readahead
 from isthmus.controller import sharding as sh
 from isthmus.controller.arrays import Array, first_error, groups_of
-from isthmus.controller.executables import Executable, OutputSpec, ParamSpec
+from isthmus.controller.executables import Executable
 from isthmus.controller.groups import GONE, BufferGroup
 from isthmus.controller.session_core import Owner, SessionCore
 from isthmus.ids import BufferId, WorkerId
@@ -81,7 +81,11 @@ class SessionPrograms:
             raise errors.InvalidRequest(
                 f"the program takes {len(info.params)} arguments but {len(args)} were given.")
         refs: list[int | tuple[BufferId, ...]] = []
-        specs = executable.param_specs or self._param_specs(executable)
+        specs = executable.param_specs
+        if specs is None:
+            raise errors.InternalError(
+                f"executable {executable.id} has no parameter specs; this is a bug in isthmus: "
+                "please report it with the server log.")
         for index, (array, aval) in enumerate(zip(args, info.params)):
             if not dtypes.passes_as(array.dtype, array.shape, aval.dtype, aval.shape):
                 raise errors.InvalidRequest(
@@ -145,29 +149,6 @@ class SessionPrograms:
 
         return outputs, status
 
-    @staticmethod
-    def _param_specs(executable: Executable) -> list[ParamSpec]:
-        """Per parameter, the sharding its argument must have (None: the program does not
-        say) and the memory kind it must be in; kept on the executable."""
-        info = executable.info
-        assert info is not None
-        device_ids = executable.device_ids
-        default_kind = executable.devices[0].memory_kinds[0]
-        specs: list[ParamSpec] = []
-        for index in range(len(info.params)):
-            if len(device_ids) == 1:
-                sharding: sh.Sharding | None = sh.Sharding.single(device_ids[0])
-            elif info.param_shardings is not None and index < len(info.param_shardings):
-                sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, None,
-                                       info.param_shardings[index])
-            else:
-                sharding = None
-            kinds = info.param_memory_kinds
-            specs.append(ParamSpec(sharding, (kinds[index] if index < len(kinds) else None)
-                                   or default_kind))
-        executable.param_specs = specs
-        return specs
-
     def _argument(self, executable: Executable, index: int, array: Array
                   ) -> int | tuple[BufferId, ...]:
         """How workers find an argument's shards: its group base when the array is a whole
@@ -191,23 +172,10 @@ class SessionPrograms:
 
     def _outputs(self, executable: Executable) -> list[Array]:
         """New arrays for a program's outputs: one group each, over the program's devices."""
-        info = executable.info
-        assert info is not None
         if executable.output_specs is None:
-            device_ids = executable.device_ids
-            specs: list[OutputSpec] = []
-            for index, aval in enumerate(info.outputs):
-                memory_kind = (info.output_memory_kinds[index]
-                               if index < len(info.output_memory_kinds) else None)
-                if info.output_shardings is None or len(device_ids) == 1:
-                    sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind)
-                else:
-                    sharding = sh.Sharding(sh.ShardingKind.HLO, device_ids, memory_kind,
-                                           info.output_shardings[index])
-                nbytes = sh.shard_nbytes(sharding, aval.shape, aval.dtype.itemsize)
-                specs.append(OutputSpec(aval, sharding, nbytes, (executable.readahead, index)
-                                        if readahead.small(nbytes) else None))
-            executable.output_specs = specs
+            raise errors.InternalError(
+                f"executable {executable.id} has no output specs; this is a bug in isthmus: "
+                "please report it with the server log.")
         new_group = self.controller.ledger.new_group
         outputs = []
         for aval, sharding, nbytes, origin in executable.output_specs:

@@ -175,7 +175,10 @@ async def _compiled(fleet, frames, *executables):
 
 def _program(controller, fleet, device_ids, module=b"module crash_me"):
     request = CompileRequest(module, b"options", tuple(device_ids))
-    info = types.SimpleNamespace(name="jit_crash_me" if b"crash" in module else "jit_fine")
+    info = types.SimpleNamespace(  # what the controller reads of a program with no arguments
+        name="jit_crash_me" if b"crash" in module else "jit_fine", params=(), outputs=(),
+        param_shardings=None, output_shardings=None, param_memory_kinds=(),
+        output_memory_kinds=())
     return controller.executable(request, fleet.devices_of(device_ids), info)
 
 

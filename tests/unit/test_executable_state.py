@@ -114,3 +114,21 @@ def test_validate_finds_a_listed_executable_that_was_dropped():
         with pytest.raises(AssertionError, match="dropped but still listed"):
             controller.validate_executables()
     asyncio.run(main())
+
+
+def test_specs_are_worked_out_once_when_the_compile_answers():
+    async def main():
+        controller = _controller()
+        devices = controller.fleet.devices
+        request = _request(lambda a, b: (a + b, a * 2), np.float32(1), np.zeros(3, np.float32))
+        executable = controller.executable(request, devices)
+        assert executable.param_specs is None and executable.output_specs is None
+        await executable.compiled
+        params, outputs = executable.param_specs, executable.output_specs
+        assert [p.memory_kind for p in params] == [devices[0].memory_kinds[0]] * 2
+        assert [tuple(o.aval.shape) for o in outputs] == [(3,), ()]
+        assert all(o.origin is not None for o in outputs)  # small: read ahead when asked
+        again = controller.executable(request, devices)
+        assert again.param_specs is params and again.output_specs is outputs
+
+    asyncio.run(main())
