@@ -207,6 +207,18 @@ class Ledger:
 
     # ---- failures ------------------------------------------------------------------------
 
+    def poison(self, array: Array, error: errors.IsthmusError | None) -> None:
+        """Every use of `array` reports `error` from now on (None: nothing to report; an
+        array made from a poisoned one takes its error along). The array's own error is set
+        here only."""
+        if error is None:
+            return
+        if array.error is not None:
+            raise errors.InternalError(
+                f"an array poisoned with {array.error.message!r} was poisoned again; this is "
+                "a bug in isthmus: please report it.")
+        array.error = error
+
     def poison_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
         """Every buffer on the slice is gone: uses of it report `error` (DATA_LOSS)."""
         cause, self.transitions.cause = self.transitions.cause, f"slice {slice_index} lost"

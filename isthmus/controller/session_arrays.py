@@ -172,7 +172,7 @@ class SessionArrays:
     def make_error_array(self, dtype: dtypes.DType, shape: Sequence[int], sharding: sh.Sharding,
                          error: errors.IsthmusError) -> Array:
         array = self.new_array(dtype, self.validate_shape(dtype, shape), sharding, definers=0)
-        array.error = error
+        self.ledger.poison(array, error)
         assert array.group is not None
         array.group.fail(None, error)
         return array

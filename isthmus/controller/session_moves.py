@@ -111,7 +111,7 @@ class SessionMoves:
                                         array.shape, f"array {index}")
             # Pending on this reshard itself until it has sent (or failed) every shard.
             out = self.arrays.new_array(array.dtype, array.shape, sharding, definers=1)
-            out.error = array.error
+            self.controller.ledger.poison(out, array.error)
             results.append(out)
         inputs = groups_of(arrays)
 
@@ -372,7 +372,7 @@ class SessionMoves:
                 raise errors.InvalidRequest(
                     f"bitcasting {array.dtype.kind}{list(array.shape)} to "
                     f"{dtype.kind}{list(shape)} changes the size of the shards.")
-            out.error = array.error
+            self.controller.ledger.poison(out, array.error)
             results.append(out)
 
         def run() -> None:

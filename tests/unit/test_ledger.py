@@ -363,3 +363,19 @@ def test_validate_state_finds_records_that_disagree():
     a.group.states_apart = {1: S.FREED}
     with pytest.raises(AssertionError, match="freed while pinned"):
         ledger.validate_state()
+
+
+def test_an_arrays_error_is_set_through_the_ledger_once():
+    async def body():
+        ledger, _ = _ledger()
+        array = _array(ledger)
+        ledger.poison(array, None)  # a clean source: nothing to carry along
+        assert array.error is None
+        ledger.poison(array, errors.WorkerLost("worker 1 was lost"))
+        assert array.problem().message == "worker 1 was lost"
+        with pytest.raises(errors.InternalError, match="poisoned again"):
+            ledger.poison(array, errors.InvalidRequest("bad"))
+        assert array.error.message == "worker 1 was lost"
+        ledger.validate_state()
+
+    run(body)
