@@ -70,7 +70,7 @@ LEGAL: dict[ShardState, frozenset[ShardState]] = {
     S.FREED: frozenset(),
 }
 GONE = frozenset({S.DELETED, S.FREED})  # no array may use the shard's bytes any more
-LIVE = frozenset({S.PENDING, S.DEFINED, S.STORED})  # may still come to hold bytes
+HOLDING = frozenset({S.PENDING, S.DEFINED, S.STORED})  # holds bytes, or may come to
 
 
 class IllegalTransition(errors.InternalError):
@@ -326,12 +326,12 @@ class BufferGroup:
         """The shards at `positions` (None: every shard) will never hold bytes; a shard that
         failed already keeps its first reason, and one deleted or freed keeps its state."""
         if positions is None:
-            if self.reason is None and not self._reasons and self.all_in(*LIVE):
+            if self.reason is None and not self._reasons and self.all_in(*HOLDING):
                 self._move_all(FAILED)
                 self.reason = reason
                 return
             positions = range(len(self.devices))
-        moving = [p for p in positions if self.state_at(p) in LIVE]
+        moving = [p for p in positions if self.state_at(p) in HOLDING]
         if not moving:
             return
         self._move(moving, FAILED)

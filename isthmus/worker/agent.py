@@ -150,7 +150,7 @@ class WorkerAgent:
                               described.companions, crash, self.log_path,
                               described.attributes)
         membership = self.membership
-        while membership.live:
+        while membership.active:
             await self._serve(register)
             if membership.welcomed:
                 register = dataclasses.replace(register, crash=None)  # reported once

@@ -74,7 +74,7 @@ class BufferStore:
             out.append(value)
         return out
 
-    def live(self) -> list[JaxArray | HostArray]:
+    def stored_arrays(self) -> list[JaxArray | HostArray]:
         """The stored and host arrays that still hold data."""
         return [v for v in self._slots.values()
                 if not isinstance(v, Failed) and not v.is_deleted()]

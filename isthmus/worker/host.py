@@ -295,9 +295,9 @@ class DeviceHost:
         return buffer_id in self.buffers
 
     def stats(self) -> dict[str, int]:
-        live = self.buffers.live()
+        stored = self.buffers.stored_arrays()
         cache = self.compile_cache.stats() if self.compile_cache is not None else {}
-        return {"buffers": len(live), "bytes": sum(v.nbytes for v in live),
+        return {"buffers": len(stored), "bytes": sum(v.nbytes for v in stored),
                 "executables": sum(isinstance(e, Loaded) for e in self._executables.values()),
                 "programs_compiled": programs.LOADS["compiled"],
                 "programs_vetted": programs.LOADS["vetted"],

@@ -11,7 +11,7 @@ raises `IllegalMove` and changes nothing, as the ledger's do (`controller/groups
          ^                                              ^  |                      |
          |                                              |  +-- (a later call read) |
          +------------- StreamEnded (afresh) -----------+-------GroupCalled-------+
-    any live phase --Stop--> stopping --StreamEnded--> ended (exit_code)
+    any active phase --Stop--> stopping --StreamEnded--> ended (exit_code)
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ MOVES: dict[Phase, frozenset[Phase]] = {
     _P.STOPPING: frozenset({_P.STOPPING, _P.ENDED}),
     _P.ENDED: frozenset(),
 }
-LIVE = frozenset({_P.REGISTERING, _P.JOINED, _P.FORMING, _P.IN_GROUP})
+ACTIVE = frozenset({_P.REGISTERING, _P.JOINED, _P.FORMING, _P.IN_GROUP})
 
 
 class IllegalMove(errors.InternalError):
@@ -100,7 +100,7 @@ class StreamEnded:
     used up once a controller welcomed it)."""
 
     reusable: bool = True
-    phases: ClassVar[frozenset[Phase]] = frozenset(LIVE | {_P.STOPPING})
+    phases: ClassVar[frozenset[Phase]] = frozenset(ACTIVE | {_P.STOPPING})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ class Stop:
     """Told to stop (a signal, the controller's Shutdown or stop answer), with its exit code."""
 
     code: int = EXIT_SHUTDOWN
-    phases: ClassVar[frozenset[Phase]] = frozenset(LIVE | {_P.STOPPING, _P.ENDED})
+    phases: ClassVar[frozenset[Phase]] = frozenset(ACTIVE | {_P.STOPPING, _P.ENDED})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,7 +116,7 @@ class Failed:
     """The command loop failed (a bug): the controller is told why before the stream ends."""
 
     reason: str
-    phases: ClassVar[frozenset[Phase]] = frozenset(LIVE | {_P.STOPPING})
+    phases: ClassVar[frozenset[Phase]] = frozenset(ACTIVE | {_P.STOPPING})
 
 
 Event = Welcomed | Refused | GroupCalled | GroupActive | StreamEnded | Stop | Failed
@@ -144,8 +144,9 @@ class Membership:
         self.ending = asyncio.Event()  # set once stopping or ended: wakes the agent's wait
 
     @property
-    def live(self) -> bool:
-        return self.phase in LIVE
+    def active(self) -> bool:
+        """Registering, joined, forming or in a group: neither stopping nor ended."""
+        return self.phase in ACTIVE
 
     @property
     def stopping(self) -> bool:

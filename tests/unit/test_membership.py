@@ -9,8 +9,8 @@ import pytest
 from isthmus.transport import messages as m
 from isthmus.worker import membership as ms
 from isthmus.worker.membership import (
+    ACTIVE,
     EVENTS,
-    LIVE,
     MOVES,
     Failed,
     GroupActive,
@@ -47,7 +47,7 @@ def test_every_phase_has_its_moves_and_only_ended_is_final():
     assert set(MOVES) == set(P)
     assert {p for p, to in MOVES.items() if not to} == {P.ENDED}
     assert all(P.ENDED in to for p, to in MOVES.items() if p is not P.ENDED)
-    assert LIVE == {P.REGISTERING, P.JOINED, P.FORMING, P.IN_GROUP}
+    assert ACTIVE == {P.REGISTERING, P.JOINED, P.FORMING, P.IN_GROUP}
     assert set(EVENTS) == set(SAMPLE)
 
 
@@ -95,7 +95,7 @@ def test_the_stream_ending_registers_afresh_and_forgets_the_group():
     membership = _at(P.FORMING)
     membership.count(5)
     membership.handle(StreamEnded())
-    assert membership.phase is P.REGISTERING and membership.live
+    assert membership.phase is P.REGISTERING and membership.active
     assert not membership.superseded.is_set() and membership.gone == frozenset()
     assert membership.generation == membership.called == -1
     membership.handle(Welcomed())
