@@ -49,7 +49,7 @@ def shared_empty(directory: str, size: int) -> np.ndarray | None:
         region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError):
-        _unlink(path)
+        remove_quietly(path)
         return None
     finally:
         os.close(fd)
@@ -75,13 +75,13 @@ def adopt_file(fd: int, path: str, size: int, populate: bool = False,
     region = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     array = np.frombuffer(region, np.uint8)
     if not keep:
-        _unlink(path)
+        remove_quietly(path)
         return array
     kept = os.path.join(os.path.dirname(path), f"upload-{os.getpid()}-{next(_NAMES)}")
     try:
         os.rename(path, kept)
     except OSError:
-        _unlink(path)
+        remove_quietly(path)
         return array
     address = array.ctypes.data
     _FILES[address] = (kept, size)
@@ -99,10 +99,11 @@ def backing_file(value: np.ndarray) -> str | None:
 
 def _forget(address: int, path: str) -> None:
     _FILES.pop(address, None)
-    _unlink(path)
+    remove_quietly(path)
 
 
-def _unlink(path: str) -> None:
+def remove_quietly(path: str) -> None:
+    """Removes a file if it is there (a file of the shared directory that may be gone)."""
     try:
         os.unlink(path)
     except OSError:

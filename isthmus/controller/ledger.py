@@ -221,28 +221,21 @@ class Ledger:
 
     def poison_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
         """Every buffer on the slice is gone: uses of it report `error` (DATA_LOSS)."""
-        cause, self.transitions.cause = self.transitions.cause, f"slice {slice_index} lost"
-        try:
+        with self.transitions.caused_by(f"slice {slice_index} lost"):
             for group in self._live.values():
                 positions = [p for p, device in enumerate(group.devices)
                              if device.slice_index == slice_index and group.reason_at(p) is None]
                 if positions:
                     group.fail(positions, error)
-        finally:
-            self.transitions.cause = cause
 
     def evict_slice(self, slice_index: int, error: errors.IsthmusError) -> None:
         """Every buffer on the slice is dropped from its (live) workers and reports `error`
         on use: the slice was taken from the lease that made them (a shared service)."""
         self.poison_slice(slice_index, error)
-        cause, self.transitions.cause = self.transitions.cause, (
-            f"slice {slice_index} taken from its lease")
-        try:
+        with self.transitions.caused_by(f"slice {slice_index} taken from its lease"):
             self.free_buffers([Buffer(group, position) for group in list(self._live.values())
                                for position, device in enumerate(group.devices)
                                if device.slice_index == slice_index])
-        finally:
-            self.transitions.cause = cause
 
     # ---- reading -------------------------------------------------------------------------
 

@@ -10,8 +10,10 @@ before it say which request started that work.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import TypedDict
 
 DEFAULT_SIZE = 4096  # moves kept; a few per program run, so the last thousand or so runs
@@ -44,6 +46,16 @@ class Transitions:
     def record(self, base: int, shards: int, positions: tuple[int, ...] | None,
                old: object, new: object) -> None:
         self._log.append((time.time(), base, shards, positions, old, new, self.cause))
+
+    @contextlib.contextmanager
+    def caused_by(self, cause: Cause) -> Iterator[None]:
+        """The moves made inside are recorded with `cause` (a fleet event, a session
+        closing); the cause before is restored after."""
+        before, self.cause = self.cause, cause
+        try:
+            yield
+        finally:
+            self.cause = before
 
     def __len__(self) -> int:
         return len(self._log)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from isthmus import errors
-from isthmus.hostmem import adopt_file
+from isthmus.hostmem import adopt_file, remove_quietly
 from isthmus.ids import HostBufferHandle
 
 if TYPE_CHECKING:
@@ -323,18 +323,11 @@ def map_shared_file(directory: str, handle: int, size: int, populate: bool = Fal
                 f"the shared-directory file for host buffer {handle} has {info.st_size} "
                 f"bytes, not the {size} announced.")
         if size == 0:
-            _unlink_quietly(path)
+            remove_quietly(path)
             return memoryview(b"")
         return memoryview(adopt_file(fd, path, size, populate, keep))
     except BaseException:
-        _unlink_quietly(path)
+        remove_quietly(path)
         raise
     finally:
         os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -300,11 +300,8 @@ class FrontendSession:
         self.arrays.clear()
         self.executables.clear()
         self.futures.clear()
-        self._transitions.cause = f"session {self.id} closed"
-        try:
+        with self._transitions.caused_by(f"session {self.id} closed"):
             await self.ctl.close()
-        finally:
-            self._transitions.cause = None
         if self._on_close is not None:
             self._on_close(self)
 

@@ -21,7 +21,14 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from isthmus import errors
-from isthmus.hostmem import Assembly, backing_file, byte_view, map_file, write_file
+from isthmus.hostmem import (
+    Assembly,
+    backing_file,
+    byte_view,
+    map_file,
+    remove_quietly,
+    write_file,
+)
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import auth
 from isthmus.transport import commands as c
@@ -191,7 +198,7 @@ class RemoteWorker:
         elif isinstance(message, m.SharedDir):
             if self.probe is not None and message.path == self.probe[0]:
                 self.shared_dir = message.path
-                _unlink(self.probe[1])
+                remove_quietly(self.probe[1])
         elif isinstance(message, m.FetchHeader):
             self._fetches[message.request] = _Incoming(message)
         elif isinstance(message, m.Data):
@@ -237,7 +244,7 @@ class RemoteWorker:
             if self._flow is not None:
                 self._flow.forget(self.slot)
             if self.probe is not None and self.shared_dir is None:
-                _unlink(self.probe[1])  # never answered (another machine): not needed now
+                remove_quietly(self.probe[1])  # never answered (another machine): not needed now
         self._pending.clear()
         waiting, self._waiting = self._waiting, {}
         for future in waiting.values():
@@ -279,7 +286,7 @@ class RemoteWorker:
                 logger.warning("writing %s failed (%s); data to worker %s streams from now on",
                                path, e, self.slot)
                 self.shared_dir = None
-                _unlink(path)
+                remove_quietly(path)
             else:
                 number, future = self._request()
                 self._command(m.PutFile(number, put.buffer, put.device, put.memory_kind,
@@ -333,7 +340,7 @@ class RemoteWorker:
                                         tuple(shape), path))
                 await stored
             finally:
-                _unlink(path)
+                remove_quietly(path)
 
         return store()
 
@@ -375,19 +382,12 @@ def _linked(source: str | None, path: str) -> bool:
     return True
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
 async def _removing(path: str, answer: Awaitable[object]) -> None:
     """Waits for the worker's answer to a PutFile; the file goes either way."""
     try:
         await answer
     finally:
-        _unlink(path)
+        remove_quietly(path)
 
 
 async def _mapped(path: str, answer: Awaitable[object]) -> np.ndarray:
@@ -396,7 +396,7 @@ async def _mapped(path: str, answer: Awaitable[object]) -> np.ndarray:
         dtype, shape = cast(_Written, await answer)
         return map_file(path, read_only=True).view(m.dtype_of(dtype)).reshape(shape)
     finally:
-        _unlink(path)
+        remove_quietly(path)
 
 
 class _Incoming:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Awaitable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
@@ -138,8 +138,12 @@ class DeviceHost:
         if value.nbytes <= self.INLINE_PUT_BYTES:
             error = self._put_blocking(buffer_id, device_id, value, memory_kind)
             return already_done() if error is None else failed_now(error)
-        write = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._put_or_raise, buffer_id, device_id, value, memory_kind)
+        return self._write(self._put_or_raise, buffer_id, device_id, value, memory_kind)
+
+    def _write(self, placing: Callable[..., None], *args: object) -> Awaitable[None]:
+        """Runs `placing(*args)` (host data placed on a device) in the pool; `settle_writes`
+        waits for it."""
+        write = asyncio.get_running_loop().run_in_executor(self._pool, placing, *args)
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
         return write
@@ -154,12 +158,8 @@ class DeviceHost:
         if self.on_cpu:
             return self.put(buffer_id, device_id, map_file(path).view(dtype).reshape(shape),
                             memory_kind)
-        write = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._put_file_or_raise, buffer_id, device_id, path, dtype, shape,
-            memory_kind)
-        self._writes.add(write)
-        write.add_done_callback(self._writes.discard)
-        return write
+        return self._write(self._put_file_or_raise, buffer_id, device_id, path, dtype, shape,
+                           memory_kind)
 
     def _put_file_or_raise(self, buffer_id: BufferId, device_id: int, path: str,
                            dtype: np.dtype, shape: tuple[int, ...],
