@@ -9,6 +9,11 @@ crash-record path (`worker/crashes.py`, beside the logs): a worker that a progra
 followed by one that reports the program, which the controller then refuses, so a bad request
 costs the slot one restart, not the whole restart budget.
 
+CPU workers are forked from one Python that imported jax and the worker's code once
+(`warm_start.py`): a fleet of four starts in about half the time. Anything else (an
+accelerator's workers, a shared service's confined ones, a test's stand-in command) starts as
+a fresh process.
+
 A daemon thread (the watcher) polls the processes; the head's event loop never waits on it.
 The restart decisions themselves are plain functions of `RestartPolicy`, testable without
 processes; `LocalLauncher.command` is the seam that lets tests launch anything else.
@@ -33,6 +38,7 @@ from isthmus.logs import event
 from isthmus.options import cpu_list
 from isthmus.transport.auth import TOKEN_ENVIRONMENT
 from isthmus.transport.tls import TlsConfig
+from isthmus.warm_start import WarmStart, WorkerProcess, start_process, warm_start_for
 from isthmus.worker.compile_cache import CacheConfig
 from isthmus.worker.crashes import CRASH_RECORD_ENV
 from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, Platform, visible_gpus
@@ -98,7 +104,7 @@ class WorkerSlot:
     host: int  # the launcher's count within the slice (the controller picks the host slot)
     log_path: pathlib.Path  # the worker's output, appended to by every restart
     crash_record: pathlib.Path  # its processes' crash records (`worker/crashes.py`)
-    process: subprocess.Popen[bytes] | None = None
+    process: WorkerProcess | None = None
     started_at: float = 0.0  # time.monotonic() of the last start
     restarts: int = 0  # restarts in a row (see RestartPolicy.attempt)
     restart_at: float | None = None  # time.monotonic() of the next start, when one is due
@@ -183,6 +189,7 @@ class LocalLauncher:
         self._restarting = False
         self._done = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._warm: WarmStart | None = None  # forks the CPU workers (`warm_start.py`)
 
     def command(self, slice_index: int, host: int = 0) -> list[str]:
         """The command line of the worker of `slice_index`, `host` (tests override it)."""
@@ -235,7 +242,7 @@ class LocalLauncher:
                 "--gpu-memory-fraction", f"{self.platform.memory_fraction / sharing:.4g}"]
 
     @property
-    def processes(self) -> list[subprocess.Popen[bytes]]:
+    def processes(self) -> list[WorkerProcess]:
         """The worker processes started last in each slot (running or not yet noticed dead)."""
         with self._lock:
             return [s.process for s in self.slots if s.process is not None]
@@ -253,6 +260,7 @@ class LocalLauncher:
             self._env[SANDBOX_ENVIRONMENT] = dataclasses.replace(
                 self.sandbox, writable=(*self.sandbox.writable, str(self.log_dir),
                                         *local_cache)).encode()
+        self._warm = warm_start_for(self.command(0), self._env, str(self.log_dir))
         with self._lock:
             for slice_index in range(self.slices):
                 for host in range(self.hosts_per_slice):
@@ -310,6 +318,9 @@ class LocalLauncher:
             for slot in self.slots:
                 slot.process = None
                 slot.restart_at = None
+        if self._warm is not None:
+            self._warm.close(timeout)
+            self._warm = None
         if self._own_cache is not None:  # the fleet's executables go with it (logs stay)
             shutil.rmtree(self._own_cache, ignore_errors=True)
 
@@ -364,24 +375,22 @@ class LocalLauncher:
 
     def _spawn(self, slot: WorkerSlot) -> None:
         """Starts the slot's worker, appending to its log. Call with `_lock` held."""
-        with open(slot.log_path, "ab") as log:
-            if slot.restarts:
+        if slot.restarts:
+            with open(slot.log_path, "ab") as log:
                 log.write(f"--- isthmus launcher: restart {slot.restarts} of "
                           f"{self.restart.max_restarts} ---\n".encode())
-                log.flush()
-            slot.started_at = time.monotonic()
-            try:
-                slot.process = subprocess.Popen(
-                    self.command(slot.slice_index, slot.host), stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**self._env, CRASH_RECORD_ENV: str(slot.crash_record),
-                         **({} if self.join_tokens is None else
-                            {TOKEN_ENVIRONMENT: self.join_tokens()})})
-            except OSError as e:
-                if not self._restarting:  # the first start: the caller hears of it
-                    raise
-                self._exited(slot, slot.started_at, f"starting a worker failed: {e}")
-                return
+        slot.started_at = time.monotonic()
+        try:
+            slot.process = start_process(
+                self._warm, self.command(slot.slice_index, slot.host),
+                {**self._env, CRASH_RECORD_ENV: str(slot.crash_record),
+                 **({} if self.join_tokens is None else
+                    {TOKEN_ENVIRONMENT: self.join_tokens()})}, str(slot.log_path))
+        except OSError as e:
+            if not self._restarting:  # the first start: the caller hears of it
+                raise
+            self._exited(slot, slot.started_at, f"starting a worker failed: {e}")
+            return
         if slot.restarts:
             self.restarted += 1
             logger.info("restarted the worker of slice %s host %s as pid %s",
@@ -390,7 +399,7 @@ class LocalLauncher:
                             pid=slot.process.pid))
 
 
-def _end(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def _end(processes: list[WorkerProcess], timeout: float) -> None:
     """SIGTERM to each process still running, SIGKILL to those still running `timeout` s
     later; returns once all have exited."""
     for process in processes:

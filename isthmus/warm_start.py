@@ -1,0 +1,282 @@
+"""Local CPU workers forked from one warm Python (`isthmus up`'s own fleet).
+
+A worker spends most of its start importing jax and its own code: about 2 s of CPU each,
+so a fleet of four on a 2-core machine took 4-5 s before its first worker joined. The local
+launcher (`launch.py`) therefore starts one process that imports them once, with no backend
+and no thread, and forks each CPU worker from it (`forking.py`): the child parses the same
+command line `isthmus worker` would (`cli.main`), in the environment and with the log the
+launcher gives it. What it runs is the program a fresh `python -m isthmus.cli worker` runs;
+only the imports are done already. A worker that restarts itself (`execv`) becomes a fresh
+interpreter in the same process, as before.
+
+Only commands of the form `python -m isthmus.cli worker ...` for the CPU platform are forked
+(jax reads JAX_PLATFORMS when it is imported, and an accelerator's plugin its environment),
+never a shared service's confined workers (they confine themselves before importing jax),
+and not when ISTHMUS_WARM_START=0. When the warm Python cannot start, or has died, workers
+start as fresh processes, and the log says so.
+
+The warm Python dies with the launcher's process (PR_SET_PDEATHSIG), and its children, which
+ask for the same (`--exit-with-parent`), with it. `WarmStart.start` returns a `Forked`, which
+answers what the launcher asks of a `subprocess.Popen`: pid, poll, wait, send_signal, kill.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+ENVIRONMENT = "ISTHMUS_WARM_START"  # "0": every worker a fresh interpreter
+_PREFIX = ("-m", "isthmus.cli", "worker")
+START_TIMEOUT = 60.0  # seconds for the warm Python's imports; past them: fresh processes
+
+
+class WorkerProcess(Protocol):
+    """What the launcher asks of a worker's process (`subprocess.Popen` answers it too)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def forkable(command: Sequence[str], environ: dict[str, str]) -> bool:
+    """Whether `command` may be forked from a warm Python: `python -m isthmus.cli worker` on
+    the CPU platform, unconfined, with warm starts not turned off."""
+    from isthmus.worker.sandbox import ENVIRONMENT as SANDBOX
+
+    return (environ.get(ENVIRONMENT, "1") != "0" and SANDBOX not in environ
+            and len(command) > 3 and command[0] == sys.executable
+            and tuple(command[1:4]) == _PREFIX and "--platform" not in command)
+
+
+class Forked:
+    """A worker forked by the warm Python: a real process, whose exit the warm Python
+    reports (it is that process's parent)."""
+
+    def __init__(self, pid: int, starter: WarmStart) -> None:
+        self.pid = pid
+        self._starter = starter
+        self.returncode: int | None = None
+        self.args = ["(forked)", str(pid)]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._starter.ended(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None:
+            code = self._starter.wait_ended(self.pid, timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self.returncode = code
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never a signal to a pid that may be reused
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class WarmStart:
+    """The launcher's side: the warm Python, the thread that reads its reports, and the exit
+    codes of the children it forked.
+
+    Invariant: a pid is in `_running` from its start until its end is read, then in `_ended`
+    until the launcher has seen it; when the warm Python is gone, every child still running
+    is reported ended by SIGKILL (they die with it)."""
+
+    def __init__(self, environ: dict[str, str], log_path: str) -> None:
+        self._log = open(log_path, "ab")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "isthmus.warm_start"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._log,
+            env={**environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+        self._ids = itertools.count(1)
+        self._changed = threading.Condition()
+        self._started: dict[int, int] = {}  # request id -> the child's pid
+        self._running: set[int] = set()
+        self._ended: dict[int, int] = {}
+        self._ready = False
+        self._gone = False
+        threading.Thread(target=self._read, name="isthmus-warm-start", daemon=True).start()
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready or self._gone, START_TIMEOUT)
+            if not self._ready:
+                self._process.kill()
+                raise OSError(f"the warm Python did not start (see {log_path})")
+
+    def alive(self) -> bool:
+        with self._changed:
+            return not self._gone
+
+    def start(self, command: Sequence[str], environ: dict[str, str], log_path: str
+              ) -> Forked:
+        """Forks `command` (a forkable one) with this environment, its output appended to
+        `log_path`. Raises OSError when the warm Python is gone."""
+        ident = next(self._ids)
+        request = {"id": ident, "argv": list(command[3:]), "env": environ,
+                   "cwd": os.getcwd(), "log": log_path}
+        with self._changed:
+            if self._gone or self._process.stdin is None:
+                raise OSError("the warm Python has ended")
+            try:
+                self._process.stdin.write((json.dumps(request) + "\n").encode())
+                self._process.stdin.flush()
+            except (OSError, ValueError) as e:
+                raise OSError(f"the warm Python has ended: {e}") from e
+            self._changed.wait_for(lambda: ident in self._started or self._gone,
+                                   START_TIMEOUT)
+            pid = self._started.pop(ident, None)
+            if pid is None:
+                raise OSError("the warm Python did not fork the worker")
+            return Forked(pid, self)
+
+    def ended(self, pid: int) -> int | None:
+        with self._changed:
+            return self._ended.pop(pid, None)
+
+    def wait_ended(self, pid: int, timeout: float | None) -> int | None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._ended, timeout)
+            return self._ended.pop(pid, None)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ends the warm Python (its children, if any are left, die with it)."""
+        if self._process.stdin is not None:
+            try:
+                self._process.stdin.close()
+            except OSError:
+                pass
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._log.close()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            message = json.loads(line)
+            with self._changed:
+                if "ready" in message:
+                    self._ready = True
+                elif "id" in message:
+                    self._started[message["id"]] = message["pid"]
+                    self._running.add(message["pid"])
+                else:
+                    self._running.discard(message["pid"])
+                    self._ended[message["pid"]] = message["code"]
+                self._changed.notify_all()
+        self._process.wait()
+        with self._changed:
+            self._gone = True
+            for pid in self._running:
+                self._ended.setdefault(pid, -signal.SIGKILL)
+            self._running.clear()
+            self._changed.notify_all()
+
+
+def start_process(starter: WarmStart | None, command: Sequence[str], environ: dict[str, str],
+                  log_path: str) -> WorkerProcess:
+    """The worker's process: forked by `starter` where it can be, else a fresh one."""
+    if starter is not None and forkable(command, environ):
+        try:
+            return starter.start(command, environ, log_path)
+        except OSError as e:
+            logger.warning("a warm start failed (%s); starting the worker afresh", e)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
+                                env=environ)
+
+
+def warm_start_for(command: Sequence[str], environ: dict[str, str], folder: str
+                   ) -> WarmStart | None:
+    """A warm Python for the workers of `command`'s kind, or None where they cannot be
+    forked (or it did not start: the log says why)."""
+    if not forkable(command, environ):
+        return None
+    try:
+        return WarmStart(environ, os.path.join(folder, "warm-start.log"))
+    except OSError as e:
+        logger.warning("%s; workers start as fresh processes", e)
+        return None
+
+
+# ---- the warm Python itself (`python -m isthmus.warm_start`) ------------------------------
+
+_parent = 0  # the warm Python's pid, which its children check once they die with it
+
+
+def _child(request: dict[str, Any]) -> int:
+    """In a forked child: `isthmus worker ARGV`, with the request's environment and log."""
+    from isthmus import cli, forking
+    from isthmus.worker.process import exit_with_parent
+
+    exit_with_parent()  # before anything else: the warm Python gone, this worker goes too...
+    if os.getppid() != _parent:  # ... also when it went before that took hold
+        os._exit(1)
+    forking.redirect(request["log"], request["log"], append=True)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv = [sys.executable, *request["argv"]]
+    try:
+        return cli.main(request["argv"])
+    except SystemExit as e:
+        return forking.exit_code(e)
+
+
+def main() -> None:
+    from isthmus import forking
+    from isthmus.worker.process import exit_with_parent
+
+    global _parent
+    exit_with_parent()  # the launcher's process gone: this one too, and its children with it
+    _parent = os.getpid()
+    control = forking.Control()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # nothing of the imports' on the control channel
+    os.close(devnull)
+    began = time.monotonic()
+    import jax  # noqa: F401 - what every worker imports, once
+    import numpy  # noqa: F401
+
+    import isthmus.cli
+    import isthmus.worker.agent
+    import isthmus.worker.crashes
+    import isthmus.worker.sandbox
+    import isthmus.worker.supervise  # noqa: F401
+
+    print(f"isthmus warm start: imports took {time.monotonic() - began:.2f} s; forking "
+          f"workers (pid {os.getpid()})", file=sys.stderr, flush=True)
+    forking.serve(control, _child)
+    os._exit(0)  # the launcher went away
+
+
+if __name__ == "__main__":
+    main()
