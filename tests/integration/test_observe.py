@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from isthmus.serve import METRICS_PREFIX
 from isthmus.testing import LocalServer, run_python
 
+pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+
 CLIENT = """
 import jax, jax.numpy as jnp, numpy as np
 devices = jax.devices()
