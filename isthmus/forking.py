@@ -3,7 +3,7 @@
 A Python that has imported jax (and, for a worker, isthmus's own code) once can start each
 further process in a tenth of the time a new interpreter takes, by forking. Two such
 processes use this loop: the test suite's client starter (`isthmus/_warm_python.py`) and the
-local fleet's worker starter (`isthmus/warm_start.py`). It imports only the standard
+local fleet's worker starter (`isthmus/warm_worker.py`). It imports only the standard
 library, so that a test's client stays a plain jax client.
 
 The loop runs on the process's only thread (a fork copies no other thread's locks):

@@ -3,11 +3,12 @@
 A worker spends most of its start importing jax and its own code: about 2 s of CPU each,
 so a fleet of four on a 2-core machine took 4-5 s before its first worker joined. The local
 launcher (`launch.py`) therefore starts one process that imports them once, with no backend
-and no thread, and forks each CPU worker from it (`forking.py`): the child parses the same
-command line `isthmus worker` would (`cli.main`), in the environment and with the log the
-launcher gives it. What it runs is the program a fresh `python -m isthmus.cli worker` runs;
-only the imports are done already. A worker that restarts itself (`execv`) becomes a fresh
-interpreter in the same process, as before.
+and no thread, and forks each CPU worker from it (`warm_worker.py`, over `forking.py`'s loop):
+the child parses the same command line `isthmus worker` would (`cli.main`), in the
+environment and with the log the launcher gives it. What it runs is the program a fresh
+`python -m isthmus.cli worker` runs; only the imports are done already. A worker that
+restarts itself (`execv`) becomes a fresh interpreter in the same process, as before. This
+module is the launcher's side.
 
 Only commands of the form `python -m isthmus.cli worker ...` for the CPU platform are forked
 (jax reads JAX_PLATFORMS when it is imported, and an accelerator's plugin its environment),
@@ -30,9 +31,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class WarmStart:
     def __init__(self, environ: dict[str, str], log_path: str) -> None:
         self._log = open(log_path, "ab")
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "isthmus.warm_start"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "isthmus.warm_worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self._log,
             env={**environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
         self._ids = itertools.count(1)
@@ -225,58 +225,3 @@ def warm_start_for(command: Sequence[str], environ: dict[str, str], folder: str
     except OSError as e:
         logger.warning("%s; workers start as fresh processes", e)
         return None
-
-
-# ---- the warm Python itself (`python -m isthmus.warm_start`) ------------------------------
-
-_parent = 0  # the warm Python's pid, which its children check once they die with it
-
-
-def _child(request: dict[str, Any]) -> int:
-    """In a forked child: `isthmus worker ARGV`, with the request's environment and log."""
-    from isthmus import cli, forking
-    from isthmus.worker.process import exit_with_parent
-
-    exit_with_parent()  # before anything else: the warm Python gone, this worker goes too...
-    if os.getppid() != _parent:  # ... also when it went before that took hold
-        os._exit(1)
-    forking.redirect(request["log"], request["log"], append=True)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    sys.argv = [sys.executable, *request["argv"]]
-    try:
-        return cli.main(request["argv"])
-    except SystemExit as e:
-        return forking.exit_code(e)
-
-
-def main() -> None:
-    from isthmus import forking
-    from isthmus.worker.process import exit_with_parent
-
-    global _parent
-    exit_with_parent()  # the launcher's process gone: this one too, and its children with it
-    _parent = os.getpid()
-    control = forking.Control()
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # nothing of the imports' on the control channel
-    os.close(devnull)
-    began = time.monotonic()
-    import jax  # noqa: F401 - what every worker imports, once
-    import numpy  # noqa: F401
-
-    import isthmus.cli
-    import isthmus.worker.agent
-    import isthmus.worker.crashes
-    import isthmus.worker.sandbox
-    import isthmus.worker.supervise  # noqa: F401
-
-    print(f"isthmus warm start: imports took {time.monotonic() - began:.2f} s; forking "
-          f"workers (pid {os.getpid()})", file=sys.stderr, flush=True)
-    forking.serve(control, _child)
-    os._exit(0)  # the launcher went away
-
-
-if __name__ == "__main__":
-    main()
