@@ -113,7 +113,7 @@ class DeviceHost:
         self.collectives = CollectiveOrder(self._executables, self._pool, shared_pool, self.fail)
         self.python = PythonCalls(self.buffers, self.devices, self._local, self._executables,
                                   self._pool)
-        self.checkpoints = Checkpoints(self.buffers, self.devices, self._pool)
+        self.checkpoints = Checkpoints(self.buffers, self.devices, self._pool, self._storing)
         # Reads (readiness waits, fetches) of computed buffers; a later program donates a
         # copy of what one still reads.
         self.reads = Reads(self.buffers, self._pool)
@@ -143,7 +143,14 @@ class DeviceHost:
     def _write(self, placing: Callable[..., None], *args: object) -> Awaitable[None]:
         """Runs `placing(*args)` (host data placed on a device) in the pool; `settle_writes`
         waits for it."""
-        write = asyncio.get_running_loop().run_in_executor(self._pool, placing, *args)
+        return self._storing(
+            asyncio.get_running_loop().run_in_executor(self._pool, placing, *args))
+
+    def _storing(self, work: Awaitable[None]) -> asyncio.Future[None]:
+        """Runs `work`, which stores buffers when it ends (a put placed in a thread, shards
+        read from a checkpoint), so that `settle_writes` waits for it: buffers stored in
+        this host after a new group adopted its buffers would be lost to the new one."""
+        write = asyncio.ensure_future(work)
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
         return write

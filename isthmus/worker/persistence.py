@@ -197,10 +197,14 @@ class Checkpoints:
     part of `DeviceHost`: it sees the buffers through `Shards` only)."""
 
     def __init__(self, shards: Shards, devices: Mapping[int, JaxlibDevice],
-                 pool: concurrent.futures.Executor) -> None:
+                 pool: concurrent.futures.Executor,
+                 storing: Callable[[Awaitable[None]], Awaitable[None]] | None = None) -> None:
         self._shards = shards
         self._devices = devices  # by global id
         self._pool = pool
+        # Registers work that will store buffers from threads (the host's `settle_writes`
+        # then waits for it before a new collective group adopts the buffers).
+        self._storing = storing or (lambda work: work)
 
     def write_shards(self, location: str, items: Sequence[tuple[BufferId, Box]]
                      ) -> Awaitable[int]:
@@ -244,7 +248,7 @@ class Checkpoints:
                     self._shards.fail(buffer_id, e)
                 raise
 
-        return run()
+        return self._storing(run())
 
 
 async def _failed(error: errors.IsthmusError) -> NoReturn:

@@ -259,3 +259,33 @@ def test_a_colocated_call_whose_input_failed_fails_with_the_inputs_error():
         colocated.run(function, {0: device}, [[LostInCollective()]])
     assert caught.value.code == errors.Code.DATA_LOSS and "Connection reset" in str(caught.value)
     assert not called  # the user's function never saw the broken input
+
+
+def test_a_re_formation_waits_for_shards_being_read_from_a_checkpoint(monkeypatch):
+    """A new collective group adopts the host's buffers once `settle_writes` returns: shards
+    still being read then must land first, or the new group never sees them (the client's
+    read of a restored array found its buffer on no host)."""
+    import threading
+
+    from isthmus.worker import persistence
+
+    release = threading.Event()
+
+    def slow_read(location, dtype, shape, box):
+        assert release.wait(30)
+        return np.arange(4, dtype=dtype)
+
+    monkeypatch.setattr(persistence, "read_box", slow_read)
+
+    async def main():
+        host = DeviceHost(make_cpu_client(1))
+        reading = host.checkpoints.read_shards("/unused", "float32", (4,), [(7, 0, ((0, 4),))])
+        settled = asyncio.ensure_future(host.settle_writes())
+        await asyncio.sleep(0.2)
+        assert not settled.done()  # the read is still going: no adoption yet
+        release.set()
+        await settled
+        await reading
+        np.testing.assert_array_equal(np.asarray(host.buffers.value(7)), np.arange(4))
+        await host.close()
+    asyncio.run(asyncio.wait_for(main(), 30))
