@@ -43,7 +43,6 @@ from isthmus.worker.slots import (
     Failed,
     HostArray,
     Loaded,
-    Slot,
     Unloadable,
     already_done,
     computation_error,
@@ -480,19 +479,10 @@ class DeviceHost:
     def adopt(self, old: DeviceHost, reason: str = "", wait: float = 30.0
               ) -> tuple[int, dict[BufferId, Pending]]:
         """Moves `old`'s buffers into this host's client (a new collective group) and empties
-        `old`; see `regroup.move_buffers`. Blocking; run it in a thread. Returns how many
-        moved, and the placeholders of colocated calls still running there (for
-        `python.take_calls`, on the event loop)."""
-        slots, spans = old.buffers.take_all()
+        `old` (`regroup.adopt`). Blocking; run it in a thread."""
         old._executables.clear()
-        calls = {b: v for b, v in slots.items() if isinstance(v, Pending)}
-        for buffer_id in calls:
-            del slots[buffer_id]
-        into: dict[BufferId, Slot] = {}
-        moved = regroup.move_buffers(slots, spans, old.devices, self.devices, into, reason,
-                                     wait)
-        self.buffers.adopt(into)
-        return moved, calls
+        return regroup.adopt(old.buffers, old.devices, self.buffers, self.devices, reason,
+                             wait)
 
     async def close(self) -> None:
         self._inline.close()

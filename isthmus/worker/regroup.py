@@ -17,6 +17,7 @@ import numpy as np
 from isthmus import errors
 from isthmus.compat.jaxlib_types import JaxArray, JaxlibDevice
 from isthmus.ids import BufferId
+from isthmus.worker.buffers import BufferStore
 from isthmus.worker.colocated import Pending
 from isthmus.worker.slots import Failed, HostArray, Slot, settle_quietly
 
@@ -34,6 +35,22 @@ def onto(value: Slot, device_ids: Mapping[JaxlibDevice, int],
     return jax.device_put(np.asarray(value), SingleDeviceSharding(
         new_devices[device_ids[next(iter(value.devices()))]],
         memory_kind=value.sharding.memory_kind))
+
+
+def adopt(old: BufferStore, old_devices: Mapping[int, JaxlibDevice], new: BufferStore,
+          new_devices: Mapping[int, JaxlibDevice], reason: str = "", wait: float = 30.0
+          ) -> tuple[int, dict[BufferId, Pending]]:
+    """Moves every buffer of `old` into `new` (`move_buffers`) and empties `old`, but for the
+    placeholders of colocated calls still running, which it returns (for
+    `python.take_calls`, on the event loop) with how many buffers moved. Blocking."""
+    slots, spans = old.take_all()
+    calls = {b: v for b, v in slots.items() if isinstance(v, Pending)}
+    for buffer_id in calls:
+        del slots[buffer_id]
+    into: dict[BufferId, Slot] = {}
+    moved = move_buffers(slots, spans, old_devices, new_devices, into, reason, wait)
+    new.adopt(into)
+    return moved, calls
 
 
 def move_buffers(buffers: Mapping[BufferId, Slot], spans: Mapping[BufferId, frozenset[int]],
