@@ -139,3 +139,90 @@ def _reap(control: Control) -> None:
         if pid == 0:
             return
         control.reply({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+# ---- a helper forked from a server ------------------------------------------------------
+
+class ForkedChild:
+    """A helper forked from this process (`fork_child`), with its standard input and output
+    as asyncio streams: what `asyncio.subprocess.Process` offers, for this pid."""
+
+    def __init__(self, pid: int, stdin: Any, stdout: Any, transports: list[Any]) -> None:
+        self.pid = pid
+        self.stdin = stdin  # asyncio.StreamWriter
+        self.stdout = stdout  # asyncio.StreamReader
+        self._transports = transports
+        self._code: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        if self._code is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: gone, how is not known
+                self._code = -signal.SIGKILL
+            else:
+                if pid:
+                    self._code = os.waitstatus_to_exitcode(status)
+            if self._code is not None:
+                for transport in self._transports:
+                    transport.close()
+        return self._code
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        import asyncio
+
+        while (code := self.returncode) is None:
+            await asyncio.sleep(0.01)
+        return code
+
+
+async def fork_child(target: Callable[[], None]) -> ForkedChild:
+    """Forks this process, which the caller knows to be safe to fork (one Python thread, no
+    native thread but fork-safe ones such as OpenBLAS's pool): the child gets pipes as its standard
+    input and output, /dev/null as its error, no other descriptor and default signal
+    handlers, runs `target()` and exits (code 0, or 1 after an exception), never returning
+    to the caller's loop. Called from a running asyncio loop."""
+    import asyncio
+
+    requests_read, requests_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+                signal.signal(number, signal.SIG_DFL)
+            os.dup2(requests_read, 0)
+            os.dup2(replies_write, 1)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+                if fd > 2:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            sys.stdin = open(0, closefd=False)
+            sys.stdout = open(1, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False)
+            target()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(requests_read)
+    os.close(replies_write)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    out, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                          os.fdopen(replies_read, "rb", 0))
+    into, protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin,  # what makes the writer's drain() wait
+        os.fdopen(requests_write, "wb", 0))
+    writer = asyncio.StreamWriter(into, protocol, None, loop)
+    return ForkedChild(pid, writer, reader, [out, into])

@@ -4,7 +4,8 @@
         result = run_python("import jax; print(jax.device_count())", server.address)
 
 `LocalServer` starts `isthmus up` as a subprocess on a free port and waits (with a timeout)
-for its ready line; `run_python` runs a script with the stock jax client pointed at it.
+for its ready line (forked from a Python that imported the server's code already, unless
+ISTHMUS_TEST_WARM_SERVER=0); `run_python` runs a script with the stock jax client pointed at it.
 Every wait has a timeout, so a hang fails with a message instead of stalling a test suite.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 from isthmus.ports import tcp_available
 from isthmus.serve import READY_PREFIX, child_environment
+from isthmus.warm_start import WarmStart, WorkerProcess
 
 
 class ServerError(RuntimeError):
@@ -48,7 +50,7 @@ class LocalServer:
         self.args = list(args)
         self.start_timeout = start_timeout
         self.env = env
-        self.process: subprocess.Popen[str] | None = None
+        self.process: WorkerProcess | None = None
         self.address = ""
         self._log = tempfile.NamedTemporaryFile(prefix="isthmus-server-", suffix=".log",
                                                 delete=False, mode="w+")
@@ -71,22 +73,51 @@ class LocalServer:
         command = [self.python, "-m", "isthmus.cli", "up", *ports, *shape, *self.args]
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self.process = subprocess.Popen(
+        if _warm_servers.forkable(command, env):
+            self.address = self._start_forked(command, env)
+            return self.address
+        process = self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
             start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout
+        assert process.stdout is not None
         selector = selectors.DefaultSelector()
-        assert self.process.stdout is not None
-        selector.register(self.process.stdout, selectors.EVENT_READ)
+        selector.register(process.stdout, selectors.EVENT_READ)
+        self.address = self._ready_line(
+            lambda: process.stdout.readline() if selector.select(timeout=0.2) else "")
+        return self.address
+
+    def _start_forked(self, command: list[str], env: dict[str, str]) -> str:
+        """`command` forked from a warm Python (`_WarmServers`); its ready line read from
+        the file its standard output goes to."""
+        folder = self._private or tempfile.mkdtemp(prefix="isthmus-server-")
+        self._private = folder
+        stdout = os.path.join(folder, "stdout")
+        self.process = _warm_servers.start(command, env, self._log.name, stdout)
+        open(stdout, "ab").close()  # there to be read before the child writes to it
+        with open(stdout, "rb") as lines:
+
+            def line() -> str:
+                text = lines.readline()
+                if text.endswith(b"\n"):
+                    return text.decode(errors="replace")
+                lines.seek(-len(text), os.SEEK_CUR)  # a line still being written
+                time.sleep(0.05)
+                return ""
+
+            return self._ready_line(line)
+
+    def _ready_line(self, line: Callable[[], str]) -> str:
+        """Reads the server's output with `line` (which waits a little, and returns "" when
+        there is nothing yet) until its ready line; its address."""
+        assert self.process is not None
+        deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerError(f"isthmus up exited with {self.process.returncode}:\n"
                                   f"{self.log()}")
-            if selector.select(timeout=0.2):
-                line = self.process.stdout.readline()
-                if line.startswith(READY_PREFIX):
-                    self.address = line[len(READY_PREFIX):].strip()
-                    return self.address
+            text = line()
+            if text.startswith(READY_PREFIX):
+                return text[len(READY_PREFIX):].strip()
         self.stop()
         raise ServerError(f"isthmus up printed no ready line within {self.start_timeout} s:\n"
                           f"{self.log()}")
@@ -388,6 +419,52 @@ class _WarmPython:
 
 
 _warm = WarmPythons()
+
+
+class _WarmServers:
+    """Pythons that imported jax and the server's code, and fork the suite's `isthmus up`
+    processes (`warm_start.WarmStart`, `isthmus/warm_worker.py`): a server starts in a fifth
+    of the CPU, its vetting process forked from it too (`vetting.ProgramVetter.spawn`). One
+    per value of the variables read at import (and of isthmus's own), the last few kept.
+    A server of another Python, of an accelerator's platform, or with
+    ISTHMUS_TEST_WARM_SERVER=0 starts afresh."""
+
+    ENVIRONMENT = "ISTHMUS_TEST_WARM_SERVER"
+    KEEP = 3
+    IMPORTS = ("jax", "numpy", "grpc", "isthmus.cli", "isthmus.serve", "isthmus.head",
+               "isthmus.launch", "isthmus.frontend.service", "isthmus.frontend.lease_service",
+               "isthmus.controller.manager", "isthmus.controller.vetting",
+               "isthmus.wire.servicer", "isthmus.wire.h2server", "isthmus.wire.fleet_service",
+               "isthmus.worker.host")
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._starters: dict[tuple[tuple[str, str], ...], WarmStart] = {}
+        self._log = tempfile.NamedTemporaryFile(prefix="isthmus-warm-servers-", suffix=".log",
+                                                delete=False)
+
+    def forkable(self, command: list[str], env: dict[str, str]) -> bool:
+        return (command[0] == sys.executable and "--platform" not in command
+                and env.get("JAX_PLATFORMS", "cpu") == "cpu"
+                and os.environ.get(self.ENVIRONMENT, "1") != "0")
+
+    def start(self, command: list[str], env: dict[str, str], log: str, stdout: str
+              ) -> WorkerProcess:
+        key = tuple(sorted((k, v) for k, v in env.items()
+                           if k.startswith((*_IMPORT_TIME, "ISTHMUS_"))))
+        with self._lock:
+            starter = self._starters.pop(key, None)
+            if starter is None or not starter.alive():
+                starter = WarmStart(env, self._log.name, self.IMPORTS)
+            self._starters[key] = starter  # the most recently used last
+            while len(self._starters) > self.KEEP:
+                self._starters.pop(next(iter(self._starters))).close()
+        return starter.start(command, env, log, stdout=stdout, session=True)
+
+
+_warm_servers = _WarmServers()
 
 
 def run_python_with_pause(code: str, address: str, act: Callable[[str], None], *,

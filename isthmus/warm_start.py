@@ -109,10 +109,12 @@ class WarmStart:
     until the launcher has seen it; when the warm Python is gone, every child still running
     is reported ended by SIGKILL (they die with it)."""
 
-    def __init__(self, environ: dict[str, str], log_path: str) -> None:
+    def __init__(self, environ: dict[str, str], log_path: str,
+                 imports: Sequence[str] = ()) -> None:
+        """`imports`: the modules the warm Python imports (default: a CPU worker's)."""
         self._log = open(log_path, "ab")
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "isthmus.warm_worker"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "isthmus.warm_worker", *imports], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self._log,
             env={**environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
         self._ids = itertools.count(1)
@@ -133,13 +135,18 @@ class WarmStart:
         with self._changed:
             return not self._gone
 
-    def start(self, command: Sequence[str], environ: dict[str, str], log_path: str
-              ) -> Forked:
-        """Forks `command` (a forkable one) with this environment, its output appended to
-        `log_path`. Raises OSError when the warm Python is gone."""
+    def start(self, command: Sequence[str], environ: dict[str, str], log_path: str, *,
+              stdout: str | None = None, session: bool = False) -> Forked:
+        """Forks `command` (`python -m isthmus.cli ...`) with this environment, its output
+        appended to `log_path` (its standard output to `stdout`, if given; `session`: in a
+        session of its own). Raises OSError when the warm Python is gone."""
         ident = next(self._ids)
-        request = {"id": ident, "argv": list(command[3:]), "env": environ,
-                   "cwd": os.getcwd(), "log": log_path}
+        request: dict[str, object] = {"id": ident, "argv": list(command[3:]), "env": environ,
+                                      "cwd": os.getcwd(), "log": log_path}
+        if stdout is not None:
+            request["stdout"] = stdout
+        if session:
+            request["session"] = True
         with self._changed:
             if self._gone or self._process.stdin is None:
                 raise OSError("the warm Python has ended")

@@ -3,7 +3,12 @@
 It imports jax and the worker's code once, with no backend and no thread, then forks a child
 per request of its launcher (`warm_start.WarmStart`, over `forking.py`'s loop). The child dies
 with it, takes the request's environment, appends to its log, and runs `isthmus worker` with
-the request's arguments (`cli.main`). A request is {"id", "argv", "env", "cwd", "log"}.
+the request's arguments (`cli.main`). A request is {"id", "argv", "env", "cwd", "log"}, and
+optionally "stdout" (a file of its own for the standard output) and "session" (true: a
+session of its own, as `start_new_session`).
+
+Its arguments, if any, name the modules to import instead of a worker's: the test suite's
+servers (`isthmus.testing.LocalServer`) are `isthmus up` processes forked the same way.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ def _child(request: dict[str, Any]) -> int:
     exit_with_parent()  # before anything else: the warm Python gone, this worker goes too...
     if os.getppid() != _parent:  # ... also when it went before that took hold
         os._exit(1)
-    forking.redirect(request["log"], request["log"], append=True)
+    if request.get("session"):
+        os.setsid()
+    forking.redirect(request.get("stdout", request["log"]), request["log"], append=True)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -51,10 +58,11 @@ def main() -> None:
     os.dup2(devnull, 1)  # nothing of the imports' on the control channel
     os.close(devnull)
     began = time.monotonic()
-    for module in _IMPORTED:
+    for module in sys.argv[1:] or _IMPORTED:
         importlib.import_module(module)
+    what = "processes" if sys.argv[1:] else "workers"
     print(f"isthmus warm start: imports took {time.monotonic() - began:.2f} s; forking "
-          f"workers (pid {os.getpid()})", file=sys.stderr, flush=True)
+          f"{what} (pid {os.getpid()})", file=sys.stderr, flush=True)
     forking.serve(control, _child)
     os._exit(0)  # the launcher went away
 

@@ -36,14 +36,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
 import struct
 import sys
-from typing import Any, BinaryIO
+import threading
+from typing import Any, BinaryIO, Protocol
 
-from isthmus import errors
+from isthmus import errors, forking
 from isthmus.controller.vetted_record import VettedRecord, marked
 from isthmus.transport.records import CODEC, Signature
 from isthmus.worker.compile_cache import CacheConfig
@@ -53,6 +55,35 @@ logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<Q")
 VETTED, REFUSED, KNOWN = 0, 1, 2  # KNOWN: vetted, and compiled on trial before
 REMEMBERED = 1024  # vetted programs kept by the SHA-256 of the client's bytes
+
+
+class Child(Protocol):
+    """The vetting process as the server holds it: `asyncio.subprocess.Process`, or
+    `forking.ForkedChild`."""
+
+    stdin: asyncio.StreamWriter | None
+    stdout: asyncio.StreamReader | None
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
+FORK = "ISTHMUS_VETTING_FORK"  # "0": the vetting process is always a fresh interpreter
+
+
+def _forks_here() -> bool:
+    """Whether the vetting process may be forked from this one rather than started afresh:
+    jax imported already (the most of a fresh one's start), no other Python thread and no
+    jax backend (whose native threads a fork would not copy)."""
+    if os.environ.get(FORK, "1") == "0" or "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return threading.active_count() == 1 and not xla_bridge.backends_are_initialized()
 
 
 class ProgramVetter:
@@ -65,7 +96,7 @@ class ProgramVetter:
         self.record = record  # what earlier servers concluded (with a compile cache)
         self.trial_compiles = 0  # programs compiled on trial (a test counts the work saved)
         self.trials_skipped = 0  # programs not compiled on trial: compiled on trial before
-        self._child: asyncio.subprocess.Process | None = None
+        self._child: Child | None = None
         self._devices = 8  # CPU devices of the child, for trial compiles
         self._ready = False  # the child has said it is ready (`_wait_ready`)
         self._lock = asyncio.Lock()  # one program at a time through the child
@@ -73,6 +104,8 @@ class ProgramVetter:
             collections.OrderedDict())  # by the client's bytes (no executable)
         self._refused: dict[bytes, str] = {}
         self.children = 0  # started so far (a test sees a crash replaced)
+        self.forked = 0  # of them, forked from this process (`spawn(fork=True)`)
+        self._fork_next = False
 
     async def vet(self, module: bytes, options: bytes = b"", devices: int = 1,
                   name: str = "") -> Vetted:
@@ -121,11 +154,17 @@ class ProgramVetter:
             self.record.mark(result.digest, compiled_with)
         self.record.remember(raw, result.module, result.digest)
 
-    async def spawn(self) -> None:
+    async def spawn(self, fork: bool = False) -> None:
         """Starts the child, without waiting for it: called first thing in a server process,
-        its imports overlap the server's own."""
+        its imports overlap the server's own. `fork`: the caller has imported jax and started
+        nothing yet, so the child may be forked from it (`_forks_here` checks); a child
+        started later (after a crash) is always a fresh interpreter."""
         async with self._lock:
-            await self._ensure_child()
+            self._fork_next = fork
+            try:
+                await self._ensure_child()
+            finally:
+                self._fork_next = False
 
     async def start(self) -> None:
         """Starts the child ahead of the first program (its imports take a second) and
@@ -140,20 +179,24 @@ class ProgramVetter:
             child.kill()
             await child.wait()
 
-    async def _ensure_child(self, devices: int = 0) -> asyncio.subprocess.Process:
+    async def _ensure_child(self, devices: int = 0) -> Child:
         child = self._child
         if devices > self._devices:  # a program over more devices than the child has
             await self.close()
             self._devices = max(devices, 2 * self._devices)
             child = None
         if child is None or child.returncode is not None:
-            child = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "isthmus.controller.vetting",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL,  # MLIR prints each refusal; we say it
-                env={**os.environ, "JAX_PLATFORMS": "cpu",
-                     "ISTHMUS_VETTING_DEVICES": str(self._devices),
-                     "ISTHMUS_VETTING_RECORD": self.record.location if self.record else ""})
+            environ = {"JAX_PLATFORMS": "cpu", "ISTHMUS_VETTING_DEVICES": str(self._devices),
+                       "ISTHMUS_VETTING_RECORD": self.record.location if self.record else ""}
+            if self._fork_next and _forks_here():
+                child = await forking.fork_child(functools.partial(_forked, environ))
+                self.forked += 1
+            else:
+                child = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "isthmus.controller.vetting",
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.DEVNULL,  # MLIR prints each refusal; we say it
+                    env={**os.environ, **environ})
             self._child = child
             self._ready = False
             self.children += 1
@@ -390,7 +433,7 @@ def _warm_up() -> None:
         logger.info("the vetting process's warm-up failed: %s", _first_line(e))
 
 
-if __name__ == "__main__":
+def _main() -> None:
     from isthmus.compat import jax as jax_compat
 
     jax_compat.preload()  # the imports and the client, before the first program waits
@@ -399,3 +442,17 @@ if __name__ == "__main__":
     sys.stdout.buffer.write(b"\0")  # ready (`ProgramVetter._wait_ready`)
     sys.stdout.buffer.flush()
     _serve(sys.stdin.buffer, sys.stdout.buffer)
+
+
+def _forked(environ: dict[str, str]) -> None:
+    """The vetting process forked from the server (`_forks_here`): its environment, and
+    jax's CPU platform (jax was imported with the server's, and has no backend yet)."""
+    import jax
+
+    os.environ.update(environ)
+    jax.config.update("jax_platforms", "cpu")
+    _main()
+
+
+if __name__ == "__main__":
+    _main()
