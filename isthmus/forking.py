@@ -143,6 +143,17 @@ def _reap(control: Control) -> None:
 
 # ---- a helper forked from a server ------------------------------------------------------
 
+def may_fork() -> bool:
+    """Whether this process may fork a helper that goes on to run jax: jax imported already
+    (else a fresh interpreter costs the same), one Python thread, and no jax backend (whose
+    native threads a fork would not copy)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return threading.active_count() == 1 and not xla_bridge.backends_are_initialized()
+
+
 class ForkedChild:
     """A helper forked from this process (`fork_child`), with its standard input and output
     as asyncio streams: what `asyncio.subprocess.Process` offers, for this pid."""

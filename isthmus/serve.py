@@ -346,7 +346,13 @@ async def _head(args: argparse.Namespace) -> Any:
     try:
         from isthmus.head import Head
 
-        return Head(head_config(args), vetter)  # type: ignore[arg-type]
+        config: Any = head_config(args)
+        if (config.fleet is not None and config.launch_workers and config.shared is None
+                and config.fleet.platform == "cpu"):
+            from isthmus import warm_start
+
+            warm_start.prepare(dict(os.environ))  # forked now, while this has one thread
+        return Head(config, vetter)
     except BaseException:
         await vetter.close()
         raise

@@ -19,7 +19,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     runs both (it says which one this is in ISTHMUS_TEST_ENV). What they test is the
     server's own code, the same whichever jax the environment has: a shared service, the
     commands' refusals and waits, TLS and tokens between fleet members, HTTP/2 attacks, the
-    metrics, the deployment under Slurm. A test in which the client's or the workers' jax does the work runs in both."""
+    metrics, the deployment under Slurm. A test in which the client's or the workers' jax
+    does the work runs in both."""
     if os.environ.get("ISTHMUS_TEST_ENV") != "oldest":
         return
     skip = pytest.mark.skip(reason="runs in the newest environment only (scripts/test)")

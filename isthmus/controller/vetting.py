@@ -42,7 +42,6 @@ import logging
 import os
 import struct
 import sys
-import threading
 from typing import Any, BinaryIO, Protocol
 
 from isthmus import errors, forking
@@ -76,14 +75,9 @@ FORK = "ISTHMUS_VETTING_FORK"  # "0": the vetting process is always a fresh inte
 
 
 def _forks_here() -> bool:
-    """Whether the vetting process may be forked from this one rather than started afresh:
-    jax imported already (the most of a fresh one's start), no other Python thread and no
-    jax backend (whose native threads a fork would not copy)."""
-    if os.environ.get(FORK, "1") == "0" or "jax" not in sys.modules:
-        return False
-    from jax._src import xla_bridge
-
-    return threading.active_count() == 1 and not xla_bridge.backends_are_initialized()
+    """Whether the vetting process may be forked from this one rather than started afresh
+    (`forking.may_fork`)."""
+    return os.environ.get(FORK, "1") != "0" and forking.may_fork()
 
 
 class ProgramVetter:

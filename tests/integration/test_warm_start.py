@@ -84,3 +84,51 @@ def test_the_workers_die_with_the_warm_python(tmp_path):
     fresh = start_process(starter, _worker(0.5), _env(), str(tmp_path / "fresh.log"))
     assert isinstance(fresh, subprocess.Popen)
     assert fresh.wait(60) == 3
+
+
+# A server's first moments, as `isthmus up` has them: jax imported, one thread, no backend.
+FORKED_HELPERS = """
+import asyncio, os, sys, threading
+import jax
+from isthmus import warm_start
+from isthmus.controller.vetting import ProgramVetter
+
+async def main():
+    vetter = ProgramVetter(trial=True)
+    await vetter.spawn(fork=True)                       # the vetting process, forked
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    warm_start.prepare(env)                             # the workers' warm Python, forked
+    assert vetter.forked == 1 and vetter.children == 1, (vetter.forked, vetter.children)
+    text = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((4,), "float32")).as_text()
+    vetted = await vetter.vet(text.encode())
+    assert vetted.module and vetted.signature is not None
+    await vetter.close()
+    await vetter.spawn(fork=True)                       # threads now: a fresh interpreter
+    assert vetter.forked == 1 and vetter.children == 2, (vetter.forked, vetter.children)
+    assert await vetter.vet(text.encode()) == vetted    # remembered by the server
+    await vetter.close()
+    worker = [sys.executable, "-m", "isthmus.cli", "worker", "--controller", "127.0.0.1:1",
+              "--slice", "0", "--devices", "2", "--exit-with-parent", "--connect-timeout",
+              "0.5"]
+    starter = warm_start.warm_start_for(worker, env, sys.argv[1])
+    assert starter is not None and starter.log_path == os.path.join(sys.argv[1], "warm-start.log")
+    log = os.path.join(sys.argv[1], "worker.log")
+    assert warm_start.start_process(starter, worker, env, log).wait(60) == 3
+    assert "127.0.0.1:1" in open(log).read()
+    starter.close()
+    print("forked:", open(starter.log_path).read().splitlines()[0])
+
+asyncio.run(main())
+"""
+
+
+def test_a_server_forks_its_vetting_process_and_its_workers_warm_python(tmp_path):
+    """`isthmus up` imports jax first and forks both from itself: each runs what a fresh
+    interpreter would (a program vetted, a worker started that exits with its code), and a
+    vetting process started once the server has threads is a fresh interpreter."""
+    script = tmp_path / "server_start.py"
+    script.write_text(FORKED_HELPERS)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                            text=True, timeout=180, env=_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "forked: isthmus warm start: forked from the server" in result.stdout, result.stdout
