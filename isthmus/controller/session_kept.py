@@ -1,10 +1,10 @@
 """Arrays kept for a lease's next client (a shared service, `isthmus.shared.keep`).
 
-`keep` and `take` come as plugin programs (`frontend/persistence.py`): a keep's arguments
-are kept under the names it gives, by a session of their own (`KeptArrays.keeper`) that the
-lease's end closes; a take's outputs are new arrays of the calling session over the kept
-arrays' shards. Neither does device work. `SessionKept` is the part of a `Session`
-(session.py) that compiles and runs them.
+`keep` and `take` come as plugin programs (`frontend/plugins.py` routes them to
+`frontend/persistence.py`): a keep's arguments are kept under the names it gives, by a
+session of their own (`KeptArrays.keeper`) that the lease's end closes; a take's outputs are
+new arrays of the calling session over the kept arrays' shards. Neither does device work.
+`SessionKept` is the part of a `Session` (session.py) that compiles and runs them.
 """
 
 from __future__ import annotations

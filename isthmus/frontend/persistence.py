@@ -1,4 +1,5 @@
-"""pathwaysutils' persistence programs: JSON plugin programs that save or restore arrays.
+"""pathwaysutils' persistence programs: JSON plugin programs that save or restore arrays
+(`frontend/plugins.py` routes a plugin program here by its kind).
 
 pathwaysutils (`pathwaysutils.persistence.helper`, used by orbax when
 `ENABLE_PATHWAYS_PERSISTENCE=1`) sends a `PluginProgram` whose data is
@@ -6,14 +7,15 @@ pathwaysutils (`pathwaysutils.persistence.helper`, used by orbax when
 `persistenceReadRequest`, or their bulk forms `bulk_persistence_write_request.write_requests`
 and `bulk_persistence_read_request.read_requests`. Each names a base64 location and array
 name, a base64 `xla.OpSharding`, the shape (for reads with its XLA primitive type) and the
-device ids. The front end checks them and hands the session a `PersistencePlan`.
+device ids. The front end checks them and hands the session a `PersistencePlan`. A shared
+service's `isthmusKeep`/`isthmusTake` (`isthmus.shared.keep`) name arrays kept at the
+location `kept` the same way, and become a `KeepPlan`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Any
 
 from isthmus import dtypes, errors
@@ -21,32 +23,15 @@ from isthmus.controller import sharding as sh
 from isthmus.controller.executables import Executable
 from isthmus.controller.session_checkpoints import PersistencePlan, Saved
 from isthmus.controller.session_kept import KeepPlan, KeptSpec
-from isthmus.frontend import profile, reshard
-from isthmus.frontend.message import Message
 from isthmus.frontend.session import FrontendSession
 from isthmus.ids import DeviceId
-
-PREFIX = b"__serialized_plugin_program "
-
 
 KEPT = "kept"  # the location of arrays kept for a lease's next client (isthmus.shared.keep)
 
 
-def plan_of(data: bytes) -> PersistencePlan | KeepPlan:
-    """The plan of a plugin program's bytes; InvalidRequest/Unimplemented naming the field."""
-    if not data.startswith(PREFIX):
-        raise errors.InvalidRequest("the PluginProgram does not start with "
-                                    "'__serialized_plugin_program '; send one from jax.")
-    try:
-        request = json.loads(data[len(PREFIX):])
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
-        raise errors.InvalidRequest(f"the plugin program is not JSON ({e}).") from None
-    if not isinstance(request, dict):
-        raise errors.InvalidRequest("the plugin program must be a JSON object.")
-    if "reshardRequest" in request:
-        return reshard.plan_of(request["reshardRequest"])  # type: ignore[return-value]
-    if "profileRequest" in request:
-        return profile.plan_of(request["profileRequest"])  # type: ignore[return-value]
+def plan_of(request: dict[str, Any]) -> PersistencePlan | KeepPlan | None:
+    """The plan of a plugin program's JSON object, if it is one of these (None: another
+    kind); InvalidRequest naming the field."""
     if "persistenceWriteRequest" in request:
         return PersistencePlan(True, (_saved(request["persistenceWriteRequest"], True),))
     if "bulk_persistence_write_request" in request:
@@ -70,10 +55,7 @@ def plan_of(data: bytes) -> PersistencePlan | KeepPlan:
             raise errors.InvalidRequest(f"isthmusTake reads from location {KEPT!r} only.")
         return KeepPlan(False, tuple(KeptSpec(s.location, s.dtype, s.shape, s.sharding)
                                      for s in specs))
-    raise errors.Unimplemented(
-        f"plugin programs {sorted(request)[:4]} are not supported; isthmus serves "
-        "pathwaysutils' persistence requests (persistenceWriteRequest, persistenceReadRequest "
-        "and their bulk forms).")
+    return None
 
 
 def _list(body: object, field: str) -> list[object]:
@@ -123,18 +105,11 @@ def _saved(body: object, write: bool) -> Saved:
                  sharding)
 
 
-def compile_plugin(session: FrontendSession, program: Message) -> Executable:
-    """Starts a Compile of a PluginProgram: the session's executable for the plan."""
-    plan = plan_of(bytes(program.data))
-    if isinstance(plan, reshard.ReshardPlan):
-        return reshard.compile_reshard(session, plan)
-    if isinstance(plan, profile.ProfilePlan):
-        return profile.compile_profile(session, plan)
+def compile_plan(session: FrontendSession, plan: PersistencePlan | KeepPlan) -> Executable:
+    """Starts a Compile of a persistence or keep plan: the session's executable for it."""
     for saved in plan.arrays:
         if saved.sharding is not None:
             session.fleet.devices_of(saved.sharding.devices)  # unknown ids: NOT_FOUND now
     if isinstance(plan, KeepPlan):
         return session.ctl.kept.compile(plan)
     return session.ctl.checkpoints.compile(plan)
-
-

@@ -17,7 +17,7 @@ from isthmus.controller.executables import Executable
 from isthmus.frontend import layouts
 from isthmus.frontend.colocated import compile_custom_call
 from isthmus.frontend.message import Message
-from isthmus.frontend.persistence import compile_plugin
+from isthmus.frontend.plugins import compile_plugin
 from isthmus.frontend.session import FrontendSession
 from isthmus.protocol.schema import Schema
 from isthmus.transport.records import CompiledInfo, CompileRequest

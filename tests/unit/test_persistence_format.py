@@ -65,7 +65,7 @@ def test_json_nested_past_pythons_recursion_is_refused_cleanly():
     is INVALID_ARGUMENT, not a RecursionError answered as INTERNAL."""
     import grpc
 
-    from isthmus.frontend.persistence import PREFIX, plan_of
+    from isthmus.frontend.plugins import PREFIX, plan_of
     from isthmus.wire.lease_methods import _parse
     from isthmus.wire.methods import Refused
 
