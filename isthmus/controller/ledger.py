@@ -263,6 +263,12 @@ class Ledger:
     def live_groups(self) -> list[BufferGroup]:
         return list(self._live.values())
 
+    def not_freed(self) -> set[int]:
+        """The ids of every buffer not freed: what the hosts may hold once every command
+        sent to them has been applied (`Head.stop` checks the embedded host against it)."""
+        return {group.base + p for group in self._live.values()
+                for p in range(len(group)) if group.state_at(p) is not FREED}
+
     def validate_state(self) -> None:
         """Raises AssertionError where the ledger's records disagree: a group's counts with
         the arrays that hold it, a freed group still listed, a pin on a freed shard."""
