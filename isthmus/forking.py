@@ -192,14 +192,15 @@ class ForkedChild:
         return code
 
 
-async def fork_child(target: Callable[[], None]) -> ForkedChild:
+def fork_with_pipes(target: Callable[[], None], stderr: int | None = None
+                    ) -> tuple[int, int, int]:
     """Forks this process, which the caller knows to be safe to fork (one Python thread, no
-    native thread but fork-safe ones such as OpenBLAS's pool): the child gets pipes as its standard
-    input and output, /dev/null as its error, no other descriptor and default signal
-    handlers, runs `target()` and exits (code 0, or 1 after an exception), never returning
-    to the caller's loop. Called from a running asyncio loop."""
-    import asyncio
-
+    native thread but fork-safe ones such as OpenBLAS's pool). The child gets pipes as its
+    standard input and output, `stderr` (a descriptor; default /dev/null) as its error, no
+    other descriptor, and SIGINT, SIGTERM and SIGCHLD as a fresh Python has them (SIGPIPE
+    stays ignored, as Python starts), runs `target()` and exits (code 0, or 1
+    after an exception), never returning to the caller. Returns the child's pid and this
+    side's ends: the descriptor to write its input to, the one to read its output from."""
     requests_read, requests_write = os.pipe()
     replies_read, replies_write = os.pipe()
     pid = os.fork()
@@ -207,12 +208,11 @@ async def fork_child(target: Callable[[], None]) -> ForkedChild:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
                 signal.signal(number, signal.SIG_DFL)
-            os.dup2(requests_read, 0)
-            os.dup2(replies_write, 1)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 2)
+            error = os.open(os.devnull, os.O_WRONLY) if stderr is None else stderr
+            for source, fd in ((requests_read, 0), (replies_write, 1), (error, 2)):
+                os.dup2(source, fd)
             for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
                 if fd > 2:
                     try:
@@ -228,6 +228,15 @@ async def fork_child(target: Callable[[], None]) -> ForkedChild:
             os._exit(code)
     os.close(requests_read)
     os.close(replies_write)
+    return pid, requests_write, replies_read
+
+
+async def fork_child(target: Callable[[], None]) -> ForkedChild:
+    """`fork_with_pipes(target)`, its pipes as asyncio streams. Called from a running asyncio
+    loop."""
+    import asyncio
+
+    pid, requests_write, replies_read = fork_with_pipes(target)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     out, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),

@@ -291,6 +291,22 @@ def prepare(environ: dict[str, str]) -> None:
         _PREPARED.append(WarmStart(environ, path, fork=True))
     except OSError as e:
         logger.warning("%s; the fleet's workers start as fresh processes", e)
+    else:
+        import atexit
+
+        atexit.register(_discard_prepared)
+
+
+def _discard_prepared() -> None:
+    """At exit: a prepared warm Python that no launcher took (the server stopped first) ends,
+    and its log goes with it."""
+    while _PREPARED:
+        prepared = _PREPARED.pop()
+        prepared.close(1.0)
+        try:
+            os.unlink(prepared.log_path)
+        except OSError:
+            pass
 
 
 class _Process(Protocol):
@@ -310,37 +326,20 @@ class _ForkedPython:
     with this process's environment)."""
 
     def __init__(self, log: int, imports: Sequence[str]) -> None:
-        requests_read, requests_write = os.pipe()
-        replies_read, replies_write = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            code = 1
-            try:
-                signal.set_wakeup_fd(-1)
-                for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-                    signal.signal(number, signal.SIG_DFL)
-                for source, target in ((requests_read, 0), (replies_write, 1), (log, 2)):
-                    os.dup2(source, target)
-                for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
-                    if fd > 2:
-                        try:
-                            os.close(fd)
-                        except OSError:
-                            pass
-                import jax
+        from isthmus.forking import fork_with_pipes
 
-                from isthmus import warm_worker
+        def become_warm_python() -> None:  # what `python -m isthmus.warm_worker` runs
+            import runpy
 
-                jax.config.update("jax_platforms", "cpu")
-                sys.argv = [sys.argv[0], *imports]
-                os.write(2, f"isthmus warm start: forked from the server (pid {os.getpid()})\n"
-                         .encode())
-                warm_worker.main()
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(requests_read)
-        os.close(replies_write)
+            import jax
+
+            jax.config.update("jax_platforms", "cpu")
+            sys.argv = [sys.argv[0], *imports]
+            print(f"isthmus warm start: forked from the server (pid {os.getpid()})",
+                  file=sys.stderr, flush=True)
+            runpy.run_module("isthmus.warm_worker", run_name="__main__", alter_sys=True)
+
+        self.pid, requests_write, replies_read = fork_with_pipes(become_warm_python, log)
         self.stdin: IO[bytes] | None = os.fdopen(requests_write, "wb")
         self.stdout: IO[bytes] | None = os.fdopen(replies_read, "rb")
         self._code: int | None = None
