@@ -328,7 +328,7 @@ async def _spawn_vetter(args: argparse.Namespace) -> Any:
     """The process that parses client programs, started before the rest of the server's
     imports, so that the two overlap and the server is ready no later for it. jax, which
     both import, is imported first: the process is then forked from this one, still with
-    one thread, and spends 0.4 s of CPU instead of 1.8 s on its start."""
+    one thread, and spends 0.5-0.65 s of CPU instead of 1.8 s on its start."""
     import jax  # noqa: F401 - the server's own parts import it too
 
     from isthmus.controller.vetting import vetter_for
