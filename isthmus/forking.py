@@ -154,6 +154,16 @@ def may_fork() -> bool:
     return threading.active_count() == 1 and not xla_bridge.backends_are_initialized()
 
 
+def exit_status(pid: int) -> int | None:
+    """A child of this process's exit code as subprocess reports it (negative for a signal;
+    -SIGKILL when someone else reaped it), reaping it; None while it runs."""
+    try:
+        reaped, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # reaped by someone else: gone, how is not known
+        return -signal.SIGKILL
+    return os.waitstatus_to_exitcode(status) if reaped else None
+
+
 class ForkedChild:
     """A helper forked from this process (`fork_child`), with its standard input and output
     as asyncio streams: what `asyncio.subprocess.Process` offers, for this pid."""
@@ -168,13 +178,7 @@ class ForkedChild:
     @property
     def returncode(self) -> int | None:
         if self._code is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped by someone else: gone, how is not known
-                self._code = -signal.SIGKILL
-            else:
-                if pid:
-                    self._code = os.waitstatus_to_exitcode(status)
+            self._code = exit_status(self.pid)
             if self._code is not None:
                 for transport in self._transports:
                     transport.close()

@@ -39,6 +39,8 @@ import threading
 from collections.abc import Sequence
 from typing import IO, Protocol
 
+from isthmus.forking import exit_status, fork_with_pipes, may_fork
+
 logger = logging.getLogger(__name__)
 
 ENVIRONMENT = "ISTHMUS_WARM_START"  # "0": every worker a fresh interpreter
@@ -279,8 +281,6 @@ def prepare(environ: dict[str, str]) -> None:
     jax and has one thread and no backend; `environ`: the workers' environment (nothing is
     prepared where it turns warm starts off). A failure is logged: the launcher then starts
     a fresh one."""
-    from isthmus.forking import may_fork
-
     if environ.get(ENVIRONMENT, "1") == "0" or _PREPARED or not may_fork():
         return
     import tempfile
@@ -326,8 +326,6 @@ class _ForkedPython:
     with this process's environment)."""
 
     def __init__(self, log: int, imports: Sequence[str]) -> None:
-        from isthmus.forking import fork_with_pipes
-
         def become_warm_python() -> None:  # what `python -m isthmus.warm_worker` runs
             import runpy
 
@@ -346,13 +344,7 @@ class _ForkedPython:
 
     def poll(self) -> int | None:
         if self._code is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self._code = -signal.SIGKILL
-            else:
-                if pid:
-                    self._code = os.waitstatus_to_exitcode(status)
+            self._code = exit_status(self.pid)
         return self._code
 
     def wait(self, timeout: float | None = None) -> int:

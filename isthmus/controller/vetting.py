@@ -99,7 +99,6 @@ class ProgramVetter:
         self._refused: dict[bytes, str] = {}
         self.children = 0  # started so far (a test sees a crash replaced)
         self.forked = 0  # of them, forked from this process (`spawn(fork=True)`)
-        self._fork_next = False
 
     async def vet(self, module: bytes, options: bytes = b"", devices: int = 1,
                   name: str = "") -> Vetted:
@@ -154,11 +153,7 @@ class ProgramVetter:
         nothing yet, so the child may be forked from it (`_forks_here` checks); a child
         started later (after a crash) is always a fresh interpreter."""
         async with self._lock:
-            self._fork_next = fork
-            try:
-                await self._ensure_child()
-            finally:
-                self._fork_next = False
+            await self._ensure_child(fork=fork)
 
     async def start(self) -> None:
         """Starts the child ahead of the first program (its imports take a second) and
@@ -173,7 +168,7 @@ class ProgramVetter:
             child.kill()
             await child.wait()
 
-    async def _ensure_child(self, devices: int = 0) -> Child:
+    async def _ensure_child(self, devices: int = 0, fork: bool = False) -> Child:
         child = self._child
         if devices > self._devices:  # a program over more devices than the child has
             await self.close()
@@ -182,7 +177,7 @@ class ProgramVetter:
         if child is None or child.returncode is not None:
             environ = {"JAX_PLATFORMS": "cpu", "ISTHMUS_VETTING_DEVICES": str(self._devices),
                        "ISTHMUS_VETTING_RECORD": self.record.location if self.record else ""}
-            if self._fork_next and _forks_here():
+            if fork and _forks_here():
                 child = await forking.fork_child(functools.partial(_forked, environ))
                 self.forked += 1
             else:
