@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from isthmus.controller.controller import Controller, ControllerConfig
@@ -374,27 +373,17 @@ class Head:
             await asyncio.sleep(0.1)
         logger.info("renewed the workers of slices %s (%s)", slices, reason)
 
-    async def _validate_hosts(self, not_freed: Callable[[], set[int]],
-                              wait: float = 5.0) -> None:
-        """Validate mode, at stop, every session closed: the embedded host holds no buffer
-        the controller has freed (a leak; logged as "isthmus validate:", which the test
-        suite's servers fail on). Its frees may still be queued behind a collective program,
-        so it waits up to `wait` s for them."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        for host in self._hosts:
-            while True:
-                leaked = sorted(set(host.buffers.ids()) - not_freed())
-                if not leaked or loop.time() >= deadline:
-                    break
-                await asyncio.sleep(0.05)
-            if leaked:
-                logger.error("isthmus validate: at stop, every session closed, the embedded "
-                             "host still holds %d buffers the controller freed: %s",
-                             len(leaked), leaked[:20])
-            else:
-                logger.debug("validate: at stop the embedded host holds %d buffers, none of "
-                             "them freed by the controller", len(host.buffers))
+    async def _validate_hosts(self, wait: float = 5.0) -> None:
+        """Validate mode, at stop, every session closed, the workers still there: each host's
+        buffers agree with the ledger (`Controller.validate_hosts`); what does not is logged
+        as "isthmus validate:", which the test suite's servers fail on."""
+        assert self.frontend is not None
+        answered, problems = await self.frontend.controller.validate_hosts(wait)
+        for problem in problems:
+            logger.error("isthmus validate: at stop, every session closed, %s", problem)
+        if not problems:
+            logger.info("validate: at stop, every session closed, the buffers of %d hosts "
+                        "agree with the ledger", answered)
 
     def _sandbox(self) -> Sandbox | None:
         """How a shared service's launched workers confine themselves (`worker/sandbox.py`),
@@ -441,6 +430,12 @@ class Head:
                 "IFRT_PROXY_GRPC_LARGE_TRANSFER_OPTIMIZATION_THRESHOLD_BYTES":
                     str(SHARED_TRANSFER_THRESHOLD)}
 
+    async def _stop_serving(self, grace: float) -> None:
+        """Stops the clients' server: no new request, and every session's stream ends."""
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None
+
     async def stop(self, grace: float = 2.0) -> None:
         if self.observer is not None:
             await self.observer.stop()
@@ -450,18 +445,19 @@ class Head:
             self.launcher.stop_restarting()
         if self.shared is not None:
             await self.shared.stop()
+        if self.frontend is not None and self.frontend.controller.config.validate:
+            # The sessions closed while the workers are still there to say what they hold.
+            await self._stop_serving(grace)
+            await self.frontend.close()
+            await self._validate_hosts()
         if self.manager is not None:
             await self.manager.stop()
-        if self.server is not None:
-            await self.server.stop(grace)
-            self.server = None
+        await self._stop_serving(grace)
         if self.fleet_service is not None:
             await self.fleet_service.stop()
             self.fleet_service = None
         if self.frontend is not None:
             await self.frontend.close()
-            if self.frontend.controller.config.validate:
-                await self._validate_hosts(self.frontend.controller.ledger.not_freed)
         await self._stop_vetter()
         if self.launcher is not None:
             self.launcher.stop()

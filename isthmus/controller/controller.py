@@ -20,7 +20,7 @@ from isthmus import errors
 from isthmus.controller import specs
 from isthmus.controller.counts import Counts
 from isthmus.controller.executables import Executable, ExecutableState, ProgramPlan, hosted
-from isthmus.controller.fleet import Device, WholeFleet
+from isthmus.controller.fleet import Device, LostChannel, WholeFleet
 from isthmus.controller.ledger import Ledger
 from isthmus.controller.vetting import ProgramVetter, Vetted
 from isthmus.dtypes import DType
@@ -190,6 +190,47 @@ class Controller:
             raise errors.InternalError(
                 f"validate mode: after {cause} the controller's records disagree ({e}); this "
                 "is a bug in isthmus: please report it with the server log.") from None
+
+    async def validate_hosts(self, wait: float = 5.0) -> tuple[int, list[str]]:
+        """Validate mode, at stop, every session closed: what each live host holds against
+        the ledger. A buffer a host holds that the ledger freed is a leak; one the ledger has
+        not freed that its host lacks is a record of bytes that are not there. A host that
+        cannot answer (lost, or leaving) is passed over: its buffers went with it. Frees may
+        still be queued behind a collective program, so a host that disagrees is asked again
+        for up to `wait` s. Returns how many hosts answered, and what disagrees (a line per
+        host and direction; empty: all agree)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        problems = []
+        answered = 0
+        for worker, channel in sorted(self.fleet.workers.items()):
+            if isinstance(channel, LostChannel):
+                continue
+            held: set[int] | None = None
+            while True:
+                try:
+                    held = set(await asyncio.wait_for(
+                        channel.ask(c.Held()), max(0.1, deadline - loop.time())))
+                except (errors.IsthmusError, TimeoutError) as e:
+                    # Lost or leaving: its buffers went with it.
+                    logger.debug("validate: host %s did not say what it holds: %r", worker, e)
+                    held = None
+                    break
+                expected = self.ledger.not_freed().get(worker, set())
+                leaked, missing = sorted(held - expected), sorted(expected - held)
+                if not (leaked or missing) or loop.time() >= deadline:
+                    break
+                await asyncio.sleep(0.05)
+            if held is None:
+                continue
+            answered += 1
+            if leaked:
+                problems.append(f"host {worker} still holds {len(leaked)} buffers the "
+                                f"controller freed: {leaked[:20]}")
+            if missing:
+                problems.append(f"host {worker} lacks {len(missing)} buffers the controller "
+                                f"has not freed: {missing[:20]}")
+        return answered, problems
 
     def validate_executables(self) -> None:
         """Raises AssertionError where the executables' records disagree: one listed under

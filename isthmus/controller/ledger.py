@@ -263,11 +263,15 @@ class Ledger:
     def live_groups(self) -> list[BufferGroup]:
         return list(self._live.values())
 
-    def not_freed(self) -> set[int]:
-        """The ids of every buffer not freed: what the hosts may hold once every command
-        sent to them has been applied (`Head.stop` checks the embedded host against it)."""
-        return {group.base + p for group in self._live.values()
-                for p in range(len(group)) if group.state_at(p) is not FREED}
+    def not_freed(self) -> dict[WorkerId, set[int]]:
+        """Per worker, the ids of its buffers not freed: what its host holds once every
+        command sent to it has been applied (`Controller.validate_hosts` checks this)."""
+        held: dict[WorkerId, set[int]] = {}
+        for group in self._live.values():
+            for p, device in enumerate(group.devices):
+                if group.state_at(p) is not FREED:
+                    held.setdefault(device.worker, set()).add(group.base + p)
+        return held
 
     def validate_state(self) -> None:
         """Raises AssertionError where the ledger's records disagree: a group's counts with

@@ -61,8 +61,8 @@ from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileReq
 
 __all__ = [
     "Assemble", "Bitcast", "CallPython", "Command", "Compile", "Copy", "DefaultLayout",
-    "DropExecutable",
-    "Execute", "Fail", "Fetch", "Free", "Load", "Pull", "Put", "ReadShards", "Ready", "Refuse",
+    "DropExecutable", "Execute", "Fail", "Fetch", "Free", "Held", "Load", "Pull", "Put",
+    "ReadShards", "Ready", "Refuse",
     "Request", "StartProfile", "StopProfile", "Told", "WriteMeta", "WriteShards",
     "dtype_field", "dtype_name", "refs",
 ]
@@ -288,6 +288,15 @@ class DefaultLayout(Request[str]):
 
     def apply(self, host: CommandHost) -> Awaitable[str]:
         return host.default_layout(self.dtype, self.shape, self.device)
+
+
+@_command
+class Held(Request[list[int]]):
+    """Answered with the ids of every buffer the host holds, once the commands before it are
+    applied: validate mode's check at stop (`Controller.validate_hosts`)."""
+
+    def apply(self, host: CommandHost) -> Awaitable[list[int]]:
+        return host.held()
 
 
 # ---- programs -----------------------------------------------------------------------------

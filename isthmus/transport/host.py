@@ -114,6 +114,10 @@ class CommandHost(Protocol):
         """Resolves to the host copy of a buffer, once it is computed."""
         ...
 
+    def held(self) -> Awaitable[list[int]]:
+        """Resolves to the ids of every buffer the host holds (validate mode's check)."""
+        ...
+
     def default_layout(self, dtype: str, shape: tuple[int, ...], device: int) -> Awaitable[str]:
         """Resolves to the backend's default layout of such an array on the device (global
         id), as XLA writes layouts ("{0,1:T(8,128)}")."""

@@ -319,6 +319,11 @@ class DeviceHost:
     def ready(self, buffer_ids: Sequence[BufferId]) -> Awaitable[None]:
         return self.reads.ready(buffer_ids)
 
+    def held(self) -> Awaitable[list[int]]:
+        done: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        done.set_result([int(i) for i in self.buffers.ids()])
+        return done
+
     def default_layout(self, dtype: str, shape: tuple[int, ...], device: int) -> Awaitable[str]:
         try:
             layout = platforms.default_layout(self.devices.get(device), dtype, shape)

@@ -215,6 +215,9 @@ def test_default_fleet_runs_a_plain_jax_program_and_stops_without_orphans():
         assert server.stop() == 0
     wait_until(lambda: not any(process_alive(p) for p in pids), 10,
                "the workers to end with the controller (they outlived it)")
+    # Validate mode (on in the suite) asked both workers what they hold at stop.
+    assert ("the buffers of 2 hosts agree with the ledger" in server.log()
+            or os.environ.get("ISTHMUS_VALIDATE") == "0"), server.log()[-3000:]
 
 
 def _batch_threads(pid):

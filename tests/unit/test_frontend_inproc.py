@@ -377,23 +377,42 @@ def test_validate_mode_fails_the_request_that_broke_the_records(caplog):
     assert any("isthmus validate:" in r.getMessage() for r in caplog.records)
 
 
-def test_validate_mode_at_stop_finds_buffers_the_embedded_host_kept_after_their_free(caplog):
-    """`--validate`, at stop with every session closed: a buffer the embedded host holds that
-    the controller has freed (a leak) is logged as 'isthmus validate:'; one the controller
-    still has is not."""
+def test_validate_mode_at_stop_compares_each_hosts_buffers_with_the_ledger(caplog):
+    """`--validate`, at stop with every session closed: a buffer a host holds that the
+    controller freed (a leak), and one the controller has not freed that the host lacks, are
+    reported per host (`Controller.validate_hosts`) and logged by the head as
+    'isthmus validate:'; a host that agrees gives nothing."""
     from isthmus.head import Head, HeadConfig
     from isthmus.ids import BufferId
 
     async def main():
-        head = Head(HeadConfig(devices=2))
         fleet, host = embedded_fleet(2)
-        head._hosts.append(host)
-        await host.put(BufferId(5), 0, np.arange(4, dtype=np.int32))
-        await head._validate_hosts(lambda: {5})
-        assert not [r for r in caplog.records if "isthmus validate:" in r.getMessage()]
-        await head._validate_hosts(lambda: set(), wait=0.2)
+        frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1,
+                                                               validate=True)), schema())
+        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
+        metadata.version.protocol_version = 25
+        metadata.version.ifrt_serdes_version_number = 3
+        sent = []
+        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        session.handle(_request(1, "init_request"))
+        answer = await _put(session, sent, 2, 7, np.arange(4, dtype=np.int32))
+        assert answer.response_metadata.status.code == 0
+        controller = frontend.controller
+        assert await controller.validate_hosts() == (1, [])
+        kept = session.arrays[7].group.base
+        await host.put(BufferId(900), 1, np.arange(2, dtype=np.int32))  # not the ledger's
+        host.free([BufferId(kept)])  # the ledger's, gone from the host
+        answered, problems = await controller.validate_hosts(wait=0.2)
+        assert answered == 1 and problems == [
+            "host 0 still holds 1 buffers the controller freed: [900]",
+            f"host 0 lacks 1 buffers the controller has not freed: [{kept}]"], problems
+        await frontend.close()  # the session's array freed: the host's [900] is left
+        head = Head(HeadConfig(devices=2))
+        head.frontend = frontend
+        await head._validate_hosts(wait=0.2)
         await host.close()
 
     asyncio.run(main())
-    leaks = [r.getMessage() for r in caplog.records if "isthmus validate:" in r.getMessage()]
-    assert len(leaks) == 1 and "still holds 1 buffers the controller freed: [5]" in leaks[0]
+    found = [r.getMessage() for r in caplog.records if "isthmus validate:" in r.getMessage()]
+    assert found == ["isthmus validate: at stop, every session closed, host 0 still holds 1 "
+                     "buffers the controller freed: [900]"], found
