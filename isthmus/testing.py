@@ -55,6 +55,7 @@ class LocalServer:
         self._log = tempfile.NamedTemporaryFile(prefix="isthmus-server-", suffix=".log",
                                                 delete=False, mode="w+")
         self._private: str | None = None  # the client socket's folder, where TCP is refused
+        self._kept_log: str | None = None  # its end, once the file is removed
 
     def start(self) -> str:
         if self.fleet is not None:
@@ -123,6 +124,8 @@ class LocalServer:
                           f"{self.log()}")
 
     def log(self) -> str:
+        if self._kept_log is not None:
+            return self._kept_log
         self._log.flush()
         with open(self._log.name) as f:
             return f.read()[-20000:]
@@ -193,6 +196,9 @@ class LocalServer:
         self.stop()
         if exc[0] is None:
             self.check_stopped_cleanly()
+            self._kept_log = self.log()  # the file is kept only where something went wrong
+            self._log.close()
+            os.unlink(self._log.name)
 
     def check_stopped_cleanly(self) -> None:
         """Raises ServerError if the server's log shows work it left behind at stop: a
