@@ -57,11 +57,18 @@ def environment() -> dict[str, str]:
 def test_a_fleet_and_its_client_in_one_job(tmp_path):
     client = tmp_path / "client.py"
     client.write_text(CLIENT)
-    result = subprocess.run(["sbatch", "--wait", "--ntasks=2", "-o", str(tmp_path / "job.out"),
-                             str(SBATCH), sys.executable, str(client)], cwd=tmp_path,
-                            env=environment(), capture_output=True, text=True, timeout=300)
+    submitted = subprocess.run(["sbatch", "--parsable", "--ntasks=2", "-o",
+                                str(tmp_path / "job.out"), str(SBATCH), sys.executable,
+                                str(client)], cwd=tmp_path, env=environment(),
+                               capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    # Not `sbatch --wait`: it polls the job at growing intervals (up to 10 s apart).
+    wait_until(lambda: not queued(job), 300, f"job {job} to end", interval=0.25)
     output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
-    assert result.returncode == 0, result.stdout + result.stderr + output[-4000:]
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True,
+                           text=True, timeout=20).stdout
+    assert "JobState=COMPLETED" in shown and "ExitCode=0:0" in shown, shown + output[-4000:]
     assert "2 workers in 2 slices" in output, output[-4000:]
     assert "CLIENT OK 4" in output, output[-4000:]
 
@@ -90,12 +97,14 @@ def test_a_client_outside_the_job(tmp_path):
     finally:
         subprocess.run(["scancel", job], timeout=30)
 
-    def queued():
-        return subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True,
-                              timeout=20).stdout.strip()
+    wait_until(lambda: not queued(job), 60, f"job {job} to end after scancel",
+               interval=0.25, explain=lambda: f"squeue: {queued(job)}")
 
-    wait_until(lambda: not queued(), 60, f"job {job} to end after scancel",
-               explain=lambda: f"squeue: {queued()}")
+
+def queued(job: str) -> str:
+    """The job's line in squeue (empty once it has ended)."""
+    return subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True,
+                          timeout=20).stdout.strip()
 
 
 def both_slices_up(address: str) -> bool:
