@@ -190,7 +190,8 @@ def test_a_killed_worker_fails_its_slice_only_and_its_slice_comes_back(small_fle
 
 
 def test_default_fleet_runs_a_plain_jax_program_and_stops_without_orphans():
-    server = LocalServer(devices=None)  # the default fleet: 1 slice x 2 hosts x 4 devices
+    # The default fleet: 1 slice x 2 hosts x 4 devices.
+    server = LocalServer(devices=None, args=["--log-level", "info"])
     server.start()
     try:
         status = server.status()
