@@ -32,6 +32,12 @@ print("CLIENT OK", len(devices))
 
 
 def slurm_up() -> bool:
+    """A Slurm node is idle or in use here; where `scripts/test` is starting one beside the
+    tests (ISTHMUS_TEST_SLURM_READY: the file it makes when that is over), once it is."""
+    ready = os.environ.get("ISTHMUS_TEST_SLURM_READY")
+    if ready:
+        wait_until(lambda: os.path.exists(ready), 600, "tools/slurm-local start to end",
+                   interval=0.5)
     if not shutil.which("sbatch") or not shutil.which("sinfo"):
         return False
     result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
@@ -41,9 +47,15 @@ def slurm_up() -> bool:
 
 # What this tests is the deployment (sbatch, srun, the address file), which is the same on
 # either jax; the one node's two CPUs are shared by both environments' jobs besides.
-pytestmark = [pytest.mark.skipif(not slurm_up(), reason="no Slurm here (tools/slurm-local "
-                                 "start, as root, sets up one)"),
-              pytest.mark.newest_only]
+pytestmark = pytest.mark.newest_only
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _slurm():
+    """Skips where there is no Slurm (asked when the tests run, not when they are collected:
+    `scripts/test` may still be starting it)."""
+    if not slurm_up():
+        pytest.skip("no Slurm here (tools/slurm-local start, as root, sets up one)")
 
 
 def environment() -> dict[str, str]:
