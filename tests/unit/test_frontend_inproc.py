@@ -10,10 +10,11 @@ from isthmus.head import embedded_fleet
 from isthmus.protocol.schema import schema
 
 
-def _session(fleet=None):
+def _session(fleet=None, validate=False):
     """A front end over `fleet` (default: an embedded one of 2 CPU devices), and a session."""
     fleet = fleet if fleet is not None else embedded_fleet(2)[0]
-    frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1)), schema())
+    frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1,
+                                                           validate=validate)), schema())
     metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
     metadata.version.protocol_version = 25
     metadata.version.ifrt_serdes_version_number = 3
@@ -338,14 +339,7 @@ def test_validate_mode_fails_the_request_that_broke_the_records(caplog):
     import dataclasses
 
     async def main():
-        fleet = embedded_fleet(2)[0]
-        frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1,
-                                                               validate=True)), schema())
-        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
-        metadata.version.protocol_version = 25
-        metadata.version.ifrt_serdes_version_number = 3
-        sent = []
-        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        frontend, session, sent = _session(validate=True)
         session.handle(_request(1, "init_request"))
         assert sent[-1].response_metadata.status.code == 0
         # A handler that answers without binding the result handle it was given.
@@ -387,13 +381,7 @@ def test_validate_mode_at_stop_compares_each_hosts_buffers_with_the_ledger(caplo
 
     async def main():
         fleet, host = embedded_fleet(2)
-        frontend = Frontend(Controller(fleet, ControllerConfig(host_buffer_timeout=1,
-                                                               validate=True)), schema())
-        metadata = schema()["xla.ifrt.proxy.GrpcIfrtSessionMetadata"]()
-        metadata.version.protocol_version = 25
-        metadata.version.ifrt_serdes_version_number = 3
-        sent = []
-        session = frontend.open_session(metadata.SerializeToString(), sent.append)
+        frontend, session, sent = _session(fleet, validate=True)
         session.handle(_request(1, "init_request"))
         answer = await _put(session, sent, 2, 7, np.arange(4, dtype=np.int32))
         assert answer.response_metadata.status.code == 0
