@@ -461,7 +461,8 @@ async def test_uploads_opened_below_h2_answer_refuse_and_cancel_as_h2_ones_do(
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await sink(chunks(*[b"x" * 50_000] * 4), metadata=(("x-refuse", "open"),))
             assert (info.value.code(), info.value.details()) == (
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "refused at once")
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "refused at once"), (
+                info.value.details(), info.value.debug_error_string())
         release = asyncio.Event()
         cancelled = handlers.sinks_cancelled
         before = handlers.sink_messages
