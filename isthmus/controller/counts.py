@@ -58,9 +58,10 @@ class Counts:
         timed once whichever of its outputs is waited for first."""
         now = 0.0
         for group in groups:
-            stamp = group.dispatched
+            beside = group.beside
+            stamp = None if beside is None else beside.dispatched
             if stamp is not None:
-                group.dispatched = None
+                beside.dispatched = None
                 if stamp[0]:
                     if not now:
                         now = time.perf_counter()

@@ -19,6 +19,11 @@ reason) is kept apart from its state: a failed shard that is deleted or freed st
 it to the arrays that hold it. How many arrays hold a shard, and how many moves read it
 (pins), are counts beside the state; the ledger (ledger.py) changes them.
 
+The record itself is plain data: names, places, states, reasons and counts. What the
+controller keeps for a group that is not its state (the futures readers wait on while it is
+being defined and while its puts' answers are on the way, the timing of a program's output
+and the values read ahead of a client) is a `Beside` next to it, made when first needed.
+
 Invariant: the controller holds no device data. A group is only names, places and states; the
 bytes live on the workers that own its devices.
 """
@@ -85,18 +90,45 @@ def check_move(old: ShardState, new: ShardState, where: str) -> None:
             "isthmus: please report it.")
 
 
+class Beside:
+    """What the controller keeps next to a group's record and is not its state: futures, and
+    the timing and readahead of a program's output (`BufferGroup.beside`)."""
+
+    __slots__ = ("definers", "defined", "unanswered", "storing", "dispatched", "origin",
+                 "ahead")
+
+    def __init__(self) -> None:
+        # Operations that will define the group, still outstanding; `defined` is resolved
+        # once the last settles (None: none outstanding).
+        self.definers = 0
+        self.defined: asyncio.Future[None] | None = None
+        # Puts that defined the group before their answers came; `storing` is resolved once
+        # those answers are recorded (None: none outstanding). A readiness wait waits on it,
+        # asking nothing.
+        self.unanswered = 0
+        self.storing: asyncio.Future[None] | None = None
+        # A program's output: [perf_counter() at its dispatch], shared by its outputs, until
+        # a client's wait times it (`counts.Counts.waited`); None otherwise.
+        self.dispatched: list[float] | None = None
+        # A small program output's origin (its executable's `readahead` table, the output's
+        # index), and the values of its shards read ahead for the client (position ->
+        # answer); controller/readahead.py.
+        self.origin: tuple[dict[tuple[int, int], int], int] | None = None
+        self.ahead: dict[int, asyncio.Future[np.ndarray]] | None = None
+
+
 class BufferGroup:
     """The shard buffers of one allocation; position p is buffer `base + p` on `devices[p]`.
 
     `state` is every shard's state except those in `states_apart`; `reason` is every shard's
     reason for failing except those in `_reasons`. Both dictionaries stay None in the common
-    case, where the shards of a group move together.
+    case, where the shards of a group move together. `beside`: what is kept next to the
+    record (`Beside`), or None.
     """
 
     __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "state", "states_apart",
                  "reason", "_reasons", "refs", "shard_refs", "pins", "free_when_unpinned",
-                 "defined", "_definers", "storing", "_unanswered", "dispatched", "origin",
-                 "ahead", "log")
+                 "beside", "log")
 
     def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
                  nbytes: tuple[int, ...], memory_kind: str | None = None,
@@ -116,26 +148,35 @@ class BufferGroup:
         self.shard_refs: dict[int, int] | None = None  # position -> arrays holding just it
         self.pins: dict[int, int] | None = None  # position -> moves still reading it
         self.free_when_unpinned: set[int] | None = None  # released while pinned
-        # Resolved once every definer has settled (None: no definer is outstanding).
-        self.defined: asyncio.Future[None] | None = (
-            asyncio.get_running_loop().create_future() if definers else None)
-        self._definers = definers
-        # Resolved once the answers of puts that defined the group before they came are
-        # recorded (None: none outstanding); a readiness wait waits on it, asking nothing.
-        self.storing: asyncio.Future[None] | None = None
-        self._unanswered = 0
-        # A program's output: [perf_counter() at its dispatch], shared by its outputs, until
-        # a client's wait times it (`counts.Counts.waited`); None otherwise.
-        self.dispatched: list[float] | None = None
-        # A small program output's origin (its executable's `readahead` table, the output's
-        # index), and the values of its shards read ahead for the client (position ->
-        # answer); controller/readahead.py.
-        self.origin: tuple[dict[tuple[int, int], int], int] | None = None
-        self.ahead: dict[int, asyncio.Future[np.ndarray]] | None = None
+        self.beside: Beside | None = None
+        if definers:
+            beside = self.beside = Beside()
+            beside.definers = definers
+            beside.defined = asyncio.get_running_loop().create_future()
         # Where its moves are recorded with their cause (the ledger's; None: nowhere).
         self.log = log
         if log is not None:
             log.record(base, len(devices), None, None, self.state)
+
+    def aside(self) -> Beside:
+        """What is kept next to the record, made now if it is not yet."""
+        beside = self.beside
+        if beside is None:
+            beside = self.beside = Beside()
+        return beside
+
+    @property
+    def defined(self) -> asyncio.Future[None] | None:
+        """Resolved once every definer has settled (None: no definer is outstanding)."""
+        beside = self.beside
+        return None if beside is None else beside.defined
+
+    @property
+    def storing(self) -> asyncio.Future[None] | None:
+        """Resolved once the answers of the puts that defined the group are recorded (None:
+        none outstanding)."""
+        beside = self.beside
+        return None if beside is None else beside.storing
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -268,20 +309,24 @@ class BufferGroup:
     def expect(self, count: int = 1) -> None:
         """`count` more operations will define the group; reads wait until they settle.
         Only a group still being defined (a definer outstanding) takes more."""
-        if self._definers <= 0:
+        beside = self.beside
+        if beside is None or beside.definers <= 0:
             raise IllegalTransition(
                 f"{self!r}: a group cannot expect definers once its shards have moved on "
                 "from pending; this is a bug in isthmus: please report it.")
-        self._definers += count
+        beside.definers += count
 
     def settle(self, count: int = 1) -> None:
         """`count` definers are over; with the last, the pending shards become defined."""
-        if self._definers < count:
+        beside = self.beside
+        definers = 0 if beside is None else beside.definers
+        if definers < count:
             raise IllegalTransition(
-                f"{self!r}: {count} definer(s) settled but {self._definers} were expected; "
+                f"{self!r}: {count} definer(s) settled but {definers} were expected; "
                 "this is a bug in isthmus: please report it.")
-        self._definers -= count
-        if self._definers:
+        assert beside is not None
+        beside.definers -= count
+        if beside.definers:
             return
         if self.states_apart is None:
             if self.state is PENDING:
@@ -292,10 +337,10 @@ class BufferGroup:
             pending = self.positions_in(PENDING)
             if pending:
                 self._move(pending, DEFINED)
-        if self.defined is not None:
-            if not self.defined.done():
-                self.defined.set_result(None)
-            self.defined = None
+        if beside.defined is not None:
+            if not beside.defined.done():
+                beside.defined.set_result(None)
+            beside.defined = None
 
     def stored(self, position: int) -> None:
         """Its worker confirmed the host data at `position` stored. A shard that failed,
@@ -308,19 +353,21 @@ class BufferGroup:
 
     def expect_answers(self) -> None:
         """Puts whose answers the group will not wait for were sent (`answered` follows)."""
-        if self.storing is None:
-            self.storing = asyncio.get_running_loop().create_future()
-        self._unanswered += 1
+        beside = self.aside()
+        if beside.storing is None:
+            beside.storing = asyncio.get_running_loop().create_future()
+        beside.unanswered += 1
 
     def answered(self) -> None:
-        if self._unanswered <= 0:
+        beside = self.beside
+        if beside is None or beside.unanswered <= 0:
             raise IllegalTransition(f"{self!r}: a put's answer came that none expected; "
                                     "this is a bug in isthmus: please report it.")
-        self._unanswered -= 1
-        if self._unanswered == 0 and self.storing is not None:
-            if not self.storing.done():
-                self.storing.set_result(None)
-            self.storing = None
+        beside.unanswered -= 1
+        if beside.unanswered == 0 and beside.storing is not None:
+            if not beside.storing.done():
+                beside.storing.set_result(None)
+            beside.storing = None
 
     def fail(self, positions: Iterable[int] | None, reason: errors.IsthmusError) -> None:
         """The shards at `positions` (None: every shard) will never hold bytes; a shard that
@@ -407,12 +454,13 @@ class BufferGroup:
         where = repr(self)
         assert self.refs >= 0, f"{where}: refs {self.refs}"
         assert all(n >= 0 for n in (self.shard_refs or {}).values()), f"{where}: shard refs"
-        assert self._definers >= 0, f"{where}: definers {self._definers}"
-        assert (self._definers > 0) == (self.defined is not None), (
-            f"{where}: {self._definers} definers but defined future {self.defined}")
-        if self._definers == 0:
+        beside = self.beside or Beside()
+        assert beside.definers >= 0, f"{where}: definers {beside.definers}"
+        assert (beside.definers > 0) == (beside.defined is not None), (
+            f"{where}: {beside.definers} definers but defined future {beside.defined}")
+        if beside.definers == 0:
             assert PENDING not in self.states(), f"{where}: pending with no definer"
-        assert (self._unanswered > 0) == (self.storing is not None), f"{where}: answers"
+        assert (beside.unanswered > 0) == (beside.storing is not None), f"{where}: answers"
         if self.states_apart is not None:
             assert self.states_apart, f"{where}: an empty exception table"
             assert len(self.states_apart) < len(self.devices) or len(set(

@@ -65,21 +65,21 @@ def read_ahead(executable: Executable, outputs: Sequence[Array], fleet: Fleet) -
         answer = asyncio.ensure_future(channel.ask(
             c.Fetch(BufferId(group.base + position), group.nbytes[position])))
         answer.add_done_callback(_retrieved)
-        if group.ahead is None:
-            group.ahead = {}
-        group.ahead[position] = answer
+        beside = group.aside()
+        if beside.ahead is None:
+            beside.ahead = {}
+        beside.ahead[position] = answer
 
 
 def claim(buffer: Buffer) -> Awaitable[np.ndarray] | None:
     """The value read ahead for `buffer`, if there is a usable one (taken: a second fetch
     asks the worker); marks the buffer's output as one clients read, either way."""
-    group = buffer.group
-    origin = group.origin
-    if origin is None:
+    beside = buffer.group.beside
+    if beside is None or beside.origin is None:
         return None
-    wanted, index = origin
+    wanted, index = beside.origin
     wanted[(index, buffer.position)] = 0
-    ahead = group.ahead
+    ahead = beside.ahead
     if ahead is None:
         return None
     answer = ahead.pop(buffer.position, None)

@@ -122,7 +122,7 @@ class SessionPrograms:
             if self.controller.counts.timing:  # the first wait on an output times it
                 stamp = [time.perf_counter()]
                 for out in outputs:
-                    out.group.dispatched = stamp  # type: ignore[union-attr]
+                    out.group.aside().dispatched = stamp  # type: ignore[union-attr]
 
         ran = self.dispatcher.submit(dependencies, run, track=True)
 
@@ -181,7 +181,8 @@ class SessionPrograms:
         for aval, sharding, nbytes, origin in executable.output_specs:
             group = new_group(executable.devices, nbytes, sharding.memory_kind,
                               executable.workers)
-            group.origin = origin
+            if origin is not None:
+                group.aside().origin = origin
             outputs.append(self.arrays.own(aval.dtype, aval.shape, sharding, group))
         return outputs
 

@@ -154,11 +154,12 @@ def test_a_shared_service_adds_its_figures():
 def test_a_program_is_timed_once_at_the_first_wait_on_any_output():
     counts = Counts()
     stamp = [1.0]  # dispatched long ago (perf_counter() is far past 1.0)
-    first, second = (types.SimpleNamespace(dispatched=stamp) for _ in range(2))
+    first, second = (types.SimpleNamespace(beside=types.SimpleNamespace(dispatched=stamp))
+                     for _ in range(2))
     counts.waited([first])
-    counts.waited([second, types.SimpleNamespace(dispatched=None)])
+    counts.waited([second, types.SimpleNamespace(beside=None)])
     assert counts.program_count == 1 and counts.program_buckets[-1] == 1  # over 60 s
-    assert first.dispatched is None and second.dispatched is None
+    assert first.beside.dispatched is None and second.beside.dispatched is None
     counts.retire([0, 1], 3)
     counts.retire([1], 0)
     assert counts.retired_runs == {0: 3, 1: 3}
