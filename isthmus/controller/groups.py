@@ -22,7 +22,8 @@ it to the arrays that hold it. How many arrays hold a shard, and how many moves 
 The record itself is plain data: names, places, states, reasons and counts. What the
 controller keeps for a group that is not its state (the futures readers wait on while it is
 being defined and while its puts' answers are on the way, the timing of a program's output
-and the values read ahead of a client) is a `Beside` next to it, made when first needed.
+and the values read ahead for a client) is a `Beside` next to it, made when first needed; a
+program's outputs need none unless their values are read ahead or the metrics time them.
 
 Invariant: the controller holds no device data. A group is only names, places and states; the
 bytes live on the workers that own its devices.
@@ -94,8 +95,7 @@ class Beside:
     """What the controller keeps next to a group's record and is not its state: futures, and
     the timing and readahead of a program's output (`BufferGroup.beside`)."""
 
-    __slots__ = ("definers", "defined", "unanswered", "storing", "dispatched", "origin",
-                 "ahead")
+    __slots__ = ("definers", "defined", "unanswered", "storing", "dispatched", "ahead")
 
     def __init__(self) -> None:
         # Operations that will define the group, still outstanding; `defined` is resolved
@@ -110,10 +110,8 @@ class Beside:
         # A program's output: [perf_counter() at its dispatch], shared by its outputs, until
         # a client's wait times it (`counts.Counts.waited`); None otherwise.
         self.dispatched: list[float] | None = None
-        # A small program output's origin (its executable's `readahead` table, the output's
-        # index), and the values of its shards read ahead for the client (position ->
+        # The values of a small output's shards read ahead for the client (position ->
         # answer); controller/readahead.py.
-        self.origin: tuple[dict[tuple[int, int], int], int] | None = None
         self.ahead: dict[int, asyncio.Future[np.ndarray]] | None = None
 
 
@@ -128,7 +126,7 @@ class BufferGroup:
 
     __slots__ = ("base", "devices", "workers", "nbytes", "memory_kind", "state", "states_apart",
                  "reason", "_reasons", "refs", "shard_refs", "pins", "free_when_unpinned",
-                 "beside", "log")
+                 "origin", "beside", "log")
 
     def __init__(self, base: int, devices: tuple[Device, ...], workers: tuple[WorkerId, ...],
                  nbytes: tuple[int, ...], memory_kind: str | None = None,
@@ -148,6 +146,9 @@ class BufferGroup:
         self.shard_refs: dict[int, int] | None = None  # position -> arrays holding just it
         self.pins: dict[int, int] | None = None  # position -> moves still reading it
         self.free_when_unpinned: set[int] | None = None  # released while pinned
+        # A small program output's origin: its executable's `readahead` table and the
+        # output's index (controller/readahead.py); None otherwise.
+        self.origin: tuple[dict[tuple[int, int], int], int] | None = None
         self.beside: Beside | None = None
         if definers:
             beside = self.beside = Beside()

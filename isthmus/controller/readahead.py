@@ -74,12 +74,13 @@ def read_ahead(executable: Executable, outputs: Sequence[Array], fleet: Fleet) -
 def claim(buffer: Buffer) -> Awaitable[np.ndarray] | None:
     """The value read ahead for `buffer`, if there is a usable one (taken: a second fetch
     asks the worker); marks the buffer's output as one clients read, either way."""
-    beside = buffer.group.beside
-    if beside is None or beside.origin is None:
+    group = buffer.group
+    origin = group.origin
+    if origin is None:
         return None
-    wanted, index = beside.origin
+    wanted, index = origin
     wanted[(index, buffer.position)] = 0
-    ahead = beside.ahead
+    ahead = None if group.beside is None else group.beside.ahead
     if ahead is None:
         return None
     answer = ahead.pop(buffer.position, None)

@@ -181,8 +181,7 @@ class SessionPrograms:
         for aval, sharding, nbytes, origin in executable.output_specs:
             group = new_group(executable.devices, nbytes, sharding.memory_kind,
                               executable.workers)
-            if origin is not None:
-                group.aside().origin = origin
+            group.origin = origin
             outputs.append(self.arrays.own(aval.dtype, aval.shape, sharding, group))
         return outputs
 

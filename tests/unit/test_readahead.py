@@ -37,7 +37,7 @@ def _run(executable, fleet, origin=True):
     devices = tuple(SimpleNamespace(worker=w) for w in (0, 1))
     group = BufferGroup(100, devices, (0, 1), (4, 4))  # type: ignore[arg-type]
     if origin:
-        group.aside().origin = (executable.readahead, 0)
+        group.origin = (executable.readahead, 0)
     outputs = [SimpleNamespace(group=group)]
     if executable.readahead:
         readahead.read_ahead(executable, outputs, fleet)  # type: ignore[arg-type]
@@ -81,6 +81,5 @@ def test_a_failed_read_ahead_is_not_used():
         assert group.beside is not None and group.beside.ahead is not None
         group.beside.ahead[0] = failed
         assert readahead.claim(Buffer(group, 0)) is None  # the fetch asks the worker again
-        beside = _run(executable, fleet, origin=False).beside
-        assert beside is None or beside.origin is None
+        assert _run(executable, fleet, origin=False).origin is None
     asyncio.run(body())
