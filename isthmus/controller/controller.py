@@ -27,6 +27,7 @@ from isthmus.dtypes import DType
 from isthmus.ids import ExecutableId, WorkerId
 from isthmus.logs import event
 from isthmus.transport import commands as c
+from isthmus.transport.base import WorkerChannel
 from isthmus.transport.messages import CrashReport, dtype_name
 from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest
 from isthmus.worker.programs import canonical_digest
@@ -191,46 +192,52 @@ class Controller:
                 f"validate mode: after {cause} the controller's records disagree ({e}); this "
                 "is a bug in isthmus: please report it with the server log.") from None
 
-    async def validate_hosts(self, wait: float = 5.0) -> tuple[int, list[str]]:
+    async def validate_hosts(self, wait: float = 5.0, answer: float = 1.0
+                             ) -> tuple[int, list[str]]:
         """Validate mode, at stop, every session closed: what each live host holds against
         the ledger. A buffer a host holds that the ledger freed is a leak; one the ledger has
-        not freed that its host lacks is a record of bytes that are not there. A host that
-        cannot answer (lost, or leaving) is passed over: its buffers went with it. Frees may
-        still be queued behind a collective program, so a host that disagrees is asked again
-        for up to `wait` s. Returns how many hosts answered, and what disagrees (a line per
-        host and direction; empty: all agree)."""
+        not freed that its host lacks is a record of bytes that are not there. The hosts are
+        asked at once; one that does not answer within `answer` s (lost, leaving, or busy
+        re-forming its collective group) is passed over. Frees may still be queued behind a
+        collective program, so hosts that disagree are asked again for up to `wait` s.
+        Returns how many hosts answered, and what disagrees (a line per host and direction;
+        empty: all agree)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
+
+        async def held(worker: WorkerId, channel: WorkerChannel) -> set[int] | None:
+            try:
+                return set(await asyncio.wait_for(channel.ask(c.Held()), answer))
+            except (errors.IsthmusError, TimeoutError) as e:
+                logger.debug("validate: host %s did not say what it holds: %r", worker, e)
+                return None
+
+        asking = {w: ch for w, ch in sorted(self.fleet.workers.items())
+                  if not isinstance(ch, LostChannel)}
+        found: dict[WorkerId, tuple[list[int], list[int]]] = {}  # leaked, missing
+        while asking:
+            answers = await asyncio.gather(*(held(w, ch) for w, ch in asking.items()))
+            expected = self.ledger.not_freed()
+            for worker, holds in zip(list(asking), answers):
+                if holds is None:
+                    del asking[worker]
+                    continue
+                mine = expected.get(worker, set())
+                found[worker] = (sorted(holds - mine), sorted(mine - holds))
+                if found[worker] == ([], []):
+                    del asking[worker]
+            if not asking or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
         problems = []
-        answered = 0
-        for worker, channel in sorted(self.fleet.workers.items()):
-            if isinstance(channel, LostChannel):
-                continue
-            held: set[int] | None = None
-            while True:
-                try:
-                    held = set(await asyncio.wait_for(
-                        channel.ask(c.Held()), max(0.1, deadline - loop.time())))
-                except (errors.IsthmusError, TimeoutError) as e:
-                    # Lost or leaving: its buffers went with it.
-                    logger.debug("validate: host %s did not say what it holds: %r", worker, e)
-                    held = None
-                    break
-                expected = self.ledger.not_freed().get(worker, set())
-                leaked, missing = sorted(held - expected), sorted(expected - held)
-                if not (leaked or missing) or loop.time() >= deadline:
-                    break
-                await asyncio.sleep(0.05)
-            if held is None:
-                continue
-            answered += 1
+        for worker, (leaked, missing) in sorted(found.items()):
             if leaked:
                 problems.append(f"host {worker} still holds {len(leaked)} buffers the "
                                 f"controller freed: {leaked[:20]}")
             if missing:
                 problems.append(f"host {worker} lacks {len(missing)} buffers the controller "
                                 f"has not freed: {missing[:20]}")
-        return answered, problems
+        return len(found), problems
 
     def validate_executables(self) -> None:
         """Raises AssertionError where the executables' records disagree: one listed under
