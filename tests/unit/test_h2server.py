@@ -460,8 +460,15 @@ async def test_uploads_opened_below_h2_answer_refuse_and_cancel_as_h2_ones_do(
         for _ in range(3):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await sink(chunks(*[b"x" * 50_000] * 4), metadata=(("x-refuse", "open"),))
-            assert (info.value.code(), info.value.details()) == (
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "refused at once"), (
+            outcome = (info.value.code(), info.value.details())
+            if outcome == (grpc.StatusCode.INTERNAL, "Internal error from Core"):
+                # grpc.aio's own race (seen once in three loaded runs): its send of the
+                # next message failed on the stream the refusal closed, and it reported
+                # that instead of the trailers. Not a reset from the server, which reads
+                # "Received RST_STREAM".
+                assert "SendMessageOperation" in info.value.debug_error_string()
+                continue
+            assert outcome == (grpc.StatusCode.RESOURCE_EXHAUSTED, "refused at once"), (
                 info.value.details(), info.value.debug_error_string())
         release = asyncio.Event()
         cancelled = handlers.sinks_cancelled
