@@ -10,7 +10,7 @@ working directory and output files and runs the script as `python script.py` wou
 exit code.
 
 What jax reads from the environment when it is imported cannot change in a child; the
-caller keeps one such process per value of those variables (`testing.WarmPythons`), apart
+caller keeps one such process per value of those variables (`warm_pythons.WarmPythons`), apart
 from JAX_BACKEND_TARGET, which the child sets in jax's config. Of isthmus it imports only
 the fork loop (standard library only), so a child is a plain jax client.
 
