@@ -45,16 +45,18 @@ def test_take_waits_for_an_upload_that_comes_later():
 
 def test_missing_upload_times_out_but_a_moving_one_does_not():
     async def main():
-        store = HostBufferStore(start_timeout=0.1)
+        # Margins for a loaded machine: a sleep of 0.05 s has to overrun to 0.5 s for the
+        # upload to stop moving (0.1 s of timeout failed here once in a loaded suite).
+        store = HostBufferStore(start_timeout=0.5)
         with pytest.raises(errors.HostBufferMissing, match="did not start arriving"):
             await take(store, 1)
         slow = take(store, 2)
-        store.begin(2, 8)
-        for filled in range(1, 8):  # 0.35 s of bytes, longer than the deadline
+        store.begin(2, 16)
+        for filled in range(1, 16):  # 0.75 s of bytes, longer than the deadline
             await asyncio.sleep(0.05)
             store.progress(2, filled)
-        store.complete(2, memoryview(b"x" * 8))
-        assert bytes(await slow) == b"x" * 8
+        store.complete(2, memoryview(b"x" * 16))
+        assert bytes(await slow) == b"x" * 16
     run(main())
 
 
