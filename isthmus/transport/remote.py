@@ -87,9 +87,11 @@ class RemoteWorker:
         self.queued = 0
         self.applying = ""
         # Since when it has held commands it applies none of while it waits for nothing
-        # (its command loop stopped: a bug, `stalled`), and its progress then.
+        # (its command loop stopped: a bug, `stalled`), its progress then, and the last
+        # heartbeat that said so.
         self._stalled_since: float | None = None
         self._stalled_at = -1
+        self._stalled_heard = 0.0
         self.leaving = ""  # why the worker said it leaves (`Leaving`), for its loss
         self.lost: errors.IsthmusError | None = None
         # (shared directory, probe file) offered in the Welcome; the directory is used once
@@ -189,6 +191,7 @@ class RemoteWorker:
             if message.queued and not message.applying and self.backlog > 0:
                 if self._stalled_since is None or self._stalled_at != message.applied:
                     self._stalled_since, self._stalled_at = self.last_seen, message.applied
+                self._stalled_heard = self.last_seen
             else:
                 self._stalled_since = None
         elif isinstance(message, m.Incident):
@@ -220,9 +223,17 @@ class RemoteWorker:
             logger.warning("worker %s sent an unexpected %s", self.slot, type(message).__name__)
 
     def stalled(self, now: float) -> float:
-        """Seconds for which the worker has held commands it applied none of, while its
-        heartbeats said that nothing it applies waits (0: it has not)."""
-        return 0.0 if self._stalled_since is None else now - self._stalled_since
+        """Seconds for which the worker's heartbeats have said that it holds commands it
+        applies none of while nothing it applies waits (0: they have not).
+
+        Only heartbeats count, up to the last one: a stopped command loop leaves the
+        worker's event loop free to send them, while a loop busy applying a long run of
+        commands sends none until it yields. Before this, the last heartbeat's word was
+        taken for all the time after it, and a worker that applied a backlog of thousands
+        of steps in one go on a loaded machine was declared lost for a stall."""
+        if self._stalled_since is None:
+            return 0.0
+        return min(now, self._stalled_heard) - self._stalled_since
 
     def _log_incident(self, incident: m.Incident) -> None:
         """An error the worker logged, in the controller's log with the worker's name."""

@@ -59,7 +59,7 @@ from isthmus.worker.platforms import (
     join_group,
 )
 from isthmus.worker.process import exit_now, preload, watch_stop_signals
-from isthmus.worker.reading import probe_found, unpack
+from isthmus.worker.reading import Turns, probe_found, unpack
 from isthmus.worker.simulated import make_host
 
 logger = logging.getLogger(__name__)
@@ -310,7 +310,8 @@ class WorkerAgent:
         (`_refuse`); anything else that raises here is a bug that leaves this worker's
         state unknown: it is logged (and so reaches the controller) and ends the loop, and
         with it the membership (`_serve`)."""
-        while (message := await queue.get()) is not None:
+        turns = Turns()
+        while (message := await turns.next(queue)) is not None:
             try:
                 await self._handle(message)
             except Exception as e:

@@ -1,11 +1,12 @@
-"""Reading the controller's commands on a worker: shared commands unpacked in place, the
-buffers a command makes, pieces of an incoming put, the shared-directory probe, and a fetched
-buffer written into that directory."""
+"""Reading the controller's commands on a worker: the command loop's turns, shared commands
+unpacked in place, the buffers a command makes, pieces of an incoming put, the
+shared-directory probe, and a fetched buffer written into that directory."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Awaitable, Iterator
 from typing import cast
 
@@ -16,6 +17,36 @@ from isthmus.hostmem import Assembly, write_file
 from isthmus.ids import BufferId
 from isthmus.transport import messages as m
 from isthmus.transport.commands import Command, Told
+
+# Seconds the command loop applies queued messages before it lets the event loop run once:
+# the stream is read on, heartbeats and acknowledgements leave, answers go out.
+YIELD_EVERY = 0.02
+
+
+class Turns:
+    """The messages of the command loop, in order, with a turn of the event loop now and then.
+
+    While messages wait, taking one does not pause, and a batch of commands that wait for
+    nothing applies without a pause: a backlog of thousands of steps would hold the event
+    loop for seconds (no heartbeats, so the controller saw a stall; no acknowledgements, so
+    its flow gate stayed shut). So a message taken `YIELD_EVERY` after the loop's last turn
+    waits for one."""
+
+    __slots__ = ("_turn",)
+
+    def __init__(self) -> None:
+        self._turn = time.monotonic()  # when the event loop last had a turn
+
+    async def next(self, queue: asyncio.Queue[object]) -> object:
+        if queue.empty():
+            message = await queue.get()
+            self._turn = time.monotonic()
+            return message
+        message = queue.get_nowait()
+        if time.monotonic() - self._turn > YIELD_EVERY:
+            await asyncio.sleep(0)
+            self._turn = time.monotonic()
+        return message
 
 
 @dataclasses.dataclass(slots=True)

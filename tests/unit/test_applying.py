@@ -53,3 +53,42 @@ def test_a_request_answered_already_is_answered_at_once_and_a_wait_is_kept():
         np.testing.assert_array_equal(sent[3].value, value)
         await agent.host.close()
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_long_backlog_of_commands_lets_the_event_loop_run_while_it_is_applied():
+    """Messages queued faster than they apply (a client pipelining steps) are taken without
+    a pause; the command loop still gives the event loop a turn every `YIELD_EVERY`, so that
+    heartbeats, acknowledgements and the stream's reading go on meanwhile."""
+    import time
+
+    from isthmus.worker import reading
+
+    async def main():
+        agent = WorkerAgent.__new__(WorkerAgent)
+        agent.applier = types.SimpleNamespace(applying="")
+        applied = []
+
+        async def handle(message):  # a step that applies without awaiting, as a Batch does
+            time.sleep(0.002)
+            applied.append(message)
+
+        agent._handle = handle
+        queue = asyncio.Queue()
+        for n in range(100):  # 0.2 s of work, queued before the loop starts on it
+            queue.put_nowait(n)
+        queue.put_nowait(None)
+        turns = []
+
+        async def beside():  # a heartbeat: what needs the event loop while the backlog goes
+            while True:
+                turns.append(len(applied))
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(beside())
+        await agent._apply_in_order(queue)
+        other.cancel()
+        assert applied == list(range(100))
+        during = {n for n in turns if 0 < n < 100}
+        # one turn every YIELD_EVERY (0.02 s = 10 steps here), not only once the queue is empty
+        assert len(during) >= 0.2 / reading.YIELD_EVERY / 2, turns
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import os
+import types
 
 import pytest
 
@@ -242,8 +243,11 @@ def test_a_worker_holding_commands_it_applies_none_of_while_idle_is_lost():
         assert worker.stalled(now + 60) == 0 and busy.stalled(now + 60) == 0
         worker.on_message(m.Heartbeat({}, 0, 2, ""))  # read, held, and idle: stalled
         began = worker.last_seen
-        worker.on_message(m.Heartbeat({}, 0, 2, ""))
         later = began + manager.config.stall_timeout + 0.5
+        # A stopped command loop leaves the event loop free: its heartbeats keep saying so.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(remote, "time", types.SimpleNamespace(monotonic=lambda: later))
+            worker.on_message(m.Heartbeat({}, 0, 2, ""))
         for channel in (worker, busy):
             channel.last_seen = later  # their pulses keep coming: alive, not silent
         manager.judge(began + 1.0)
@@ -261,6 +265,34 @@ def test_a_worker_holding_commands_it_applies_none_of_while_idle_is_lost():
         other.on_message(m.Heartbeat({}, 0, 1, ""))
         other.on_message(m.Heartbeat({}, 0, 1, "compiling program 3"))
         assert other.stalled(other.last_seen + 60) == 0
+    run(main())
+
+
+def test_a_worker_busy_applying_a_backlog_sends_no_heartbeat_and_is_not_declared_stalled():
+    """A worker applying a long backlog of steps holds its event loop: its last heartbeat
+    said "commands held, nothing waited for", and none follows while it applies, but its
+    pulses keep coming. That last word is no evidence of a stall for the time after it
+    (a loaded CI machine lost a worker so, in the middle of a pipelined MLP)."""
+    async def main():
+        manager, fleet, controller = _manager()
+        worker = manager.register(register(slice_index=0, pid=45), lambda frame: None, "peer")
+        fleet.mark_up(0)
+        worker.send(c.Free((1,)))
+        worker.flush()
+        worker.on_message(m.Heartbeat({}, 0, 900, ""))  # a backlog, applied without a pause
+        heard = worker.last_seen
+        later = heard + manager.config.stall_timeout * 4
+        worker.last_seen = later  # pulses: alive
+        assert worker.stalled(later) == 0
+        manager.judge(later)
+        assert worker.lost is None
+        # Heartbeats that go on saying the same, with no progress, are a stall.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(remote, "time", types.SimpleNamespace(monotonic=lambda: later))
+            worker.on_message(m.Heartbeat({}, 0, 900, ""))
+        assert worker.stalled(later + 1) == pytest.approx(later - heard)
+        manager.judge(later)
+        assert isinstance(worker.lost, errors.WorkerLost)
     run(main())
 
 
