@@ -1,0 +1,61 @@
+"""What bench/phases/sitecustomize.py wrote, read back.
+
+    python bench/phases/report.py DIR                     each process: its phases
+    python bench/phases/report.py DIR --windows SIZES     the slowest windows of each size
+                                                          (SIZES: windows.py's output), with
+                                                          what the server did in them
+"""
+
+import collections
+import glob
+import json
+import statistics
+import sys
+
+
+def phases(folder: str) -> None:
+    for path in sorted(glob.glob(f"{folder}/*-*.json")):
+        if path.endswith(".events.json"):
+            continue
+        with open(path) as f:
+            d = json.load(f)
+        print(f"== {path}: wall {d['wall']:.2f} s, main thread's CPU {d['main_cpu']:.2f} s, "
+              f"process CPU {d['proc_cpu']:.2f} s")
+        for name, (count, total, top) in sorted(d["times"].items(), key=lambda kv: -kv[1][1]):
+            mean = total / count * 1e6
+            print(f"  {name:22} n={count:8d} total={total:8.3f} s mean={mean:8.1f} us "
+                  f"max={top * 1e3:8.2f} ms buckets={d['hist'][name]}")
+
+
+def slowest_windows(folder: str, sizes_path: str, shown: int = 3) -> None:
+    with open(sizes_path) as f:
+        runs = [json.loads(line) for line in f if line.startswith('{"n"')]
+    events = []
+    for path in glob.glob(f"{folder}/server-*.events.json"):
+        with open(path) as f:
+            events.extend(json.load(f))
+    for run in runs:
+        times = run["windows"]
+        spans = [times[i + 1][0] - times[i][0] for i in range(len(times) - 1)]
+        print(f"n={run['n']} ms/step={run['ms']:.3f} windows={len(times)} median window "
+              f"{statistics.median(spans) * 1e3:.1f} ms")
+        for i in sorted(range(len(spans)), key=lambda i: -spans[i])[:shown]:
+            began, dispatched, waited = times[i]
+            inside = [e for e in events if began <= e[0] <= times[i + 1][0] + 0.001]
+            calls = collections.Counter(e[1] for e in inside if e[1] != "stack")
+            stacks = collections.Counter(e[2] for e in inside if e[1] == "stack")
+            long = [(round((e[0] - began) * 1e3, 1), e[1], e[2]) for e in inside
+                    if e[1] != "stack" and (e[2] > 1500 or e[1].startswith("gc"))]
+            print(f"  window {i}: {spans[i] * 1e3:.1f} ms (dispatch "
+                  f"{(dispatched - began) * 1e3:.1f}, wait {(waited - dispatched) * 1e3:.1f}); "
+                  f"server calls {dict(calls)}; long ones (ms in, name, us) {long[:12]}; "
+                  f"stack samples {sum(stacks.values())}")
+            for stack, count in stacks.most_common(3):
+                print(f"      {count:4d} x {stack[:300]}")
+
+
+if __name__ == "__main__":
+    if "--windows" in sys.argv:
+        slowest_windows(sys.argv[1], sys.argv[sys.argv.index("--windows") + 1])
+    else:
+        phases(sys.argv[1])

@@ -1,0 +1,202 @@
+"""Where the main thread of an isthmus server or worker spends its time, per phase (issue 49).
+
+Not imported by isthmus. Put this folder first on PYTHONPATH and name a folder in
+ISTHMUS_PHASES: every Python that starts then (the server of `isthmus run`, its workers, not
+the client, whose JAX_PLATFORMS names the proxy) times its main thread's calls of a few
+functions on the hot path, as they are imported, and writes `ROLE-PID.json` there every
+ISTHMUS_PHASES_EVERY seconds (1): per function its count, total and largest time, and a
+histogram (below 100, 200, 400, 800, 1600, 3200 us, and above). Also:
+
+- ISTHMUS_PHASES_SERIES=1: each of those snapshots appended to `ROLE-PID.jsonl`, with the
+  wall clock, so that a client's timestamps can pick a window out (bench/phases/report.py);
+- ISTHMUS_PHASES_EVENTS=1: every timed call as (time, name, microseconds) in
+  `ROLE-PID.events.json` (the event loop's waits only when above 2 ms), and garbage
+  collections as `gcN`;
+- ISTHMUS_PHASES_SAMPLE=1 (with EVENTS): the main thread's stack every 4 ms, from a thread
+  (when the process's Python is held up, the samples stop too).
+
+    PYTHONPATH=bench/phases:$PYTHONPATH ISTHMUS_PHASES=/tmp/ph isthmus run ... -- python X.py
+    python bench/phases/report.py /tmp/ph
+
+Wrapping adds about 1 us per call. The machine's own sitecustomize, if any, still runs.
+"""
+
+import os
+import sys
+
+_DIR = os.environ.get("ISTHMUS_PHASES")
+if _DIR and "proxy" not in os.environ.get("JAX_PLATFORMS", ""):
+    import gc
+    import importlib.abc
+    import importlib.machinery
+    import json
+    import threading
+    import time
+
+    os.makedirs(_DIR, exist_ok=True)
+    _pc = time.perf_counter
+    _MAIN = threading.main_thread().ident
+    _EDGES = (100, 200, 400, 800, 1600, 3200)
+    _EVENTS = bool(os.environ.get("ISTHMUS_PHASES_EVENTS"))
+    _TIMES: dict = {}  # name -> [count, seconds, largest]
+    _HIST: dict = {}  # name -> counts per bucket of _EDGES
+    _LOG: list = []  # (time, name, us or stack) with ISTHMUS_PHASES_EVENTS
+    _ROLE = ("worker" if "worker" in sys.argv else
+             "vetting" if "vetting" in " ".join(sys.orig_argv) else "server")
+
+    def _add(name, seconds):
+        if _EVENTS and (name != "select" or seconds > 0.002) and len(_LOG) < 400_000:
+            _LOG.append((round(time.time(), 6), name, round(seconds * 1e6)))
+        entry = _TIMES.setdefault(name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2] = max(entry[2], seconds)
+        us, bucket = seconds * 1e6, 0
+        while bucket < len(_EDGES) and us >= _EDGES[bucket]:
+            bucket += 1
+        _HIST.setdefault(name, [0] * (len(_EDGES) + 1))[bucket] += 1
+
+    def _timed(name, fn):
+        def wrapper(*args, **kwargs):
+            if threading.get_ident() != _MAIN:
+                return fn(*args, **kwargs)
+            start = _pc()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _add(name, _pc() - start)
+        return wrapper
+
+    def _atimed(name, fn):
+        async def wrapper(*args, **kwargs):
+            start = _pc()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                _add(name, _pc() - start)
+        return wrapper
+
+    _gc_start: list = []
+
+    def _gc(phase, info):
+        if threading.get_ident() != _MAIN:
+            return
+        if phase == "start":
+            _gc_start.append(_pc())
+        elif _gc_start:
+            _add(f"gc{info.get('generation')}", _pc() - _gc_start.pop())
+
+    gc.callbacks.append(_gc)
+
+    def _write():
+        path = os.path.join(_DIR, f"{_ROLE}-{os.getpid()}")
+        began = _pc()
+        every = float(os.environ.get("ISTHMUS_PHASES_EVERY", "1"))
+        while True:
+            time.sleep(every)
+            try:
+                main_cpu = time.clock_gettime(time.pthread_getcpuclockid(_MAIN))
+            except (AttributeError, OSError):
+                main_cpu = -1.0
+            snapshot = {"role": _ROLE, "t": time.time(), "wall": _pc() - began,
+                        "main_cpu": main_cpu, "proc_cpu": time.process_time(),
+                        "times": _TIMES, "hist": _HIST}
+            with open(path + ".tmp", "w") as f:
+                json.dump(snapshot, f)
+            os.replace(path + ".tmp", path + ".json")
+            if os.environ.get("ISTHMUS_PHASES_SERIES"):
+                with open(path + ".jsonl", "a") as f:
+                    f.write(json.dumps(snapshot) + "\n")
+            if _EVENTS:
+                with open(path + ".events.json", "w") as f:
+                    json.dump(_LOG, f)
+
+    def _sample():
+        while True:
+            time.sleep(0.004)
+            frame, parts = sys._current_frames().get(_MAIN), []
+            while frame is not None and len(parts) < 6:
+                code = frame.f_code
+                parts.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:"
+                             f"{code.co_name}")
+                frame = frame.f_back
+            if len(_LOG) < 400_000:
+                _LOG.append((round(time.time(), 6), "stack", " < ".join(parts)))
+
+    threading.Thread(target=_write, daemon=True, name="phases").start()
+    if _EVENTS and os.environ.get("ISTHMUS_PHASES_SAMPLE"):
+        threading.Thread(target=_sample, daemon=True, name="phases-sampler").start()
+
+    def _patch(name, module):
+        if name == "selectors":
+            module.EpollSelector.select = _timed("select", module.EpollSelector.select)
+        elif name == "isthmus.worker.runs":
+            module.run_one = _timed("run_one", module.run_one)
+            module.run_sharded = _timed("run_sharded", module.run_sharded)
+        elif name == "isthmus.worker.buffers":
+            store = module.BufferStore
+            for method in ("values", "store_all", "free"):
+                setattr(store, method, _timed(method, getattr(store, method)))
+        elif name == "isthmus.transport.messages":
+            module.decode = _timed("decode", module.decode)
+        elif name == "isthmus.transport.frames":
+            stream = module.FrameStream
+            stream.buffer_updated = _timed("buffer_updated", stream.buffer_updated)
+        elif name == "isthmus.worker.reads":
+            reads = module.Reads
+            reads.ready = _timed("reads_ready_call", reads.ready)
+            reads._wait_ready = _atimed("reads_wait_ready", reads._wait_ready)
+        elif name == "isthmus.worker.applying":
+            applier = module.CommandApplier
+            applier.apply_now = _timed("apply_now", applier.apply_now)
+        elif name == "isthmus.frontend.execute":
+            module.execute = _timed("fe_execute", module.execute)
+        elif name == "isthmus.frontend.futures":
+            module.check_value_ready = _timed("fe_check_value_ready", module.check_value_ready)
+
+    _WATCHED = {"isthmus.worker.runs", "isthmus.worker.buffers", "isthmus.transport.messages",
+                "isthmus.transport.frames", "isthmus.worker.reads", "isthmus.worker.applying",
+                "isthmus.frontend.execute", "isthmus.frontend.futures"}
+
+    import selectors
+
+    _patch("selectors", selectors)
+
+    class _Loader(importlib.abc.Loader):
+        def __init__(self, inner, name):
+            self.inner, self.name = inner, name
+
+        def create_module(self, spec):
+            return self.inner.create_module(spec)
+
+        def exec_module(self, module):
+            self.inner.exec_module(module)
+            _patch(self.name, module)
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name not in _WATCHED:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader, name)
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
+def _next_sitecustomize():
+    """Runs the next sitecustomize on the path (the machine's own), as Python would have."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        candidate = os.path.join(entry or ".", "sitecustomize.py")
+        if os.path.abspath(entry or ".") != here and os.path.exists(candidate):
+            spec = importlib.util.spec_from_file_location("_next_sitecustomize", candidate)
+            if spec is not None and spec.loader is not None:
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
+_next_sitecustomize()
