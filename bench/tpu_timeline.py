@@ -1,6 +1,6 @@
 """Where a step's time goes on the chip, and the dispatch threshold there (issue 49).
 
-    python -m bench.tpu_timeline [--out DIR] [--spy] [--seconds S]
+    python -m bench.tpu_timeline [--out DIR] [--spy] [--seconds S] [--window S]
     scripts/tpu-check --timeline          # the same, with the TPU machine's wheels
 
 Runs, each on local TPU jax, through the embedded backend (`isthmus run --platform tpu
@@ -18,8 +18,10 @@ With --spy (py-spy on PATH or importable), the fleet's and the embedded backend'
 runs are also sampled by `py-spy record --subprocesses --format raw` (collapsed stacks in
 DIR, for a flame graph). The JSON of every run goes to DIR/tpu_timeline.json as each run
 ends. Exits 0 with a note where there is no TPU. On the TPU v5e sandbox the default parts
-took about 4 minutes, `--parts lm,curve --rounds 3` more than 9 (past one device call's
-limit: run the curve's rounds in calls of their own).
+took about 4 minutes with 0.5 s windows, `--parts lm,curve --rounds 3` more than 9 (past
+one device call's limit: run the curve's rounds in calls of their own); with the 1.5 s
+windows of now (`--window`), a round of the curve should take about 2 minutes (not yet run
+there).
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "out"))
     parser.add_argument("--spy", action="store_true", help="sample the server with py-spy")
     parser.add_argument("--seconds", default="2", help="seconds of pipelined steps per run")
+    # 0.5 s per size until 2026-12-07: a stall of ~200 ms about every 2 s in the embedded
+    # server (bench/RESULTS.md, issue 49's seventh round) cost whichever size it fell in
+    # 30-50% of its window, and read as slow sizes.
+    parser.add_argument("--window", default="1.5",
+                        help="seconds of pipelined steps per size of the threshold curve")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of the threshold curve per backend, alternated (median)")
     parser.add_argument("--parts", default="timeline,curve",
@@ -86,7 +93,7 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_PLATFORMS", "JAX_BACKEND_TARGET")}
     timeline_cmd = [sys.executable, str(HERE / "step_timeline.py"), args.seconds]
-    curve_cmd = [sys.executable, str(HERE / "threshold.py"), SIZES, "4", "0.5"]
+    curve_cmd = [sys.executable, str(HERE / "threshold.py"), SIZES, "4", args.window]
     lm_cmd = [sys.executable, str(HERE / "tpu_work.py"), "--only=lm"]
     runs: dict[str, dict] = {"timeline": {}, "curve": {}, "lm": {}}
     path = os.path.join(args.out, "tpu_timeline.json")

@@ -39,6 +39,7 @@ async def measure(platform: str, sizes: list[int], steps: int) -> dict[str, floa
     from isthmus.worker.applying import CommandApplier
     from isthmus.worker.crashes import CrashRecord
     from isthmus.worker.host import DeviceHost
+    from isthmus.worker.membership import Membership
     from isthmus.worker.platforms import make_client
 
     agent = WorkerAgent.__new__(WorkerAgent)  # no controller, links or process state
@@ -46,7 +47,7 @@ async def measure(platform: str, sizes: list[int], steps: int) -> dict[str, floa
     agent.applier = CommandApplier(agent)
     agent._tasks, agent._waits = set(), {}
     agent.link = types.SimpleNamespace(send=lambda message: None)
-    agent._applied = agent._acked = 0
+    agent.membership = Membership()  # counts what it applies, as a welcomed worker's does
     crashes = CrashRecord.__new__(CrashRecord)  # no record file
     crashes._faulty, crashes.running = set(), lambda executable: None
     agent.crashes = crashes
