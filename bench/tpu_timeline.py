@@ -77,7 +77,7 @@ def main() -> int:
                         help="runs of the threshold curve per backend, alternated (median)")
     parser.add_argument("--parts", default="timeline,curve",
                         help="which of timeline, curve, lm (the language model's time, "
-                             "broken down) to run")
+                             "broken down), stall (the embedded server's stalls) to run")
     args = parser.parse_args()
     parts = args.parts.split(",")
     from isthmus.compat import jax as jax_compat
@@ -121,11 +121,44 @@ def main() -> int:
                 rounds[name].append(_run(_through(name, curve_cmd, None, args.out), env, 300)[0])
             for name, curves in rounds.items():
                 done("curve", name, _median_curve(curves))
+    if "stall" in parts:
+        stall(args.out, env)
     if spy is not None:
         for name in BACKENDS:
             done("timeline", f"{name}-sampled",
                  _run(_through(name, timeline_cmd, spy, args.out), env, 300)[0])
     return report(runs)
+
+def stall(out: str, env: dict[str, str]) -> None:
+    """The embedded server's stalls (bench/RESULTS.md, issue 49's seventh round): windows of
+    10 steps on local jax and through the embedded backend (matrices made on the device), and
+    for the slowest of them what the server's main thread did and what each of its threads
+    spent (bench/phases); printed, and kept under OUT/phases."""
+    import subprocess
+
+    folder = os.path.join(out, "phases")
+    os.makedirs(folder, exist_ok=True)
+    windows = [sys.executable, str(HERE / "phases" / "windows.py"), "2304,2816,4096", "2",
+               "--on-device"]
+    report = [sys.executable, str(HERE / "phases" / "report.py")]
+    local = os.path.join(folder, "local.txt")
+    with open(local, "w") as f:
+        subprocess.run(windows, env=env, stdout=f, stderr=subprocess.DEVNULL, timeout=300)
+    print("\nWindows of 10 steps, local jax", flush=True)
+    subprocess.run([*report, folder + "/none", "--windows", local], env=env, timeout=120)
+    threads, sizes = os.path.join(folder, "threads.jsonl"), os.path.join(folder, "sizes.txt")
+    phased = {**env, "PYTHONPATH": os.pathsep.join([str(HERE / "phases"),
+                                                    env.get("PYTHONPATH", "")]),
+              "ISTHMUS_PHASES": folder, "ISTHMUS_PHASES_EVENTS": "1",
+              "ISTHMUS_PHASES_SAMPLE": "1", "ISTHMUS_PHASES_EVERY": "0.5"}
+    with open(sizes, "w") as f:
+        subprocess.run(_through("embedded", [*windows, "--threads", threads], None, out),
+                       env=phased, stdout=f, stderr=subprocess.DEVNULL, timeout=300)
+    time.sleep(1.0)  # the timer's last snapshot
+    print("\nWindows of 10 steps, embedded", flush=True)
+    subprocess.run([*report, folder, "--windows", sizes, "--threads", threads], env=env,
+                   timeout=120)
+
 
 def _median_curve(runs: list[dict]) -> dict:
     """The curve of several runs: each size's median step time (an error if any failed)."""

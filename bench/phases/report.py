@@ -1,9 +1,9 @@
 """What bench/phases/sitecustomize.py wrote, read back.
 
     python bench/phases/report.py DIR                     each process: its phases
-    python bench/phases/report.py DIR --windows SIZES     the slowest windows of each size
-                                                          (SIZES: windows.py's output), with
-                                                          what the server did in them
+    python bench/phases/report.py DIR --windows SIZES [--threads OUT]
+        the slowest windows of each size (SIZES: windows.py's output), with what the server
+        did in them, and with --threads each of its threads' CPU in them (threads.py's OUT)
 """
 
 import collections
@@ -27,13 +27,29 @@ def phases(folder: str) -> None:
                   f"max={top * 1e3:8.2f} ms buckets={d['hist'][name]}")
 
 
-def slowest_windows(folder: str, sizes_path: str, shown: int = 3) -> None:
+def _threads_cpu(samples: list[dict], begin: float, end: float) -> list[tuple[str, float]]:
+    """Each thread's CPU ms between two times, from bench/phases/threads.py's samples."""
+    before = [s for s in samples if s["t"] <= begin]
+    after = [s for s in samples if s["t"] >= end]
+    if not before or not after:
+        return []
+    a, b = before[-1]["cpu"], after[0]["cpu"]
+    spent = [(name, (b[name] - a.get(name, 0.0)) / 1e6) for name in b]
+    return sorted((x for x in spent if x[1] > 0), key=lambda x: -x[1])
+
+
+def slowest_windows(folder: str, sizes_path: str, shown: int = 3,
+                    threads_path: str | None = None) -> None:
     with open(sizes_path) as f:
         runs = [json.loads(line) for line in f if line.startswith('{"n"')]
     events = []
     for path in glob.glob(f"{folder}/server-*.events.json"):
         with open(path) as f:
             events.extend(json.load(f))
+    samples = []
+    if threads_path:
+        with open(threads_path) as f:
+            samples = [json.loads(line) for line in f if line.strip()]
     for run in runs:
         times = run["windows"]
         spans = [times[i + 1][0] - times[i][0] for i in range(len(times) - 1)]
@@ -52,10 +68,17 @@ def slowest_windows(folder: str, sizes_path: str, shown: int = 3) -> None:
                   f"stack samples {sum(stacks.values())}")
             for stack, count in stacks.most_common(3):
                 print(f"      {count:4d} x {stack[:300]}")
+            if samples:
+                spent = _threads_cpu(samples, began, times[i + 1][0])
+                print(f"      threads' CPU in it, ms: {sum(ms for _, ms in spent):.1f} in all; "
+                      + ", ".join(f"{name} {ms:.1f}" for name, ms in spent[:6]))
 
 
 if __name__ == "__main__":
     if "--windows" in sys.argv:
-        slowest_windows(sys.argv[1], sys.argv[sys.argv.index("--windows") + 1])
+        threads = (sys.argv[sys.argv.index("--threads") + 1] if "--threads" in sys.argv
+                   else None)
+        slowest_windows(sys.argv[1], sys.argv[sys.argv.index("--windows") + 1],
+                        threads_path=threads)
     else:
         phases(sys.argv[1])

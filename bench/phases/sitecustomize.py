@@ -76,15 +76,19 @@ if _DIR and "proxy" not in os.environ.get("JAX_PLATFORMS", ""):
                 _add(name, _pc() - start)
         return wrapper
 
-    _gc_start: list = []
+    _gc_start: dict = {}  # thread -> when its collection began
 
     def _gc(phase, info):
-        if threading.get_ident() != _MAIN:
-            return
+        """A collection holds the GIL wherever it runs: those of other threads count too,
+        named `gcN@thread`."""
+        ident = threading.get_ident()
         if phase == "start":
-            _gc_start.append(_pc())
-        elif _gc_start:
-            _add(f"gc{info.get('generation')}", _pc() - _gc_start.pop())
+            _gc_start[ident] = _pc()
+        elif ident in _gc_start:
+            name = f"gc{info.get('generation')}"
+            if ident != _MAIN:
+                name += f"@{threading.current_thread().name}"
+            _add(name, _pc() - _gc_start.pop(ident))
 
     gc.callbacks.append(_gc)
 

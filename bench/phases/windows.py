@@ -1,13 +1,17 @@
 """bench/threshold.py's loop with each window's times: when its 10 steps were dispatched and
 when the client's wait for the window before ended. Prints one JSON line per size.
 
-    python bench/phases/windows.py SIZES SECONDS [--on-device]
+    python bench/phases/windows.py SIZES SECONDS [--on-device] [--threads OUT]
 
 `--on-device` makes the matrices with jnp on the device instead of putting them from the
-host, so that no transfer of the client's bytes is in the run.
+host, so that no transfer of the client's bytes is in the run. `--threads OUT` samples the
+CPU of each thread of this process's parent (the server of `isthmus run`) into OUT while it
+runs (bench/phases/threads.py).
 """
 
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -50,6 +54,9 @@ def windows(n: int, seconds: float, on_device: bool) -> tuple[float, list]:
 
 
 if __name__ == "__main__":
+    if "--threads" in sys.argv:
+        subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "threads.py"),
+                          str(os.getppid()), sys.argv[sys.argv.index("--threads") + 1]])
     for size in (int(s) for s in sys.argv[1].split(",")):
         ms, times = windows(size, float(sys.argv[2]), "--on-device" in sys.argv)
         print(json.dumps({"n": size, "ms": ms, "windows": times}), flush=True)

@@ -87,3 +87,19 @@ def test_the_loop_and_the_slices_are_reported_against_their_targets():
         "weight_copy_GBps": 1.1, "overlap": 1.4}})
     assert lines == ["  fleet 2x1x4, pinned: weight copy 1.10 GB/s >= 1: met; "
                      "overlap 1.40x >= 1.3: met"]
+
+
+def test_phases_report_gives_each_threads_cpu_between_two_times():
+    """bench/phases/report.py: the CPU each thread of a process spent within a window, from
+    bench/phases/threads.py's samples (cumulative ns per thread)."""
+    from bench.phases.report import _threads_cpu
+
+    samples = [{"t": 1.0, "cpu": {"1 main": 0.0, "2 pool": 5e6}},
+               {"t": 2.0, "cpu": {"1 main": 3e6, "2 pool": 5e6}},
+               {"t": 3.0, "cpu": {"1 main": 4e6, "2 pool": 205e6, "3 new": 1e6}}]
+    # From the last sample at or before the start to the first at or after the end.
+    assert _threads_cpu(samples, 1.5, 2.5) == [("2 pool", 200.0), ("1 main", 4.0),
+                                               ("3 new", 1.0)]
+    assert _threads_cpu(samples, 2.0, 3.0) == [("2 pool", 200.0), ("1 main", 1.0),
+                                               ("3 new", 1.0)]
+    assert _threads_cpu(samples, 0.5, 2.5) == []  # no sample before the window: unknown
