@@ -301,6 +301,7 @@ def test_a_port_in_use_is_one_line():
             assert len(lines) == 1 and f"pick another {flag}" in lines[0], result.stderr
 
 
+@pytest.mark.newest_only  # `isthmus run`'s environment: one environment runs it (19-32 s)
 def test_run_gives_its_command_the_allocator_that_keeps_transfer_memory():
     from isthmus.hostmem import CLIENT_TUNABLES, client_allocator_environment
 
