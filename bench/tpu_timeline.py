@@ -32,6 +32,7 @@ import os
 import pathlib
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -134,8 +135,6 @@ def stall(out: str, env: dict[str, str]) -> None:
     10 steps on local jax and through the embedded backend (matrices made on the device), and
     for the slowest of them what the server's main thread did and what each of its threads
     spent (bench/phases); printed, and kept under OUT/phases."""
-    import subprocess
-
     folder = os.path.join(out, "phases")
     os.makedirs(folder, exist_ok=True)
     windows = [sys.executable, str(HERE / "phases" / "windows.py"), "2304,2816,4096", "2",

@@ -219,8 +219,9 @@ class Controller:
             answers = await asyncio.gather(*(held(w, ch) for w, ch in asking.items()))
             expected = self.ledger.not_freed()
             for worker, holds in zip(list(asking), answers):
-                if holds is None:
+                if holds is None:  # passed over, whatever it said before
                     del asking[worker]
+                    found.pop(worker, None)
                     continue
                 mine = expected.get(worker, set())
                 found[worker] = (sorted(holds - mine), sorted(mine - holds))
