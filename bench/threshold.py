@@ -6,6 +6,13 @@ the rows of x are split over them (data parallel, no collectives). For each size
 report the step time and the steps per second; the driver divides isthmus's rate by local
 jax's to find the smallest step at which isthmus keeps up.
 
+    python bench/threshold.py SIZES DEPTH SECONDS [DEVICES [WARMUP]]
+
+WARMUP (seconds, default 0): pipelined steps of each size run, unmeasured, before its
+SECONDS are measured. On the TPU the embedded backend's server stops once for ~200 ms
+about a second after a program starts running, and never again in that program's life
+(bench/RESULTS.md, issue 49's eighth round): a steady-state curve warms each size past it.
+
 Prints one JSON object: {"sizes": [...], "step_ms": [...], "steps_per_s": [...]}.
 """
 
@@ -20,7 +27,25 @@ import numpy as np
 WINDOW = 10
 
 
-def measure(n: int, depth: int, min_seconds: float, devices: int) -> tuple[float, float]:
+def pipelined(step, x, seconds: float) -> tuple[object, int]:
+    """Steps from `x` for at least `seconds`, at most 2 x WINDOW in flight (as a training loop
+    that reads its metrics a few steps late: dispatch runs ahead of compute, but not without
+    bound). Returns the last output and the number of steps."""
+    steps = 0
+    start = time.perf_counter()
+    behind = x
+    while True:
+        for _ in range(WINDOW):
+            x = step(x)
+        steps += WINDOW
+        behind.block_until_ready()
+        behind = x
+        if time.perf_counter() - start > seconds:
+            return x, steps
+
+
+def measure(n: int, depth: int, min_seconds: float, devices: int,
+            warmup: float = 0.0) -> tuple[float, float]:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -38,19 +63,11 @@ def measure(n: int, depth: int, min_seconds: float, devices: int) -> tuple[float
     for _ in range(3):
         x = step(x)
     x.block_until_ready()
-    steps = 0
+    if warmup > 0:
+        x, _ = pipelined(step, x, warmup)
+        x.block_until_ready()
     start = time.perf_counter()
-    behind = x
-    while True:
-        # At most 2 x WINDOW steps in flight, as a training loop that reads its metrics a
-        # few steps late: dispatch runs ahead of compute, but not without bound.
-        for _ in range(WINDOW):
-            x = step(x)
-        steps += WINDOW
-        behind.block_until_ready()
-        behind = x
-        if time.perf_counter() - start > min_seconds:
-            break
+    x, steps = pipelined(step, x, min_seconds)
     x.block_until_ready()
     elapsed = time.perf_counter() - start
     return elapsed / steps * 1e3, steps / elapsed
@@ -61,9 +78,10 @@ def main() -> None:
     depth = int(sys.argv[2])
     min_seconds = float(sys.argv[3])
     devices = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    warmup = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     step_ms, rates = [], []
     for n in sizes:
-        ms, rate = measure(n, depth, min_seconds, devices)
+        ms, rate = measure(n, depth, min_seconds, devices, warmup)
         step_ms.append(ms)
         rates.append(rate)
     print(json.dumps({"sizes": sizes, "step_ms": step_ms, "steps_per_s": rates}))
