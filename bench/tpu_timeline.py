@@ -138,8 +138,9 @@ def main() -> int:
 def stall(out: str, env: dict[str, str]) -> None:
     """The embedded server's stalls (bench/RESULTS.md, issue 49's seventh round): windows of
     10 steps on local jax and through the embedded backend (matrices made on the device), and
-    for the slowest of them what the server's main thread did and what each of its threads
-    spent (bench/phases); printed, and kept under OUT/phases."""
+    for the slowest of them what the server's main thread did, what each of its threads
+    spent, and the main thread's state and system call every 5 ms (bench/phases); printed,
+    and kept under OUT/phases."""
     folder = os.path.join(out, "phases")
     os.makedirs(folder, exist_ok=True)
     windows = [sys.executable, str(HERE / "phases" / "windows.py"), "2304,2816,4096", "2",

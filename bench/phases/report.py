@@ -3,7 +3,8 @@
     python bench/phases/report.py DIR                     each process: its phases
     python bench/phases/report.py DIR --windows SIZES [--threads OUT]
         the slowest windows of each size (SIZES: windows.py's output), with what the server
-        did in them, and with --threads each of its threads' CPU in them (threads.py's OUT)
+        did in them, and with --threads each of its threads' CPU in them and the states and
+        system calls its main thread was seen in (threads.py's OUT)
 """
 
 import collections
@@ -29,13 +30,19 @@ def phases(folder: str) -> None:
 
 def _threads_cpu(samples: list[dict], begin: float, end: float) -> list[tuple[str, float]]:
     """Each thread's CPU ms between two times, from bench/phases/threads.py's samples."""
-    before = [s for s in samples if s["t"] <= begin]
-    after = [s for s in samples if s["t"] >= end]
+    before = [s for s in samples if s["t"] <= begin and "cpu" in s]
+    after = [s for s in samples if s["t"] >= end and "cpu" in s]
     if not before or not after:
         return []
     a, b = before[-1]["cpu"], after[0]["cpu"]
     spent = [(name, (b[name] - a.get(name, 0.0)) / 1e6) for name in b]
     return sorted((x for x in spent if x[1] > 0), key=lambda x: -x[1])
+
+
+def _main_states(samples: list[dict], begin: float, end: float) -> collections.Counter:
+    """How often the main thread was seen in each (state, system call) between two times."""
+    return collections.Counter(" ".join(s["main"]).strip() for s in samples
+                               if "main" in s and begin <= s["t"] <= end)
 
 
 def slowest_windows(folder: str, sizes_path: str, shown: int = 3,
@@ -72,6 +79,9 @@ def slowest_windows(folder: str, sizes_path: str, shown: int = 3,
                 spent = _threads_cpu(samples, began, times[i + 1][0])
                 print(f"      threads' CPU in it, ms: {sum(ms for _, ms in spent):.1f} in all; "
                       + ", ".join(f"{name} {ms:.1f}" for name, ms in spent[:6]))
+                seen = _main_states(samples, began, times[i + 1][0])
+                print("      its main thread seen: " + ", ".join(
+                    f"{what or '?'} x{count}" for what, count in seen.most_common(6)))
 
 
 if __name__ == "__main__":

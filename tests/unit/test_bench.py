@@ -103,3 +103,17 @@ def test_phases_report_gives_each_threads_cpu_between_two_times():
     assert _threads_cpu(samples, 2.0, 3.0) == [("2 pool", 200.0), ("1 main", 1.0),
                                                ("3 new", 1.0)]
     assert _threads_cpu(samples, 0.5, 2.5) == []  # no sample before the window: unknown
+
+
+def test_phases_report_counts_the_main_threads_states_within_a_window():
+    """bench/phases/report.py: the main thread's (state, system call) samples of
+    bench/phases/threads.py inside a window, beside which samples of every thread's CPU
+    (taken one in twenty) still give the CPU figures."""
+    from bench.phases.report import _main_states, _threads_cpu
+
+    samples = [{"t": 1.0, "main": ["R", "running"], "cpu": {"1 main": 0.0}},
+               {"t": 1.1, "main": ["S", "futex"]}, {"t": 1.2, "main": ["S", "futex"]},
+               {"t": 1.3, "main": ["D", ""]}, {"t": 2.0, "main": ["R", "running"],
+                                                "cpu": {"1 main": 2e6}}]
+    assert _main_states(samples, 1.05, 1.5) == {"S futex": 2, "D": 1}
+    assert _threads_cpu(samples, 1.05, 1.5) == [("1 main", 2.0)]
