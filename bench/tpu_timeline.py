@@ -82,7 +82,8 @@ def main() -> int:
                         help="runs of the threshold curve per backend, alternated (median)")
     parser.add_argument("--parts", default="timeline,curve",
                         help="which of timeline, curve, lm (the language model's time, "
-                             "broken down), stall (the embedded server's stalls) to run")
+                             "broken down), stall (the embedded server's stop, in detail), "
+                             "stall-ab (which ways of running the step have it) to run")
     args = parser.parse_args()
     parts = args.parts.split(",")
     from isthmus.compat import jax as jax_compat
@@ -129,6 +130,8 @@ def main() -> int:
                 done("curve", name, _median_curve(curves))
     if "stall" in parts:
         stall(args.out, env)
+    if "stall-ab" in parts:
+        stall_ab(args.out, env)
     if spy is not None:
         for name in BACKENDS:
             done("timeline", f"{name}-sampled",
@@ -163,6 +166,54 @@ def stall(out: str, env: dict[str, str]) -> None:
     print("\nWindows of 10 steps, embedded", flush=True)
     subprocess.run([*report, folder, "--windows", sizes, "--threads", threads], env=env,
                    timeout=120)
+
+
+# Ways of running windows.py's step for stall_ab: (name, its command's front, extra env).
+WAYS = (
+    ("local jax", [], {}),
+    ("a DeviceHost in one process (no server)", None, {}),
+    ("embedded", ["--devices", "1"], {}),
+    ("embedded, grpc.aio client port", ["--devices", "1", "--client-transport", "grpc"], {}),
+    ("one-host fleet", [], {}),
+)
+
+
+def stall_ab(out: str, env: dict[str, str], size: str = "2816", seconds: str = "3") -> None:
+    """Which ways of running the step have the embedded server's stop (one ~200 ms window
+    about a second into a program's life, bench/RESULTS.md issue 49's eighth round): each
+    runs one size for `seconds` from the program's start; printed per way, its time a step
+    and its windows over 100 ms (when, how long). Local jax and the fleet had none there;
+    a DeviceHost alone or the grpc.aio port without one would place it."""
+    windows = [str(HERE / "phases" / "windows.py"), size, seconds, "--on-device"]
+    host = [sys.executable, str(HERE / "phases" / "host_windows.py"), size, seconds,
+            "--platform", "tpu"]
+    print(f"\nThe stop, way by way: n = {size}, {seconds} s from the program's start",
+          flush=True)
+    for name, front, extra in WAYS:
+        if front is None:
+            command = host
+        elif name == "local jax":
+            command = [sys.executable, *windows]
+        else:
+            command = [sys.executable, "-m", "isthmus.cli", "run", "--platform", "tpu",
+                       *front, "--", sys.executable, *windows]
+        try:
+            done = subprocess.run(command, env={**env, **extra}, capture_output=True,
+                                  text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            print(f"  {name:44} timed out", flush=True)
+            continue
+        lines = [json.loads(line) for line in done.stdout.splitlines()
+                 if line.startswith('{"n"')]
+        if not lines:
+            print(f"  {name:44} failed: {done.stderr.strip()[-300:]}", flush=True)
+            continue
+        run = lines[0]
+        start = run["windows"][0][0]
+        slow = [f"{(c - a) * 1e3:.0f} ms at {a - start:.2f} s (window {i})"
+                for i, (a, _, c) in enumerate(run["windows"]) if c - a > 0.1]
+        print(f"  {name:44} {run['ms']:.3f} ms a step; over 100 ms: "
+              + (", ".join(slow) if slow else "none"), flush=True)
 
 
 def _median_curve(runs: list[dict]) -> dict:
