@@ -212,8 +212,11 @@ def stall_ab(out: str, env: dict[str, str], size: str = "2816", seconds: str = "
         start = run["windows"][0][0]
         slow = [f"{(c - a) * 1e3:.0f} ms at {a - start:.2f} s (window {i})"
                 for i, (a, _, c) in enumerate(run["windows"]) if c - a > 0.1]
-        print(f"  {name:44} {run['ms']:.3f} ms a step; over 100 ms: "
-              + (", ".join(slow) if slow else "none"), flush=True)
+        line = (f"  {name:44} {run['ms']:.3f} ms a step; over 100 ms: "
+                + (", ".join(slow) if slow else "none"))
+        print(line, flush=True)
+        with open(os.path.join(out, "stall_ab.txt"), "a") as f:  # kept if the output is cut
+            f.write(line + "\n")
 
 
 def _median_curve(runs: list[dict]) -> dict:

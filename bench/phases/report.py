@@ -39,6 +39,13 @@ def _threads_cpu(samples: list[dict], begin: float, end: float) -> list[tuple[st
     return sorted((x for x in spent if x[1] > 0), key=lambda x: -x[1])
 
 
+def _rss(samples: list[dict], begin: float, end: float) -> tuple[int, int] | None:
+    """The process's resident KiB at the last sample before a window and the first after."""
+    before = [s["rss_kib"] for s in samples if s["t"] <= begin and s.get("rss_kib")]
+    after = [s["rss_kib"] for s in samples if s["t"] >= end and s.get("rss_kib")]
+    return (before[-1], after[0]) if before and after else None
+
+
 def _main_states(samples: list[dict], begin: float, end: float) -> collections.Counter:
     """How often the main thread was seen in each (state, system call) between two times."""
     return collections.Counter(" ".join(s["main"]).strip() for s in samples
@@ -79,6 +86,9 @@ def slowest_windows(folder: str, sizes_path: str, shown: int = 3,
                 spent = _threads_cpu(samples, began, times[i + 1][0])
                 print(f"      threads' CPU in it, ms: {sum(ms for _, ms in spent):.1f} in all; "
                       + ", ".join(f"{name} {ms:.1f}" for name, ms in spent[:6]))
+                rss = _rss(samples, began, times[i + 1][0])
+                if rss is not None:
+                    print(f"      resident memory: {rss[0] / 1024:.0f} -> {rss[1] / 1024:.0f} MiB")
                 seen = _main_states(samples, began, times[i + 1][0])
                 print("      its main thread seen: " + ", ".join(
                     f"{what or '?'} x{count}" for what, count in seen.most_common(6)))

@@ -9,8 +9,9 @@ process: they go on while the process's Python is held up.
   the system call it is in: `{"t": wall clock, "main": ["S", "futex"]}` (R running, S
   sleeping, D in the kernel uninterruptibly; the call's name, its number where this table
   lacks it, "running" in user space, "" where /proc has no `syscall`);
-- every 20th of those, each thread's CPU: `{"t": ..., "cpu": {"TID name": ns}}` (each
-  task's `schedstat` where the kernel has it, else its `stat` in clock ticks). Reading every
+- every 20th of those, each thread's CPU and the process's resident memory: `{"t": ...,
+  "cpu": {"TID name": ns}, "rss_kib": VmRSS}` (each task's `schedstat` where the kernel has
+  it, else its `stat` in clock ticks). Reading every
   thread of a server with a TPU client took 100-150 ms a sample on the v5e sandbox, too
   slow to see inside a 200 ms stop; the main thread's two files take far less.
 
@@ -65,6 +66,18 @@ def sample(pid: int) -> dict[str, float]:
     return out
 
 
+def rss_kib(pid: int) -> int | None:
+    """The process's resident memory (VmRSS), KiB."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def main_thread(pid: int) -> list[str]:
     """The main thread's state and system call (see the module's docstring). Raises
     OSError once the process has ended."""
@@ -96,6 +109,7 @@ def main() -> None:
                 line = {"t": round(time.time(), 6), "main": main_thread(pid)}
                 if count % FULL_EVERY == 0:
                     line["cpu"] = sample(pid)
+                    line["rss_kib"] = rss_kib(pid)
             except OSError:  # the process has ended
                 return
             f.write(json.dumps(line) + "\n")

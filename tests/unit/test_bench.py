@@ -117,3 +117,13 @@ def test_phases_report_counts_the_main_threads_states_within_a_window():
                                                 "cpu": {"1 main": 2e6}}]
     assert _main_states(samples, 1.05, 1.5) == {"S futex": 2, "D": 1}
     assert _threads_cpu(samples, 1.05, 1.5) == [("1 main", 2.0)]
+
+
+def test_phases_report_gives_the_resident_memory_around_a_window():
+    from bench.phases.report import _rss
+
+    samples = [{"t": 1.0, "main": ["R", ""], "cpu": {}, "rss_kib": 1000},
+               {"t": 1.5, "main": ["R", ""]},
+               {"t": 2.0, "main": ["R", ""], "cpu": {}, "rss_kib": 3000}]
+    assert _rss(samples, 1.2, 1.8) == (1000, 3000)
+    assert _rss(samples, 0.5, 1.8) is None  # no sample before the window
