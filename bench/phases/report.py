@@ -1,6 +1,9 @@
 """What bench/phases/sitecustomize.py wrote, read back.
 
     python bench/phases/report.py DIR                     each process: its phases
+    python bench/phases/report.py DIR --requests        where a round trip goes: the median
+        time from each event to the next (requests handled, responses sent, frames written),
+        over the server's last 3,000 of them (ISTHMUS_PHASES_REQUESTS=1)
     python bench/phases/report.py DIR --windows SIZES [--threads OUT]
         the slowest windows of each size (SIZES: windows.py's output), with what the server
         did in them, and with --threads each of its threads' CPU in them and the states and
@@ -94,7 +97,27 @@ def slowest_windows(folder: str, sizes_path: str, shown: int = 3,
                     f"{what or '?'} x{count}" for what, count in seen.most_common(6)))
 
 
+def round_trips(folder: str, last: int = 3000) -> None:
+    """The median gap between each pair of successive request events of the server (`req:`,
+    `sent:`, `flush`), the most frequent pairs first: a loop's cycle, step by step."""
+    events = []
+    for path in glob.glob(f"{folder}/server-*.events.json"):
+        with open(path) as f:
+            events.extend(e for e in json.load(f)
+                          if e[1] == "flush" or e[1].startswith(("req:", "sent:")))
+    events.sort()
+    events = events[-last:]
+    gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for (t0, a, _), (t1, b, _) in zip(events, events[1:]):
+        gaps[(a, b)].append((t1 - t0) * 1e3)
+    for (a, b), ms in sorted(gaps.items(), key=lambda kv: -len(kv[1]))[:14]:
+        print(f"  {a[:44]:44} -> {b[:44]:44} n={len(ms):5d} median {statistics.median(ms):.3f} ms")
+
+
 if __name__ == "__main__":
+    if "--requests" in sys.argv:
+        round_trips(sys.argv[1])
+        sys.exit(0)
     if "--windows" in sys.argv:
         threads = (sys.argv[sys.argv.index("--threads") + 1] if "--threads" in sys.argv
                    else None)

@@ -13,7 +13,12 @@ histogram (below 100, 200, 400, 800, 1600, 3200 us, and above). Also:
   `ROLE-PID.events.json` (the event loop's waits only when above 2 ms), and garbage
   collections as `gcN`;
 - ISTHMUS_PHASES_SAMPLE=1 (with EVENTS): the main thread's stack every 4 ms, from a thread
-  (when the process's Python is held up, the samples stop too).
+  (when the process's Python is held up, the samples stop too);
+- ISTHMUS_PHASES_REQUESTS=1 (with EVENTS): each client request as it is handled
+  (`req:KIND`; a host buffer's lookup, `req:host_buffer_lookup`), each response as the
+  session sends it (`sent:KIND`) and each write of the client connection's frames
+  (`flush`), for `report.py DIR --requests`: where a round trip
+  goes between the server and the client.
 
     PYTHONPATH=bench/phases:$PYTHONPATH ISTHMUS_PHASES=/tmp/ph isthmus run ... -- python X.py
     python bench/phases/report.py /tmp/ph
@@ -111,9 +116,10 @@ if _DIR and "proxy" not in os.environ.get("JAX_PLATFORMS", ""):
             if os.environ.get("ISTHMUS_PHASES_SERIES"):
                 with open(path + ".jsonl", "a") as f:
                     f.write(json.dumps(snapshot) + "\n")
-            if _EVENTS:
-                with open(path + ".events.json", "w") as f:
+            if _EVENTS:  # whole or not at all: the process may end in the middle
+                with open(path + ".events.tmp", "w") as f:
                     json.dump(_LOG, f)
+                os.replace(path + ".events.tmp", path + ".events.json")
 
     def _sample():
         while True:
@@ -157,10 +163,48 @@ if _DIR and "proxy" not in os.environ.get("JAX_PLATFORMS", ""):
             module.execute = _timed("fe_execute", module.execute)
         elif name == "isthmus.frontend.futures":
             module.check_value_ready = _timed("fe_check_value_ready", module.check_value_ready)
+        elif name == "isthmus.frontend.session" and _REQUESTS:
+            session = module.FrontendSession
+            handle, init = session.handle, session.__init__
 
+            def handled(self, request):
+                _LOG.append((round(time.time(), 6), "req:" + str(request.WhichOneof("request")),
+                             0))
+                return handle(self, request)
+
+            def made(self, *args, **kwargs):
+                init(self, *args, **kwargs)
+                send = self._send
+
+                def sent(response):
+                    _LOG.append((round(time.time(), 6),
+                                 "sent:" + str(response.WhichOneof("response")), 0))
+                    return send(response)
+                self._send = sent
+            session.handle, session.__init__ = handled, made
+        elif name == "isthmus.wire.servicer" and _REQUESTS:
+            servicer = module.IfrtProxyServicer
+            lookup = servicer.lookup_now
+
+            def looked_up(self, request, context):
+                _LOG.append((round(time.time(), 6), "req:host_buffer_lookup", 0))
+                return lookup(self, request, context)
+            servicer.lookup_now = looked_up
+        elif name == "isthmus.wire.h2connection" and _REQUESTS:
+            connection = module.Connection
+            flush = connection.flush
+
+            def flushed(self):
+                _LOG.append((round(time.time(), 6), "flush", 0))
+                return flush(self)
+            connection.flush = flushed
+
+    _REQUESTS = _EVENTS and bool(os.environ.get("ISTHMUS_PHASES_REQUESTS"))
     _WATCHED = {"isthmus.worker.runs", "isthmus.worker.buffers", "isthmus.transport.messages",
                 "isthmus.transport.frames", "isthmus.worker.reads", "isthmus.worker.applying",
-                "isthmus.frontend.execute", "isthmus.frontend.futures"}
+                "isthmus.frontend.execute", "isthmus.frontend.futures",
+                "isthmus.frontend.session", "isthmus.wire.h2connection",
+                "isthmus.wire.servicer"}
 
     import selectors
 
