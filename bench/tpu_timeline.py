@@ -158,7 +158,8 @@ def stall(out: str, env: dict[str, str]) -> None:
     phased = {**env, "PYTHONPATH": os.pathsep.join([str(HERE / "phases"),
                                                     env.get("PYTHONPATH", "")]),
               "ISTHMUS_PHASES": folder, "ISTHMUS_PHASES_EVENTS": "1",
-              "ISTHMUS_PHASES_SAMPLE": "1", "ISTHMUS_PHASES_EVERY": "0.5"}
+              "ISTHMUS_PHASES_SAMPLE": "1", "ISTHMUS_PHASES_EVERY": "0.5",
+              "ISTHMUS_PHASES_REQUESTS": "1"}
     with open(sizes, "w") as f:
         subprocess.run(_through("embedded", [*windows, "--threads", threads], None, out),
                        env=phased, stdout=f, stderr=subprocess.DEVNULL, timeout=300)

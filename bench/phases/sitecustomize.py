@@ -3,9 +3,12 @@
 Not imported by isthmus. Put this folder first on PYTHONPATH and name a folder in
 ISTHMUS_PHASES: every Python that starts then (the server of `isthmus run`, its workers, not
 the client, whose JAX_PLATFORMS names the proxy) times its main thread's calls of a few
-functions on the hot path, as they are imported, and writes `ROLE-PID.json` there every
-ISTHMUS_PHASES_EVERY seconds (1): per function its count, total and largest time, and a
-histogram (below 100, 200, 400, 800, 1600, 3200 us, and above). Also:
+functions on the hot path (the client connection's reads, the front end's handling and
+Execute, the dispatch, the embedded host's commands and runs, the ledger's new groups, the
+worker's applying and decoding, frees, readiness), as they are imported, and writes
+`ROLE-PID.json` there every ISTHMUS_PHASES_EVERY seconds (1): per function its count, total
+and largest time, and a histogram (below 100, 200, 400, 800, 1600, 3200 us, and above).
+Also:
 
 - ISTHMUS_PHASES_SERIES=1: each of those snapshots appended to `ROLE-PID.jsonl`, with the
   wall clock, so that a client's timestamps can pick a window out (bench/phases/report.py);
@@ -163,8 +166,12 @@ if _DIR and "proxy" not in os.environ.get("JAX_PLATFORMS", ""):
             module.execute = _timed("fe_execute", module.execute)
         elif name == "isthmus.frontend.futures":
             module.check_value_ready = _timed("fe_check_value_ready", module.check_value_ready)
-        elif name == "isthmus.frontend.session" and _REQUESTS:
+        elif name == "isthmus.frontend.session":
             session = module.FrontendSession
+            session.bind_array = _timed("bind_array", session.bind_array)
+            session.handle = _timed("fe_handle", session.handle)
+            if not _REQUESTS:
+                return
             handle, init = session.handle, session.__init__
 
             def handled(self, request):
@@ -182,6 +189,15 @@ if _DIR and "proxy" not in os.environ.get("JAX_PLATFORMS", ""):
                     return send(response)
                 self._send = sent
             session.handle, session.__init__ = handled, made
+        elif name == "isthmus.wire.h2frames":
+            module.Wire.buffer_updated = _timed("h2_read", module.Wire.buffer_updated)
+        elif name == "isthmus.controller.dispatch":
+            dispatcher = module.OrderedDispatcher
+            dispatcher.submit = _timed("submit", dispatcher.submit)
+        elif name == "isthmus.worker.inline":
+            module.InlineOrder._apply = _timed("inline_apply", module.InlineOrder._apply)
+        elif name == "isthmus.controller.ledger":
+            module.Ledger.new_group = _timed("new_group", module.Ledger.new_group)
         elif name == "isthmus.wire.servicer" and _REQUESTS:
             servicer = module.IfrtProxyServicer
             lookup = servicer.lookup_now
@@ -204,7 +220,8 @@ if _DIR and "proxy" not in os.environ.get("JAX_PLATFORMS", ""):
                 "isthmus.transport.frames", "isthmus.worker.reads", "isthmus.worker.applying",
                 "isthmus.frontend.execute", "isthmus.frontend.futures",
                 "isthmus.frontend.session", "isthmus.wire.h2connection",
-                "isthmus.wire.servicer"}
+                "isthmus.wire.servicer", "isthmus.wire.h2frames", "isthmus.controller.dispatch",
+                "isthmus.worker.inline", "isthmus.controller.ledger"}
 
     import selectors
 
