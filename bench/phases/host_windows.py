@@ -59,20 +59,21 @@ async def windows(host, n: int, seconds: float, program: int) -> tuple[float, li
 
     for _ in range(3):
         run()
-    host.buffers.value(BufferId(current)).block_until_ready()
-    times, behind, steps = [], current, 0
+    # The window before's last output, held here: the store frees it once the next step
+    # has taken it, and the wait must still find it.
+    behind = host.buffers.value(BufferId(current))
+    behind.block_until_ready()
+    times, steps = [], 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         began = time.time()
         for _ in range(WINDOW):
             last = run()
+        newest = host.buffers.value(BufferId(last))
         dispatched = time.time()
-        try:
-            host.buffers.value(BufferId(behind)).block_until_ready()
-        except Exception:  # noqa: BLE001 - freed already: a later one is waited for
-            pass
+        behind.block_until_ready()
         times.append((began, dispatched, time.time()))
-        behind, steps = last, steps + WINDOW
+        behind, steps = newest, steps + WINDOW
         await asyncio.sleep(0)
     host.buffers.value(BufferId(current)).block_until_ready()
     return (time.perf_counter() - start) / steps * 1e3, times
