@@ -138,6 +138,7 @@ def main() -> int:
                  _run(_through(name, timeline_cmd, spy, args.out), env, 300)[0])
     return report(runs)
 
+
 def stall(out: str, env: dict[str, str]) -> None:
     """The embedded server's stalls (bench/RESULTS.md, issue 49's seventh round): windows of
     10 steps on local jax and through the embedded backend (matrices made on the device), and
@@ -169,13 +170,14 @@ def stall(out: str, env: dict[str, str]) -> None:
                    timeout=120)
 
 
-# Ways of running windows.py's step for stall_ab: (name, its command's front, extra env).
-WAYS = (
-    ("local jax", [], {}),
-    ("a DeviceHost in one process (no server)", None, {}),
-    ("embedded", ["--devices", "1"], {}),
-    ("embedded, grpc.aio client port", ["--devices", "1", "--client-transport", "grpc"], {}),
-    ("one-host fleet", [], {}),
+# Ways of running windows.py's step for stall_ab: (name, how: "local" jax, a DeviceHost
+# alone in this machine's Python ("host"), or `isthmus run` with these arguments).
+WAYS: tuple[tuple[str, str | list[str]], ...] = (
+    ("local jax", "local"),
+    ("a DeviceHost in one process (no server)", "host"),
+    ("embedded", ["--devices", "1"]),
+    ("embedded, grpc.aio client port", ["--devices", "1", "--client-transport", "grpc"]),
+    ("one-host fleet", []),
 )
 
 
@@ -186,21 +188,20 @@ def stall_ab(out: str, env: dict[str, str], size: str = "2816", seconds: str = "
     and its windows over 100 ms (when, how long). Local jax and the fleet had none there;
     a DeviceHost alone or the grpc.aio port without one would place it."""
     windows = [str(HERE / "phases" / "windows.py"), size, seconds, "--on-device"]
-    host = [sys.executable, str(HERE / "phases" / "host_windows.py"), size, seconds,
-            "--platform", "tpu"]
     print(f"\nThe stop, way by way: n = {size}, {seconds} s from the program's start",
           flush=True)
-    for name, front, extra in WAYS:
-        if front is None:
-            command = host
-        elif name == "local jax":
+    for name, how in WAYS:
+        if how == "host":
+            command = [sys.executable, str(HERE / "phases" / "host_windows.py"), size, seconds,
+                       "--platform", "tpu"]
+        elif how == "local":
             command = [sys.executable, *windows]
         else:
             command = [sys.executable, "-m", "isthmus.cli", "run", "--platform", "tpu",
-                       *front, "--", sys.executable, *windows]
+                       *how, "--", sys.executable, *windows]
         try:
-            done = subprocess.run(command, env={**env, **extra}, capture_output=True,
-                                  text=True, timeout=240)
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=240)
         except subprocess.TimeoutExpired:
             print(f"  {name:44} timed out", flush=True)
             continue
