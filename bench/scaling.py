@@ -60,7 +60,7 @@ class StandInWorker(RemoteWorker):
                 name="standin", params=(aval,), outputs=(aval,), param_shardings=None,
                 output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
                 output_memory_kinds=("device",), donated_inputs=(), fingerprint=None,
-                cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0))
+                memory_stats={}, generated_code_bytes=0))
         if isinstance(request, (c.Put, c.Ready)):
             return self._answer(None)
         return super().ask(request)

@@ -397,6 +397,27 @@ class Controller:
             executable.move(ExecutableState.READY)
         return info
 
+    def program_text(self, executable: Executable) -> Awaitable[str] | None:
+        """The compiled program's text (the client's `as_text()`), asked of one of its hosts
+        now, not at its compile; None for a plan that compiles no program (it has none)."""
+        channel = self._describer(executable)
+        return None if channel is None else channel.ask(c.ProgramText(executable.id))
+
+    def cost_analysis(self, executable: Executable) -> Awaitable[dict[str, object]] | None:
+        """XLA's cost analysis of the compiled program, as `program_text` asks for its text;
+        None for a plan that compiles no program."""
+        channel = self._describer(executable)
+        return None if channel is None else channel.ask(c.CostAnalysis(executable.id))
+
+    def _describer(self, executable: Executable) -> WorkerChannel | None:
+        """The channel of the host asked about a compiled program: the first of its workers
+        that is up (a worker that replaced a lost one is given the program first)."""
+        if not isinstance(executable.request, CompileRequest):
+            return None
+        self.ensure_loaded(executable)
+        channels = [self.fleet.channel(worker) for worker in executable.parts]
+        return next((ch for ch in channels if not isinstance(ch, LostChannel)), channels[0])
+
     def _failed(self, executable: Executable, error: errors.IsthmusError) -> None:
         """Its compile failed: no longer listed (a later compile of the program starts
         afresh), nor kept idle."""

@@ -190,8 +190,8 @@ def plugin_info(name: str, outputs: tuple[Aval, ...], plan: object) -> CompiledI
         name=name, params=(), outputs=outputs, param_shardings=None, output_shardings=None,
         param_layouts=(), output_layouts=tuple(default_layout(a.shape) for a in outputs),
         output_memory_kinds=("",) * len(outputs), donated_inputs=(),
-        fingerprint=hashlib.sha256(repr(plan).encode()).digest(), cost_analysis={},
-        hlo_text="", memory_stats={}, generated_code_bytes=0)
+        fingerprint=hashlib.sha256(repr(plan).encode()).digest(),
+        memory_stats={}, generated_code_bytes=0)
 
 
 def executable_specs(plan: PersistencePlan) -> list[tuple[Aval, sh.Sharding, tuple[int, ...]]]:

@@ -151,8 +151,8 @@ class SessionMoves:
             output_layouts=None, output_memory_kinds=tuple(
                 s.memory_kind or "" for s in plan.targets),
             donated_inputs=tuple(range(len(plan.sources))) if plan.donate else (),
-            fingerprint=hashlib.sha256(repr(plan).encode()).digest(), cost_analysis={},
-            hlo_text="", memory_stats={}, generated_code_bytes=0)
+            fingerprint=hashlib.sha256(repr(plan).encode()).digest(),
+            memory_stats={}, generated_code_bytes=0)
         executable = self.controller.executable(plan, devices, info)
         self.programs.keep(executable)
         return executable

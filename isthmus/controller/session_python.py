@@ -73,8 +73,7 @@ class SessionPython:
             param_layouts=tuple(default_layout(shape) for _, shape, _ in inputs),
             output_layouts=tuple(default_layout(shape) for _, shape, _ in outputs),
             output_memory_kinds=tuple(s.memory_kind or "" for _, _, s in outputs),
-            donated_inputs=(), fingerprint=hashlib.sha256(text).digest(), cost_analysis={},
-            hlo_text="",
+            donated_inputs=(), fingerprint=hashlib.sha256(text).digest(),
             memory_stats={}, generated_code_bytes=0)
         executable = self.controller.executable(program, devices, info)
         executable.output_specs = [

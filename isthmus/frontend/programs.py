@@ -334,7 +334,8 @@ def metadata(session: FrontendSession, request: Message, response: Message) -> N
     out.size_of_generated_code_in_bytes = info.generated_code_bytes
 
 
-def cost_analysis(session: FrontendSession, request: Message, response: Message) -> None:
+def cost_analysis(session: FrontendSession, request: Message,
+                  response: Message) -> Awaitable[None] | None:
     # Errors go inside the response: the client cannot survive a top-level error here.
     result = response.loaded_executable_cost_analysis_response
     try:
@@ -343,10 +344,27 @@ def cost_analysis(session: FrontendSession, request: Message, response: Message)
     except errors.IsthmusError as e:
         result.status.code = int(e.code)
         result.status.message = e.message
-        return
+        return None
     out = result.attributes
     out.SetInParent()
-    for key, value in sorted(_info(executable).cost_analysis.items()):
+    asked = session.ctl.core.controller.cost_analysis(executable)
+    if asked is None:  # no program compiled: nothing to analyse
+        return None
+
+    async def answer() -> None:
+        try:
+            analysis = await asked
+        except errors.IsthmusError as e:
+            result.status.code = int(e.code)
+            result.status.message = e.message
+            return
+        _attributes(analysis, out)
+
+    return answer()
+
+
+def _attributes(analysis: dict[str, object], out: Message) -> None:
+    for key, value in sorted(analysis.items()):
         entry = out.attributes[key]
         if isinstance(value, bool):
             entry.bool_value = value
@@ -360,7 +378,8 @@ def cost_analysis(session: FrontendSession, request: Message, response: Message)
             entry.string_value = str(value).encode()
 
 
-def program_text(session: FrontendSession, request: Message, response: Message) -> None:
+def program_text(session: FrontendSession, request: Message,
+                 response: Message) -> Awaitable[None] | None:
     out = response.loaded_executable_human_readable_program_text_response
     try:
         executable = session.executable(
@@ -369,8 +388,19 @@ def program_text(session: FrontendSession, request: Message, response: Message) 
     except errors.IsthmusError as e:
         out.status.code = int(e.code)
         out.status.message = e.message
-        return
-    out.human_readable_program_text = _info(executable).hlo_text
+        return None
+    asked = session.ctl.core.controller.program_text(executable)
+    if asked is None:  # no program compiled: no text
+        return None
+
+    async def answer() -> None:
+        try:
+            out.human_readable_program_text = await asked
+        except errors.IsthmusError as e:
+            out.status.code = int(e.code)
+            out.status.message = e.message
+
+    return answer()
 
 
 def delete_executable(session: FrontendSession, request: Message, response: Message) -> None:

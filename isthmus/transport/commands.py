@@ -28,7 +28,8 @@ process with a network makes.
 - `Compile`, `Load`, `DropExecutable`, `Refuse`: the process keeps every program it was
   given across collective groups (compiled again at its first run on a new host), and the
   refused ones; `Compile` also names the program in the crash record, and its reply leaves
-  out jax's avals (`CompiledInfo.param_avals`), which stay on the worker.
+  out jax's avals (`CompiledInfo.param_avals`), which stay on the worker. `ProgramText` and
+  `CostAnalysis` compile a program the current host lacks first, as `Execute` does.
 - `Fetch`: a large result goes back on the control stream in pieces (`FetchHeader`, `Data`).
 - `Pull`: the process's peer client fetches the source from another worker's data server
   (an in-process host has no peers: its `apply` refuses).
@@ -60,9 +61,9 @@ from isthmus.transport.messages import CODEC, NumpyDType, dtype_name, dtype_of
 from isthmus.transport.records import ColocatedProgram, CompiledInfo, CompileRequest, TraceOptions
 
 __all__ = [
-    "Assemble", "Bitcast", "CallPython", "Command", "Compile", "Copy", "DefaultLayout",
-    "DropExecutable", "Execute", "Fail", "Fetch", "Free", "Held", "Load", "Pull", "Put",
-    "ReadShards", "Ready", "Refuse",
+    "Assemble", "Bitcast", "CallPython", "Command", "Compile", "CostAnalysis", "Copy",
+    "DefaultLayout", "DropExecutable", "Execute", "Fail", "Fetch", "Free", "Held", "Load",
+    "ProgramText", "Pull", "Put", "ReadShards", "Ready", "Refuse",
     "Request", "StartProfile", "StopProfile", "Told", "WriteMeta", "WriteShards",
     "dtype_field", "dtype_name", "refs",
 ]
@@ -347,6 +348,29 @@ class Refuse(Command):
 
     def apply(self, host: CommandHost) -> None:
         host.drop_executable(self.executable)
+
+
+@_command
+class ProgramText(Request[str]):
+    """Answered with the compiled program's text as XLA prints it (the client's
+    `compiled.as_text()`); "" where the backend prints none. Asked only when a client asks:
+    printing a large program costs milliseconds."""
+
+    executable: ExecutableId
+
+    def apply(self, host: CommandHost) -> Awaitable[str]:
+        return host.program_text(self.executable)
+
+
+@_command
+class CostAnalysis(Request[dict[str, object]]):
+    """Answered with XLA's cost analysis of the compiled program (the client's
+    `compiled.cost_analysis()`); {} where the backend gives none."""
+
+    executable: ExecutableId
+
+    def apply(self, host: CommandHost) -> Awaitable[dict[str, object]]:
+        return host.cost_analysis(self.executable)
 
 
 @_command

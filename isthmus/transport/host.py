@@ -144,6 +144,14 @@ class CommandHost(Protocol):
         """Runs a program on this host's shards (`commands.Execute`)."""
         ...
 
+    def program_text(self, executable_id: ExecutableId) -> Awaitable[str]:
+        """Resolves to the compiled program's text (`commands.ProgramText`)."""
+        ...
+
+    def cost_analysis(self, executable_id: ExecutableId) -> Awaitable[dict[str, object]]:
+        """Resolves to XLA's cost analysis of the compiled program (`commands.CostAnalysis`)."""
+        ...
+
     # ---- parts ---------------------------------------------------------------------------
 
     @property

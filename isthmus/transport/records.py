@@ -65,12 +65,18 @@ class Signature:
     outputs: tuple[Aval, ...]
     donated: tuple[int, ...]
     param_memory_kinds: tuple[str | None, ...]
+    # Those of `donated` that only offer their buffer (`jax.buffer_donor`), which XLA aliases
+    # to an output or not as it compiles; the rest name their output (`tf.aliasing_output`).
+    donors: tuple[int, ...] = ()
 
 
 @CODEC.record  # travels in compile replies
 @dataclasses.dataclass(frozen=True, slots=True)
 class CompiledInfo:
-    """Everything the controller and the client may ask about an executable."""
+    """What the controller and the client ask about every executable, worked out at its
+    compile. Its text and XLA's cost analysis are asked of a host only when the client asks
+    for them (`commands.ProgramText`, `commands.CostAnalysis`): printing a large program
+    costs a compile milliseconds that no client asks for."""
 
     name: str
     params: tuple[Aval, ...]
@@ -82,8 +88,6 @@ class CompiledInfo:
     output_memory_kinds: tuple[str, ...]
     donated_inputs: tuple[int, ...]  # parameters the program may consume
     fingerprint: bytes | None
-    cost_analysis: dict[str, object]  # XLA's: numbers, flags, lists of numbers
-    hlo_text: str
     memory_stats: dict[str, int]
     generated_code_bytes: int
     param_avals: tuple[object, ...] = ()  # jax ShapedArrays, for wrapping arguments

@@ -277,6 +277,16 @@ class CommandApplier:
         self._worker.crashes.compiled(command.executable, info.name)
         return dataclasses.replace(info, param_avals=())  # jax's avals stay here
 
+    def _on_describe(self, host: DeviceHost, request: int,
+                     command: c.ProgramText | c.CostAnalysis) -> None:
+        self._worker.spawn(request, self._described(command))
+
+    async def _described(self, command: c.ProgramText | c.CostAnalysis) -> object:
+        """A program the current host lacks (the group re-formed since its compile, or it
+        came with `Load`) is compiled first, as for its next run."""
+        await self._load(command.executable)
+        return await command.apply(self._require_host())
+
     def _on_fetch(self, host: DeviceHost, request: int, command: c.Fetch) -> None:
         fetched = command.apply(host)
         if (answered(fetched) and fetched.result().dtype != object
@@ -335,6 +345,8 @@ _TOLD: dict[type, Callable[[CommandApplier, DeviceHost, Any], None]] = {
 }
 _ASKED: dict[type, Callable[[CommandApplier, DeviceHost, int, Any], None]] = {
     c.Compile: CommandApplier._on_compile,
+    c.ProgramText: CommandApplier._on_describe,
+    c.CostAnalysis: CommandApplier._on_describe,
     c.Fetch: CommandApplier._on_fetch,
     c.Pull: CommandApplier._on_pull,
 }

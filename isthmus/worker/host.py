@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import numpy as np
 
 from isthmus import errors
-from isthmus.compat.jaxlib_types import JaxlibClient, JaxlibDevice, JaxSharding
+from isthmus.compat.jaxlib_types import (
+    JaxlibClient,
+    JaxlibDevice,
+    JaxSharding,
+    LoadedExecutable,
+)
 from isthmus.hostmem import map_file
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport import records
@@ -398,6 +403,25 @@ class DeviceHost:
 
     def drop_executable(self, executable_id: ExecutableId) -> None:
         self.python.drop(self._executables.pop(executable_id, None))
+
+    def program_text(self, executable_id: ExecutableId) -> Awaitable[str]:
+        return self._describe(executable_id, programs.program_text)
+
+    def cost_analysis(self, executable_id: ExecutableId) -> Awaitable[dict[str, object]]:
+        return self._describe(executable_id, programs.cost_analysis)
+
+    def _describe(self, executable_id: ExecutableId,
+                  what: Callable[[LoadedExecutable], _T]) -> Awaitable[_T]:
+        """`what` of a compiled program, worked out in the compile threads (printing a
+        large program takes milliseconds); its compile's error if it failed here."""
+        loaded = self._executables.get(executable_id)
+        if isinstance(loaded, Unloadable):
+            return failing(loaded.error)
+        if not isinstance(loaded, Loaded):
+            return failing(errors.InternalError(
+                f"executable {executable_id} is not a program compiled on this host; the "
+                "controller and worker disagree, which is a bug in isthmus: please report it."))
+        return asyncio.get_running_loop().run_in_executor(self._pool, what, loaded.executable)
 
     def execute(self, executable_id: ExecutableId, args: Sequence[int | Sequence[BufferId]],
                 results: Sequence[int], copy_first: frozenset[int] = frozenset()) -> None:

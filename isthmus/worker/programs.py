@@ -152,17 +152,20 @@ def signature_of(parsed: MlirModule) -> Signature:
     params = tuple(_aval(t) for t in ftype.inputs)
     outputs = tuple(_aval(t) for t in ftype.results)
     donated: list[int] = []
+    donors: list[int] = []
     memory_kinds: list[str | None] = []
     if "arg_attrs" in main.attributes:
         for index, attr in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
             d = ir.DictAttr(attr)
             if "tf.aliasing_output" in d or "jax.buffer_donor" in d:
                 donated.append(index)
+                if "tf.aliasing_output" not in d:
+                    donors.append(index)
             memory_kinds.append(ir.StringAttr(d["mhlo.memory_kind"]).value
                                 if "mhlo.memory_kind" in d else None)
     if not any(memory_kinds):
         memory_kinds = []
-    return Signature(name, params, outputs, tuple(donated), tuple(memory_kinds))
+    return Signature(name, params, outputs, tuple(donated), tuple(memory_kinds), tuple(donors))
 
 
 def _aval(t: MlirType) -> Aval:
@@ -255,7 +258,14 @@ def compile_program(client: JaxlibClient, devices: Sequence[JaxlibDevice],
     fingerprint = optional(lambda: executable.fingerprint, None)
     param_layouts, param_layouts_error = _layouts(executable.get_parameter_layouts)
     output_layouts, output_layouts_error = _layouts(executable.get_output_layouts)
-    hlo_text = optional(executable.get_hlo_text, "")
+    # Which offered buffers XLA aliased is in the compiled module's header alone: printed
+    # only for a program that offers some (`jax.buffer_donor`; jax names the output of the
+    # rest), since a large program's text costs milliseconds (11 ms a program of a language
+    # model on a TPU v5e).
+    donated = signature.donated
+    if signature.donors:
+        donated = compiled_donations(optional(executable.get_hlo_text, ""), donated,
+                                     signature.donors)
     info = CompiledInfo(
         name=signature.name,
         params=signature.params,
@@ -265,10 +275,8 @@ def compile_program(client: JaxlibClient, devices: Sequence[JaxlibDevice],
         param_layouts=param_layouts,
         output_layouts=output_layouts,
         output_memory_kinds=tuple(memory_kinds[0]) if memory_kinds else (),
-        donated_inputs=compiled_donations(hlo_text, signature.donated),
+        donated_inputs=donated,
         fingerprint=fingerprint if isinstance(fingerprint, bytes) else None,
-        cost_analysis=dict(optional(executable.cost_analysis, {}) or {}),
-        hlo_text=hlo_text,
         memory_stats=memory_stats,
         generated_code_bytes=int(optional(executable.size_of_generated_code_in_bytes, 0)),
         param_avals=tuple(jax.core.ShapedArray(p.shape, p.dtype.numpy) if p.dtype.numpy is not None
@@ -299,15 +307,19 @@ def _layouts(query: Callable[[], Iterable[object]]) -> tuple[tuple[str, ...], st
         return (), _first_line(e)
 
 
-def compiled_donations(hlo_text: str, declared: tuple[int, ...]) -> tuple[int, ...]:
-    """The parameters the compiled program consumes, of those the module offers
-    (`jax.buffer_donor`): the ones XLA aliased to an output, read off the optimized module's
-    header (`input_output_alias={ {0}: (1, {}, may-alias) }`). PjRt consumes those only: an
-    offered buffer that no output could use (still listed as `buffer_donor={ (0, {}) }`)
-    survives the call, locally and here. Without the header: `declared`."""
+def compiled_donations(hlo_text: str, declared: tuple[int, ...],
+                       donors: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The parameters the compiled program consumes, of those it declares: each that names
+    its output (`tf.aliasing_output`), and of those that only offer their buffer (`donors`,
+    `jax.buffer_donor`; None: all of `declared`) the ones XLA aliased to an output, read off
+    the optimized module's header (`input_output_alias={ {0}: (1, {}, may-alias) }`). PjRt
+    consumes those only: an offered buffer that no output could use (still listed as
+    `buffer_donor={ (0, {}) }`) survives the call, locally and here. Without the header:
+    `declared`."""
     header = hlo_text.split("\n", 1)[0]
     if not declared or not header.startswith("HloModule "):
         return declared
+    offered = set(declared if donors is None else donors)
     used: set[int] = set()
     key = "input_output_alias={"
     start = header.find(key)
@@ -317,7 +329,25 @@ def compiled_donations(hlo_text: str, declared: tuple[int, ...]) -> tuple[int, .
             depth += {"{": 1, "}": -1}.get(header[end], 0)
             end += 1
         used.update(int(n) for n in re.findall(r"\((\d+),", header[start:end]))
-    return tuple(i for i in declared if i in used)
+    return tuple(i for i in declared if i in used or i not in offered)
+
+
+def program_text(executable: LoadedExecutable) -> str:
+    """The compiled program as XLA prints it (`compiled.as_text()`); "" where the backend
+    prints none."""
+    try:
+        return str(executable.get_hlo_text())
+    except Exception:  # noqa: BLE001 - a backend may not implement it
+        return ""
+
+
+def cost_analysis(executable: LoadedExecutable) -> dict[str, object]:
+    """XLA's cost analysis of the compiled program (`compiled.cost_analysis()`): numbers,
+    flags and lists of numbers by name; {} where the backend gives none."""
+    try:
+        return dict(executable.cost_analysis() or {})
+    except Exception:  # noqa: BLE001 - a backend may not implement it
+        return {}
 
 
 def arg_shardings(info: CompiledInfo, devices: Sequence[JaxlibDevice]

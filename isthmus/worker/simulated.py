@@ -28,6 +28,7 @@ from isthmus import errors
 from isthmus.compat.jaxlib_types import JaxArray, JaxlibClient, JaxlibDevice, JaxSharding
 from isthmus.ids import BufferId, ExecutableId
 from isthmus.transport.host import Part
+from isthmus.worker import programs
 from isthmus.worker.buffers import ids_of
 from isthmus.worker.colocated import Program
 from isthmus.worker.compile_cache import CompileCache, KeptExecutables
@@ -163,7 +164,7 @@ class SimulatedHost(DeviceHost):
                    for base in results]
         if any(isinstance(s, Failed) or s is None for shards in outputs for s in shards):
             return  # a failed run is no template; the next call runs for real again
-        flops = float(loaded.info.cost_analysis.get("flops", 0.0) or 0.0)
+        flops = float(programs.cost_analysis(loaded.executable).get("flops", 0.0) or 0.0)
         self._templates[executable_id] = (max(flops, 0.0) / self.flops_per_s, outputs)
 
     @staticmethod

@@ -197,18 +197,24 @@ def test_pmap_over_hundreds_of_arguments(server):
 
 
 def test_compiled_text_cost_analysis_and_memory_stats(server):
-    from tests.integration.harness import run_snippet
-
-    out = run_snippet("""
+    """The text and the cost analysis are asked of a host when the client asks (not at the
+    compile): a program on one device and one sharded over workers give local jax's."""
+    compare("""
         import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
         compiled = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(
             np.ones((64, 32), np.float32), np.ones((32, 16), np.float32)).compile()
         cost = compiled.cost_analysis()
         emit("flops", float(cost.get("flops", -1)))
         emit("text_has_dot", "dot" in compiled.as_text())
+        emit("text_again", compiled.as_text() == compiled.as_text())
         stats = compiled.memory_analysis()
         emit("output_bytes", int(getattr(stats, "output_size_in_bytes", -1)))
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+        rows = NamedSharding(mesh, P("x"))
+        sharded = jax.jit(lambda a: jnp.sum(a * a, axis=0), in_shardings=rows).lower(
+            jax.ShapeDtypeStruct((64, 8), np.float32, sharding=rows)).compile()
+        emit("sharded_flops", float(sharded.cost_analysis().get("flops", -1)))
+        text = sharded.as_text()
+        emit("sharded_text", (text.startswith("HloModule "), "all-reduce" in text))
     """, server.address)
-    assert float(out["flops"]) >= 64 * 32 * 16 * 2
-    assert bool(out["text_has_dot"])
-    assert int(out["output_bytes"]) == 64 * 16 * 4

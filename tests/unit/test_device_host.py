@@ -1,6 +1,7 @@
 """The device side run in-process: what a worker answers without a thread hand-off."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -188,6 +189,42 @@ def test_only_donations_the_compiled_program_uses_are_reported():
         await host.close()
     with pytest.warns(UserWarning, match="donated buffers were not usable"):
         asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_text_and_cost_are_worked_out_when_asked_not_at_the_compile(monkeypatch):
+    """A compile prints no text (11 ms a program of a language model on a TPU) unless some
+    parameter only offers its buffer; the text and XLA's cost analysis, asked later, are
+    local jax's."""
+    import jax
+    import jax.numpy as jnp
+
+    from isthmus.worker import programs
+
+    def printed(*args):
+        raise AssertionError("the compile printed the program")
+
+    fn = lambda a, b: (jnp.tanh(a @ b), b * 2)  # noqa: E731
+    x, y = jax.ShapeDtypeStruct((8, 16), np.float32), jax.ShapeDtypeStruct((16, 16), np.float32)
+    compiled = jax.jit(fn, donate_argnums=1).lower(x, y).compile()
+
+    async def main():
+        host = DeviceHost(make_cpu_client(1))
+        with monkeypatch.context() as patch:
+            patch.setattr(programs, "compiled_donations", printed)
+            info = await host.compile(1, _request(fn, x, y, donate=(1,)))
+        assert info.donated_inputs == (1,)  # named its output: nothing to print for
+        text, cost = await host.program_text(1), await host.cost_analysis(1)
+        assert "dot" in text and text.startswith("HloModule ")
+        assert cost["flops"] == compiled.cost_analysis()["flops"] > 0
+        with pytest.raises(errors.InternalError, match="not a program compiled on this host"):
+            await host.program_text(2)
+        bad = dataclasses.replace(_request(fn, x, y), module=b"not a program")
+        with pytest.raises(errors.CompileError):
+            await host.compile(3, bad)
+        with pytest.raises(errors.CompileError):
+            await host.cost_analysis(3)  # its compile's error, again
+        await host.close()
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_a_program_with_token_parameters_and_outputs_says_why_it_has_no_layouts():

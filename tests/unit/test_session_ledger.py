@@ -45,7 +45,7 @@ class PullingHost(Host):
                 name="p", params=(aval,), outputs=(aval,), param_shardings=None,
                 output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
                 output_memory_kinds=("device",), donated_inputs=(0,), fingerprint=None,
-                cost_analysis={}, hlo_text="", memory_stats={}, generated_code_bytes=0))
+                memory_stats={}, generated_code_bytes=0))
         return super().ask(request)
 
     def answer_pulls(self):

@@ -33,6 +33,8 @@ SAMPLES = {
     c.Fetch: c.Fetch(1, 12),
     c.DefaultLayout: c.DefaultLayout("float32", (512, 10), 0),
     c.Held: c.Held(),
+    c.ProgramText: c.ProgramText(3),
+    c.CostAnalysis: c.CostAnalysis(3),
     c.Compile: c.Compile(3, CompileRequest(b"mlir", b"options", (0, 1), 1, "team")),
     c.Load: c.Load(3, ColocatedProgram("f", b"pickle", (0,), ((0,),), ((0,),),
                                        (("float32", (4,)),))),
