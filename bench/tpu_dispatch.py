@@ -11,7 +11,11 @@ Two tables for the MLP step of bench/tpu_work.py (784-512-512-10, batch 128, SGD
 - *the GIL*: steps/s with N us of pure Python beside each step, the step dispatched inline
   or from a second thread fed by the first. Where a dispatch lets go of the GIL the threaded
   column keeps up; where it holds it, the two columns match (a TPU v5e: they matched, so a
-  second thread cannot take a server's enqueue off its main thread: issue 49's third round).
+  second thread cannot take a server's enqueue off its main thread: issue 49's third round);
+- *the drops*: the step through jaxlib's call as a worker makes it, the arrays each step
+  replaces dropped inline (as a worker's `Free` does) or handed to a thread that drops them;
+  and what dropping one array costs alone. Where the threaded drops keep a faster pace, a
+  worker gains by dropping off its main thread.
 """
 
 from __future__ import annotations
@@ -118,6 +122,45 @@ def main() -> None:
         work.put(False)
         thread.join()
         return steps / (time.perf_counter() - start)
+
+    def dropping(n: int, on_thread: bool) -> float:
+        values = list(leaves)
+        doomed: queue.SimpleQueue[list[object] | None] = queue.SimpleQueue()
+
+        def drop() -> None:
+            while doomed.get() is not None:
+                pass  # the batch's last reference goes here
+
+        thread = threading.Thread(target=drop)
+        thread.start()
+        start = time.perf_counter()
+        for _ in range(n):
+            outs = executable.execute_sharded(values).consume_with_handlers(handlers)
+            old = values[:n_params] + [None]
+            values[:n_params] = outs[:n_params]
+            if on_thread:
+                doomed.put(old)
+            del old
+        jax.block_until_ready(outs[-1])
+        elapsed = time.perf_counter() - start
+        doomed.put(None)
+        thread.join()
+        return n / elapsed
+
+    print(f"the drops: steps/s through execute_sharded + handlers (3 rounds of {steps})")
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(3):
+        for on_thread in (False, True, True, False):
+            rates[on_thread].append(dropping(steps, on_thread))
+    for on_thread, label in ((False, "dropped inline"), (True, "dropped on a thread")):
+        print(f"  {label:30} {statistics.median(rates[on_thread]):8.0f}  "
+              f"({', '.join(f'{r:.0f}' for r in rates[on_thread])})")
+    batch = [jax.device_put(np.ones((512, 512), np.float32)) for _ in range(500)]
+    jax.block_until_ready(batch)
+    start = time.perf_counter()
+    del batch[:]
+    print(f"  dropping one computed 512 x 512 array alone: "
+          f"{(time.perf_counter() - start) / 500 * 1e6:.1f} us")
 
     print("the GIL: steps/s with Python beside each step (best of 2)")
     print(f"  {'Python us':>10} {'inline':>10} {'threaded':>10}")
