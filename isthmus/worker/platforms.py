@@ -168,9 +168,18 @@ def _no_tpu(reason: str) -> PlatformUnavailable:
         "on a TPU machine, or use --platform cpu.")
 
 
+# The process's TPU client, once made. A worker describes its devices at start and joins a
+# collective group later, and again at every re-formation (a TPU group is one process's):
+# they share this client, so the chips are opened once (not twice at each start) and a new
+# group's client never holds the chips' memory beside the old one's.
+_TPU_CLIENT: list[JaxlibClient] = []
+
+
 def make_tpu_client() -> JaxlibClient:
-    """A client of the chips this process may use (libtpu's environment says which: one
-    process at a time may hold a chip)."""
+    """The client of the chips this process may use (libtpu's environment says which: one
+    process at a time may hold a chip), made at the first call and the same one after."""
+    if _TPU_CLIENT:
+        return _TPU_CLIENT[0]
     check_local_tpu()
     try:
         client = jax_compat.make_tpu_client()
@@ -180,6 +189,7 @@ def make_tpu_client() -> JaxlibClient:
                       "may hold them)") from None
     if not client.local_devices():
         raise _no_tpu("libtpu found no chip")
+    _TPU_CLIENT.append(client)
     return client
 
 

@@ -199,3 +199,35 @@ def test_visible_tpu_chips_are_those_this_process_may_open(tmp_path, monkeypatch
     for n in range(2):
         (tmp_path / f"accel{n}").touch()
     assert visible_tpu_chips(str(tmp_path)) == 2
+
+
+def test_a_process_opens_the_tpu_once_and_shares_that_client(monkeypatch):
+    """A worker's description at start and each of its collective groups get the same TPU
+    client, made at the first call: the chips are opened once a process."""
+    made = []
+
+    class Chip:
+        device_kind = "TPU v5 lite"
+
+    class Client:
+        platform = "tpu"
+
+        def local_devices(self):
+            return [Chip()]
+
+    def open_chips():
+        if made:
+            raise RuntimeError("INTERNAL: the chips are open already")
+        made.append(Client())
+        return made[-1]
+
+    monkeypatch.setattr(platforms, "_TPU_CLIENT", [])
+    monkeypatch.setattr(platforms, "check_local_tpu", lambda: None)
+    monkeypatch.setattr(jax_compat, "make_tpu_client", open_chips)
+    first = platforms.make_tpu_client()
+    assert platforms.make_client("tpu", 1) is first
+    assert platforms.make_client("tpu", 1) is first  # a later group's
+    assert len(made) == 1
+    monkeypatch.setattr(platforms, "_TPU_CLIENT", [])  # a fresh process whose open fails
+    with pytest.raises(platforms.PlatformUnavailable, match="could not open the chips"):
+        platforms.make_tpu_client()
