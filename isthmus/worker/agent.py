@@ -171,7 +171,17 @@ class WorkerAgent:
             self._pulse.stop()
         await self._data.stop()
         await self.peers.close()
+        await self._flush_executables()
         return membership.exit_code
+
+    async def _flush_executables(self, wait: float = 10.0) -> None:
+        """The executables compiled last are written to the compile cache before the process
+        ends (a worker started again in this slot, or a fleet restarted, loads them)."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._compile_cache.flush, wait)
+        except Exception:  # noqa: BLE001 - a cache is an optimisation
+            logger.warning("the compile cache's last writes did not finish within %g s", wait)
 
     @property
     def exit_code(self) -> int:
