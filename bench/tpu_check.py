@@ -99,6 +99,16 @@ def main() -> int:
                      "compile_ms": compiles, "second_client": second_client}, f)
     failures = [f"{where}: {key} {value[:1500]}" for where, (run, _, _) in runs.items()
                 for key, value in run.items() if key.endswith("error")]
+    # Each run's standard error (isthmus's server and workers log there) beside the JSON;
+    # its ERROR lines are printed below the table, since a run can succeed past one (a
+    # collective group formed again, say).
+    logged: dict[str, list[str]] = {}
+    for name, (_, _, stderr) in runs.items():
+        if name == "local":
+            continue
+        with open(os.path.join(args.out, f"stderr-{name}.txt"), "w") as f:
+            f.write(stderr)
+        logged[name] = [line for line in stderr.splitlines() if " ERROR " in line]
     print(f"TPU check: {local.get('device_kind', '?')}; "
           + ", ".join(f"{name} {s:.0f} s" for name, (_, s, _) in runs.items())
           + " (process start and chip opening included)")
@@ -150,6 +160,10 @@ def main() -> int:
         print(f"  {name}: profile traces {run.get('profile_hosts')}, a TPU plane in them: "
               f"{run.get('profile_tpu_plane')}")
     print(f"  a second TPU client in a live process: {second_client}")
+    for name, lines in logged.items():
+        if lines:
+            print(f"  {name}: {len(lines)} ERROR lines in its log (stderr-{name}.txt), "
+                  f"the first: {lines[0][:300]}")
     log = "".join(runs[name][2][-2000:] for name in mine)
     for failure in failures:
         print(f"FAILED: {failure}")
