@@ -20,7 +20,15 @@ from typing import Protocol
 from isthmus import errors
 from isthmus.controller.arrays import Array, ArrayState, Buffer, whole_group
 from isthmus.controller.fleet import Device
-from isthmus.controller.groups import FREED, BufferGroup
+from isthmus.controller.groups import (
+    DEFINED,
+    DELETED,
+    FREED,
+    GONE,
+    LEGAL,
+    BufferGroup,
+    check_move,
+)
 from isthmus.controller.transitions import DEFAULT_SIZE, Transitions
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
@@ -71,6 +79,26 @@ class Ledger:
                             self._log)
         self._live[BufferId(base)] = group
         return group
+
+    def new_groups(self, devices: tuple[Device, ...],
+                   shapes: Sequence[tuple[tuple[int, ...], str | None]],
+                   workers: tuple[WorkerId, ...]) -> list[BufferGroup]:
+        """`new_group` of each (nbytes, memory kind) of `shapes` over the same devices,
+        defined at once (a program run's outputs): their ids follow one another, and their
+        making is one entry of the log."""
+        first = base = self._next_buffer_id
+        step, log, live = len(devices), self._log, self._live
+        groups = []
+        for nbytes, memory_kind in shapes:
+            group = BufferGroup(base, devices, workers, nbytes, memory_kind)
+            group.log = log
+            live[BufferId(base)] = group
+            groups.append(group)
+            base += step
+        self._next_buffer_id = base
+        if log is not None and base > first:
+            log.record(first, base - first, None, None, DEFINED)
+        return groups
 
     def hold(self, array: Array) -> Array:
         """`array` holds its shards from now until it is released."""
@@ -137,6 +165,25 @@ class Ledger:
         self.free_groups([a.group for a in live if a.group is not None])
         self.free_buffers([b for a in live if a.group is None for b in a.shards])
 
+    def consume_all(self, arrays: Sequence[Array]) -> None:
+        """`consume` of each (a program run's donated arguments), the common case of a whole
+        group whose shards move together in one pass, with one log entry for adjacent
+        groups."""
+        moved: list[tuple[int, int, object]] = []
+        for array in arrays:
+            group = array.group
+            if (group is None or group.states_apart is not None or group.state in GONE
+                    or array.state is ArrayState.DELETED):
+                self.consume(array)  # shard by shard, or checked the long way
+                continue
+            array.move(ArrayState.DELETED)
+            if DELETED not in LEGAL[group.state]:
+                check_move(group.state, DELETED, repr(group))
+            moved.append((group.base, len(group.devices), group.state))
+            group.state = DELETED
+        if moved and self._log is not None:
+            self._log.record_groups(moved, DELETED)
+
     def consume(self, array: Array) -> None:
         """In dispatch order: the array's bytes are gone (deleted, or donated to a program
         that overwrites them): every use of it, and of any array sharing its shards, says so.
@@ -170,6 +217,7 @@ class Ledger:
         command for the groups that live on the same workers (a step's old parameters are
         freed by one command)."""
         by_workers: dict[tuple[WorkerId, ...], list[range]] = {}
+        freed: list[tuple[int, int, object]] = []  # for the log: (base, shards, old state)
         for group in groups:
             if group.states_apart is None and not group.pins:  # the common case
                 if group.state is FREED:
@@ -179,9 +227,15 @@ class Ledger:
             elif group.pins or group.any_in(FREED):  # shard by shard
                 self.free_buffers([Buffer(group, p) for p in range(len(group))])
                 continue
-            group.free()
+            if group.states_apart is None:  # every shard FREED at once: legal from all but FREED
+                freed.append((group.base, len(group.devices), group.state))
+                group.state = FREED
+            else:
+                group.free()
             self._live.pop(BufferId(group.base), None)
             by_workers.setdefault(group.workers, []).append(group.ids)
+        if freed and self._log is not None:
+            self._log.record_groups(freed, FREED)
         for workers, ids in by_workers.items():
             # One group's ids stay a range (compact on the wire), several are joined.
             self.fleet.multicast(workers, c.Free(

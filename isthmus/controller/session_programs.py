@@ -116,8 +116,8 @@ class SessionPrograms:
                                  c.Execute(executable.id, c.refs(refs), results, copy_first))
             if executable.readahead:  # small results clients read after earlier runs
                 readahead.read_ahead(executable, outputs, self.fleet)
-            for index in donated:
-                ledger.consume(args[index])
+            if donated:
+                ledger.consume_all([args[index] for index in donated])
             executable.runs += 1
             if self.controller.counts.timing:  # the first wait on an output times it
                 stamp = [time.perf_counter()]
@@ -176,13 +176,15 @@ class SessionPrograms:
             raise errors.InternalError(
                 f"executable {executable.id} has no output specs; this is a bug in isthmus: "
                 "please report it with the server log.")
-        new_group = self.controller.ledger.new_group
+        specs = executable.output_specs
+        groups = self.controller.ledger.new_groups(
+            executable.devices, [(spec.nbytes, spec.sharding.memory_kind) for spec in specs],
+            executable.workers)
+        own = self.arrays.own
         outputs = []
-        for aval, sharding, nbytes, origin in executable.output_specs:
-            group = new_group(executable.devices, nbytes, sharding.memory_kind,
-                              executable.workers)
+        for (aval, sharding, _, origin), group in zip(specs, groups):
             group.origin = origin
-            outputs.append(self.arrays.own(aval.dtype, aval.shape, sharding, group))
+            outputs.append(own(aval.dtype, aval.shape, sharding, group))
         return outputs
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TypedDict
 
 DEFAULT_SIZE = 4096  # moves kept; a few per program run, so the last thousand or so runs
@@ -46,6 +46,24 @@ class Transitions:
     def record(self, base: int, shards: int, positions: tuple[int, ...] | None,
                old: object, new: object) -> None:
         self._log.append((time.time(), base, shards, positions, old, new, self.cause))
+
+    def record_groups(self, groups: Iterable[tuple[int, int, object]], new: object) -> None:
+        """`record` of whole groups, each (base, shards, old state), moving to `new` at once
+        (a program run's outputs made, its donated arguments consumed, a step's arrays
+        freed): a group that starts where the one before it ended, from the same state, joins
+        that one's entry, which `of` reads as it reads one entry per group."""
+        log, cause, now = self._log, self.cause, time.time()
+        start = end = -1
+        state: object = None
+        for base, shards, old in groups:
+            if base == end and old is state:
+                end += shards
+                continue
+            if end > start:
+                log.append((now, start, end - start, None, state, new, cause))
+            start, end, state = base, base + shards, old
+        if end > start:
+            log.append((now, start, end - start, None, state, new, cause))
 
     @contextlib.contextmanager
     def caused_by(self, cause: Cause) -> Iterator[None]:

@@ -4,10 +4,12 @@ with its cause (the request being handled, or the fleet event), the log is bound
 
 import asyncio
 
+import pytest
+
 from isthmus import errors
 from isthmus.controller.ledger import Ledger
 from isthmus.controller.transitions import Transitions, describe
-from tests.unit.test_ledger import DEVICES, FakeFleet, _array
+from tests.unit.test_ledger import DEVICES, F32, FakeFleet, _array
 
 
 def _moves(ledger, buffer_id):
@@ -83,6 +85,49 @@ def test_the_log_keeps_its_last_moves_only_and_none_when_off():
         off.request_delete(array)
         off.delete([array])
         assert len(off.transitions) == 0 and array.group.log is None
+
+    asyncio.run(body())
+
+
+def test_a_runs_groups_made_consumed_and_freed_together_read_as_one_by_one():
+    """A program run's outputs made in one call (`new_groups`), its donated arguments
+    consumed in one (`consume_all`) and a step's arrays freed in one (`free_groups`) log one
+    entry per adjacent run of groups: `of` finds each buffer's moves as it does when every
+    group logs its own, and the states and frees sent are the same."""
+    from isthmus.controller.arrays import Array
+    from isthmus.controller.groups import FREED
+    from isthmus.controller.sharding import Sharding, ShardingKind
+
+    def hold(ledger, group):
+        sharding = Sharding(ShardingKind.OPAQUE, tuple(d.id for d in DEVICES))
+        return ledger.hold(Array(F32, (16,), sharding, group))
+
+    async def body():
+        batched, single = Ledger(FakeFleet()), Ledger(FakeFleet())
+        for ledger in (batched, single):
+            ledger.transitions.cause = ("loaded_executable_execute_request", 5, 1)
+        shapes = [((16,) * 4, None)] * 3
+        made = [hold(batched, g) for g in batched.new_groups(DEVICES, shapes, (0, 1))]
+        alone = [hold(single, single.new_group(DEVICES, n, k, (0, 1))) for n, k in shapes]
+        done = _array(batched)  # deleted before the run: consumed the long way, unchanged
+        batched.request_delete(done)
+        batched.delete([done])
+        assert len(batched.transitions) == 1 + 3  # the run's making is one entry
+        batched.request_delete(made[0])
+        batched.consume_all([made[0], made[2], made[1]])  # not in id order
+        for array in alone:
+            single.consume(array)
+        batched.free_groups([a.group for a in made])
+        single.free_groups([a.group for a in alone])
+        for array, twin in zip(made, alone):
+            assert array.state is twin.state and array.group.state is FREED
+            for p in range(4):
+                assert _moves(batched, array.group.base + p) == _moves(single,
+                                                                        twin.group.base + p)
+        assert [c for _, c in batched.fleet.sent[1:]] == [c for _, c in single.fleet.sent]
+        with pytest.raises(errors.InternalError, match="deleted to deleted"):
+            batched.consume_all([made[0]])  # twice: refused as consume refuses it
+        batched.validate_state()
 
     asyncio.run(body())
 
