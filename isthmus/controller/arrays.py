@@ -200,6 +200,10 @@ def groups_of(arrays: Iterable[Array]) -> list[BufferGroup]:
     """Every group the arrays' shards belong to, each once."""
     seen: dict[int, BufferGroup] = {}
     for array in arrays:
+        group = array.group
+        if group is not None:  # a whole group (a step's arguments): no list made
+            seen.setdefault(id(group), group)
+            continue
         for group in array.groups:
             seen.setdefault(id(group), group)
     return list(seen.values())

@@ -86,13 +86,20 @@ class SessionPrograms:
             raise errors.InternalError(
                 f"executable {executable.id} has no parameter specs; this is a bug in isthmus: "
                 "please report it with the server log.")
+        placed, device_ids = executable.placed, executable.device_ids
         for index, (array, aval) in enumerate(zip(args, info.params)):
-            if not dtypes.passes_as(array.dtype, array.shape, aval.dtype, aval.shape):
+            if not ((array.dtype is aval.dtype and array.shape == aval.shape)
+                    or dtypes.passes_as(array.dtype, array.shape, aval.dtype, aval.shape)):
                 raise errors.InvalidRequest(
                     f"argument {index} is {array.dtype.kind}{list(array.shape)} but the program "
                     f"expects {aval.dtype.kind}{list(aval.shape)}.")
-            _check_placement(executable, index, array, *specs[index])
-            refs.append(self._argument(executable, index, array))
+            if placed.get(index) is not array.sharding:  # else checked already
+                _check_placement(executable, index, array, *specs[index])
+            group, devices = array.group, array.sharding.devices
+            if group is not None and devices is device_ids:  # the common case, inline
+                refs.append(group.base)
+            else:
+                refs.append(self._argument(executable, index, array))
         donated = frozenset(info.donated_inputs) - non_donatable
         copy_first = frozenset(info.donated_inputs) & non_donatable
         if donated and len(args) > 1:

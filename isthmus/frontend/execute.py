@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import cast
 
 from isthmus import errors
 from isthmus.controller.arrays import Array
@@ -86,7 +87,12 @@ def execute(session: FrontendSession, request: Message, response: Message) -> No
             raise errors.Unimplemented(
                 f"running an executable compiled for devices {[d.id for d in executable.devices]}"
                 f" on devices {requested} is not supported; compile it for those devices.")
-    args = [session.array(h) for h in body.args_handles]
+    table = session.arrays
+    found = [table.get(h) for h in body.args_handles]
+    if all(isinstance(a, Array) for a in found):
+        args = cast("list[Array]", found)
+    else:  # unknown, or an error: `array` raises it
+        args = [session.array(h) for h in body.args_handles]
     runner = RUNNERS.get(type(executable.request))
     if runner is None:
         raise errors.InternalError(
@@ -100,8 +106,7 @@ def execute(session: FrontendSession, request: Message, response: Message) -> No
             raise errors.InvalidRequest(
                 f"the program has {len(outputs)} outputs but {len(body.result_array_handle)} "
                 "result handles were given.")
-        for h, array in zip(body.result_array_handle, outputs):
-            session.bind_array(h, array)
+        session.bind_arrays(body.result_array_handle, outputs)
     else:
         for array in outputs:
             entry = out.outputs.add()

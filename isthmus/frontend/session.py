@@ -229,6 +229,22 @@ class FrontendSession:
             raise value
         return value
 
+    def bind_arrays(self, handles: Sequence[int], arrays: Sequence[Array]) -> None:
+        """`bind_array` of each client handle to its array (a program's outputs), checked
+        at once. A handle that may not be bound is refused: the arrays before it stay bound
+        (the client holds them), it and those after it are released."""
+        table = self.arrays
+        if (len(set(handles)) != len(handles) or not table.keys().isdisjoint(handles)
+                or max(handles, default=0) >= SERVER_HANDLE_BASE):
+            for index, (handle, array) in enumerate(zip(handles, arrays)):
+                try:
+                    self.bind_array(handle, array)  # releases `array` when it refuses
+                except errors.IsthmusError:
+                    self.ctl.arrays.release(arrays[index + 1:])
+                    raise
+            return
+        table.update(zip(handles, arrays))
+
     def bind_array(self, handle: int | None, array: Array) -> int:
         """Binds `array` to the client's handle (or a new server handle when None)."""
         if handle is None:

@@ -332,6 +332,39 @@ def test_a_client_handle_in_the_servers_own_range_is_refused():
     asyncio.run(main())
 
 
+def test_a_programs_outputs_are_bound_at_once_and_a_handle_in_use_refused():
+    """`bind_arrays` (a program's outputs): fresh handles bind together; one already in use
+    is refused as `bind_array` refuses it, the outputs before it stay bound (the client
+    holds them) and it and those after it are released."""
+    import pytest
+
+    from isthmus import errors
+
+    async def main():
+        frontend, session, sent = _session()
+        session.handle(_request(1, "init_request"))
+        await _put(session, sent, 2, 10, np.arange(4, dtype=np.int32))
+        source = session.arrays[10]
+        ledger = frontend.controller.ledger
+
+        def views(n):
+            return [session.ctl.arrays.share(source.dtype, source.shape, source.sharding,
+                                             source.shards) for _ in range(n)]
+
+        first = views(2)
+        session.bind_arrays([20, 21], first)
+        assert [session.arrays[20], session.arrays[21]] == first
+        second = views(3)
+        with pytest.raises(errors.InvalidRequest, match="handle 21 is already in use"):
+            session.bind_arrays([22, 21, 23], second)
+        assert session.arrays[22] is second[0] and session.arrays[21] is first[1]
+        assert 23 not in session.arrays
+        assert ledger.holds(second[0])
+        assert not ledger.holds(second[1]) and not ledger.holds(second[2])
+        await session.close()
+    asyncio.run(main())
+
+
 def test_validate_mode_fails_the_request_that_broke_the_records(caplog):
     """`--validate`: after each request the handles the client minted for its results are
     bound and the ledger's records agree, or that request fails with INTERNAL, logged as
