@@ -51,6 +51,20 @@ class FleetForFrees(Protocol):
     def channel(self, worker: WorkerId) -> FreeChannel: ...
 
 
+def _joined(ranges: list[range]) -> range | tuple[BufferId, ...]:
+    """Groups' ids as one Free carries them: a range when they follow one another (one
+    group's, or a program run's outputs freed together: compact on the wire), else each id."""
+    if len(ranges) > 1:
+        ranges.sort(key=_start)
+        if any(a.stop != b.start for a, b in zip(ranges, ranges[1:])):
+            return tuple(BufferId(i) for one in ranges for i in one)
+    return range(ranges[0].start, ranges[-1].stop)
+
+
+def _start(ids: range) -> int:
+    return ids.start
+
+
 class Ledger:
     """The controller's buffer groups and the arrays that hold them."""
 
@@ -99,6 +113,16 @@ class Ledger:
         if log is not None and base > first:
             log.record(first, base - first, None, None, DEFINED)
         return groups
+
+    def hold_new(self, arrays: Sequence[Array]) -> None:
+        """`hold` of each array, every one over a whole group (a program run's outputs)."""
+        holders = self._holders
+        held = len(holders)
+        holders.update(arrays)
+        if len(holders) != held + len(arrays):
+            raise errors.InternalError("an array was held twice; this is a bug in isthmus.")
+        for array in arrays:
+            array.group.refs += 1  # type: ignore[union-attr]  # a whole group's, as said
 
     def hold(self, array: Array) -> Array:
         """`array` holds its shards from now until it is released."""
@@ -237,9 +261,7 @@ class Ledger:
         if freed and self._log is not None:
             self._log.record_groups(freed, FREED)
         for workers, ids in by_workers.items():
-            # One group's ids stay a range (compact on the wire), several are joined.
-            self.fleet.multicast(workers, c.Free(
-                ids[0] if len(ids) == 1 else tuple(BufferId(i) for one in ids for i in one)))
+            self.fleet.multicast(workers, c.Free(_joined(ids)))
 
     def free_buffers(self, buffers: Sequence[Buffer]) -> None:
         """Drops single shards on their workers (in dispatch order); a pinned one is freed

@@ -97,6 +97,14 @@ class SessionArrays:
         self._arrays.add(array)
         return array
 
+    def own_all(self, made: Sequence[tuple[dtypes.DType, tuple[int, ...], sh.Sharding,
+                                           BufferGroup]]) -> list[Array]:
+        """`own` of each (dtype, shape, sharding, new group): a program run's outputs."""
+        arrays = [Array(dtype, shape, sharding, group) for dtype, shape, sharding, group in made]
+        self.ledger.hold_new(arrays)
+        self._arrays.update(arrays)
+        return arrays
+
     def share(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
               buffers: Sequence[Buffer], error: errors.IsthmusError | None = None) -> Array:
         """A new array of this session over `buffers` (shards of existing arrays, perhaps

@@ -8,7 +8,7 @@ which part holds what.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
 from isthmus import dtypes, errors
@@ -59,6 +59,9 @@ class Owner(Protocol):
 
     def own(self, dtype: dtypes.DType, shape: tuple[int, ...], sharding: sh.Sharding,
             group: BufferGroup) -> Array: ...
+
+    def own_all(self, made: Sequence[tuple[dtypes.DType, tuple[int, ...], sh.Sharding,
+                                           BufferGroup]]) -> list[Array]: ...
 
 
 def as_error(e: BaseException, doing: str) -> errors.IsthmusError:

@@ -187,12 +187,11 @@ class SessionPrograms:
         groups = self.controller.ledger.new_groups(
             executable.devices, [(spec.nbytes, spec.sharding.memory_kind) for spec in specs],
             executable.workers)
-        own = self.arrays.own
-        outputs = []
+        made = []
         for (aval, sharding, _, origin), group in zip(specs, groups):
             group.origin = origin
-            outputs.append(own(aval.dtype, aval.shape, sharding, group))
-        return outputs
+            made.append((aval.dtype, aval.shape, sharding, group))
+        return self.arrays.own_all(made)
 
 
 def _check_placement(executable: Executable, index: int, array: Array,

@@ -381,3 +381,19 @@ def test_an_arrays_error_is_set_through_the_ledger_once():
         ledger.validate_state()
 
     run(body)
+
+
+def test_groups_freed_together_go_out_as_one_range_when_their_ids_follow_one_another():
+    """A step's outputs freed together (ids that follow one another, in any order) are one
+    range on the wire; groups apart are each id, every id once."""
+    ledger = Ledger(FakeFleet())
+    groups = [ledger.new_group(DEVICES, (16,) * 4) for _ in range(3)]
+    ledger.free_groups([groups[2], groups[0], groups[1]])
+    [(workers, free)] = ledger.fleet.sent
+    assert workers == (0, 1) and free.buffers == range(groups[0].base, groups[2].base + 4)
+    apart = [ledger.new_group(DEVICES, (16,) * 4) for _ in range(3)]
+    ledger.free_groups([apart[2], apart[0]])
+    [(_, free)] = ledger.fleet.sent[1:]
+    assert sorted(free.buffers) == [*apart[0].ids, *apart[2].ids]
+    assert len(set(free.buffers)) == len(free.buffers)
+    ledger.validate_state()
