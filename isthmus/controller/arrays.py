@@ -198,15 +198,15 @@ def first_error(arrays: Iterable[Array]) -> errors.IsthmusError | None:
 
 def groups_of(arrays: Iterable[Array]) -> list[BufferGroup]:
     """Every group the arrays' shards belong to, each once."""
-    seen: dict[int, BufferGroup] = {}
+    seen: dict[BufferGroup, None] = {}  # a group hashes as itself (its identity)
     for array in arrays:
         group = array.group
         if group is not None:  # a whole group (a step's arguments): no list made
-            seen.setdefault(id(group), group)
+            seen[group] = None
             continue
         for group in array.groups:
-            seen.setdefault(id(group), group)
-    return list(seen.values())
+            seen[group] = None
+    return list(seen)
 
 
 def whole_group(buffers: Sequence[Buffer]) -> BufferGroup | None:

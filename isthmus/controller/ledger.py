@@ -242,6 +242,7 @@ class Ledger:
         freed by one command)."""
         by_workers: dict[tuple[WorkerId, ...], list[range]] = {}
         freed: list[tuple[int, int, object]] = []  # for the log: (base, shards, old state)
+        live = self._live
         for group in groups:
             if group.states_apart is None and not group.pins:  # the common case
                 if group.state is FREED:
@@ -251,13 +252,17 @@ class Ledger:
             elif group.pins or group.any_in(FREED):  # shard by shard
                 self.free_buffers([Buffer(group, p) for p in range(len(group))])
                 continue
+            base, count = group.base, len(group.devices)
             if group.states_apart is None:  # every shard FREED at once: legal from all but FREED
-                freed.append((group.base, len(group.devices), group.state))
+                freed.append((base, count, group.state))
                 group.state = FREED
             else:
                 group.free()
-            self._live.pop(BufferId(group.base), None)
-            by_workers.setdefault(group.workers, []).append(group.ids)
+            live.pop(base, None)  # type: ignore[call-overload]  # a base is its BufferId
+            ids = by_workers.get(group.workers)
+            if ids is None:
+                ids = by_workers[group.workers] = []
+            ids.append(range(base, base + count))
         if freed and self._log is not None:
             self._log.record_groups(freed, FREED)
         for workers, ids in by_workers.items():
