@@ -54,10 +54,11 @@ class FleetForFrees(Protocol):
 def _joined(ranges: list[range]) -> range | tuple[BufferId, ...]:
     """Groups' ids as one Free carries them: a range when they follow one another (one
     group's, or a program run's outputs freed together: compact on the wire), else each id."""
-    if len(ranges) > 1:
-        ranges.sort(key=_start)
-        if any(a.stop != b.start for a, b in zip(ranges, ranges[1:])):
-            return tuple(BufferId(i) for one in ranges for i in one)
+    if len(ranges) == 1:
+        return ranges[0]
+    ranges.sort(key=_start)
+    if any(a.stop != b.start for a, b in zip(ranges, ranges[1:])):
+        return tuple(BufferId(i) for one in ranges for i in one)
     return range(ranges[0].start, ranges[-1].stop)
 
 

@@ -123,7 +123,10 @@ class SessionPrograms:
                                  c.Execute(executable.id, c.refs(refs), results, copy_first))
             if executable.readahead:  # small results clients read after earlier runs
                 readahead.read_ahead(executable, outputs, self.fleet)
-            if donated:
+            if len(donated) == 1:  # a donating loop's one carry
+                for index in donated:
+                    ledger.consume(args[index])
+            elif donated:
                 ledger.consume_all([args[index] for index in donated])
             executable.runs += 1
             if self.controller.counts.timing:  # the first wait on an output times it
@@ -184,6 +187,12 @@ class SessionPrograms:
                 f"executable {executable.id} has no output specs; this is a bug in isthmus: "
                 "please report it with the server log.")
         specs = executable.output_specs
+        if len(specs) == 1:  # one output: making a batch costs more than it saves
+            (aval, sharding, nbytes, origin), = specs
+            group = self.controller.ledger.new_group(executable.devices, nbytes,
+                                                     sharding.memory_kind, executable.workers)
+            group.origin = origin
+            return [self.arrays.own(aval.dtype, aval.shape, sharding, group)]
         groups = self.controller.ledger.new_groups(
             executable.devices, [(spec.nbytes, spec.sharding.memory_kind) for spec in specs],
             executable.workers)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import cast
 
 from isthmus import errors
 from isthmus.controller.arrays import Array
@@ -87,12 +86,7 @@ def execute(session: FrontendSession, request: Message, response: Message) -> No
             raise errors.Unimplemented(
                 f"running an executable compiled for devices {[d.id for d in executable.devices]}"
                 f" on devices {requested} is not supported; compile it for those devices.")
-    table = session.arrays
-    found = [table.get(h) for h in body.args_handles]
-    if all(isinstance(a, Array) for a in found):
-        args = cast("list[Array]", found)
-    else:  # unknown, or an error: `array` raises it
-        args = [session.array(h) for h in body.args_handles]
+    args = [session.array(h) for h in body.args_handles]
     runner = RUNNERS.get(type(executable.request))
     if runner is None:
         raise errors.InternalError(
@@ -106,7 +100,10 @@ def execute(session: FrontendSession, request: Message, response: Message) -> No
             raise errors.InvalidRequest(
                 f"the program has {len(outputs)} outputs but {len(body.result_array_handle)} "
                 "result handles were given.")
-        session.bind_arrays(body.result_array_handle, outputs)
+        if len(outputs) == 1:  # the one-output call: no set made
+            session.bind_array(body.result_array_handle[0], outputs[0])
+        else:
+            session.bind_arrays(body.result_array_handle, outputs)
     else:
         for array in outputs:
             entry = out.outputs.add()
