@@ -33,8 +33,8 @@ from isthmus.transport import records
 from isthmus.transport.base import Commands
 from isthmus.transport.commands import ORDERED_PUT_BYTES, Command, Request
 from isthmus.transport.host import Part
-from isthmus.worker import platforms, programs, regroup, runs
-from isthmus.worker.buffers import BufferStore, ids_of, missing
+from isthmus.worker import platforms, programs, regroup, reshaping, runs
+from isthmus.worker.buffers import BufferStore, ids_of
 from isthmus.worker.collectives import CollectiveOrder
 from isthmus.worker.colocated import Pending, Program
 from isthmus.worker.compile_cache import CompileCache, KeptExecutables
@@ -45,7 +45,6 @@ from isthmus.worker.python_calls import PythonCalls
 from isthmus.worker.reads import Reads
 from isthmus.worker.runs import launch_id
 from isthmus.worker.slots import (
-    Failed,
     HostArray,
     Loaded,
     Unloadable,
@@ -54,7 +53,6 @@ from isthmus.worker.slots import (
     failed_now,
     failing,
     make_cpu_client,
-    move,
     place,
 )
 
@@ -229,73 +227,20 @@ class DeviceHost:
 
     def copy(self, src: BufferId, dst: BufferId, device_id: int,
              memory_kind: str | None = None) -> None:
-        """Copies a buffer to another local device (or memory kind)."""
-        value = self.buffers.slot(src)
-        if value is None or isinstance(value, Failed):
-            self.buffers.store(dst, value if value is not None else Failed(missing(src)))
-            return
-        try:
-            target = self._sharding(device_id, memory_kind)
-            if isinstance(value, HostArray):
-                self.buffers.store(dst, HostArray(value.value))
-                return
-            self.buffers.store(dst, move(value, target))
-            self.buffers.inherit(dst, (src,))
-        except Exception as e:  # noqa: BLE001
-            self.fail(dst, errors.from_runtime_error(
-                e, errors.ExecutionError, "copying an array between devices failed"))
+        """Copies a buffer to another local device (or memory kind): `reshaping.copy`."""
+        reshaping.copy(self.buffers, src, dst, lambda: self._sharding(device_id, memory_kind))
 
     def assemble(self, dst: BufferId, device_id: int, memory_kind: str | None,
                  dtype: np.dtype | type[object] | None, shape: tuple[int, ...],
                  parts: Sequence[Part]) -> None:
-        """Builds `dst` on a device from boxes of local buffers (a reshard step).
-
-        Each part copies `src[src_box]` into `dst[dst_box]`. The work is dispatched as jax
-        operations, so it runs after the sources are computed without blocking here.
-        """
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import SingleDeviceSharding
-
-        try:
-            device = self.devices[device_id]
-            target = SingleDeviceSharding(device, memory_kind=memory_kind)
-            sources = [(self.buffers.value(src), src_box, dst_box)
-                       for src, src_box, dst_box in parts]
-            whole = tuple(slice(0, d) for d in shape)
-            if len(sources) == 1 and sources[0][2] == whole:
-                value, src_box, _ = sources[0]
-                result = move(value[src_box], target)
-            else:
-                result = jnp.zeros(shape, dtype, device=device)
-                single = SingleDeviceSharding(device)
-                for value, src_box, dst_box in sources:
-                    result = result.at[dst_box].set(move(value[src_box], single))
-                if memory_kind is not None:
-                    result = jax.device_put(result, target)
-            self.buffers.store(dst, result)
-            self.buffers.inherit(dst, [src for src, _, _ in parts])
-        except Exception as e:  # noqa: BLE001
-            self.fail(dst, errors.from_runtime_error(
-                e, errors.ExecutionError, "resharding the array failed"))
+        """Builds `dst` on a device from boxes of local buffers: `reshaping.assemble`."""
+        reshaping.assemble(self.buffers, self.devices, dst, device_id, memory_kind, dtype,
+                           shape, parts)
 
     def bitcast(self, src: BufferId, dst: BufferId, dtype: np.dtype | type[object],
                 shape: tuple[int, ...]) -> None:
-        """`dst` holds the bytes of `src` read as another dtype and shape."""
-        import jax
-
-        try:
-            value = self.buffers.value(src)
-            if np.dtype(dtype).itemsize != value.dtype.itemsize:
-                raise errors.Unimplemented(
-                    f"bitcasting {value.dtype} to {np.dtype(dtype)} changes the element size, "
-                    "which isthmus does not support; bitcast between same-size dtypes.")
-            converted = jax.lax.bitcast_convert_type(value, dtype)
-            self.buffers.store(dst, converted.reshape(shape))
-            self.buffers.inherit(dst, (src,))
-        except Exception as e:  # noqa: BLE001
-            self.fail(dst, errors.from_runtime_error(
-                e, errors.InvalidRequest, "bitcasting the array failed"))
+        """`dst` holds the bytes of `src` read as another dtype and shape: `reshaping`."""
+        reshaping.bitcast(self.buffers, src, dst, dtype, shape)
 
     def free(self, buffer_ids: Sequence[BufferId]) -> None:
         # Dropping the reference frees the memory once no in-flight work uses it. An explicit
