@@ -129,6 +129,9 @@ def embedded_fleet(num_devices: int, platform: str = "cpu",
                                        COMPANION_BASE)
     host = make_host(client, simulate_flops=simulate_flops, compile_cache=cache,
                      companions=companions)
+    # An accelerator's copy to the host takes a while: the client's CopyToHostBuffer is
+    # answered while it runs (a worker answers with the data, so copies in the call).
+    host.reads.copy_inline = host.on_cpu
     from isthmus.worker.programs import warm_up
 
     warm_up()  # MLIR's first use, before the first program waits for it

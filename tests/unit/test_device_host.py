@@ -326,3 +326,33 @@ def test_a_re_formation_waits_for_shards_being_read_from_a_checkpoint(monkeypatc
         np.testing.assert_array_equal(np.asarray(host.buffers.value(7)), np.arange(4))
         await host.close()
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_fetch_copied_in_a_thread_answers_later_and_keeps_the_order_of_donations():
+    """The embedded server of an accelerator (`copy_inline` False) starts a computed buffer's
+    copy and answers from a thread: the fetch is not answered in the call, gives the same
+    data, counts as a read in flight (a program donating the buffer afterwards donates a
+    copy), and reports a failed buffer's error."""
+    async def main():
+        host = DeviceHost(make_cpu_client(1))
+        host.reads.copy_inline = False
+        info = await host.compile(1, _request(lambda a: a * 2, np.ones(4, np.float32),
+                                              donate=(0,)))
+        assert info.donated_inputs == (0,)
+        await host.put(10, 0, np.arange(4, dtype=np.float32))
+        await host.ready([10])
+        fetched = host.fetch(10)
+        assert not asyncio.isfuture(fetched) or not fetched.done()  # a thread answers it
+        assert 10 in host.reads.in_flight
+        host.execute(1, [10], [11])  # donates 10 after the read: a copy goes in
+        np.testing.assert_array_equal(await fetched, np.arange(4, dtype=np.float32))
+        np.testing.assert_array_equal(await host.fetch(11), np.arange(4, dtype=np.float32) * 2)
+        assert not host.reads.in_flight
+        host.fail(12, errors.ExecutionError("it broke"))
+        with pytest.raises(errors.ExecutionError, match="it broke"):
+            await host.fetch(12)
+        host.reads.copy_inline = True  # a worker's: a computed buffer answered in the call
+        done = host.fetch(11)
+        assert asyncio.isfuture(done) and done.done()
+        await host.close()
+    asyncio.run(asyncio.wait_for(main(), 60))
