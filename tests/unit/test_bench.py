@@ -127,3 +127,25 @@ def test_phases_report_gives_the_resident_memory_around_a_window():
                {"t": 2.0, "main": ["R", ""], "cpu": {}, "rss_kib": 3000}]
     assert _rss(samples, 1.2, 1.8) == (1000, 3000)
     assert _rss(samples, 0.5, 1.8) is None  # no sample before the window
+
+
+def test_round_trip_and_echo_floor_print_each_part(monkeypatch):
+    """bench/round_trip.py on local jax and bench/echo_floor.py's two processes: every part
+    measured, with its window (no figure asserted)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    from bench.round_trip import PARTS, measure
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = measure(5)
+    for part in PARTS:
+        assert out[part] >= 0 and out[f"{part}_t0"] <= out[f"{part}_t1"], part
+    with pytest.raises(SystemExit, match="no part 'nope'"):
+        measure(1, ("nope",))
+    script = pathlib.Path(__file__).parents[2] / "bench" / "echo_floor.py"
+    floor = subprocess.run([sys.executable, str(script), "20"], capture_output=True,
+                           text=True, timeout=120, check=True)
+    assert set(json.loads(floor.stdout)) == {"unary_p50_ms", "stream_p50_ms"}
