@@ -68,3 +68,34 @@ def test_a_result_read_ahead_then_donated_or_deleted_fails_its_read(server):
     # sum(0..7) + 8 * 4 before the fifth step's sum; the donated sum plus one
     np.testing.assert_array_equal(got["bumped"], np.float32(sum(range(8)) + 8 * 4 + 1))
     np.testing.assert_array_equal(got["x"], np.arange(8.0, dtype=np.float32) + 6)
+
+
+WAITS = """
+import jax, jax.numpy as jnp
+step = jax.jit(lambda x: (x * 1.01 + 0.5, jnp.sum(x), jnp.max(x)))
+x = jnp.arange(32.0)
+tops, kept = [], []
+for i in range(10):
+    x, total, top = step(x)
+    total.block_until_ready()      # waited for after every step: read ahead from the second
+    jax.block_until_ready(top)
+    kept.append(total)
+    if i % 3 == 0:
+        tops.append(float(top))    # ... read at once sometimes
+sums = [float(t) for t in kept]    # ... and read late, after later steps ran
+gone = []
+x, total, top = step(x)
+bumped = jax.jit(lambda t: t + 1.0, donate_argnums=0)(total)
+try:
+    total.block_until_ready()      # donated since: the wait fails as it would locally
+    gone.append(0)
+except Exception as e:
+    gone.append(1 if "delete" in str(e).lower() or "donat" in str(e).lower() else 2)
+emit("sums", np.array(sums)); emit("tops", np.array(tops)); emit("x", x)
+emit("gone", np.array(gone)); emit("bumped", bumped)
+"""
+
+
+def test_a_loop_that_waits_for_its_metrics_gets_each_steps_own_values(server):
+    got = compare(WAITS, server.address, rtol=1e-6)
+    assert len(set(got["sums"].tolist())) == 10
