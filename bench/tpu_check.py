@@ -33,7 +33,9 @@ OPTIONAL = ("lm_losses", "lm_param_abs_sum", "checkpoint_steps", "checkpoint")
 SELF_CHECKED = ("colocated",)  # through isthmus only: equal to its "_expected" (numpy's)
 FIGURES = (  # (key, label, higher is better)
     ("mlp_steps_per_s", "MLP 784-512-512-10 steps/s", True),
+    ("jit_block_p50_ms", "tiny jit + block p50 ms", False),
     ("jit_fetch_p50_ms", "tiny jit + fetch p50 ms", False),
+    ("fetch_ready_p50_ms", "fetch of a computed result p50 ms", False),
     ("put_GBps", "device_put GB/s", True),
     ("fetch_GBps", "fetch GB/s", True),
     ("matmul_tflops", "bf16 matmul TFLOP/s", True),
@@ -87,6 +89,12 @@ def main() -> int:
                              "--devices", "1", "--compile-cache", cache, "--",
                              sys.executable, str(HERE / "compile_cache.py"), "mlp"], base, 300)
         compiles.append(result.get("compile_ms"))
+    # What the machine charges for a round trip with neither isthmus nor jax: every wait
+    # of the stock client costs at least its stream figure.
+    echo = subprocess.run([sys.executable, str(HERE / "echo_floor.py"), "2000"], env=base,
+                          capture_output=True, text=True, timeout=120)
+    floor = (json.loads(echo.stdout.strip().splitlines()[-1]) if not echo.returncode
+             else {"error": echo.stderr[-1500:]})
     # A second TPU client in a live process, as a worker whose group re-forms makes one.
     second = subprocess.run([sys.executable, str(HERE / "tpu_second_client.py")], env=base,
                             capture_output=True, text=True, timeout=300)
@@ -96,7 +104,8 @@ def main() -> int:
     with open(os.path.join(args.out, "tpu_check.json"), "w") as f:
         json.dump({name: run for name, (run, _, _) in runs.items()}
                   | {"seconds": {name: s for name, (_, s, _) in runs.items()},
-                     "compile_ms": compiles, "second_client": second_client}, f)
+                     "compile_ms": compiles, "second_client": second_client,
+                     "echo_floor": floor}, f)
     failures = [f"{where}: {key} {value[:1500]}" for where, (run, _, _) in runs.items()
                 for key, value in run.items() if key.endswith("error")]
     # Each run's standard error (isthmus's server and workers log there) beside the JSON;
@@ -150,6 +159,8 @@ def main() -> int:
                 row += f" {'-':>10} {'':>6}"
         print(row)
     print("  (ratio: isthmus as a share of local; 1.00 is as fast)")
+    print(f"  the machine's round trip between two grpcio processes (bench/echo_floor.py), "
+          f"p50 ms: {floor}; each wait of the stock client costs at least its stream figure")
     if all(isinstance(c, float) for c in compiles):
         print(f"  compile of the MLP step, embedded, --compile-cache: cold {compiles[0]:.0f} ms, "
               f"after a restart {compiles[1]:.0f} ms ({compiles[1] / compiles[0]:.2f}x)")

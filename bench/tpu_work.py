@@ -90,17 +90,12 @@ def mlp(steps: int, seconds: float = 2.0) -> dict:
 
 
 def tiny_round_trip(count: int) -> dict:
-    import jax
+    """bench/round_trip.py's parts: a jit and a wait, a jit and a fetch, a fetch of a
+    computed result (p50 ms of `count` each)."""
+    from round_trip import measure
 
-    f = jax.jit(lambda x: x + 1)
-    x = jax.device_put(np.float32(1))
-    np.asarray(f(x))
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        np.asarray(f(x))
-        times.append(time.perf_counter() - start)
-    return {"jit_fetch_p50_ms": statistics.median(times) * 1e3}
+    parts = measure(count, ("jit_block", "jit_fetch", "fetch_ready"))
+    return {f"{part}_p50_ms": parts[part] for part in ("jit_block", "jit_fetch", "fetch_ready")}
 
 
 def transfers(mib: int) -> dict:
