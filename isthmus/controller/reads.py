@@ -80,6 +80,29 @@ def stored_error(arrays: Sequence[Array]) -> errors.IsthmusError | None:
     return None
 
 
+def settle_on(answer: asyncio.Future[object], result: asyncio.Future[None],
+              arrays: Sequence[Array]) -> None:
+    """`settle` for one worker's answer, from its callback: no task for the usual wait of
+    one array on one worker."""
+    def done(_: object) -> None:
+        if result.done():
+            return
+        if answer.cancelled():
+            result.set_exception(errors.InternalError(
+                "waiting for the array was cancelled; this is a bug in isthmus: please "
+                "report it."))
+            return
+        error = answer.exception()
+        if error is None:
+            error = stored_error(arrays)
+            if error is None:
+                result.set_result(None)
+                return
+        result.set_exception(as_error(error, "waiting for the array"))
+
+    answer.add_done_callback(done)
+
+
 def settle_when(waits: list[asyncio.Future[None]], result: asyncio.Future[None],
                 arrays: Sequence[Array]) -> None:
     """`settle` for futures that never fail (the groups' `storing`), from their callbacks."""

@@ -461,8 +461,11 @@ class SessionMoves:
                 fleet = self.fleet
                 waits: list[Awaitable[object]] = [
                     fleet.channel(w).ask(c.Ready(tuple(ids))) for w, ids in by_worker.items()]
-                self.core.spawn(reads.settle(asyncio.gather(*waits, *storing.values()),
-                                                result, arrays))
+                if len(waits) == 1 and not storing and isinstance(waits[0], asyncio.Future):
+                    reads.settle_on(waits[0], result, arrays)  # one worker's answer
+                else:
+                    self.core.spawn(reads.settle(asyncio.gather(*waits, *storing.values()),
+                                                 result, arrays))
             elif storing:  # the usual wait after a put: its answers, no task, no question
                 reads.settle_when(list(storing.values()), result, arrays)
             else:

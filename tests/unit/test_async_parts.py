@@ -268,3 +268,34 @@ def test_reads_in_flight_name_the_donated_arguments_they_need():
         assert await read == "done"
         assert not reads and 11 not in reads
     run(main())
+
+
+def test_a_readiness_wait_on_one_workers_answer_settles_from_its_callback():
+    """`reads.settle_on`: the answer, the error an array's shard holds by then, the worker's
+    error as an isthmus error, and a cancelled answer reported rather than left waiting."""
+    from types import SimpleNamespace
+
+    from isthmus.controller import reads
+
+    def arrays(error=None):
+        return [SimpleNamespace(shards=[SimpleNamespace(error=None), SimpleNamespace(error=error)])]
+
+    async def settled(outcome, held=None):
+        loop = asyncio.get_running_loop()
+        answer, result = loop.create_future(), loop.create_future()
+        reads.settle_on(answer, result, arrays(held))
+        assert not result.done()
+        outcome(answer)
+        return await asyncio.wait_for(asyncio.shield(result), 5)
+
+    async def main():
+        assert await settled(lambda a: a.set_result(None)) is None
+        with pytest.raises(errors.ExecutionError, match="held"):
+            await settled(lambda a: a.set_result(None), errors.ExecutionError("held"))
+        with pytest.raises(errors.WorkerLost, match="gone"):
+            await settled(lambda a: a.set_exception(errors.WorkerLost("gone")))
+        with pytest.raises(errors.IsthmusError):
+            await settled(lambda a: a.set_exception(RuntimeError("a bug")))
+        with pytest.raises(errors.InternalError, match="cancelled"):
+            await settled(lambda a: a.cancel())
+    run(main())
