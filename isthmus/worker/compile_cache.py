@@ -281,7 +281,7 @@ class KeptExecutables:
                 self._size -= len(old)
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Waits for the writes queued so far (tests)."""
+        """Waits for the writes queued so far (a stopping worker; tests)."""
         self._writer.submit(lambda: None).result(timeout)
 
     def stats(self) -> dict[str, int]:
