@@ -188,3 +188,31 @@ def array_spec(s: Any, kind: str, shape: list[int], sharding: Any) -> Any:
 def has_body(response: Any) -> bool:
     """The response sets its oneof (an OK response must, even to an empty message)."""
     return response.WhichOneof("response") is not None
+
+
+def compile_add_one(raw: RawSession) -> int:
+    """Compiles `x + 1` for one f32[4] on device 0; returns the executable handle."""
+    import jax
+    import numpy as np
+    from jax._src.lib import _jax
+    from jaxlib.mlir.dialects import stablehlo
+
+    lowered = jax.jit(lambda x: x + 1).lower(np.zeros(4, np.float32))
+    program = _jax.mlir.serialize_portable_artifact(
+        str(lowered.compiler_ir("stablehlo")), stablehlo.get_current_version())
+    body = raw.msg("CompileRequest")
+    body.program.type_name = "xla::ifrt::XlaProgram"
+    body.program.data = program
+    options = raw.s["xla.ifrt.XlaCompileOptionsProto"]()
+    assignment = options.compile_options.executable_build_options.device_assignment
+    assignment.replica_count = 1
+    assignment.computation_count = 1
+    assignment.computation_devices.add(replica_device_ids=[0])
+    body.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
+    body.compile_options.data = options.SerializeToString()
+    reply = raw.call("compile_request", body)
+    assert not status_of(reply)[0], status_of(reply)
+    ready = reply.compile_response.ready_future_handle
+    assert not status_of(raw.call("check_future_request",
+                                  raw.msg("CheckFutureRequest", future_handle=ready)))[0]
+    return reply.compile_response.loaded_executable_handle

@@ -7,7 +7,7 @@ in its memory), and the restarted worker loads what the worker before it in its 
 import numpy as np
 
 from isthmus.testing import LocalServer, run_python, slice_pid, wait_until
-from tests.integration.test_observe import metrics_url, scrape_when, value
+from tests.integration.scraping import metrics_url, scrape_when, value
 
 CLIENT = """
 import jax, jax.numpy as jnp, numpy as np

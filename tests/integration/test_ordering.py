@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.integration.rawclient import array_spec, status_of, tiled_sharding
-from tests.integration.test_hostile_requests import ARGS, OK, Client, Servers
+from tests.integration.rawservers import ARGS, OK, Client, Servers
 
 X = np.arange(8, dtype=np.float32)
 REUSE_INPUT, SHARD_ALL = 2, 1

@@ -4,7 +4,7 @@ against numpy: ReshardArrays, BitcastArrays, RemapArrays, sharded host-buffer up
 import numpy as np
 import pytest
 
-from tests.integration.rawclient import RawSession, status_of
+from tests.integration.rawclient import RawSession, compile_add_one, status_of
 
 OTHER = 3  # xla.OpSharding.Type.OTHER (tiled)
 
@@ -118,35 +118,9 @@ def test_remap_moves_shards_between_arrays(raw):
     np.testing.assert_array_equal(_read(raw, 3, np.float32, (4, 4), 7), np.concatenate([a, b]))
 
 
-def _compile_add_one(raw):
-    """Compiles `x + 1` for one f32[4] on device 0; returns the executable handle."""
-    import jax
-    from jax._src.lib import _jax
-    from jaxlib.mlir.dialects import stablehlo
-
-    lowered = jax.jit(lambda x: x + 1).lower(np.zeros(4, np.float32))
-    program = _jax.mlir.serialize_portable_artifact(
-        str(lowered.compiler_ir("stablehlo")), stablehlo.get_current_version())
-    body = raw.msg("CompileRequest")
-    body.program.type_name = "xla::ifrt::XlaProgram"
-    body.program.data = program
-    options = raw.s["xla.ifrt.XlaCompileOptionsProto"]()
-    assignment = options.compile_options.executable_build_options.device_assignment
-    assignment.replica_count = 1
-    assignment.computation_count = 1
-    assignment.computation_devices.add(replica_device_ids=[0])
-    body.compile_options.type_name = "xla::ifrt::XlaCompileOptions"
-    body.compile_options.data = options.SerializeToString()
-    reply = raw.call("compile_request", body)
-    assert not status_of(reply)[0], status_of(reply)
-    ready = reply.compile_response.ready_future_handle
-    assert not status_of(raw.call("check_future_request",
-                                  raw.msg("CheckFutureRequest", future_handle=ready)))[0]
-    return reply.compile_response.loaded_executable_handle
-
 
 def test_execute_with_fill_status_and_execute_results(raw):
-    exe = _compile_add_one(raw)
+    exe = compile_add_one(raw)
     _upload(raw, 1, np.arange(4, dtype=np.float32), _tiled(raw, [0], [1]))
     first = raw.msg("LoadedExecutableExecuteRequest", loaded_executable_handle=exe,
                     args_handles=[1])
@@ -171,7 +145,7 @@ def test_execute_with_fill_status_and_execute_results(raw):
     assert not status_of(done)[0]
     np.testing.assert_array_equal(_read(raw, 70, np.float32, (4,), 61), np.arange(4) + 2)
     # Without fill_status the first answer must carry no status handle (the client aborts).
-    exe2 = _compile_add_one(raw)
+    exe2 = compile_add_one(raw)
     plain = raw.call("loaded_executable_execute_request", raw.msg(
         "LoadedExecutableExecuteRequest", loaded_executable_handle=exe2, args_handles=[70]))
     assert plain.loaded_executable_execute_response.status_handle == 0

@@ -12,7 +12,7 @@ import pytest
 
 from isthmus.testing import LocalServer
 from tests.integration.harness import compare, run_snippet
-from tests.integration.rawclient import RawSession, hlo_sharding, status_of
+from tests.integration.rawclient import RawSession, compile_add_one, hlo_sharding, status_of
 
 NOT_FOUND, INVALID, DEADLINE, FAILED_PRECONDITION, UNIMPLEMENTED, EXHAUSTED = 5, 3, 4, 9, 12, 8
 
@@ -272,11 +272,9 @@ def test_a_status_behind_a_missing_buffer_is_answered_while_requests_keep_coming
     not minted are NOT_FOUND at once."""
     import threading
 
-    from tests.integration.test_protocol_ops import _compile_add_one
-
     base = 1 << 62
     with RawSession(fast_server.address) as raw:
-        exe = _compile_add_one(raw)
+        exe = compile_add_one(raw)
         stop = threading.Event()
         if missing == "stalled":  # an upload that brings 8 of its 16 bytes, then nothing
             chunk = raw.s["xla.ifrt.proxy.GrpcHostBufferStoreRequest"]

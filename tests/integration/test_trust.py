@@ -16,7 +16,7 @@ import pytest
 from isthmus.testing import LocalServer, process_alive
 from tests.integration.fuzz_programs import lowered
 from tests.integration.rawclient import status_of
-from tests.integration.test_hostile_requests import OK, Client
+from tests.integration.rawservers import OK, Client
 
 INVALID = 3
 MARKER = "isthmus-vetting-crash-marker"

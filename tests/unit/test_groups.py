@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from isthmus import dtypes, errors
+from isthmus import errors
 from isthmus.controller.controller import Controller
 from isthmus.controller.fleet import Device, WholeFleet
 from isthmus.controller.session import Session
@@ -15,46 +15,9 @@ from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
 from isthmus.transport import commands as c
 from isthmus.transport import messages as m
-from isthmus.transport.frames import Parts, Tailed
-from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
+from isthmus.transport.records import CompileRequest
 from isthmus.transport.remote import RemoteWorker
-
-F32 = dtypes.BY_KIND["KIND_F32"]
-HOSTS = 3
-
-
-class Host(RemoteWorker):
-    """A worker channel whose stream keeps its frames; requests are answered at once."""
-
-    def __init__(self, slot):
-        self.frames = []
-        register = m.Register(m.PROTOCOL_VERSION, 0, 1, "cpu", "cpu", "peer:0", "host", slot)
-        super().__init__(slot, register, self.frames.append, "peer:0")
-
-    def commands(self):
-        out = []
-        for frame in self.frames:
-            if isinstance(frame, Parts):  # bulk bytes (a put's data) beside the message
-                frame = Tailed(frame[0][8:], memoryview(b"".join(frame[1:])))
-            for command in m.decode(frame).commands:
-                out.extend(m.decode(command.data) if isinstance(command, m.Shared)
-                           else [command])
-        return out
-
-    async def _answer(self, value):
-        return value
-
-    def ask(self, request):
-        if isinstance(request, c.Compile):
-            aval = Aval(F32, (HOSTS,))
-            return self._answer(CompiledInfo(
-                name="p", params=(aval,), outputs=(aval,), param_shardings=None,
-                output_shardings=None, param_layouts=("{0}",), output_layouts=("{0}",),
-                output_memory_kinds=("device",), donated_inputs=(), fingerprint=None,
-                memory_stats={}, generated_code_bytes=0))
-        if isinstance(request, c.Put):
-            return self._answer(None)
-        return super().ask(request)
+from tests.unit.fakes import F32, HOSTS, Host
 
 
 def _setup(channel=Host):

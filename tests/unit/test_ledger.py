@@ -8,65 +8,20 @@ import itertools
 
 import pytest
 
-from isthmus import dtypes, errors
+from isthmus import errors
 from isthmus.controller.arrays import ARRAY_LEGAL, Array, ArrayState, Buffer
-from isthmus.controller.fleet import Device
 from isthmus.controller.groups import LEGAL, IllegalTransition, ShardState
 from isthmus.controller.ledger import Ledger
 from isthmus.controller.sharding import Sharding, ShardingKind
-from isthmus.ids import DeviceId, SliceId, WorkerId
-from isthmus.transport import commands as c
+from tests.unit.fakes import DEVICES, F32, FakeFleet, hold_array
 
 S = ShardState
-F32 = dtypes.BY_KIND["KIND_F32"]
-DEVICES = tuple(Device(DeviceId(i), WorkerId(i // 2), i % 2, "cpu", "cpu", SliceId(i // 2), 0)
-                for i in range(4))
 
-
-class Channel:
-    local = False  # a worker process's, as far as the controller can tell
-
-    def __init__(self, sent, worker):
-        self.sent, self.worker = sent, worker
-
-    def send(self, command):
-        self.sent.append((self.worker, command))
-
-
-class FakeFleet:
-    """The ledger's view of a fleet: it only records the frees sent."""
-
-    workers = (WorkerId(0), WorkerId(1))
-
-    def __init__(self):
-        self.sent = []
-
-    def worker_set(self, workers):
-        return tuple(sorted(set(workers)))
-
-    def multicast(self, workers, command):
-        self.sent.append((workers, command))  # one shared command for all of them
-
-    def channel(self, worker):
-        return Channel(self.sent, worker)
-
-    def freed(self):
-        """Buffer ids freed so far (each must be freed once)."""
-        ids = [i for _, command in self.sent if isinstance(command, c.Free)
-               for i in command.buffers]
-        assert len(ids) == len(set(ids)), f"a buffer was freed twice: {ids}"
-        return set(ids)
 
 
 def _ledger():
     fleet = FakeFleet()
     return Ledger(fleet), fleet
-
-
-def _array(ledger, devices=DEVICES, definers=0):
-    group = ledger.new_group(devices, (16,) * len(devices), definers=definers)
-    sharding = Sharding(ShardingKind.OPAQUE, tuple(d.id for d in devices))
-    return ledger.hold(Array(F32, (4 * len(devices),), sharding, group))
 
 
 def _view(ledger, buffers):
@@ -132,7 +87,7 @@ ARRAY_ILLEGAL = [(old, new) for old, new in itertools.product(ArrayState, ArrayS
 @pytest.mark.parametrize(("old", "new"), ARRAY_ILLEGAL, ids=lambda s: s.value)
 def test_every_illegal_array_transition_is_refused(old, new):
     ledger, _ = _ledger()
-    array = _array(ledger)
+    array = hold_array(ledger)
     if old is not ArrayState.LIVE:
         array.move(old)
     with pytest.raises(IllegalTransition, match=f"from {old.value} to {new.value}"):
@@ -144,7 +99,7 @@ def test_every_illegal_array_transition_is_refused(old, new):
 
 def test_settle_without_a_definer_is_refused():
     ledger, _ = _ledger()
-    group = _array(ledger).group
+    group = hold_array(ledger).group
     with pytest.raises(IllegalTransition, match="0 were expected"):
         group.settle()
     ledger.validate_state()
@@ -153,7 +108,7 @@ def test_settle_without_a_definer_is_refused():
 def test_a_defined_group_takes_no_more_definers():
     async def body():
         ledger, _ = _ledger()
-        group = _array(ledger).group
+        group = hold_array(ledger).group
         with pytest.raises(IllegalTransition, match="cannot expect definers"):
             group.expect()
         assert group.defined is None
@@ -164,7 +119,7 @@ def test_a_defined_group_takes_no_more_definers():
 def test_a_shard_stored_twice_is_refused_and_late_answers_change_nothing():
     async def body():
         ledger, _ = _ledger()
-        array = _array(ledger, definers=1)
+        array = hold_array(ledger, definers=1)
         group = array.group
         group.stored(0)
         with pytest.raises(IllegalTransition, match="stored twice"):
@@ -182,7 +137,7 @@ def test_a_shard_stored_twice_is_refused_and_late_answers_change_nothing():
 
 def test_pins_are_counted_and_refused_when_wrong():
     ledger, _ = _ledger()
-    array = _array(ledger)
+    array = hold_array(ledger)
     buffer = array.shards[0]
     with pytest.raises(IllegalTransition, match="unpinned more often"):
         ledger.unpin(buffer)
@@ -196,12 +151,12 @@ def test_pins_are_counted_and_refused_when_wrong():
 def test_an_unexpected_put_answer_is_refused():
     ledger, _ = _ledger()
     with pytest.raises(IllegalTransition, match="none expected"):
-        _array(ledger).group.answered()
+        hold_array(ledger).group.answered()
 
 
 def test_an_array_held_twice_is_refused():
     ledger, _ = _ledger()
-    array = _array(ledger)
+    array = hold_array(ledger)
     with pytest.raises(errors.InternalError, match="held twice"):
         ledger.hold(array)
     ledger.validate_state()
@@ -212,7 +167,7 @@ def test_an_array_held_twice_is_refused():
 def test_definition_and_readiness():
     async def body():
         ledger, _ = _ledger()
-        array = _array(ledger, definers=2)
+        array = hold_array(ledger, definers=2)
         group = array.group
         ledger.validate_state()
         assert group.states() == {S.PENDING} and group.defined is not None
@@ -240,7 +195,7 @@ def test_definition_and_readiness():
 
 def test_release_frees_only_what_no_array_holds():
     ledger, fleet = _ledger()
-    a = _array(ledger)
+    a = hold_array(ledger)
     view = _view(ledger, a.shards[1:3])
     ledger.validate_state()
     groups, buffers = ledger.release([a])
@@ -261,7 +216,7 @@ def test_release_frees_only_what_no_array_holds():
 
 def test_delete_frees_for_every_sharer_in_dispatch_order():
     ledger, fleet = _ledger()
-    a = _array(ledger)
+    a = hold_array(ledger)
     view = _view(ledger, a.shards[:2])
     ledger.request_delete(a)
     ledger.validate_state()
@@ -284,7 +239,7 @@ def test_delete_frees_for_every_sharer_in_dispatch_order():
 
 def test_a_donated_view_source_owns_nothing_and_its_delete_frees_nothing():
     ledger, fleet = _ledger()
-    a = _array(ledger)
+    a = hold_array(ledger)
     view = _view(ledger, a.shards[:2])
     ledger.request_delete(view)
     ledger.donate(view)
@@ -297,7 +252,7 @@ def test_a_donated_view_source_owns_nothing_and_its_delete_frees_nothing():
 
 def test_consumed_by_a_program_then_released():
     ledger, fleet = _ledger()
-    a = _array(ledger)
+    a = hold_array(ledger)
     ledger.consume(a)
     ledger.validate_state()
     assert a.group.states() == {S.DELETED} and fleet.freed() == set()
@@ -310,7 +265,7 @@ def test_consumed_by_a_program_then_released():
 
 def test_a_pinned_source_is_freed_at_its_last_unpin():
     ledger, fleet = _ledger()
-    a = _array(ledger)
+    a = hold_array(ledger)
     source = a.shards[2]
     ledger.pin(source)
     ledger.pin(source)
@@ -330,7 +285,7 @@ def test_a_pinned_source_is_freed_at_its_last_unpin():
 
 def test_a_lost_slice_fails_its_shards_and_an_evicted_one_frees_them():
     ledger, fleet = _ledger()
-    a, b = _array(ledger), _array(ledger)
+    a, b = hold_array(ledger), hold_array(ledger)
     ledger.consume(b)
     lost = errors.WorkerLost("slice 0 was lost")
     ledger.poison_slice(0, lost)
@@ -350,7 +305,7 @@ def test_a_lost_slice_fails_its_shards_and_an_evicted_one_frees_them():
 
 def test_validate_state_finds_records_that_disagree():
     ledger, _ = _ledger()
-    a = _array(ledger)
+    a = hold_array(ledger)
     a.group.refs += 1
     with pytest.raises(AssertionError, match="refs 2, held by 1"):
         ledger.validate_state()
@@ -370,7 +325,7 @@ def test_validate_state_finds_records_that_disagree():
 def test_an_arrays_error_is_set_through_the_ledger_once():
     async def body():
         ledger, _ = _ledger()
-        array = _array(ledger)
+        array = hold_array(ledger)
         ledger.poison(array, None)  # a clean source: nothing to carry along
         assert array.error is None
         ledger.poison(array, errors.WorkerLost("worker 1 was lost"))

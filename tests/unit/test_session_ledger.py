@@ -2,7 +2,7 @@
 `validate_state()` after each step: a move's sources stay pinned until its last command, a
 donated array is gone while its shards live on where they should, a delete acts in dispatch
 order and frees each shard once. Driven in-process over the real worker channel with streams
-that keep their frames (tests/unit/test_groups.py's `Host`); the answers of pulls are given
+that keep their frames (tests/unit/fakes.py's `Host`); the answers of pulls are given
 by the test, so it can act while a move is in flight."""
 
 import asyncio
@@ -19,7 +19,7 @@ from isthmus.controller.session_arrays import HostData
 from isthmus.controller.sharding import Sharding, ShardingKind
 from isthmus.transport import commands as c
 from isthmus.transport.records import Aval, CompiledInfo, CompileRequest
-from tests.unit.test_groups import Host
+from tests.unit.fakes import Host
 
 F32 = dtypes.BY_KIND["KIND_F32"]
 HOSTS = 3

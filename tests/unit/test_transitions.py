@@ -9,7 +9,7 @@ import pytest
 from isthmus import errors
 from isthmus.controller.ledger import Ledger
 from isthmus.controller.transitions import Transitions, describe
-from tests.unit.test_ledger import DEVICES, F32, FakeFleet, _array
+from tests.unit.fakes import DEVICES, F32, FakeFleet, hold_array
 
 
 def _moves(ledger, buffer_id):
@@ -22,7 +22,7 @@ def test_every_move_of_a_buffer_is_kept_with_the_request_that_caused_it():
         ledger = Ledger(FakeFleet())
         log = ledger.transitions
         log.cause = ("make_array_from_host_buffer_request", 7, 1)
-        array = _array(ledger, definers=1)
+        array = hold_array(ledger, definers=1)
         group = array.group
         group.settle()
         group.stored(1)
@@ -53,7 +53,7 @@ def test_every_move_of_a_buffer_is_kept_with_the_request_that_caused_it():
 def test_a_slice_lost_names_itself_as_the_cause():
     async def body():
         ledger = Ledger(FakeFleet())
-        array = _array(ledger)
+        array = hold_array(ledger)
         ledger.transitions.cause = ("loaded_executable_execute_request", 3, 2)
         ledger.poison_slice(1, errors.WorkerLost("worker 1 was lost"))
         assert ledger.transitions.cause == ("loaded_executable_execute_request", 3, 2)
@@ -71,7 +71,7 @@ def test_a_slice_lost_names_itself_as_the_cause():
 def test_the_log_keeps_its_last_moves_only_and_none_when_off():
     async def body():
         ledger = Ledger(FakeFleet(), history=5)
-        arrays = [_array(ledger, DEVICES[:1]) for _ in range(4)]
+        arrays = [hold_array(ledger, DEVICES[:1]) for _ in range(4)]
         assert len(ledger.transitions) == 4
         for array in arrays:
             ledger.request_delete(array)
@@ -81,7 +81,7 @@ def test_the_log_keeps_its_last_moves_only_and_none_when_off():
         assert [e["new"] for e in ledger.transitions.of(arrays[3].group.base)] == [
             "deleted", "freed"]
         off = Ledger(FakeFleet(), history=0)
-        array = _array(off)
+        array = hold_array(off)
         off.request_delete(array)
         off.delete([array])
         assert len(off.transitions) == 0 and array.group.log is None
@@ -109,7 +109,7 @@ def test_a_runs_groups_made_consumed_and_freed_together_read_as_one_by_one():
         shapes = [((16,) * 4, None)] * 3
         made = [hold(batched, g) for g in batched.new_groups(DEVICES, shapes, (0, 1))]
         alone = [hold(single, single.new_group(DEVICES, n, k, (0, 1))) for n, k in shapes]
-        done = _array(batched)  # deleted before the run: consumed the long way, unchanged
+        done = hold_array(batched)  # deleted before the run: consumed the long way, unchanged
         batched.request_delete(done)
         batched.delete([done])
         assert len(batched.transitions) == 1 + 3  # the run's making is one entry
