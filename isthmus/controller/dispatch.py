@@ -38,7 +38,7 @@ Dependency = BufferGroup | asyncio.Future
 
 def _pending(dependency: Dependency) -> asyncio.Future | None:
     if isinstance(dependency, BufferGroup):
-        return dependency.defined
+        return dependency.until_defined
     return None if dependency.done() else dependency
 
 

@@ -95,13 +95,13 @@ class Beside:
     """What the controller keeps next to a group's record and is not its state: futures, and
     the timing and readahead of a program's output (`BufferGroup.beside`)."""
 
-    __slots__ = ("definers", "defined", "unanswered", "storing", "dispatched", "ahead")
+    __slots__ = ("definers", "until_defined", "unanswered", "storing", "dispatched", "ahead")
 
     def __init__(self) -> None:
-        # Operations that will define the group, still outstanding; `defined` is resolved
+        # Operations that will define the group, still outstanding; `until_defined` is resolved
         # once the last settles (None: none outstanding).
         self.definers = 0
-        self.defined: asyncio.Future[None] | None = None
+        self.until_defined: asyncio.Future[None] | None = None
         # Puts that defined the group before their answers came; `storing` is resolved once
         # those answers are recorded (None: none outstanding). A readiness wait waits on it,
         # asking nothing.
@@ -153,7 +153,7 @@ class BufferGroup:
         if definers:
             beside = self.beside = Beside()
             beside.definers = definers
-            beside.defined = asyncio.get_running_loop().create_future()
+            beside.until_defined = asyncio.get_running_loop().create_future()
         # Where its moves are recorded with their cause (the ledger's; None: nowhere).
         self.log = log
         if log is not None:
@@ -167,10 +167,10 @@ class BufferGroup:
         return beside
 
     @property
-    def defined(self) -> asyncio.Future[None] | None:
+    def until_defined(self) -> asyncio.Future[None] | None:
         """Resolved once every definer has settled (None: no definer is outstanding)."""
         beside = self.beside
-        return None if beside is None else beside.defined
+        return None if beside is None else beside.until_defined
 
     @property
     def storing(self) -> asyncio.Future[None] | None:
@@ -338,10 +338,10 @@ class BufferGroup:
             pending = self.positions_in(PENDING)
             if pending:
                 self._move(pending, DEFINED)
-        if beside.defined is not None:
-            if not beside.defined.done():
-                beside.defined.set_result(None)
-            beside.defined = None
+        if beside.until_defined is not None:
+            if not beside.until_defined.done():
+                beside.until_defined.set_result(None)
+            beside.until_defined = None
 
     def stored(self, position: int) -> None:
         """Its worker confirmed the host data at `position` stored. A shard that failed,
@@ -457,8 +457,8 @@ class BufferGroup:
         assert all(n >= 0 for n in (self.shard_refs or {}).values()), f"{where}: shard refs"
         beside = self.beside or Beside()
         assert beside.definers >= 0, f"{where}: definers {beside.definers}"
-        assert (beside.definers > 0) == (beside.defined is not None), (
-            f"{where}: {beside.definers} definers but defined future {beside.defined}")
+        assert (beside.definers > 0) == (beside.until_defined is not None), (
+            f"{where}: {beside.definers} definers but until_defined {beside.until_defined}")
         if beside.definers == 0:
             assert PENDING not in self.states(), f"{where}: pending with no definer"
         assert (beside.unanswered > 0) == (beside.storing is not None), f"{where}: answers"

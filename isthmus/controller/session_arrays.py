@@ -300,7 +300,7 @@ class SessionArrays:
             else:
                 group.stored(p)
 
-    def defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
+    def definer_done(self, buffer: Buffer, error: errors.IsthmusError | None) -> None:
         """An operation that was to define `buffer` is over (with `error` if it failed)."""
         if error is not None:
             buffer.fail(error)

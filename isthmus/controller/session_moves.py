@@ -58,7 +58,7 @@ class MoveArrays(Protocol):
 
     def validate_shape(self, dtype: dtypes.DType, shape: Sequence[int]) -> tuple[int, ...]: ...
 
-    def defined(self, buffer: Buffer, error: errors.IsthmusError | None) -> None: ...
+    def definer_done(self, buffer: Buffer, error: errors.IsthmusError | None) -> None: ...
 
     def donate(self, array: Array) -> None: ...
 
@@ -288,7 +288,7 @@ class SessionMoves:
                 for source in local:
                     controller.ledger.unpin(source)
             controller.ledger.free_buffers(temps)
-            self.arrays.defined(dst, error)
+            self.arrays.definer_done(dst, error)
 
         self.core.spawn(finish())
 
@@ -304,7 +304,7 @@ class SessionMoves:
                 self.fleet.channel(dst.device.worker).send(
                     c.Copy(first.id, dst.id, dst.device.id, dst.memory_kind))
             controller.ledger.unpin(first)
-            self.arrays.defined(dst, first.error)
+            self.arrays.definer_done(dst, first.error)
 
         pull.add_done_callback(copy)
 
@@ -321,7 +321,7 @@ class SessionMoves:
         if expect:
             dst.group.expect()
         if not isinstance(source, RemoteWorker):  # a lost worker's, or in-process: no peer
-            self.arrays.defined(dst, self.fleet.slice_error_of(src.device.worker))
+            self.arrays.definer_done(dst, self.fleet.slice_error_of(src.device.worker))
             done.set_result(None)
             return done
         self.controller.ledger.pin(src)
@@ -341,7 +341,7 @@ class SessionMoves:
                 error = as_error(e, "moving an array between workers")
             finally:
                 self.controller.ledger.unpin(src)
-            self.arrays.defined(dst, error)
+            self.arrays.definer_done(dst, error)
             done.set_result(None)
 
         self.core.spawn(finish())

@@ -2,7 +2,7 @@
 
 A call runs on every worker that holds one of its devices (`worker/colocated.py`). Its
 outputs are new arrays, one buffer group each over the devices of its output spec, which stay
-*undefined* until every worker has finished its part: operations that read them wait in the
+*pending* until every worker has finished its part: operations that read them wait in the
 session's dispatch queue, as they wait for host data. A failed call (the function raised, a
 worker was lost) leaves its error in the outputs. `SessionPython` is the part of a `Session`
 (session.py) that compiles and calls them.

@@ -111,7 +111,7 @@ def test_a_defined_group_takes_no_more_definers():
         group = hold_array(ledger).group
         with pytest.raises(IllegalTransition, match="cannot expect definers"):
             group.expect()
-        assert group.defined is None
+        assert group.until_defined is None
         ledger.validate_state()
     run(body)
 
@@ -170,7 +170,7 @@ def test_definition_and_readiness():
         array = hold_array(ledger, definers=2)
         group = array.group
         ledger.validate_state()
-        assert group.states() == {S.PENDING} and group.defined is not None
+        assert group.states() == {S.PENDING} and group.until_defined is not None
         group.stored(1)
         ledger.validate_state()
         group.settle()
@@ -178,7 +178,7 @@ def test_definition_and_readiness():
         assert group.state_at(0) is S.PENDING
         group.settle()
         ledger.validate_state()
-        assert group.defined is None
+        assert group.until_defined is None
         assert [group.state_at(p) for p in range(4)] == [S.DEFINED, S.STORED, S.DEFINED,
                                                          S.DEFINED]
         for p in (0, 2, 3):
