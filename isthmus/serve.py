@@ -50,6 +50,14 @@ METRICS_PREFIX = "isthmus: metrics at "  # then the URL, on stderr (`--metrics-p
 _USER_LOG_LEVEL = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
 
 
+def take_environment(environ: dict[str, str]) -> None:
+    """Reads again what this module read from the environment at its import, from
+    `environ`: a process forked from a warm Python that imported jax before this module
+    (`isthmus/warm_worker.py`) must see the user's level, as a fresh interpreter does."""
+    global _USER_LOG_LEVEL
+    _USER_LOG_LEVEL = environ.get("TF_CPP_MIN_LOG_LEVEL")
+
+
 def _default_max_array_bytes() -> int:
     """Half of this machine's physical memory (1 TiB where it cannot be read): an array made
     from host data is cut into its shards in the controller's memory."""

@@ -204,7 +204,10 @@ class _WarmServers:
         with self._lock:
             starter = self._starters.pop(key, None)
             if starter is None or not starter.alive():
-                starter = WarmStart(env, self._log.name, self.IMPORTS)
+                # C++'s log level is fixed at its first use, and may be in the warm
+                # Python: there, as in `isthmus up`, the user's level or else 2.
+                quiet = dict(env, TF_CPP_MIN_LOG_LEVEL=env.get("TF_CPP_MIN_LOG_LEVEL") or "2")
+                starter = WarmStart(quiet, self._log.name, self.IMPORTS)
             self._starters[key] = starter  # the most recently used last
             while len(self._starters) > self.KEEP:
                 self._starters.pop(next(iter(self._starters))).close()

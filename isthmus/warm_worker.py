@@ -38,6 +38,9 @@ def _child(request: dict[str, Any]) -> int:
     forking.redirect(request.get("stdout", request["log"]), request["log"], append=True)
     os.environ.clear()
     os.environ.update(request["env"])
+    serve = sys.modules.get("isthmus.serve")
+    if serve is not None:  # it read the environment at its import, after jax's
+        serve.take_environment(request["env"])
     os.chdir(request["cwd"])
     sys.argv = [sys.executable, *request["argv"]]
     try:

@@ -21,9 +21,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     commands' refusals and waits, TLS and tokens between fleet members, HTTP/2 attacks, the
     metrics, the deployment under Slurm. A test in which the client's or the workers' jax
     does the work runs in both."""
+    if os.environ.get("ISTHMUS_TEST_UNIT_BESIDE") == "1":
+        _unit_tests_beside(items)
     if os.environ.get("ISTHMUS_TEST_ENV") != "oldest":
         return
     skip = pytest.mark.skip(reason="runs in the newest environment only (scripts/test)")
     for item in items:
         if item.get_closest_marker("newest_only") is not None:
             item.add_marker(skip)
+
+
+def _unit_tests_beside(items: list[pytest.Item]) -> None:
+    """Every test outside tests/unit in one xdist group (`--dist loadgroup`), so that a run in
+    two processes keeps those tests in one, in their order, and gives the other the unit
+    tests: `scripts/test` runs the oldest environment so (ISTHMUS_TEST_UNIT_BESIDE=1), whose
+    one process of tests that start servers is the suite's longest path."""
+    group = pytest.mark.xdist_group("processes")
+    for item in items:
+        if "tests/unit/" not in item.nodeid.replace(os.sep, "/"):
+            item.add_marker(group)
