@@ -301,3 +301,43 @@ def run_python_with_pause(code: str, address: str, act: Callable[[str], None], *
         client.kill()
         client.wait()
         os.unlink(path)
+
+
+def run_isthmus(args: Sequence[str], *, env: dict[str, str] | None = None,
+                timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Runs `python -m isthmus.cli ARGS` to its end and returns what it printed, as
+    `subprocess.run(..., capture_output=True, text=True)` does.
+
+    The command is forked from the warm Python of the suite's servers (`LocalServer`'s, which
+    imported jax and the server's code once), in a session of its own, unless it cannot be
+    (an accelerator's platform, ISTHMUS_TEST_WARM_SERVER=0): then it is a fresh interpreter.
+    Either way it is `isthmus` as a user runs it: its own process, environment, working
+    directory, exit code and output. After `timeout` seconds its session is killed and
+    `subprocess.TimeoutExpired` raised, with what it had printed."""
+    command = [sys.executable, "-m", "isthmus.cli", *args]
+    full_env = dict(os.environ if env is None else env)
+    if not warm_servers.forkable(command, full_env):
+        return subprocess.run(command, capture_output=True, text=True, env=full_env,
+                              timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="isthmus-cli-") as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+
+        def read(path: str) -> str:
+            try:
+                with open(path, errors="replace") as f:
+                    return f.read()
+            except FileNotFoundError:  # it ended before its output was redirected
+                return ""
+
+        process = warm_servers.start(command, full_env, err, out)
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # the command and what it started
+            except ProcessLookupError:
+                pass
+            process.wait(10)
+            raise subprocess.TimeoutExpired(command, timeout, output=read(out),
+                                            stderr=read(err)) from None
+        return subprocess.CompletedProcess(command, code, read(out), read(err))

@@ -4,11 +4,10 @@ one line on each side and gets nothing."""
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-from isthmus.testing import LocalServer, run_python
+from isthmus.testing import LocalServer, run_isthmus, run_python
 
 CLIENT = """
 import jax, numpy as np
@@ -21,9 +20,8 @@ print("moved", y.devices())
 
 
 def _worker(address: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "isthmus.cli", "worker", "--controller",
-                           address.removeprefix("grpc://"), "--devices", "1", *args],
-                          env=env, capture_output=True, text=True, timeout=60)
+    return run_isthmus(["worker", "--controller", address.removeprefix("grpc://"), "--devices",
+                        "1", *args], env=env, timeout=60)
 
 
 @pytest.mark.newest_only  # the server's own code: one environment runs it
@@ -53,8 +51,7 @@ def test_a_fleet_with_a_token_refuses_workers_without_it(tmp_path):
 def test_a_token_file_that_cannot_be_read_is_one_line(tmp_path):
     missing = tmp_path / "nope"
     for command in (["up", "--slices", "1"], ["worker", "--controller", "127.0.0.1:1"]):
-        result = subprocess.run([sys.executable, "-m", "isthmus.cli", *command, "--token-file",
-                                 str(missing)], capture_output=True, text=True, timeout=60)
+        result = run_isthmus([*command, "--token-file", str(missing)], timeout=60)
         assert result.returncode == 2, (command, result.stderr)
         assert result.stderr.strip().splitlines() == [
             f"isthmus: --token-file {missing}: No such file or directory"], result.stderr

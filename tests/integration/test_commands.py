@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 
 from isthmus.ports import free_port
-from isthmus.testing import LocalServer
+from isthmus.testing import LocalServer, run_isthmus
 from tests.integration.harness import compare, run_snippet
 
 
 def _isthmus(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "isthmus.cli", *args], capture_output=True,
-                          text=True, **kwargs)
+    return run_isthmus(args, **kwargs)
 
 
 @pytest.mark.newest_only  # the server's own code: one environment runs it

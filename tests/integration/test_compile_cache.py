@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from isthmus.serve import child_environment
-from isthmus.testing import LocalServer, run_python, wait_until
+from isthmus.testing import LocalServer, run_isthmus, run_python, wait_until
 
 CLIENT = """
 import jax, jax.numpy as jnp, numpy as np
@@ -83,9 +83,7 @@ def test_programs_survive_a_restart(shape, tmp_path):
 def test_bad_cache_options_are_refused(option, message, tmp_path):
     if option[0] != "--compile-cache":
         option = ["--compile-cache", str(tmp_path), *option]
-    result = subprocess.run([sys.executable, "-m", "isthmus.cli", "up", "--devices", "1",
-                             "--port", "0", *option], capture_output=True, text=True,
-                            timeout=60)
+    result = run_isthmus(["up", "--devices", "1", "--port", "0", *option], timeout=60)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from isthmus import shared
-from isthmus.testing import run_python, run_python_with_pause, wait_until
+from isthmus.testing import run_isthmus, run_python, run_python_with_pause, wait_until
 from tests.integration.rawclient import RawSession, status_of
 from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
@@ -222,21 +222,18 @@ def test_a_killed_clients_lease_waits_its_grace_then_frees(service):
 
 def test_an_admin_lists_and_revokes_leases(service):
     with service.lease("alice", slices=1) as held:
-        listing = subprocess.run(
-            [sys.executable, "-m", "isthmus.cli", "leases", "--controller", service.service,
-             "--service-ca", service.ca, "--token-file", service.tokens["ops"]],
-            capture_output=True, text=True, timeout=60)
+        listing = run_isthmus(
+            ["leases", "--controller", service.service, "--service-ca", service.ca,
+             "--token-file", service.tokens["ops"]], timeout=60)
         assert listing.returncode == 0, listing.stderr
         assert f"{held.lease}" in listing.stdout and "alice" in listing.stdout
-        refused = subprocess.run(
-            [sys.executable, "-m", "isthmus.cli", "leases", "--controller", service.service,
-             "--service-ca", service.ca, "--token-file", service.tokens["bob"]],
-            capture_output=True, text=True, timeout=60)
+        refused = run_isthmus(
+            ["leases", "--controller", service.service, "--service-ca", service.ca,
+             "--token-file", service.tokens["bob"]], timeout=60)
         assert refused.returncode == 1 and "not an admin" in refused.stderr
-        revoked = subprocess.run(
-            [sys.executable, "-m", "isthmus.cli", "leases", "--controller", service.service,
-             "--service-ca", service.ca, "--token-file", service.tokens["ops"],
-             "--revoke", held.lease], capture_output=True, text=True, timeout=60)
+        revoked = run_isthmus(
+            ["leases", "--controller", service.service, "--service-ca", service.ca,
+             "--token-file", service.tokens["ops"], "--revoke", held.lease], timeout=60)
         assert revoked.returncode == 0 and f"revoked {held.lease}" in revoked.stdout
         # The revoked lease's tunnel opens no session any more.
         ran = run_python(JOB, held.target, env={**os.environ, "ISTHMUS_CONNECT_TIMEOUT": "3"})

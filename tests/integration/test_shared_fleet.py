@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from isthmus import shared
-from isthmus.testing import LocalServer, run_python
+from isthmus.testing import LocalServer, run_isthmus, run_python
 from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
 pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
@@ -37,10 +37,8 @@ def service(tmp_path_factory):
 
 
 def _worker(address: str, env: dict[str, str], slice_index: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "isthmus.cli", "worker", "--controller",
-                           address, "--slice", str(slice_index), "--devices", "2",
-                           "--connect-timeout", "20"],
-                          env=env, capture_output=True, text=True, timeout=90)
+    return run_isthmus(["worker", "--controller", address, "--slice", str(slice_index),
+                        "--devices", "2", "--connect-timeout", "20"], env=env, timeout=90)
 
 
 def _pool(server: LocalServer) -> list[int]:

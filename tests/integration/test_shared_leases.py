@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from isthmus import shared
-from isthmus.testing import run_python, wait_until
+from isthmus.testing import run_isthmus, run_python, wait_until
 from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
 pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
@@ -199,9 +199,7 @@ def test_isthmus_up_refuses_a_fifo_or_a_non_utf8_file_in_one_line(tmp_path, mist
     else:
         tenants_file.write_bytes("# Zoë's team\n".encode("latin-1"))
         expected = f"the tenants file {tenants_file} is not UTF-8 text (byte 4)"
-    ran = subprocess.run([sys.executable, "-m", "isthmus.cli", "up", "--tenants",
-                          str(tenants_file), "--slices", "1"],
-                         capture_output=True, text=True, timeout=60)
+    ran = run_isthmus(["up", "--tenants", str(tenants_file), "--slices", "1"], timeout=60)
     assert ran.returncode == 2, ran.stderr
     assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr
     assert ran.stderr.startswith(f"isthmus: {expected}"), ran.stderr

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -21,7 +19,7 @@ import numpy as np
 import pytest
 
 from isthmus.serve import METRICS_PREFIX
-from isthmus.testing import run_python, wait_until
+from isthmus.testing import run_isthmus, run_python, wait_until
 from tests.integration.shared_service import SharedService
 
 pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
@@ -208,9 +206,8 @@ def test_a_stranger_status_says_only_that_a_credential_is_needed(service):
         assert secret not in message, secret
 
     def status(*extra):
-        return subprocess.run([sys.executable, "-m", "isthmus.cli", "status", "--controller",
-                               service.service, "--json", *extra], capture_output=True,
-                              text=True, timeout=60)
+        return run_isthmus(["status", "--controller", service.service, "--json", *extra],
+                           timeout=60)
 
     here = status()
     assert here.returncode == 0, here.stderr

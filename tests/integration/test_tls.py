@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from isthmus.ports import free_port
-from isthmus.testing import LocalServer, run_python, wait_until
+from isthmus.testing import LocalServer, run_isthmus, run_python, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -102,9 +102,7 @@ def test_bad_tls_options_are_refused(tmp_path, which):
         extra = ["--tls-cert", str(ca / "controller.pem"), "--tls-key",
                  str(ca / "worker.key"), "--tls-ca", str(ca / "ca.pem")]
         message = "do not load together"
-    result = subprocess.run([sys.executable, "-m", "isthmus.cli", "up", "--port", "0",
-                             "--slices", "1", *extra], capture_output=True, text=True,
-                            timeout=60)
+    result = run_isthmus(["up", "--port", "0", "--slices", "1", *extra], timeout=60)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from isthmus.serve import READY_PREFIX, child_environment
+from isthmus.testing import run_isthmus
 
 # The inodes of this process's (or another's) sockets that are TCP or UDP, IPv4 or 6.
 INET_SOCKETS = '''
@@ -86,9 +87,7 @@ def test_isthmus_up_serves_a_unix_socket_and_no_tcp_port(tmp_path, shape):
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr[-4000:]
         assert result.stdout.strip().splitlines()[-1] == "OK 2"
-        status = subprocess.run(
-            [sys.executable, "-m", "isthmus.cli", "status", "--controller", f"unix:{path}",
-             "--json"], capture_output=True, text=True, timeout=60)
+        status = run_isthmus(["status", "--controller", f"unix:{path}", "--json"], timeout=60)
         assert status.returncode == 0, status.stderr
         assert '"devices"' in status.stdout
         workers = [w["pid"] for w in json.loads(status.stdout)["fleet"].values()]

@@ -132,3 +132,24 @@ def test_a_server_forks_its_vetting_process_and_its_workers_warm_python(tmp_path
                             text=True, timeout=180, env=_env())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "forked: isthmus warm start: forked from the server" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["up", "--devices", "0"],  # refused: one line
+    ["run", "--", "/no/such/program"],  # the default fleet starts, then the command fails
+    ["run", "--devices", "1", "--", sys.executable, "-c",
+     "import os; print(os.environ.get('TF_CPP_MIN_LOG_LEVEL'))"],  # what its command gets
+], ids=["refused", "missing-command", "command-environment"])
+def test_a_forked_isthmus_prints_what_a_fresh_one_prints(args):
+    """`run_isthmus` (the suite's `isthmus` commands, forked from the warm servers' Python,
+    which imported jax before the server's code) and a fresh `python -m isthmus.cli` give
+    the same exit code and output, C++'s log lines included: the user set no log level."""
+    from isthmus.testing import run_isthmus
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    fresh = subprocess.run([sys.executable, "-m", "isthmus.cli", *args], env=env,
+                           capture_output=True, text=True, timeout=120)
+    forked = run_isthmus(args, env=env, timeout=120)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode != 0 or fresh.stdout == "2\n", fresh  # `isthmus run`'s level
