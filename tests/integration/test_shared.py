@@ -143,10 +143,9 @@ def test_over_quota_and_no_wait_are_refused_in_one_line(service):
         with pytest.raises(shared.LeaseRefused, match="no 1 slices are free now"):
             with service.lease("alice", slices=1, wait=0):
                 pass
-    result = subprocess.run(
-        [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
-         "--service-ca", service.ca, "--token-file", service.tokens["bob"], "--slices", "2",
-         "--", "true"], capture_output=True, text=True, timeout=60)
+    result = run_isthmus(
+        ["run", "--service", service.service, "--service-ca", service.ca, "--token-file",
+         service.tokens["bob"], "--slices", "2", "--", "true"], timeout=60)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "over its quota" in result.stderr
 

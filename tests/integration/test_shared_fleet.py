@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -101,10 +100,9 @@ def test_workers_started_elsewhere_need_a_token_or_mutual_tls(tmp_path):
     (tmp_path / "a.token").write_text("a-secret\n")
     (tmp_path / "tenants.toml").write_text(
         '[tenants.a]\ntoken_file = "a.token"\nmax_slices = 1\n')
-    result = subprocess.run(
-        [sys.executable, "-m", "isthmus.cli", "up", "--tenants", str(tmp_path / "tenants.toml"),
-         "--host", "0.0.0.0", "--port", "0", "--no-launch", "--slices", "1"],
-        env=BASE_ENV, capture_output=True, text=True, timeout=60)
+    result = run_isthmus(
+        ["up", "--tenants", str(tmp_path / "tenants.toml"), "--host", "0.0.0.0", "--port", "0",
+         "--no-launch", "--slices", "1"], env=BASE_ENV, timeout=60)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "admits only the fleet's own workers" in lines[0], lines

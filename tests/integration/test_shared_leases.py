@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 
@@ -148,11 +147,10 @@ def test_a_lease_name_past_the_bound_is_refused(service, name):
 def test_isthmus_run_refuses_a_long_lease_name_at_once(service):
     """`isthmus run --service --lease-name` refuses before it asks: one line, exit 2."""
     before = service.status()["shared"]
-    ran = subprocess.run(
-        [sys.executable, "-m", "isthmus.cli", "run", "--service", service.service,
-         "--service-ca", service.ca, "--token-file", service.tokens["alice"],
-         "--lease-name", "y" * 100, "--", sys.executable, "-c", "print('RAN')"],
-        capture_output=True, text=True, timeout=120)
+    ran = run_isthmus(
+        ["run", "--service", service.service, "--service-ca", service.ca, "--token-file",
+         service.tokens["alice"], "--lease-name", "y" * 100, "--", sys.executable, "-c",
+         "print('RAN')"], timeout=120)
     assert ran.returncode == 2 and "RAN" not in ran.stdout
     assert ran.stderr.strip().splitlines() == [
         "isthmus run: a lease name is at most 64 letters, digits, '_', '.' and '-', not "

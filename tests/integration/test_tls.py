@@ -75,10 +75,9 @@ def test_strangers_are_refused(tmp_path):
         _wait_for_port(port, 120)
         results = {}
         for label, extra in (("other CA", options(theirs, "worker")), ("no TLS", [])):
-            results[label] = subprocess.run(
-                [sys.executable, "-m", "isthmus.cli", "worker", "--controller",
-                 f"127.0.0.1:{port}", "--devices", "1", "--connect-timeout", "120", *extra],
-                capture_output=True, text=True, timeout=120)
+            results[label] = run_isthmus(
+                ["worker", "--controller", f"127.0.0.1:{port}", "--devices", "1",
+                 "--connect-timeout", "120", *extra], timeout=120)
     finally:
         controller.terminate()
         _, controller_log = controller.communicate(timeout=60)
