@@ -21,6 +21,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     commands' refusals and waits, TLS and tokens between fleet members, HTTP/2 attacks, the
     metrics, the deployment under Slurm. A test in which the client's or the workers' jax
     does the work runs in both."""
+    # The workloads tier first: its tests are the suite's longest (a minute each on 2 cores),
+    # and a run split over processes by file (`scripts/test`) ends badly when they come last.
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/workloads/"))
     if os.environ.get("ISTHMUS_TEST_UNIT_BESIDE") == "1":
         _unit_tests_beside(items)
     if os.environ.get("ISTHMUS_TEST_ENV") != "oldest":
