@@ -41,5 +41,5 @@ def _unit_tests_beside(items: list[pytest.Item]) -> None:
     one process of tests that start servers is the suite's longest path."""
     group = pytest.mark.xdist_group("processes")
     for item in items:
-        if "tests/unit/" not in item.nodeid.replace(os.sep, "/"):
+        if not item.nodeid.startswith("tests/unit/"):
             item.add_marker(group)
