@@ -153,3 +153,24 @@ def test_a_forked_isthmus_prints_what_a_fresh_one_prints(args):
     assert (forked.returncode, forked.stdout, forked.stderr) == (
         fresh.returncode, fresh.stdout, fresh.stderr)
     assert fresh.returncode != 0 or fresh.stdout == "2\n", fresh  # `isthmus run`'s level
+
+
+def test_a_forked_process_starts_with_its_warm_pythons_imports_frozen():
+    """The warm Python freezes what it imported before it forks (`forking.serve`): a child's
+    collections walk only what the child makes. Its script still runs as a fresh one would:
+    a cycle it makes is collected."""
+    from isthmus.testing import run_python
+
+    result = run_python("""
+import gc, sys
+frozen = gc.get_freeze_count()
+class Node:
+    pass
+a, b = Node(), Node()
+a.other, b.other = b, a
+del a, b
+print(frozen, gc.collect() >= 2, "jax" in sys.modules)
+""", None, timeout=60)
+    assert result.returncode == 0, result.stderr
+    frozen, collected, jax_loaded = result.stdout.split()
+    assert int(frozen) > 10_000 and collected == "True" and jax_loaded == "True", result.stdout
