@@ -12,6 +12,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Every server a test starts checks its records after each request (`isthmus up --validate`).
 os.environ.setdefault("ISTHMUS_VALIDATE", "1")
+# NumPy's and SciPy's OpenBLAS each start a thread per further core at import, which spins
+# for ~0.1 s of CPU before it sleeps: in each of the suite's thousands of processes (a fork
+# starts them again), about 3% of the suite's CPU on 2 cores, for matrices of a few numbers.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
