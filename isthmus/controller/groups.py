@@ -451,30 +451,36 @@ class BufferGroup:
     # ---- checking ------------------------------------------------------------------------
 
     def validate(self) -> None:
-        """Raises AssertionError where the group's records disagree with each other."""
-        where = repr(self)
-        assert self.refs >= 0, f"{where}: refs {self.refs}"
-        assert all(n >= 0 for n in (self.shard_refs or {}).values()), f"{where}: shard refs"
-        beside = self.beside or Beside()
-        assert beside.definers >= 0, f"{where}: definers {beside.definers}"
-        assert (beside.definers > 0) == (beside.until_defined is not None), (
-            f"{where}: {beside.definers} definers but until_defined {beside.until_defined}")
-        if beside.definers == 0:
-            assert PENDING not in self.states(), f"{where}: pending with no definer"
-        assert (beside.unanswered > 0) == (beside.storing is not None), f"{where}: answers"
+        """Raises AssertionError where the group's records disagree with each other. (Validate
+        mode runs it for every group after every request: a message is made only on failure.)"""
+        assert self.refs >= 0, f"{self!r}: refs {self.refs}"
+        assert all(n >= 0 for n in (self.shard_refs or {}).values()), f"{self!r}: shard refs"
+        states = self.states()
+        beside = self.beside
+        if beside is None:
+            assert PENDING not in states, f"{self!r}: pending with no definer"
+        else:
+            assert beside.definers >= 0, f"{self!r}: definers {beside.definers}"
+            assert (beside.definers > 0) == (beside.until_defined is not None), (
+                f"{self!r}: {beside.definers} definers but until_defined "
+                f"{beside.until_defined}")
+            if beside.definers == 0:
+                assert PENDING not in states, f"{self!r}: pending with no definer"
+            assert (beside.unanswered > 0) == (beside.storing is not None), (
+                f"{self!r}: answers")
         if self.states_apart is not None:
-            assert self.states_apart, f"{where}: an empty exception table"
+            assert self.states_apart, f"{self!r}: an empty exception table"
             assert len(self.states_apart) < len(self.devices) or len(set(
-                self.states_apart.values())) > 1, f"{where}: exceptions that agree"
-            assert all(0 <= p < len(self.devices) for p in self.states_apart), where
+                self.states_apart.values())) > 1, f"{self!r}: exceptions that agree"
+            assert all(0 <= p < len(self.devices) for p in self.states_apart), repr(self)
         for p, count in (self.pins or {}).items():
-            assert count > 0, f"{where}: pin count {count} at {p}"
-            assert self.state_at(p) is not FREED, f"{where}: freed while pinned at {p}"
+            assert count > 0, f"{self!r}: pin count {count} at {p}"
+            assert self.state_at(p) is not FREED, f"{self!r}: freed while pinned at {p}"
         for p in self.free_when_unpinned or ():
-            assert self.pinned(p), f"{where}: a deferred free at {p} without a pin"
+            assert self.pinned(p), f"{self!r}: a deferred free at {p} without a pin"
         if self.reason is not None or self._reasons:
             for p in range(len(self.devices)):
                 if self.state_at(p) is FAILED:
-                    assert self.reason_at(p) is not None, f"{where}: failed without reason"
-        elif FAILED in self.states():
-            raise AssertionError(f"{where}: failed without a reason")
+                    assert self.reason_at(p) is not None, f"{self!r}: failed without reason"
+        elif FAILED in states:
+            raise AssertionError(f"{self!r}: failed without a reason")

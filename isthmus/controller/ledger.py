@@ -33,6 +33,8 @@ from isthmus.controller.transitions import DEFAULT_SIZE, Transitions
 from isthmus.ids import BufferId, WorkerId
 from isthmus.transport import commands as c
 
+ALL_FREED = frozenset({FREED})  # a group every shard of which is freed
+
 
 class FreeChannel(Protocol):
     def send(self, command: c.Free) -> None: ...
@@ -358,17 +360,20 @@ class Ledger:
     def validate_state(self) -> None:
         """Raises AssertionError where the ledger's records disagree: a group's counts with
         the arrays that hold it, a freed group still listed, a pin on a freed shard."""
-        for base, group in self._live.items():
+        live = self._live
+        groups: dict[int, BufferGroup] = {}
+        for base, group in live.items():
             assert group.base == base, f"{group!r} listed under {base}"
-            assert group.states() != {FREED}, f"{group!r} freed but still live"
-        groups = {id(g): g for g in self._live.values()}
+            groups[id(group)] = group
         refs: dict[int, int] = {}
         shard_refs: dict[int, dict[int, int]] = {}
         for array in self._holders:
-            if array.group is not None:
+            group = array.group
+            if group is not None:
                 assert array.parts is None, f"{array!r} is a group and parts"
-                groups[id(array.group)] = array.group
-                refs[id(array.group)] = refs.get(id(array.group), 0) + 1
+                key = id(group)
+                groups[key] = group
+                refs[key] = refs.get(key, 0) + 1
                 continue
             assert array.parts is not None and whole_group(array.parts) is None, (
                 f"{array!r} lists the shards of one whole group as parts")
@@ -380,9 +385,13 @@ class Ledger:
             group.validate()
             assert group.refs == refs.get(key, 0), (
                 f"{group!r}: refs {group.refs}, held by {refs.get(key, 0)} arrays")
-            held = {p: n for p, n in (group.shard_refs or {}).items() if n}
-            assert held == shard_refs.get(key, {}), (
-                f"{group!r}: shard refs {held}, held by {shard_refs.get(key, {})}")
-            if group.states() != {FREED}:
-                assert self._live.get(BufferId(group.base)) is group, (
+            if group.shard_refs or key in shard_refs:
+                held = {p: n for p, n in (group.shard_refs or {}).items() if n}
+                assert held == shard_refs.get(key, {}), (
+                    f"{group!r}: shard refs {held}, held by {shard_refs.get(key, {})}")
+            if group.states() != ALL_FREED:
+                assert live.get(BufferId(group.base)) is group, (
                     f"{group!r} has shards not freed but is not listed")
+            else:
+                assert live.get(BufferId(group.base)) is not group, (
+                    f"{group!r} freed but still live")

@@ -322,6 +322,24 @@ def test_validate_state_finds_records_that_disagree():
         ledger.validate_state()
 
 
+def test_validate_state_finds_a_freed_group_listed_a_pending_one_and_shard_counts():
+    ledger, _ = _ledger()
+    a, b = hold_array(ledger), hold_array(ledger)
+    a.group.state = S.FREED  # every shard freed, still listed as live
+    with pytest.raises(AssertionError, match="freed but still live"):
+        ledger.validate_state()
+    a.group.state = S.PENDING  # pending, but no operation will define it
+    a.group.beside = None
+    with pytest.raises(AssertionError, match="pending with no definer"):
+        ledger.validate_state()
+    a.group.state = S.DEFINED
+    b.group.shard_refs = {2: 1}  # a shard held by no array's parts
+    with pytest.raises(AssertionError, match=r"shard refs \{2: 1\}, held by \{\}"):
+        ledger.validate_state()
+    b.group.shard_refs = {2: 0}  # zero counts are no holders
+    ledger.validate_state()
+
+
 def test_an_arrays_error_is_set_through_the_ledger_once():
     async def body():
         ledger, _ = _ledger()
