@@ -368,11 +368,11 @@ class Ledger:
         refs: dict[int, int] = {}
         shard_refs: dict[int, dict[int, int]] = {}
         for array in self._holders:
-            group = array.group
-            if group is not None:
+            whole = array.group
+            if whole is not None:
                 assert array.parts is None, f"{array!r} is a group and parts"
-                key = id(group)
-                groups[key] = group
+                key = id(whole)
+                groups[key] = whole
                 refs[key] = refs.get(key, 0) + 1
                 continue
             assert array.parts is not None and whole_group(array.parts) is None, (
