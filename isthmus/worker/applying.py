@@ -88,13 +88,17 @@ class CommandApplier:
         command, or an Execute of a program loaded here that meets no other program in a
         collective; the common case of a step, applied without a coroutine. False: the
         command is left to `apply_command`."""
-        if type(command) is c.Execute:
+        kind = type(command)
+        if kind is c.Execute:
             host, executable = self._worker.host, command.executable
             if (host is None or executable in self.refused or not host.knows(executable)
                     or host.collectives.is_collective(executable)):
                 return False
             self._worker.crashes.fault(executable)
             self._on_execute(host, command)
+            return True
+        if kind is c.Free and self._worker.host is not None:  # the step's other command
+            self._worker.host.free(command.buffers)  # type: ignore[arg-type]
             return True
         if isinstance(command, c.Execute) or (
                 isinstance(command, m.Ask) and isinstance(command.command, c.CallPython)):
@@ -217,7 +221,7 @@ class CommandApplier:
         running = self._worker.crashes.running
         running(command.executable)
         try:
-            command.apply(host)
+            host.execute(command.executable, command.args, command.results, command.copy_first)
         finally:
             running(0)
 

@@ -74,6 +74,21 @@ class BufferStore:
             out.append(value)
         return out
 
+    def slots_of(self, refs: Sequence[int | Sequence[BufferId]]) -> list[Slot]:
+        """What the slots of a one-device program's arguments hold, unchecked (`refs` as an
+        Execute names them: a group base, the id of position 0, or the ids per position);
+        raises why if one is absent. For `runs.run_one`, whose jaxlib call refuses what is
+        not a live array."""
+        slots = self._slots
+        try:
+            # An int is a group base, the id of its position 0 (no BufferId() call here).
+            return [slots[ref if isinstance(ref, int) else ref[0]]  # type: ignore[index]
+                    for ref in refs]
+        except KeyError:
+            for ref in refs:
+                self.value(BufferId(ref) if isinstance(ref, int) else ref[0])  # raises
+            raise
+
     def stored_arrays(self) -> list[JaxArray | HostArray]:
         """The stored and host arrays that still hold data."""
         return [v for v in self._slots.values()

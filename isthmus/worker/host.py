@@ -381,6 +381,18 @@ class DeviceHost:
         # annotation, not a cast: no call on the hot path.
         loaded: Loaded | Unloadable | None = self._executables.get(  # type: ignore[assignment]
             executable_id)
+        # The common step: a program on this one device (it has result handlers), nothing
+        # copied first, no peer to wait for (`runs.run_one`).
+        if (type(loaded) is Loaded and loaded.result_handlers is not None and not copy_first
+                and not (self.reads.in_flight and loaded.info.donated_inputs)
+                and not self.buffers.spanning()):
+            try:
+                runs.run_one(loaded, self.buffers, args,
+                             results,  # type: ignore[arg-type]  # group bases: BufferIds
+                             copy_first)
+            except Exception as e:  # noqa: BLE001
+                self._run_failed(e, results, loaded.positions)
+            return
         positions = loaded.positions if loaded is not None else ()
         token = None  # of a run over several devices (`InFlight`)
         try:
@@ -409,10 +421,7 @@ class DeviceHost:
                 per_output, token = runs.run_sharded(loaded, self.buffers, args, positions,
                                                      copy_first, launch_id(results))
         except Exception as e:  # noqa: BLE001
-            error = errors.from_runtime_error(e, errors.ExecutionError, "execution failed")
-            for base in results:
-                for p in positions:
-                    self.fail(BufferId(base + p), error)
+            self._run_failed(e, results, positions)
             return
         store = self.buffers.store
         if positions == (0,):  # one device: an output's id is its base
@@ -431,6 +440,14 @@ class DeviceHost:
                     self.buffers.span(BufferId(base + p), span)
         if len(positions) > 1 or loaded.span is not None:
             self.collectives.started([s for shards in per_output for s in shards], token)
+
+    def _run_failed(self, e: Exception, results: Sequence[int], positions: Sequence[int]
+                    ) -> None:
+        """A run that raised: its outputs here hold the error."""
+        error = errors.from_runtime_error(e, errors.ExecutionError, "execution failed")
+        for base in results:
+            for p in positions:
+                self.fail(BufferId(base + p), error)
 
     # ---- WorkerChannel (the embedded backend's controller talks to its host directly) ----
 
