@@ -5,8 +5,10 @@
 A worker's command applier (no controller, no sockets) on a host of one device applies, per
 step, a decoded batch of an Execute of the MLP step of bench/tpu_work.py and a Free of the
 parameters it replaced, as a worker reads them; the same steps through jaxlib's own call
-(`execute_sharded(...).consume_with_handlers(...)`) give what jaxlib alone costs. Prints the
-calling thread's CPU microseconds per step of both (median of 7 rounds) and their difference,
+(`execute_sharded(...).consume_with_handlers(...)`) give what jaxlib alone costs, and once
+more with each argument's `is_deleted()` read first (what a worker's argument check cost
+until 2026-12-07, which may differ by platform). Prints the calling thread's CPU
+microseconds per step of each (median of 7 rounds) and the first two's difference,
 isthmus's share.
 """
 
@@ -89,10 +91,13 @@ async def measure(platform: str, sizes: list[int], steps: int) -> dict[str, floa
 
     loaded = host._executables[program]
 
-    def through_jaxlib(n: int) -> float:
+    def through_jaxlib(n: int, checked: bool = False) -> float:
         values = [host.buffers.value(BufferId(a)) for a in args]
         start = time.thread_time()
         for _ in range(n):
+            if checked:  # what a worker did before 2026-12-07: each argument's state read
+                for value in values:
+                    value.is_deleted()
             outputs = loaded.executable.execute_sharded(values).consume_with_handlers(
                 loaded.result_handlers)
             values[:n_params] = outputs[:n_params]
@@ -102,12 +107,14 @@ async def measure(platform: str, sizes: list[int], steps: int) -> dict[str, floa
 
     await through_worker(200)
     through_jaxlib(200)
-    worker, alone = [], []
+    worker, alone, checked = [], [], []
     for _ in range(7):
         worker.append(await through_worker(steps))
         alone.append(through_jaxlib(steps))
+        checked.append(through_jaxlib(steps, checked=True))
     await host.close()
-    return {"worker_us": statistics.median(worker), "jaxlib_us": statistics.median(alone)}
+    return {"worker_us": statistics.median(worker), "jaxlib_us": statistics.median(alone),
+            "checked_us": statistics.median(checked)}
 
 
 def main() -> None:
@@ -120,7 +127,8 @@ def main() -> None:
                                  args.steps))
     print(f"a worker's step, CPU us of the calling thread: {result['worker_us']:.1f}; "
           f"jaxlib's call alone {result['jaxlib_us']:.1f}; isthmus's share "
-          f"{result['worker_us'] - result['jaxlib_us']:.1f}")
+          f"{result['worker_us'] - result['jaxlib_us']:.1f}; jaxlib's call with each "
+          f"argument's is_deleted() read first {result['checked_us']:.1f}")
 
 
 if __name__ == "__main__":
