@@ -10,6 +10,8 @@ owns the chip), one process holding the chip at a time:
 - bench/step_timeline.py: the MLP step's wall time pipelined, the chip's own time per step,
   one step waited for, and the CPU time per step of the client, the server and the worker
   (and of their busiest threads);
+- bench/worker_step.py (part `worker`): the MLP step applied by a worker's command applier in
+  process, no sockets, against jaxlib's call alone: isthmus's own share of a step on the chip;
 - bench/threshold.py: pipelined steps of 4 chained n x n f32 matmuls for growing n, the
   curve of isthmus's steps/s as a share of local's against local's time per step, and the
   smallest step from which isthmus keeps 95% of local's rate (Pathways reports 2.3 ms).
@@ -80,10 +82,12 @@ def main() -> int:
                         help="seconds of unmeasured pipelined steps per size before its window")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of the threshold curve per backend, alternated (median)")
-    parser.add_argument("--parts", default="timeline,curve",
-                        help="which of timeline, curve, lm (the language model's time, "
-                             "broken down), stall (the embedded server's stop, in detail), "
-                             "stall-ab (which ways of running the step have it) to run")
+    parser.add_argument("--parts", default="worker,timeline,curve",
+                        help="which of worker (a worker's own share of the MLP step, in "
+                             "process: bench/worker_step.py), timeline, curve, lm (the "
+                             "language model's time, broken down), stall (the embedded "
+                             "server's stop, in detail), stall-ab (which ways of running the "
+                             "step have it) to run")
     args = parser.parse_args()
     parts = args.parts.split(",")
     from isthmus.compat import jax as jax_compat
@@ -115,6 +119,13 @@ def main() -> int:
               + (" (failed)" if "error" in result else ""), flush=True)
 
     began = time.monotonic()
+    if "worker" in parts:
+        worker = subprocess.run(
+            [sys.executable, str(HERE / "worker_step.py"), "--platform", "tpu", "--sizes",
+             "784,512,512,10", "--steps", "2000"], env=env, capture_output=True, text=True,
+            timeout=300)
+        line = (worker.stdout.strip().splitlines() or [f"failed: {worker.stderr[-2000:]}"])[-1]
+        print(f"tpu-timeline: the MLP step in a worker, in process: {line}", flush=True)
     for part, command in (("timeline", timeline_cmd), ("lm", lm_cmd)):
         if part in parts:
             done(part, "local", _run(command, env, 300)[0])
