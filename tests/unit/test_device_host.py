@@ -362,28 +362,29 @@ def test_a_one_device_run_with_an_unusable_argument_fails_its_outputs_with_why()
     """A program on one device takes its arguments unchecked (`BufferStore.slots_of`):
     jaxlib refuses a donated array or a failed slot before it runs anything, and the
     outputs then hold the argument's own error (the donation, the failure, the absence),
-    as they did when every argument was checked first; the other arguments are untouched."""
+    as they did when every argument was checked first; the refused run donates nothing."""
     async def main():
         host = DeviceHost(make_cpu_client(1))
         await host.compile(1, _request(lambda a, b: (a * 2, b + 1), np.ones(4, np.float32),
-                                       np.ones(4, np.float32), donate=(0,)))
-        await host.put(10, 0, np.arange(4, dtype=np.float32))
-        await host.put(20, 0, np.ones(4, dtype=np.float32))
-        host.execute(1, [10, 20], [30, 40])  # donates 10
+                                       np.ones(4, np.float32), donate=(0, 1)))
+        for buffer_id, value in ((10, np.arange(4)), (20, np.ones(4)), (21, np.ones(4))):
+            await host.put(buffer_id, 0, value.astype(np.float32))
+        host.execute(1, [10, 20], [30, 40])  # donates 10 and 20
         np.testing.assert_array_equal(await host.fetch(30), np.arange(4) * 2)
-        host.execute(1, [10, 20], [31, 41])
+        host.execute(1, [10, 21], [31, 41])
         for out in (31, 41):
             with pytest.raises(errors.ArrayDeleted, match="donated"):
                 await host.fetch(out)
+        assert not host.buffers.value(21).is_deleted()  # not donated by the refused run
         host.fail(50, errors.ExecutionError("its producer broke"))
         host.execute(1, [30, 50], [32, 42])
         with pytest.raises(errors.ExecutionError, match="its producer broke"):
             await host.fetch(42)
-        assert not host.buffers.value(30).is_deleted()  # not donated by the refused run
+        assert not host.buffers.value(30).is_deleted()
         host.execute(1, [30, 99], [33, 43])
         with pytest.raises(errors.InternalError, match="buffer 99 is not on this host"):
             await host.fetch(33)
-        host.execute(1, [30, 20], [34, 44])  # the arguments still serve
+        host.execute(1, [30, 21], [34, 44])  # the arguments still serve
         np.testing.assert_array_equal(await host.fetch(34), np.arange(4) * 4)
         np.testing.assert_array_equal(await host.fetch(44), np.full(4, 2.0))
         host.buffers.validate_state()
