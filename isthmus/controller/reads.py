@@ -83,7 +83,8 @@ def stored_error(arrays: Sequence[Array]) -> errors.IsthmusError | None:
 def settle_on(answer: asyncio.Future[object], result: asyncio.Future[None],
               arrays: Sequence[Array]) -> None:
     """`settle` for one worker's answer, from its callback: no task for the usual wait of
-    one array on one worker."""
+    one array on one worker; an answer already in (the embedded host's, for a computed
+    array) settles `result` now, a turn of the event loop sooner."""
     def done(_: object) -> None:
         if result.done():
             return
@@ -100,7 +101,10 @@ def settle_on(answer: asyncio.Future[object], result: asyncio.Future[None],
                 return
         result.set_exception(as_error(error, "waiting for the array"))
 
-    answer.add_done_callback(done)
+    if answer.done():
+        done(answer)
+    else:
+        answer.add_done_callback(done)
 
 
 def settle_when(waits: list[asyncio.Future[None]], result: asyncio.Future[None],

@@ -141,6 +141,9 @@ class FrontendSession:
             _answered(response, kind)
             response.response_metadata.seq_num = next(self._seq)
             self._send(response)
+        elif (isinstance(pending, asyncio.Future) and pending.done()
+              and not pending.cancelled()):
+            self._finished(request, kind, response, pending)  # no task, no turn
         else:
             self.background(self._finish(request, kind, response, pending))
 
@@ -166,6 +169,21 @@ class FrontendSession:
             _answered(response, kind)
             response.response_metadata.seq_num = next(self._seq)
             self._send(response)
+
+    def _finished(self, request: Message, kind: str, response: Message,
+                  pending: asyncio.Future[None]) -> None:
+        """`_finish` for work that is done already (a readiness check of computed arrays):
+        answered in the call that handled the request."""
+        try:
+            pending.result()
+            if self._validate:
+                self.ctl.validate(_cause(request, kind))
+        except Exception as e:  # noqa: BLE001 - the work's failure is this request's error
+            self._fail(request, kind, response, e)
+            return
+        _answered(response, kind)
+        response.response_metadata.seq_num = next(self._seq)
+        self._send(response)
 
     def _fail(self, request: Message, kind: str | None, response: Message,
               e: BaseException) -> None:
