@@ -9,13 +9,15 @@ parameters it replaced, as a worker reads them; the same steps through jaxlib's 
 more with each argument's `is_deleted()` read first (what a worker's argument check cost
 until 2026-12-07, which may differ by platform). Prints the calling thread's CPU
 microseconds per step of each (median of 7 rounds) and the first two's difference,
-isthmus's share.
+isthmus's share. Like a worker, it collects and freezes what start-up made
+(`gctune.settle`) and keeps jax's own backends on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import pathlib
 import statistics
 import sys
@@ -66,6 +68,9 @@ async def measure(platform: str, sizes: list[int], steps: int) -> dict[str, floa
     for index, value in enumerate(leaves):
         await host.put(BufferId(index), 0, value)
     n_params = len(leaves) - 2
+    from isthmus import gctune
+
+    gctune.settle()  # as a worker does once its first group is loaded (agent.py)
     args: list[int] = list(range(len(leaves)))
     next_base = 1000
 
@@ -118,6 +123,10 @@ async def measure(platform: str, sizes: list[int], steps: int) -> dict[str, floa
 
 
 def main() -> None:
+    # As in a worker, jax's own backends stay on the CPU: the host's client is made by hand.
+    # (With jax's default backend on the TPU too, this process held two TPU clients, whose
+    # runtime threads made every figure on the chip larger: isthmus's share read 75 us.)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--platform", default="cpu")
     parser.add_argument("--sizes", default="32,16,16,10")
