@@ -142,8 +142,12 @@ class FrontendSession:
             response.response_metadata.seq_num = next(self._seq)
             self._send(response)
         elif (isinstance(pending, asyncio.Future) and pending.done()
-              and not pending.cancelled()):
-            self._finished(request, kind, response, pending)  # no task, no turn
+              and not pending.cancelled()):  # done already: answered now, no task, no turn
+            error = pending.exception()
+            if error is not None:
+                self._fail(request, kind, response, error)
+            else:
+                self._answer_done(request, kind, response)
         else:
             self.background(self._finish(request, kind, response, pending))
 
@@ -158,29 +162,22 @@ class FrontendSession:
                       pending: Awaitable[None]) -> None:
         try:
             await pending
-            if self._validate and not self.closed:
-                # Not the bindings: later requests may already have destroyed the results
-                # or checked the futures of a request answered late.
-                self.ctl.validate(_cause(request, kind))
         except Exception as e:  # noqa: BLE001
             self._fail(request, kind, response, e)
             return
         if not self.closed:
-            _answered(response, kind)
-            response.response_metadata.seq_num = next(self._seq)
-            self._send(response)
+            self._answer_done(request, kind, response)
 
-    def _finished(self, request: Message, kind: str, response: Message,
-                  pending: asyncio.Future[None]) -> None:
-        """`_finish` for work that is done already (a readiness check of computed arrays):
-        answered in the call that handled the request."""
-        try:
-            pending.result()
-            if self._validate:
+    def _answer_done(self, request: Message, kind: str, response: Message) -> None:
+        """Answers a request whose work has completed; in validate mode the records are
+        checked first (not the bindings: later requests may already have destroyed the
+        results or checked the futures of a request answered late)."""
+        if self._validate:
+            try:
                 self.ctl.validate(_cause(request, kind))
-        except Exception as e:  # noqa: BLE001 - the work's failure is this request's error
-            self._fail(request, kind, response, e)
-            return
+            except Exception as e:  # noqa: BLE001
+                self._fail(request, kind, response, e)
+                return
         _answered(response, kind)
         response.response_metadata.seq_num = next(self._seq)
         self._send(response)
