@@ -98,7 +98,7 @@ class CommandApplier:
             self._on_execute(host, command)
             return True
         if kind is c.Free and self._worker.host is not None:  # the step's other command
-            self._worker.host.free(command.buffers)  # type: ignore[arg-type]
+            command.apply(self._worker.host)
             return True
         if isinstance(command, c.Execute) or (
                 isinstance(command, m.Ask) and isinstance(command.command, c.CallPython)):
@@ -221,7 +221,7 @@ class CommandApplier:
         running = self._worker.crashes.running
         running(command.executable)
         try:
-            host.execute(command.executable, command.args, command.results, command.copy_first)
+            command.apply(host)
         finally:
             running(0)
 
