@@ -17,25 +17,35 @@ os.environ.setdefault("ISTHMUS_VALIDATE", "1")
 # starts them again), about 3% of the suite's CPU on 2 cores, for matrices of a few numbers.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# The `one_environment` tests that the oldest environment runs (the others: the newest).
+ONE_ENVIRONMENT_OLDEST = ("tests/integration/test_shared",)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `newest_only` run once, in the newest environment, when `scripts/test`
-    runs both (it says which one this is in ISTHMUS_TEST_ENV). What they test is the
-    server's own code, the same whichever jax the environment has: a shared service, the
-    commands' refusals and waits, TLS and tokens between fleet members, HTTP/2 attacks, the
-    metrics, the deployment under Slurm. A test in which the client's or the workers' jax
-    does the work runs in both."""
+    """Tests marked `one_environment` run once when `scripts/test` runs both environments (it
+    says which one this is in ISTHMUS_TEST_ENV, and which it runs in ISTHMUS_TEST_ENVS).
+    What they test is the server's own code, the same whichever jax the environment has: a
+    shared service, the commands' refusals and waits, TLS and tokens between fleet members,
+    HTTP/2 attacks, the metrics, the deployment under Slurm. A shared service's
+    (`ONE_ENVIRONMENT_OLDEST`) run in the oldest, the others in the newest: the newest alone
+    runs the workloads tier, and so the two runs end about together on 2 cores. A test in
+    which the client's or the workers' jax does the work runs in both."""
     # The workloads tier first: its tests are the suite's longest (a minute each on 2 cores),
     # and a run split over processes by file (`scripts/test`) ends badly when they come last.
     items.sort(key=lambda item: not item.nodeid.startswith("tests/workloads/"))
     if os.environ.get("ISTHMUS_TEST_UNIT_BESIDE") == "1":
         _unit_tests_beside(items)
-    if os.environ.get("ISTHMUS_TEST_ENV") != "oldest":
-        return
-    skip = pytest.mark.skip(reason="runs in the newest environment only (scripts/test)")
+    env = os.environ.get("ISTHMUS_TEST_ENV")
+    both = set(os.environ.get("ISTHMUS_TEST_ENVS", "").split()) == {"oldest", "newest"}
+    if not both or env not in ("oldest", "newest"):
+        return  # one environment (or plain pytest): it runs them all
     for item in items:
-        if item.get_closest_marker("newest_only") is not None:
-            item.add_marker(skip)
+        if item.get_closest_marker("one_environment") is None:
+            continue
+        runs_in = "oldest" if item.nodeid.startswith(ONE_ENVIRONMENT_OLDEST) else "newest"
+        if runs_in != env:
+            item.add_marker(pytest.mark.skip(
+                reason=f"runs in the {runs_in} environment only (scripts/test)"))
 
 
 def _unit_tests_beside(items: list[pytest.Item]) -> None:

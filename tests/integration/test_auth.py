@@ -24,7 +24,7 @@ def _worker(address: str, env: dict[str, str], *args: str) -> subprocess.Complet
                         "1", *args], env=env, timeout=60)
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_a_fleet_with_a_token_refuses_workers_without_it(tmp_path):
     token = tmp_path / "token"
     token.write_text("a secret of this fleet\n")
@@ -47,7 +47,7 @@ def test_a_fleet_with_a_token_refuses_workers_without_it(tmp_path):
         assert server.alive()
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_a_token_file_that_cannot_be_read_is_one_line(tmp_path):
     missing = tmp_path / "nope"
     for command in (["up", "--slices", "1"], ["worker", "--controller", "127.0.0.1:1"]):

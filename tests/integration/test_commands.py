@@ -19,7 +19,7 @@ def _isthmus(*args, **kwargs):
     return run_isthmus(args, **kwargs)
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_up_prints_ready_line_and_stops_cleanly_on_sigterm_and_sigint():
     for sig in (signal.SIGTERM, signal.SIGINT):
         server = LocalServer(devices=2)
@@ -147,7 +147,7 @@ def test_the_clients_own_threads_sleep_with_a_coarse_timer_slack():
     assert int(off["busiest"]) > 2 * int(theirs["busiest"]), (off["busiest"], theirs["busiest"])
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_cuda_where_there_is_none_is_one_clear_line():
     from isthmus.worker.platforms import EXIT_PLATFORM_UNAVAILABLE, cuda_plugin_installed
 
@@ -175,7 +175,7 @@ def test_cuda_where_there_is_none_is_one_clear_line():
     assert out.returncode == 0 and out.stdout.strip() == "cpu", out.stderr
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_workers_find_a_fixed_fleet_port_through_the_controller_port():
     import socket
 
@@ -194,7 +194,7 @@ def test_workers_find_a_fixed_fleet_port_through_the_controller_port():
         assert result.stdout.strip().splitlines()[-1] == "6.0", result.stdout
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_counts_below_one_are_one_line():
     for flag in ("--slices", "--hosts-per-slice", "--devices-per-host", "--devices"):
         result = _isthmus("up", flag, "0", timeout=60)
@@ -203,7 +203,7 @@ def test_counts_below_one_are_one_line():
             f"isthmus: {flag} must be at least 1, not 0"], result.stderr
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_shared_dir_is_checked_and_off_turns_it_off(tmp_path):
     missing = tmp_path / "nowhere"
     result = _isthmus("up", "--devices", "1", "--shared-dir", str(missing), timeout=60)
@@ -224,7 +224,7 @@ def test_shared_dir_is_checked_and_off_turns_it_off(tmp_path):
 
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_a_worker_waits_for_its_controller_then_says_why_it_gives_up():
     import time
 
@@ -238,7 +238,7 @@ def test_a_worker_waits_for_its_controller_then_says_why_it_gives_up():
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_a_worker_started_first_waits_for_its_controller():
     import socket
 
@@ -283,7 +283,7 @@ def _client_env(address):
                                        if k not in ("JAX_PLATFORMS", "XLA_FLAGS")})
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_a_port_in_use_is_one_line():
     import socket
 
@@ -300,7 +300,7 @@ def test_a_port_in_use_is_one_line():
             assert len(lines) == 1 and f"pick another {flag}" in lines[0], result.stderr
 
 
-@pytest.mark.newest_only  # `isthmus run`'s environment: one environment runs it (19-32 s)
+@pytest.mark.one_environment  # `isthmus run`'s environment: one environment runs it (19-32 s)
 def test_run_gives_its_command_the_allocator_that_keeps_transfer_memory():
     from isthmus.hostmem import CLIENT_TUNABLES, client_allocator_environment
 
@@ -328,7 +328,7 @@ def test_run_gives_its_command_the_allocator_that_keeps_transfer_memory():
         assert result.stdout.strip().splitlines()[-1] == want, (extra, result.stdout)
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_status_shows_a_buffers_moves_and_what_caused_them():
     """`isthmus status --buffer ID` (and `--array SESSION:HANDLE`): each move of the buffer
     with the request that caused it; bad queries get one line and exit 2."""

@@ -25,7 +25,7 @@ import pytest
 from isthmus.protocol.schema import schema
 from isthmus.testing import LocalServer, run_python
 
-pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+pytestmark = pytest.mark.one_environment  # the server's own code: one environment runs it
 CAP = 4 << 20  # the server's --max-message-bytes: over the stock client's 1 MiB chunks
 ARGS = ["--log-level", "INFO", "--max-message-bytes", str(CAP)]
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

@@ -17,7 +17,7 @@ import pytest
 from isthmus.testing import LocalServer, run_python
 from tests.integration.scraping import families, get, metrics_url, scrape_when, value
 
-pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+pytestmark = pytest.mark.one_environment  # the server's own code: one environment runs it
 
 CLIENT = """
 import jax, jax.numpy as jnp, numpy as np

@@ -24,7 +24,7 @@ from isthmus.testing import run_isthmus, run_python, run_python_with_pause, wait
 from tests.integration.rawclient import RawSession, status_of
 from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
-pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+pytestmark = pytest.mark.one_environment  # the server's own code: one environment runs it
 
 GRACE = 3.0
 TENANTS = {"alice": {"max_slices": 2}, "bob": {"max_slices": 1, "priority": 5},

@@ -20,7 +20,7 @@ from tests.integration.shared_service import EXPECTED, JOB, SharedService, resul
 
 pytestmark = [pytest.mark.skipif(sandbox.unavailable() is not None,
                                  reason=f"no Landlock here: {sandbox.unavailable()}"),
-              pytest.mark.newest_only]  # the server's own code: one environment runs it
+              pytest.mark.one_environment]  # the server's own code: one environment runs it
 
 THIEF = """
 import os, jax, numpy as np

@@ -21,7 +21,7 @@ from isthmus import shared
 from isthmus.testing import LocalServer, run_isthmus, run_python
 from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
-pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+pytestmark = pytest.mark.one_environment  # the server's own code: one environment runs it
 
 BASE_ENV = {k: v for k, v in os.environ.items() if k != "ISTHMUS_FLEET_TOKEN"}
 

@@ -21,7 +21,7 @@ from isthmus import shared
 from isthmus.testing import run_isthmus, run_python, wait_until
 from tests.integration.shared_service import EXPECTED, JOB, SharedService, result_of
 
-pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+pytestmark = pytest.mark.one_environment  # the server's own code: one environment runs it
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from isthmus.profiling import SUFFIX, host_name
 from isthmus.testing import child_environment, run_python, wait_until
 from tests.integration.shared_service import SharedService
 
-pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+pytestmark = pytest.mark.one_environment  # the server's own code: one environment runs it
 
 PROFILE_CAP = 2  # the capped service's max_profile_seconds (the other's: the default)
 

@@ -22,7 +22,7 @@ from isthmus.serve import METRICS_PREFIX
 from isthmus.testing import run_isthmus, run_python, wait_until
 from tests.integration.shared_service import SharedService
 
-pytestmark = pytest.mark.newest_only  # the server's own code: one environment runs it
+pytestmark = pytest.mark.one_environment  # the server's own code: one environment runs it
 
 AUTH_SECONDS = 2.0
 PEER_CONNECTIONS = 3

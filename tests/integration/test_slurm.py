@@ -47,7 +47,7 @@ def slurm_up() -> bool:
 
 # What this tests is the deployment (sbatch, srun, the address file), which is the same on
 # either jax; the one node's two CPUs are shared by both environments' jobs besides.
-pytestmark = pytest.mark.newest_only
+pytestmark = pytest.mark.one_environment
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -61,7 +61,7 @@ def test_a_tls_fleet_computes_and_moves_data(tmp_path):
         assert "OK 2" in result.stdout
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 def test_strangers_are_refused(tmp_path):
     ours, theirs = make_fleet_ca(tmp_path / "ours"), make_fleet_ca(tmp_path / "theirs")
     # A --no-launch controller prints its ready line only once its fleet is complete, so it
@@ -91,7 +91,7 @@ def test_strangers_are_refused(tmp_path):
     assert len(refusals) == 2, controller_log
 
 
-@pytest.mark.newest_only  # the server's own code: one environment runs it
+@pytest.mark.one_environment  # the server's own code: one environment runs it
 @pytest.mark.parametrize("which", ["partial", "mismatched"])
 def test_bad_tls_options_are_refused(tmp_path, which):
     ca = make_fleet_ca(tmp_path / "ca")
