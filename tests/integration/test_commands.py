@@ -320,10 +320,8 @@ def test_run_gives_its_command_the_allocator_that_keeps_transfer_memory():
                         ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
                          "glibc.malloc.arena_max=2"),
                         ({"ISTHMUS_CLIENT_MALLOC": "default"}, "-")):
-        result = subprocess.run(
-            [sys.executable, "-m", "isthmus.cli", "run", "--devices", "1", "--",
-             sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-            env={**env, **extra})
+        result = _isthmus("run", "--devices", "1", "--", sys.executable, "-c", script,
+                          timeout=120, env={**env, **extra})
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip().splitlines()[-1] == want, (extra, result.stdout)
 
