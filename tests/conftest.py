@@ -33,8 +33,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The workloads tier first: its tests are the suite's longest (a minute each on 2 cores),
     # and a run split over processes by file (`scripts/test`) ends badly when they come last.
     items.sort(key=lambda item: not item.nodeid.startswith("tests/workloads/"))
-    if os.environ.get("ISTHMUS_TEST_UNIT_BESIDE") == "1":
-        _unit_tests_beside(items)
     env = os.environ.get("ISTHMUS_TEST_ENV")
     both = set(os.environ.get("ISTHMUS_TEST_ENVS", "").split()) == {"oldest", "newest"}
     if not both or env not in ("oldest", "newest"):
@@ -46,14 +44,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if runs_in != env:
             item.add_marker(pytest.mark.skip(
                 reason=f"runs in the {runs_in} environment only (scripts/test)"))
-
-
-def _unit_tests_beside(items: list[pytest.Item]) -> None:
-    """Every test outside tests/unit in one xdist group (`--dist loadgroup`), so that a run in
-    two processes keeps those tests in one, in their order, and gives the other the unit
-    tests: `scripts/test` runs the oldest environment so (ISTHMUS_TEST_UNIT_BESIDE=1), whose
-    one process of tests that start servers is the suite's longest path."""
-    group = pytest.mark.xdist_group("processes")
-    for item in items:
-        if not item.nodeid.startswith("tests/unit/"):
-            item.add_marker(group)
