@@ -85,6 +85,23 @@ def test_a_frame_builds_nothing_that_is_not_registered():
         m.decode(b"\xc1garbage")
 
 
+def test_a_record_decodes_whole_and_frozen_and_a_wrong_count_of_fields_is_refused():
+    """A decoded record is equal, hashed alike and still frozen; a frame with a field missing
+    (that has no default) or one too many is a CodecError, as the class refuses it."""
+    import dataclasses
+
+    command = roundtrip(c.Execute(3, (7, 8), (10,), frozenset({1})))
+    assert command == c.Execute(3, (7, 8), (10,), frozenset({1}))
+    assert hash(command) == hash(c.Execute(3, (7, 8), (10,), frozenset({1})))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        command.executable = 4
+    execute = msgpack.ExtType(1, b"Execute")
+    assert m.decode(msgpack.packb([execute, 3, [7], [10]])) == c.Execute(3, (7,), (10,))
+    for fields in ([3, [7]], [3, [7], [10], [], "extra"]):
+        with pytest.raises(CodecError, match="does not decode"):
+            m.decode(msgpack.packb([execute, *fields]))
+
+
 def test_bulk_bytes_travel_beside_the_message_over_a_real_stream():
     import asyncio
 
